@@ -1,0 +1,50 @@
+# fineflow — the two commands of the quickstart:
+#   make run    bootstrap .venv, install, run the whole Prefect flow on the embedded default
+#   make test   bootstrap .venv (with dev extras), run the test suite
+# Also: make repro (plain `dvc repro`, no Prefect), make serve (the scheduled deployment), make clean.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.fineflow-installed
+
+# Hubs offline, telemetry off, Prefect/HF state inside the project (see fineflow/runtime.py).
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HF_HUB_DISABLE_TELEMETRY := 1
+export HF_HOME := $(CURDIR)/.cache/huggingface
+export DO_NOT_TRACK := 1
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export DVC_NO_ANALYTICS := 1
+export PREFECT_HOME ?= $(CURDIR)/.prefect
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
+export TOKENIZERS_PARALLELISM := false
+export PATH := $(CURDIR)/$(BIN):$(PATH)
+
+.PHONY: run test repro serve venv clean
+
+venv: $(STAMP)
+
+# torch first, from the CPU wheel on disk (a plain `torch` requirement would pull a multi-GB CUDA build).
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python -m flows.pipeline
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+repro: $(STAMP)
+	$(BIN)/dvc repro
+
+serve: $(STAMP)
+	$(BIN)/python -m flows.deploy
+
+clean:
+	rm -rf models/base models/candidate checkpoints data/raw data/validated data/shards eval reports .prefect

@@ -1,0 +1,175 @@
+"""Typed, validated view of ``params.yaml`` — the only source of hyperparameters.
+
+Unknown keys are rejected and every problem is reported at once, each as ``params.yaml: <key> <problem>``,
+so a user fixes their file in one go. Paths are not here: they live in ``dvc.yaml`` and reach stages as
+arguments (the one exception is ``data.train_path``/``data.eval_path``, which ``dvc.yaml`` interpolates so
+that a user can point the pipeline at their own files by editing params alone).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fineflow.errors import ConfigError
+
+EMBEDDED_BASE = "embedded"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelParams(_Section):
+    """The base model. ``embedded`` builds a tiny local Llama in the ``base`` stage."""
+
+    base: str = EMBEDDED_BASE
+    hidden_size: int = Field(192, gt=0)
+    intermediate_size: int = Field(512, gt=0)
+    num_layers: int = Field(4, gt=0)
+    num_heads: int = Field(4, gt=0)
+    vocab_size: int = Field(2048, ge=300)  # must hold the 256 byte symbols plus specials
+    max_position_embeddings: int = Field(512, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self) -> "ModelParams":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
+        return self
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.base == EMBEDDED_BASE
+
+
+class BaseParams(_Section):
+    """Brief pretraining of the embedded base so that LoRA has a model that has learned something."""
+
+    corpus_docs: int = Field(20000, gt=0)
+    steps: int = Field(400, ge=0)
+    batch_size: int = Field(32, gt=0)
+    seq_len: int = Field(128, gt=8)
+    lr: float = Field(3e-3, gt=0)
+    warmup_steps: int = Field(20, ge=0)
+
+
+class DataParams(_Section):
+    """The bundled synthetic dataset, and where the pipeline reads train/eval rows from."""
+
+    train_path: str = "data/raw/train.jsonl"
+    eval_path: str = "data/raw/eval.jsonl"
+    n_train: int = Field(4000, gt=0)
+    n_eval: int = Field(200, gt=0)
+    bad_row_share: float = Field(0.03, ge=0, lt=0.5)  # deliberately bad rows so validation has work
+
+
+class ValidateParams(_Section):
+    """The great-expectations gate."""
+
+    min_chars: int = Field(1, ge=0)
+    max_chars: int = Field(2000, gt=0)  # instruction+input+output, in characters
+    max_bad_share: float = Field(0.10, ge=0, le=1)  # more quarantined rows than this fails the flow
+    pii: Literal["quarantine"] = "quarantine"
+
+
+class TokenizeParams(_Section):
+    seq_len: int = Field(256, gt=8)  # packed row length; examples longer than this are truncated
+
+
+class LoraParams(_Section):
+    r: int = Field(16, gt=0)  # higher adapts more and costs memory
+    alpha: float = Field(32, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class TrainParams(_Section):
+    method: Literal["lora"] = "lora"
+    num_processes: int = Field(1, gt=0)  # data-parallel processes; >1 on CPU runs DDP over gloo
+    steps: int = Field(300, gt=0)  # optimizer steps
+    micro_batch_size: int = Field(8, gt=0)  # packed rows per process per micro-step
+    grad_accum: int = Field(1, gt=0)
+    lr: float = Field(2e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(20, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    max_grad_norm: float = Field(1.0, gt=0)
+    checkpoint_every: int = Field(100, gt=0)
+    log_every: int = Field(10, gt=0)
+    lora: LoraParams = LoraParams()
+
+
+class EvaluateParams(_Section):
+    tasks: list[str] = ["fineflow_synth"]
+    batch_size: int = Field(32, gt=0)
+    max_gen_toks: int = Field(24, gt=0)
+    limit: int | None = Field(None, gt=0)  # evaluate only the first N docs of each task
+
+
+class PromoteParams(_Section):
+    primary_metric: str = "fineflow_synth/exact_match"  # "<task>/<metric>" from evaluate.tasks
+    min_delta: float = Field(0.05, ge=0)  # candidate must beat the champion (or base) by this much
+    max_regression: float = Field(0.0, ge=0)  # no other task may drop by more than this
+
+
+class Params(_Section):
+    seed: int = 1234
+    model: ModelParams = ModelParams()
+    base: BaseParams = BaseParams()
+    data: DataParams = DataParams()
+    validate_: ValidateParams = Field(ValidateParams(), alias="validate")
+    tokenize: TokenizeParams = TokenizeParams()
+    train: TrainParams = TrainParams()
+    evaluate: EvaluateParams = EvaluateParams()
+    promote: PromoteParams = PromoteParams()
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+def _describe(error: dict) -> str:
+    key = ".".join(str(part) for part in error["loc"]) or "(top level)"
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return f"{key} is not a known key (remove it or check its spelling)"
+    if kind == "missing":
+        return f"{key} is required"
+    ctx = error.get("ctx") or {}
+    bounds = {"greater_than": "> {gt}", "greater_than_equal": ">= {ge}", "less_than": "< {lt}",
+              "less_than_equal": "<= {le}"}
+    if kind in bounds:
+        limits = {k: f"{v:g}" if isinstance(v, (int, float)) else v for k, v in ctx.items()}
+        return f"{key} must be {bounds[kind].format(**limits)} (got {error['input']!r})"
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{key}: {message} (got {error['input']!r})"
+
+
+def parse_params(raw: object, source: str = "params.yaml") -> Params:
+    """Validate an already-loaded mapping; raise ConfigError listing every problem."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as exc:
+        lines = [f"{source}: {_describe(err)}" for err in exc.errors()]
+        raise ConfigError(f"{len(lines)} problem(s) in {source}:\n  " + "\n  ".join(lines)) from None
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Read and validate params.yaml; every error names the file and the key."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read parameters ({exc.strerror})") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    return parse_params(raw, source=str(path))

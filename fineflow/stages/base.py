@@ -1,0 +1,30 @@
+"""Stage base: build the embedded default base model, or record the real one params.yaml names.
+
+    python -m fineflow.stages.base --out models/base
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fineflow.basemodel import build_embedded_base, write_external_marker
+from fineflow.config import Params
+from fineflow.stages._entry import log, run_stage, stage_parser
+
+
+def run(params: Params, out_dir: Path) -> dict:
+    if not params.model.is_embedded:
+        log(f"model.base is {params.model.base!r}: using it as the base, nothing to build")
+        return write_external_marker(out_dir, params.model.base)
+    return {"skipped": False, **build_embedded_base(params.model, params.base, params.seed, out_dir, log=log)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = stage_parser("base", __doc__)
+    parser.add_argument("--out", type=Path, required=True, help="model directory to write")
+    args = parser.parse_args(argv)
+    return run_stage("base", args, lambda params: run(params, args.out))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

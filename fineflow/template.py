@@ -1,0 +1,37 @@
+"""The prompt template shared by training (tokenize stage) and evaluation (lm-eval task).
+
+Training tokenizes the prompt and the response separately and concatenates them, so the prompt's tokens
+at training time are exactly the tokens lm-eval feeds the model at evaluation time (it encodes the
+rendered prompt alone). Only the response (and the EOS that ends it) is trained on.
+
+Fields follow a space, never a newline, and the response is " " + output: byte-level BPE tokenizers
+(GPT-2 style) learn words with their leading space, so " Paris" is the token the base model already
+knows, while "Paris" after a newline would be split into rarer pieces it has to learn anew.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+PROMPT_WITH_INPUT = "### Instruction: {instruction}\n### Input: {input}\n### Response:"
+PROMPT_NO_INPUT = "### Instruction: {instruction}\n### Response:"
+RESPONSE_PREFIX = " "  # lm-eval's target_delimiter; stripped from generations before exact match
+
+
+def render_prompt(instruction: str, input: str = "") -> str:
+    if input:
+        return PROMPT_WITH_INPUT.format(instruction=instruction, input=input)
+    return PROMPT_NO_INPUT.format(instruction=instruction)
+
+
+def template_hash() -> str:
+    """Changes whenever the template text changes, so shards built with another template are rebuilt."""
+    text = "\0".join([PROMPT_WITH_INPUT, PROMPT_NO_INPUT, RESPONSE_PREFIX])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def encode_example(tokenizer, instruction: str, input: str, output: str) -> tuple[list[int], list[int]]:
+    """Token ids and loss mask (1 = trained on) for one example: prompt (masked) + response + EOS."""
+    prompt = tokenizer.encode(render_prompt(instruction, input), add_special_tokens=False)
+    response = tokenizer.encode(RESPONSE_PREFIX + output, add_special_tokens=False) + [tokenizer.eos_token_id]
+    return prompt + response, [0] * len(prompt) + [1] * len(response)

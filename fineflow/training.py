@@ -1,0 +1,224 @@
+"""The training loop: one readable ``fit()`` on accelerate, fed from packed shards.
+
+Side effects go through objects handed to ``fit``: a ``StepTimer`` (where each step's time went), a
+``StepLog`` (the per-step JSONL that ``dvc plots`` renders) and a ``Checkpointer`` (atomic safetensors
+saves). The loop itself only computes.
+
+Loss is token-weighted across micro-batches and data-parallel ranks: each optimizer step divides the summed
+cross-entropy by the number of trained tokens in the whole global batch, so 1 process and N processes with
+the same global batch take the same step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from fineflow.config import TrainParams
+from fineflow.errors import FineflowError
+from fineflow.shards import PackedShard, RowSampler
+
+
+def lr_multiplier(step: int, warmup: int, total: int, schedule: str) -> float:
+    """Linear warmup, then cosine or linear decay to 10% (or constant); step is 0-based."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    decay = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
+    return 0.1 + 0.9 * decay
+
+
+def collate(shard: PackedShard, indices: list[int]) -> dict:
+    import torch
+
+    rows = [shard.row(i) for i in indices]
+    return {key: torch.from_numpy(np.stack([r[key] for r in rows])) for key in rows[0]}
+
+
+def token_loss_sum(model, batch: dict):
+    """Summed next-token cross-entropy over trained tokens, and how many there were.
+
+    No attention_mask is passed: with position_ids that restart per example, transformers builds a
+    block-diagonal causal mask, so packed examples never attend to each other.
+    """
+    import torch.nn.functional as F
+
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    targets = batch["labels"][:, 1:]
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
+                           ignore_index=-100, reduction="sum")
+    return loss, int((targets != -100).sum())
+
+
+@dataclass
+class StepTimer:
+    """Where a step's wall time went: waiting for data, forward+backward, optimizer, checkpoint stall."""
+
+    totals: dict = field(default_factory=lambda: {"data_wait_s": 0.0, "compute_s": 0.0, "optimizer_s": 0.0,
+                                                  "checkpoint_s": 0.0})
+    current: dict = field(default_factory=dict)
+
+    def start_step(self) -> None:
+        self.current = {key: 0.0 for key in self.totals}
+
+    def add(self, key: str, seconds: float) -> None:
+        self.current[key] += seconds
+        self.totals[key] += seconds
+
+
+class StepLog:
+    """Per-step JSONL (loss, lr, tokens/s, timings); rank 0 only. dvc.yaml declares it as a plot."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = path.open("w", encoding="utf-8")
+
+    def log(self, record: dict) -> None:
+        if self.path is not None:
+            self._fh.write(json.dumps(record) + "\n")
+            self._fh.flush()
+
+    def close(self) -> None:
+        if self.path is not None:
+            self._fh.close()
+
+
+class Checkpointer:
+    """Saves the trainable weights (the adapter, never the frozen base) and loop state, atomically.
+
+    Each checkpoint is written into a temporary sibling directory and renamed into place, so a crash
+    never leaves a half-written ``step-N`` directory. Only the main process writes.
+    """
+
+    def __init__(self, root: Path | None, every: int):
+        self.root, self.every = root, every
+
+    def due(self, step: int) -> bool:
+        """The same answer on every rank: ranks must agree, since validation before a save is collective."""
+        return step % self.every == 0
+
+    def save(self, accelerator, model, step: int, state: dict) -> None:
+        if self.root is None or not accelerator.is_main_process:
+            return
+        final = self.root / f"step-{step:07d}"
+        tmp = self.root / f".tmp-step-{step:07d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        accelerator.unwrap_model(model).save_pretrained(tmp)
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+
+
+@dataclass
+class FitResult:
+    steps: int
+    final_loss: float
+    eval_loss: float | None
+    tokens: int  # real (trained-on or attended, non-pad) tokens processed, summed over ranks
+    wall_s: float
+    timer: StepTimer
+
+
+def evaluate_loss(model, shard: PackedShard, batch_size: int, accelerator) -> float:
+    """Mean token loss over an eval shard, this rank's share of rows, reduced across ranks."""
+    import torch
+
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    with torch.no_grad():
+        rows = list(range(accelerator.process_index, len(shard), accelerator.num_processes))
+        for i in range(0, len(rows), batch_size):
+            batch = {k: v.to(accelerator.device) for k, v in collate(shard, rows[i:i + batch_size]).items()}
+            loss_sum, n = token_loss_sum(model, batch)
+            total += torch.tensor([loss_sum.item(), n], dtype=torch.float64, device=accelerator.device)
+    total = accelerator.reduce(total, reduction="sum")
+    model.train()
+    return float(total[0] / max(1.0, float(total[1])))
+
+
+def fit(model, optimizer, scheduler, accelerator, train: PackedShard, sampler: RowSampler, cfg: TrainParams,
+        timer: StepTimer, step_log: StepLog, checkpointer: Checkpointer, eval_shard: PackedShard | None = None,
+        log=print) -> FitResult:
+    """Run cfg.steps optimizer steps; returns the figures the train report needs."""
+    import torch
+
+    model.train()
+    started = time.perf_counter()
+    tokens_seen, loss_value = 0, float("nan")
+    world = accelerator.num_processes
+    for step in range(1, cfg.steps + 1):
+        timer.start_step()
+        step_start = time.perf_counter()
+
+        t0 = time.perf_counter()
+        micro = [collate(train, sampler.next_indices(cfg.micro_batch_size)) for _ in range(cfg.grad_accum)]
+        micro = [{k: v.to(accelerator.device, non_blocking=True) for k, v in b.items()} for b in micro]
+        local_targets = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
+        local_real = sum(int(b["input_ids"].numel()) for b in micro) - sum(
+            int(((b["position_ids"] == 0).cumsum(1) == 0).sum()) for b in micro)
+        counts = accelerator.reduce(torch.tensor([local_targets, local_real], device=accelerator.device),
+                                    reduction="sum")
+        global_targets, step_real = int(counts[0]), int(counts[1])
+        timer.add("data_wait_s", time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        step_loss = 0.0
+        for i, batch in enumerate(micro):
+            # DDP averages gradients over ranks; scale by world size so the result is sum / global tokens.
+            sync = accelerator.no_sync(model) if i < len(micro) - 1 else nullcontext()
+            with sync:
+                loss_sum, _ = token_loss_sum(model, batch)
+                accelerator.backward(loss_sum * world / max(1, global_targets))
+            step_loss += loss_sum.item()
+        timer.add("compute_s", time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        timer.add("optimizer_s", time.perf_counter() - t0)
+
+        reduced = accelerator.reduce(torch.tensor([step_loss], dtype=torch.float64, device=accelerator.device),
+                                     reduction="sum")
+        loss_value = float(reduced[0]) / max(1, global_targets)
+        if not math.isfinite(loss_value):
+            raise FineflowError(f"training stopped at step {step}: the loss is {loss_value}. Lower train.lr "
+                                f"(now {cfg.lr}) or check the data for empty responses.")
+        tokens_seen += step_real
+
+        eval_loss = None
+        if checkpointer.due(step) or step == cfg.steps:
+            t0 = time.perf_counter()
+            if eval_shard is not None:
+                eval_loss = evaluate_loss(model, eval_shard, cfg.micro_batch_size, accelerator)
+            checkpointer.save(accelerator, model, step, {"step": step, "sampler": sampler.state_dict(),
+                                                          "tokens_seen": tokens_seen, "loss": loss_value})
+            timer.add("checkpoint_s", time.perf_counter() - t0)
+
+        step_s = time.perf_counter() - step_start
+        record = {"step": step, "loss": round(loss_value, 5), "lr": scheduler.get_last_lr()[0],
+                  "grad_norm": round(float(grad_norm), 5), "tokens": step_real,
+                  "tokens_per_s": round(step_real / step_s, 1), "step_s": round(step_s, 5),
+                  **{k: round(v, 5) for k, v in timer.current.items()}}
+        if eval_loss is not None:
+            record["eval_loss"] = round(eval_loss, 5)
+        if accelerator.is_main_process:
+            step_log.log(record)
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                log(f"step {step}/{cfg.steps} loss {loss_value:.4f} lr {record['lr']:.2e} "
+                    f"{record['tokens_per_s']:.0f} tok/s" + (f" eval_loss {eval_loss:.4f}" if eval_loss else ""))
+    return FitResult(cfg.steps, loss_value, eval_loss, tokens_seen, time.perf_counter() - started, timer)
+

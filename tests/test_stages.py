@@ -1,0 +1,117 @@
+"""Each stage's real code on the tiny config: the files it promises exist and its report has its figures."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT, venv_env, write_params
+
+
+def test_base_is_a_loadable_hf_model_dir(built):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(built / "models/base")
+    tokenizer = AutoTokenizer.from_pretrained(built / "models/base")
+    assert model.config.model_type == "llama" and tokenizer.eos_token == "</s>"
+    assert tokenizer.decode(tokenizer.encode("Paris 2024-03-05")) == "Paris 2024-03-05"
+
+
+def test_data_is_deterministic_and_has_bad_rows(built, tiny_params, tmp_path):
+    from fineflow.stages import data
+
+    report = data.run(tiny_params, tmp_path / "train.jsonl", tmp_path / "eval.jsonl")
+    assert (tmp_path / "train.jsonl").read_bytes() == (built / "data/raw/train.jsonl").read_bytes()
+    assert report["bad_rows_injected"] >= 5 and report["eval_rows"] == 16
+    train = {line for line in (tmp_path / "train.jsonl").read_text().splitlines()}
+    assert not train & set((tmp_path / "eval.jsonl").read_text().splitlines())  # held out
+
+
+def test_validate_quarantines_every_injected_bad_row(built):
+    report = json.loads((built / "reports/validate.json").read_text()) if (built / "reports/validate.json").exists() else None
+    kept = (built / "data/validated/train.jsonl").read_text().splitlines()
+    quarantined = [json.loads(x) for x in (built / "data/validated/quarantine.jsonl").read_text().splitlines()]
+    raw = (built / "data/raw/train.jsonl").read_text().splitlines()
+    assert len(raw) == len(kept) + len([q for q in quarantined if q["split"] == "train"])
+    assert len(kept) == 160 and all(q["reasons"] for q in quarantined)
+    assert report is None or report["passed"] is False  # only written by run() on a failed gate
+
+
+def test_tokenize_writes_memmap_shards_with_meta(built):
+    meta = json.loads((built / "data/shards/train/meta.json").read_text())
+    assert meta["dtype"] == "uint16" and meta["examples"] == 160 and meta["truncated_examples"] == 0
+    assert meta["tokenizer_hash"] and meta["template_hash"] and 0.5 < meta["real_token_share"] <= 1
+    for name in ("tokens.bin", "loss_mask.bin", "positions.bin", "examples.idx"):
+        assert (built / "data/shards/train" / name).stat().st_size > 0
+
+
+@pytest.fixture(scope="module")
+def trained(built):
+    """One in-process, single-rank training run (the worker a launched rank runs)."""
+    from fineflow.config import parse_params
+    from fineflow.stages import train
+    from tests.conftest import TINY_PARAMS
+
+    report = train.worker(parse_params(TINY_PARAMS), built / "data/shards", built / "models/base",
+                          built / "checkpoints", built / "models/candidate", built / "reports/train_steps.jsonl")
+    return built, report
+
+
+def test_train_writes_adapter_checkpoints_and_step_log(trained):
+    built, report = trained
+    assert report["steps"] == 4 and report["world_size"] == 1 and report["tokens_per_s"] > 0
+    for key in ("final_loss", "data_wait_s", "compute_s", "optimizer_s", "checkpoint_s", "eval_loss"):
+        assert key in report
+    adapter = load_file(built / "models/candidate/adapter_model.safetensors")
+    assert adapter and all("lora_" in name for name in adapter)  # the adapter only, never the frozen base
+    assert sorted(p.name for p in (built / "checkpoints").iterdir()) == ["step-0000002", "step-0000004"]
+    steps = [json.loads(x) for x in (built / "reports/train_steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4] and all("data_wait_s" in s for s in steps)
+
+
+def test_evaluate_then_promote(trained, tiny_params):
+    from fineflow.stages import evaluate, promote
+
+    built, _ = trained
+    report = evaluate.run(tiny_params, built / "models/base", built / "models/candidate",
+                          built / "data/validated/eval.jsonl", built / "eval", built / "reports/lm_eval")
+    assert set(report["base"]) == {"fineflow_synth/exact_match"} == set(report["candidate"])
+    scores = json.loads((built / "eval/scores.json").read_text())
+    assert len(scores["candidate"]["samples"]["fineflow_synth"]) == 6  # evaluate.limit
+    decision = promote.run(tiny_params, built / "eval/scores.json", built / "models/candidate",
+                           built / "models/champion", built / "models/registry")
+    assert decision["decision"] in {"promoted", "refused"} and decision["reason"]
+    log = (built / "models/registry/promotions.jsonl").read_text().splitlines()
+    assert len(log) == 1 and json.loads(log[0])["decision"] == decision["decision"]
+    assert (built / "models/champion/champion.json").exists()
+
+
+def _run_stage_cli(module, args, cwd):
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=venv_env(), capture_output=True,
+                          text=True)
+
+
+def test_stage_cli_reports_bad_params_without_traceback(tmp_path):
+    write_params(tmp_path / "params.yaml", {"train.lr": -1, "train.colour": "red"})
+    result = _run_stage_cli("fineflow.stages.data", ["--train", "t.jsonl", "--eval", "e.jsonl"], tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "params.yaml: train.lr must be > 0 (got -1)" in result.stderr
+    assert "params.yaml: train.colour is not a known key" in result.stderr
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b"", "the file is empty"),
+    (b'{"instruction": "a", "output": "b"}\n{"instruction": "a",\n', "raw/train.jsonl:2: malformed JSON"),
+    (b'{"instruction": "a", "answer": "b"}\n', 'required field "output" is missing from every row'),
+])
+def test_validate_cli_bad_input_gives_one_clear_error(tmp_path, content, expected):
+    write_params(tmp_path / "params.yaml", {"validate.max_bad_share": 0.1})
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw/train.jsonl").write_bytes(content)
+    (tmp_path / "raw/eval.jsonl").write_text('{"instruction": "a", "output": "b"}\n')
+    result = _run_stage_cli("fineflow.stages.validate", ["--train", "raw/train.jsonl", "--eval", "raw/eval.jsonl",
+                                                         "--out", "validated"], tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert expected in result.stderr
