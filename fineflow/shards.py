@@ -120,9 +120,15 @@ class PackedShard:
         self.tokens = np.memmap(self.dir / "tokens.bin", dtype=self.meta["dtype"], mode="r", shape=shape)
         self.loss_mask = np.memmap(self.dir / "loss_mask.bin", dtype=np.uint8, mode="r", shape=shape)
         self.positions = np.memmap(self.dir / "positions.bin", dtype=np.uint16, mode="r", shape=shape)
+        examples = np.fromfile(self.dir / "examples.idx", dtype=np.int64).reshape(-1, 3)
+        # non-pad tokens per row, so throughput counts real tokens, not padding
+        self.real_per_row = np.bincount(examples[:, 0], weights=examples[:, 2], minlength=shape[0]).astype(np.int64)
 
     def __len__(self) -> int:
         return self.meta["rows"]
+
+    def real_tokens(self, rows: list[int]) -> int:
+        return int(self.real_per_row[rows].sum())
 
     def row(self, i: int) -> dict[str, np.ndarray]:
         """input_ids, labels (-100 where not trained) and position_ids of packed row i, as int64."""

@@ -163,11 +163,11 @@ def fit(model, optimizer, scheduler, accelerator, train: PackedShard, sampler: R
         step_start = time.perf_counter()
 
         t0 = time.perf_counter()
-        micro = [collate(train, sampler.next_indices(cfg.micro_batch_size)) for _ in range(cfg.grad_accum)]
-        micro = [{k: v.to(accelerator.device, non_blocking=True) for k, v in b.items()} for b in micro]
+        indices = [sampler.next_indices(cfg.micro_batch_size) for _ in range(cfg.grad_accum)]
+        micro = [{k: v.to(accelerator.device, non_blocking=True) for k, v in collate(train, rows).items()}
+                 for rows in indices]
         local_targets = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
-        local_real = sum(int(b["input_ids"].numel()) for b in micro) - sum(
-            int(((b["position_ids"] == 0).cumsum(1) == 0).sum()) for b in micro)
+        local_real = sum(train.real_tokens(rows) for rows in indices)
         counts = accelerator.reduce(torch.tensor([local_targets, local_real], device=accelerator.device),
                                     reduction="sum")
         global_targets, step_real = int(counts[0]), int(counts[1])

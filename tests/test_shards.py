@@ -32,6 +32,7 @@ def test_shard_round_trip_positions_and_labels(tmp_path):
     shard = PackedShard(tmp_path)
     assert truncated == 0 and meta["dtype"] == "uint16" and meta["examples"] == 3 and meta["real_tokens"] == 13
     assert (tmp_path / "tokens.bin").stat().st_size == meta["rows"] * 8 * 2
+    assert shard.real_tokens(list(range(len(shard)))) == 13  # padding is not counted as work
     for row_index, start, length in arrays.examples:
         row = shard.row(int(row_index))
         assert list(row["position_ids"][start:start + length]) == list(range(length))
