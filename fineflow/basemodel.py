@@ -138,5 +138,10 @@ def write_external_marker(out_dir: Path, reference: str) -> dict:
 
 
 def resolve_base_model(model_cfg: ModelParams, base_dir: str | Path) -> str:
-    """What to pass to ``from_pretrained``: the built embedded model's dir, or the user's path/hub id."""
-    return str(Path(base_dir).resolve()) if model_cfg.is_embedded else model_cfg.base
+    """What to pass to ``from_pretrained``: the built embedded model's dir, or the user's path/hub id.
+
+    Kept as given (relative to the project root, where DVC runs stages) rather than made absolute: the
+    adapter records it in adapter_config.json, and an absolute path would make the same training produce
+    different bytes in different checkouts.
+    """
+    return str(base_dir) if model_cfg.is_embedded else model_cfg.base

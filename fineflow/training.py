@@ -95,6 +95,20 @@ class StepLog:
             self._fh.close()
 
 
+def save_adapter(model, out_dir: Path) -> None:
+    """save_pretrained, then make adapter_config.json byte-stable.
+
+    peft keeps target_modules as a set, which it writes in hash order (random per process), so the same
+    training would give different bytes — and a different DVC hash — run to run.
+    """
+    model.save_pretrained(out_dir)
+    config_path = Path(out_dir) / "adapter_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if isinstance(config.get("target_modules"), list):
+        config["target_modules"] = sorted(config["target_modules"])
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
 class Checkpointer:
     """Saves the trainable weights (the adapter, never the frozen base) and loop state, atomically.
 
@@ -115,7 +129,7 @@ class Checkpointer:
         final = self.root / f"step-{step:07d}"
         tmp = self.root / f".tmp-step-{step:07d}"
         shutil.rmtree(tmp, ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(tmp)
+        save_adapter(accelerator.unwrap_model(model), tmp)
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)

@@ -66,6 +66,10 @@ def test_train_writes_adapter_checkpoints_and_step_log(trained):
         assert key in report
     adapter = load_file(built / "models/candidate/adapter_model.safetensors")
     assert adapter and all("lora_" in name for name in adapter)  # the adapter only, never the frozen base
+    config = json.loads((built / "models/candidate/adapter_config.json").read_text())
+    # byte-stable across processes (peft writes a set), and no absolute path of this checkout
+    assert config["target_modules"] == sorted(config["target_modules"])
+    assert config["base_model_name_or_path"] == str(built / "models/base")  # as passed in, not resolved
     assert sorted(p.name for p in (built / "checkpoints").iterdir()) == ["step-0000002", "step-0000004"]
     steps = [json.loads(x) for x in (built / "reports/train_steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3, 4] and all("data_wait_s" in s for s in steps)

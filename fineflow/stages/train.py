@@ -42,7 +42,7 @@ def worker(params: Params, shards: Path, base_dir: Path, checkpoints: Path, out_
     from accelerate.utils import set_seed
 
     from fineflow.shards import PackedShard, RowSampler
-    from fineflow.training import Checkpointer, StepLog, StepTimer, fit, lr_multiplier
+    from fineflow.training import Checkpointer, StepLog, StepTimer, fit, lr_multiplier, save_adapter
 
     cfg = params.train
     accelerator = Accelerator()
@@ -70,7 +70,7 @@ def worker(params: Params, shards: Path, base_dir: Path, checkpoints: Path, out_
     accelerator.wait_for_everyone()
     if not main:
         return None
-    accelerator.unwrap_model(model).save_pretrained(out_dir)
+    save_adapter(accelerator.unwrap_model(model), out_dir)
     totals = result.timer.totals
     return {"steps": result.steps, "final_loss": round(result.final_loss, 5),
             "eval_loss": round(result.eval_loss, 5) if result.eval_loss is not None else None,
