@@ -1,4 +1,4 @@
-"""Small JSON reports every stage writes (``reports/<stage>.json``), written atomically."""
+"""Small JSON/JSONL writers: the reports every stage writes (``reports/<stage>.json``) and row files."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Iterable
 
 
 def write_json_atomic(path: str | Path, payload: dict) -> None:
@@ -27,3 +28,12 @@ def write_json_atomic(path: str | Path, payload: dict) -> None:
 
 def read_json(path: str | Path) -> dict:
     return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def write_jsonl(path: str | Path, records: Iterable[dict]) -> None:
+    """One JSON object per line, UTF-8 kept as is (not \\u-escaped)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as fh:
+        for record in records:
+            fh.write(json.dumps(record, ensure_ascii=False) + "\n")

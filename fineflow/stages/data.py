@@ -8,19 +8,12 @@ the eval split is clean and disjoint from train. Real users point ``data.train_p
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from fineflow.config import Params
+from fineflow.reports import write_jsonl
 from fineflow.stages._entry import run_stage, stage_parser
 from fineflow.synth import inject_bad_rows, split_train_eval
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as fh:
-        for row in rows:
-            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 def run(params: Params, train_path: Path, eval_path: Path) -> dict:

@@ -10,21 +10,13 @@ the gate fails, so a failed run can be inspected; then the stage exits non-zero 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from fineflow.config import Params
 from fineflow.stages._entry import log, run_stage, stage_parser
 from fineflow.errors import DataError
-from fineflow.reports import write_json_atomic
+from fineflow.reports import write_json_atomic, write_jsonl
 from fineflow.validation import clean_record, gate, quarantine_record, read_jsonl, validate_rows
-
-
-def _write_jsonl(path: Path, records) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as fh:
-        for record in records:
-            fh.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
 def run(params: Params, train_path: Path, eval_path: Path, out_dir: Path, report_path: Path) -> dict:
@@ -32,10 +24,10 @@ def run(params: Params, train_path: Path, eval_path: Path, out_dir: Path, report
     outcomes = {split: validate_rows(read_jsonl(path), str(path), cfg)
                 for split, path in (("train", train_path), ("eval", eval_path))}
     for split, outcome in outcomes.items():
-        _write_jsonl(out_dir / f"{split}.jsonl", (clean_record(row) for row in outcome.kept))
+        write_jsonl(out_dir / f"{split}.jsonl", (clean_record(row) for row in outcome.kept))
         log(f"{split}: {outcome.rows_in} rows in, {len(outcome.kept)} kept, "
             f"{len(outcome.quarantined)} quarantined")
-    _write_jsonl(out_dir / "quarantine.jsonl",
+    write_jsonl(out_dir / "quarantine.jsonl",
                  (quarantine_record(row, split) for split, o in outcomes.items() for row in o.quarantined))
     train = outcomes["train"]
     report = {**train.report(), "eval": outcomes["eval"].report(), "passed": True}
