@@ -66,13 +66,38 @@ class DataParams(_Section):
     bad_row_share: float = Field(0.03, ge=0, lt=0.5)  # deliberately bad rows so validation has work
 
 
+class CheckParams(_Section):
+    """How one validation check acts: ``error`` quarantines failing rows and blocks the flow when more than
+    ``max_share`` of the rows fail; ``warn`` keeps the rows and only reports them."""
+
+    severity: Literal["error", "warn"] = "error"
+    max_share: float = Field(0.10, ge=0, le=1)
+
+
+CHECK_NAMES = ("types", "non_null", "non_empty", "length_chars", "duplicate", "near_duplicate", "pii", "leakage")
+
+
+class ValidationChecks(_Section):
+    types: CheckParams = CheckParams()
+    non_null: CheckParams = CheckParams()
+    non_empty: CheckParams = CheckParams()
+    length_chars: CheckParams = CheckParams()
+    duplicate: CheckParams = CheckParams()
+    near_duplicate: CheckParams = CheckParams(severity="warn")  # same text up to case/punctuation/spacing
+    pii: CheckParams = CheckParams()
+    leakage: CheckParams = CheckParams()  # train rows that overlap the eval data
+
+
 class ValidateParams(_Section):
     """The great-expectations gate."""
 
     min_chars: int = Field(1, ge=0)
     max_chars: int = Field(2000, gt=0)  # instruction+input+output, in characters
     max_bad_share: float = Field(0.10, ge=0, le=1)  # more quarantined rows than this fails the flow
-    pii: Literal["quarantine"] = "quarantine"
+    pii: Literal["quarantine", "redact"] = "quarantine"  # redact: replace spans with [EMAIL], [PHONE], ...
+    leakage_ngram: int = Field(8, gt=0)  # word n-gram length for train/eval overlap
+    leakage_max_overlap: float = Field(0.5, gt=0, le=1)  # a train row sharing more of its n-grams leaks
+    checks: ValidationChecks = ValidationChecks()
 
 
 class TokenizeParams(_Section):

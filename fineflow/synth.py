@@ -100,28 +100,41 @@ def split_train_eval(n_train: int, n_eval: int, seed: int) -> tuple[list[dict], 
     return unique[:n_train], unique[n_train:]
 
 
-def inject_bad_rows(rows: list[dict], share: float, seed: int) -> list[dict]:
+BAD_KINDS = ("missing_field", "empty_output", "over_long", "duplicate", "email", "phone", "card",
+             "near_duplicate", "eval_leak")
+
+
+def inject_bad_rows(rows: list[dict], share: float, seed: int, eval_rows: list[dict] | None = None) -> list[dict]:
     """Return rows with ~share deliberately bad rows mixed in, one of each kind before repeating.
 
-    Kinds: missing field, empty output, over-long input, exact duplicate, an e-mail address (PII).
+    Kinds (BAD_KINDS): a missing field, an empty output, an over-long input, an exact duplicate, PII (an
+    e-mail address, a phone number, a Luhn-valid card number), a near-duplicate (same text up to case and
+    punctuation; a warning by default) and a row copied from the eval split (leakage).
     """
     rng = random.Random(seed + 1)
-    n_bad = max(5, round(len(rows) * share)) if share > 0 else 0
+    kinds = [k for k in BAD_KINDS if k != "eval_leak" or eval_rows]
+    n_bad = max(len(kinds), round(len(rows) * share)) if share > 0 else 0
     out = [dict(r) for r in rows]
     for i in range(n_bad):
         victim = dict(rng.choice(rows))
-        kind = i % 5
-        if kind == 0:
+        kind = kinds[i % len(kinds)]
+        if kind == "missing_field":
             victim.pop("output")
-        elif kind == 1:
+        elif kind == "empty_output":
             victim["output"] = ""
-        elif kind == 2:
+        elif kind == "over_long":
             victim["input"] = " ".join(rng.choice(WORDS) for _ in range(800))
-        elif kind == 3:
-            pass  # an exact duplicate of an existing row
-        else:
+        elif kind == "email":
             victim["input"] = f"contact {rng.choice(NAMES).lower()}@example.com; " + victim["input"]
-        out.insert(rng.randrange(len(out) + 1), victim)
+        elif kind == "phone":
+            victim["input"] = f"call +1 415 555 {rng.randint(1000, 9999)}; " + victim["input"]
+        elif kind == "card":
+            victim["input"] = "paid with 4111 1111 1111 1111; " + victim["input"]
+        elif kind == "near_duplicate":
+            victim["instruction"] = victim["instruction"].upper().rstrip(".?") + "!"
+        elif kind == "eval_leak":
+            victim = dict(rng.choice(eval_rows))
+        out.insert(rng.randrange(len(out) + 1), victim)  # "duplicate": the victim unchanged
     return out
 
 

@@ -1,27 +1,31 @@
 """The data gate: read instruction rows defensively, run a great-expectations suite, quarantine failures.
 
 Rows that cannot be parsed (malformed JSON, non-UTF-8 bytes, not an object) never reach GX: they are
-quarantined with the reason and their raw text. Parsed rows go through a GX 1.x suite (schema, types,
-non-null, length bounds, uniqueness, PII); each failing row is quarantined with every check it failed.
+quarantined with the reason and their raw text. Parsed rows go through a GX 1.x suite: schema, types,
+non-null, non-empty, length bounds, exact and near duplicates (the first copy is kept), PII (fineflow.pii;
+or, with ``validate.pii: redact``, PII is replaced by typed placeholders before the checks run) and
+train/eval leakage (fineflow.overlap). Each check has a category in ``validate.checks`` that sets its
+severity: ``error`` quarantines the failing rows, ``warn`` keeps them and reports them.
 Invariant: ``rows_in == rows_kept + rows_quarantined`` — nothing is dropped silently.
 
-A hard failure (a required column absent from the whole file, no rows at all, or more quarantined rows
-than ``validate.max_bad_share``) raises ``DataError`` naming the file, the first offending lines and checks.
+A hard failure (a required column absent from the whole file, no rows at all, an error-severity check
+failing on more than its ``max_share`` of the rows, or more quarantined rows than
+``validate.max_bad_share``) raises ``DataError`` naming the file, the first offending lines and checks.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fineflow.config import ValidateParams
+from fineflow.config import CheckParams, ValidateParams
 from fineflow.errors import DataError
+from fineflow.overlap import LeakIndex, normalize
+from fineflow.pii import find_pii, redact
 
 REQUIRED = ("instruction", "output")
 OPTIONAL = ("input",)
-EMAIL = r"[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}"
 
 
 @dataclass
@@ -29,18 +33,28 @@ class Row:
     line: int  # 1-based line number in the source file
     data: dict | None = None  # parsed object, None when it could not be parsed
     raw: str = ""  # raw text, kept for rows that could not be parsed
-    reasons: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)  # failed error-severity checks: the row is quarantined
+    warnings: list[str] = field(default_factory=list)  # failed warn-severity checks: kept, reported
+    redacted: list[str] = field(default_factory=list)  # PII kinds replaced by placeholders (pii: redact)
 
 
 @dataclass
 class CheckResult:
     name: str  # e.g. "not_null(output)"
+    category: str  # the validate.checks entry that sets its severity and threshold, e.g. "non_null"
     expectation: str  # the GX expectation type
     failed_lines: list[int]
+    rows: int  # rows the check ran on
+    severity: str = "error"
+    max_share: float = 0.0
+
+    @property
+    def share(self) -> float:
+        return len(self.failed_lines) / self.rows if self.rows else 0.0
 
     @property
     def passed(self) -> bool:
-        return not self.failed_lines
+        return self.share <= self.max_share
 
 
 @dataclass
@@ -56,10 +70,17 @@ class ValidationOutcome:
         return len(self.kept) + len(self.quarantined)
 
     def report(self) -> dict:
+        redacted: dict[str, int] = {}
+        for row in self.kept:
+            for kind in row.redacted:
+                redacted[kind] = redacted.get(kind, 0) + 1
         return {
             "rows_in": self.rows_in, "rows_kept": len(self.kept), "rows_quarantined": len(self.quarantined),
-            "checks": {c.name: {"expectation": c.expectation, "failed_rows": len(c.failed_lines),
-                                "passed": c.passed} for c in self.checks},
+            "rows_warned": sum(1 for row in self.kept if row.warnings), "pii_redacted": redacted,
+            "checks": {c.name: {"category": c.category, "expectation": c.expectation, "severity": c.severity,
+                                "failed_rows": len(c.failed_lines), "share": round(c.share, 5),
+                                "max_share": c.max_share, "passed": c.passed,
+                                "first_failed_lines": c.failed_lines[:20]} for c in self.checks},
             "schema_problems": self.schema_problems,
         }
 
@@ -100,7 +121,23 @@ def read_jsonl(path: str | Path) -> list[Row]:
     return rows
 
 
-def _frame(rows: list[Row]):
+def _text(data: dict) -> str:
+    """What the model will see (instruction, input, output joined); a missing or non-string field becomes
+    text here instead of failing inside pandas."""
+    return "\n".join(str(data.get(c) or "") for c in ("instruction", "input", "output"))
+
+
+def _redact_row(row: Row) -> None:
+    """pii: redact — replace PII spans in every string field with typed placeholders, remembering kinds."""
+    for key, value in list(row.data.items()):
+        if isinstance(value, str):
+            spans = find_pii(value)
+            if spans:
+                row.data[key] = redact(value, spans)
+                row.redacted.extend(span.kind for span in spans)
+
+
+def _frame(rows: list[Row], leak_index: LeakIndex | None):
     import pandas as pd
 
     present = {key for row in rows for key in row.data}
@@ -110,30 +147,42 @@ def _frame(rows: list[Row]):
     if "input" not in frame:
         frame["input"] = ""
     frame["input"] = frame["input"].where(frame["input"].notna(), "")
-    # What the model will see, used for length, uniqueness and PII; built in Python so that a missing
-    # or non-string field becomes text instead of failing inside pandas.
-    frame["text"] = ["\n".join(str(row.data.get(c) or "") for c in ("instruction", "input", "output"))
-                     for row in rows]
-    frame["row_key"] = frame["text"]
+    texts = [_text(row.data) for row in rows]
+    frame["text"] = texts
+    frame["row_key"] = texts
+    frame["norm_key"] = [normalize(t) for t in texts]
+    # Derived columns that GX then checks: the PII kinds found (None when clean) and the share of the
+    # row's word n-grams that the eval data already contains.
+    frame["pii_kinds"] = [",".join(sorted({s.kind for s in find_pii(t)})) or None for t in texts]
+    if leak_index is not None:
+        frame["eval_overlap"] = [leak_index.overlap(t) for t in texts]
     return frame
 
 
 def _suite(columns: list[str], cfg: ValidateParams):
-    """(check name, expectation) pairs — the suite is data, so the report names each check."""
+    """(check name, category, expectation) triples — the suite is data, so the report names each check."""
     import great_expectations.expectations as gxe
 
-    checks = [(f"column_exists({col})", gxe.ExpectColumnToExist(column=col)) for col in REQUIRED]
+    checks = [(f"column_exists({col})", "schema", gxe.ExpectColumnToExist(column=col)) for col in REQUIRED]
     for col in REQUIRED:
         if col in columns:
-            checks.append((f"not_null({col})", gxe.ExpectColumnValuesToNotBeNull(column=col)))
-            checks.append((f"type_str({col})", gxe.ExpectColumnValuesToBeOfType(column=col, type_="str")))
+            checks.append((f"not_null({col})", "non_null", gxe.ExpectColumnValuesToNotBeNull(column=col)))
+            checks.append((f"type_str({col})", "types", gxe.ExpectColumnValuesToBeOfType(column=col, type_="str")))
     if "output" in columns:
-        checks.append(("non_empty(output)", gxe.ExpectColumnValueLengthsToBeBetween(column="output", min_value=1)))
-    checks.append(("type_str(input)", gxe.ExpectColumnValuesToBeOfType(column="input", type_="str")))
-    checks.append(("length_chars(text)", gxe.ExpectColumnValueLengthsToBeBetween(
-        column="text", min_value=cfg.min_chars, max_value=cfg.max_chars)))
-    checks.append(("unique(row)", gxe.ExpectColumnValuesToBeUnique(column="row_key")))
-    checks.append(("pii_email(text)", gxe.ExpectColumnValuesToNotMatchRegex(column="text", regex=EMAIL)))
+        checks.append(("non_empty(output)", "non_empty",
+                       gxe.ExpectColumnValueLengthsToBeBetween(column="output", min_value=1)))
+    checks += [
+        ("type_str(input)", "types", gxe.ExpectColumnValuesToBeOfType(column="input", type_="str")),
+        ("length_chars(text)", "length_chars", gxe.ExpectColumnValueLengthsToBeBetween(
+            column="text", min_value=cfg.min_chars, max_value=cfg.max_chars)),
+        ("unique(row)", "duplicate", gxe.ExpectColumnValuesToBeUnique(column="row_key")),
+        ("near_unique(normalized)", "near_duplicate", gxe.ExpectColumnValuesToBeUnique(column="norm_key")),
+    ]
+    if cfg.pii == "quarantine":
+        checks.append(("no_pii(text)", "pii", gxe.ExpectColumnValuesToBeNull(column="pii_kinds")))
+    if "eval_overlap" in columns:
+        checks.append(("no_leakage(eval)", "leakage", gxe.ExpectColumnValuesToBeBetween(
+            column="eval_overlap", max_value=cfg.leakage_max_overlap)))
     return checks
 
 
@@ -152,13 +201,13 @@ def _run_gx(frame, checks) -> dict[str, list[int] | None]:
     batch_def = (context.data_sources.add_pandas("fineflow").add_dataframe_asset("rows")
                  .add_batch_definition_whole_dataframe("all"))
     suite = context.suites.add(gx.ExpectationSuite(name="fineflow_rows"))
-    for _, expectation in checks:
+    for _, _, expectation in checks:
         suite.add_expectation(expectation)
     batch = batch_def.get_batch(batch_parameters={"dataframe": frame})
     result = batch.validate(suite, result_format={"result_format": "COMPLETE"})
     # GX does not keep the suite's order in its results: key them by (expectation type, column).
-    name_of = {(exp.expectation_type, exp.column): name for name, exp in checks}
-    failing: dict[str, list[int]] = {name: [] for name, _ in checks}
+    name_of = {(exp.expectation_type, exp.column): name for name, _, exp in checks}
+    failing: dict[str, list[int] | None] = {name: [] for name, _, _ in checks}
     for res in result.results:
         name = name_of[(res.expectation_config.type, res.expectation_config.kwargs["column"])]
         if res.exception_info.get("raised_exception"):
@@ -170,31 +219,55 @@ def _run_gx(frame, checks) -> dict[str, list[int] | None]:
     return failing
 
 
-def validate_rows(rows: list[Row], source: str, cfg: ValidateParams) -> ValidationOutcome:
+def _detail(name: str, line: int, frame, first_seen: dict) -> str:
+    """Extra words for a failed check's reason: which line a duplicate repeats, which PII kinds, ..."""
+    if name == "unique(row)":
+        return f" (first seen at line {first_seen['row_key'][frame.at[line, 'row_key']]})"
+    if name == "near_unique(normalized)":
+        return f" (same as line {first_seen['norm_key'][frame.at[line, 'norm_key']]} up to case/punctuation)"
+    if name == "no_pii(text)":
+        return f" ({frame.at[line, 'pii_kinds']})"
+    if name == "no_leakage(eval)":
+        return f" ({frame.at[line, 'eval_overlap']:.0%} of its word n-grams are in the eval data)"
+    return ""
+
+
+def validate_rows(rows: list[Row], source: str, cfg: ValidateParams,
+                  leak_index: LeakIndex | None = None) -> ValidationOutcome:
+    """Run every check on rows; quarantine (error) or flag (warn) failing rows with file:line reasons."""
     parsed = [row for row in rows if row.data is not None]
     schema_problems: list[str] = []
     checks: list[CheckResult] = []
     if parsed:
-        frame = _frame(parsed)
+        if cfg.pii == "redact":
+            for row in parsed:
+                _redact_row(row)
+        frame = _frame(parsed, leak_index)
         suite = _suite(list(frame.columns), cfg)
         failing = _run_gx(frame, suite)
         by_line = {row.line: row for row in parsed}
-        first_seen: dict[str, int] = {}
-        for line, key in frame["row_key"].items():
-            first_seen.setdefault(key, line)
-        for name, expectation in suite:
+        first_seen: dict[str, dict[str, int]] = {"row_key": {}, "norm_key": {}}
+        for column, seen in first_seen.items():
+            for line, key in frame[column].items():
+                seen.setdefault(key, line)
+        for name, category, expectation in suite:
             lines = failing[name]
             if lines is None:
                 column = name[name.index("(") + 1:-1]
                 schema_problems.append(f"{source}: required field \"{column}\" is missing from every row ({name})")
-                checks.append(CheckResult(name, expectation.expectation_type, [row.line for row in parsed]))
+                checks.append(CheckResult(name, category, expectation.expectation_type,
+                                          [row.line for row in parsed], len(parsed)))
                 continue
-            if name == "unique(row)":  # keep the first copy of a duplicate, quarantine the rest
-                lines = [ln for ln in lines if first_seen[frame.at[ln, "row_key"]] != ln]
-            checks.append(CheckResult(name, expectation.expectation_type, lines))
+            if name in ("unique(row)", "near_unique(normalized)"):  # keep the first copy, flag the rest
+                key = "row_key" if name == "unique(row)" else "norm_key"
+                lines = [ln for ln in lines if first_seen[key][frame.at[ln, key]] != ln]
+            # the schema is not negotiable: a required column missing from the file always blocks
+            knobs = CheckParams(max_share=0.0) if category == "schema" else getattr(cfg.checks, category)
+            checks.append(CheckResult(name, category, expectation.expectation_type, lines, len(parsed),
+                                      knobs.severity, knobs.max_share))
             for line in lines:
-                detail = f" (first seen at line {first_seen[frame.at[line, 'row_key']]})" if name == "unique(row)" else ""
-                by_line[line].reasons.append(f"{source}:{line}: failed {name}{detail}")
+                message = f"{source}:{line}: failed {name}{_detail(name, line, frame, first_seen)}"
+                (by_line[line].reasons if knobs.severity == "error" else by_line[line].warnings).append(message)
         for row in parsed:
             for col in REQUIRED:
                 if col not in row.data:
@@ -207,6 +280,11 @@ def validate_rows(rows: list[Row], source: str, cfg: ValidateParams) -> Validati
 def gate(outcome: ValidationOutcome, cfg: ValidateParams) -> None:
     """Raise DataError when the file must not go further; the message says what and where."""
     problems = list(outcome.schema_problems)
+    for check in outcome.checks:
+        if check.severity == "error" and check.category != "schema" and not check.passed:  # schema: above
+            problems.append(f"{outcome.source}: check {check.name} failed on {len(check.failed_lines)} of "
+                            f"{check.rows} rows ({check.share:.1%}), above validate.checks.{check.category}"
+                            f".max_share={check.max_share:g}; first lines: {check.failed_lines[:5]}")
     share = len(outcome.quarantined) / outcome.rows_in
     if not outcome.kept:
         problems.append(f"{outcome.source}: every one of the {outcome.rows_in} rows failed validation")
@@ -225,6 +303,10 @@ def clean_record(row: Row) -> dict:
             "output": row.data["output"]}
 
 
+def clean_text(row: Row) -> str:
+    return _text(clean_record(row))
+
+
 def quarantine_record(row: Row, split: str) -> dict:
-    return {"split": split, "line": row.line, "reasons": row.reasons,
+    return {"split": split, "line": row.line, "reasons": row.reasons, "warnings": row.warnings,
             **({"row": row.data} if row.data is not None else {"raw": row.raw})}

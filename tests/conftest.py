@@ -71,14 +71,16 @@ def tiny_params():
 def built(tmp_path_factory):
     """The first four stages run once on the tiny config: base model, raw data, validated rows, shards."""
     from fineflow.config import parse_params
+    from fineflow.reports import write_json_atomic
     from fineflow.stages import base, data, tokenize, validate
 
     root = tmp_path_factory.mktemp("built")
     params = parse_params(TINY_PARAMS)
     base.run(params, root / "models/base")
     data.run(params, root / "data/raw/train.jsonl", root / "data/raw/eval.jsonl")
-    validate.run(params, root / "data/raw/train.jsonl", root / "data/raw/eval.jsonl", root / "data/validated",
-                 root / "reports/validate.json")
+    report = validate.run(params, root / "data/raw/train.jsonl", root / "data/raw/eval.jsonl",
+                          root / "data/validated", root / "reports/validate.json")
+    write_json_atomic(root / "reports/validate.json", report)
     tokenize.run(params, root / "data/validated", root / "models/base", root / "data/shards")
     return root
 

@@ -25,23 +25,33 @@ def test_data_is_deterministic_and_has_bad_rows(built, tiny_params, tmp_path):
     report = data.run(tiny_params, tmp_path / "train.jsonl", tmp_path / "eval.jsonl")
     assert (tmp_path / "train.jsonl").read_bytes() == (built / "data/raw/train.jsonl").read_bytes()
     assert report["bad_rows_injected"] >= 5 and report["eval_rows"] == 16
-    train = {line for line in (tmp_path / "train.jsonl").read_text().splitlines()}
-    assert not train & set((tmp_path / "eval.jsonl").read_text().splitlines())  # held out
+    eval_rows = set((tmp_path / "eval.jsonl").read_text().splitlines())
+    raw_train = (tmp_path / "train.jsonl").read_text().splitlines()
+    assert sum(line in eval_rows for line in raw_train) == 1  # the one deliberately leaked row
+    validated = (built / "data/validated/train.jsonl").read_text().splitlines()
+    assert not set(validated) & eval_rows  # ...which validation removed
 
 
-def test_validate_quarantines_every_injected_bad_row(built):
-    report = json.loads((built / "reports/validate.json").read_text()) if (built / "reports/validate.json").exists() else None
+def test_validate_catches_every_injected_bad_row(built):
+    from fineflow.synth import BAD_KINDS
+
+    report = json.loads((built / "reports/validate.json").read_text())
     kept = (built / "data/validated/train.jsonl").read_text().splitlines()
     quarantined = [json.loads(x) for x in (built / "data/validated/quarantine.jsonl").read_text().splitlines()]
     raw = (built / "data/raw/train.jsonl").read_text().splitlines()
-    assert len(raw) == len(kept) + len([q for q in quarantined if q["split"] == "train"])
-    assert len(kept) == 160 and all(q["reasons"] for q in quarantined)
-    assert report is None or report["passed"] is False  # only written by run() on a failed gate
+    assert report["rows_in"] == len(raw) == len(kept) + len(quarantined) and report["passed"]
+    assert all(q["reasons"] for q in quarantined)
+    # one bad row of each kind: all quarantined except the near-duplicate, which is kept with a warning
+    assert len(raw) - 160 == len(BAD_KINDS) and len(quarantined) == len(BAD_KINDS) - 1
+    assert report["rows_warned"] == 1 and len(kept) == 161
+    failed = {name for name, check in report["checks"].items() if check["failed_rows"]}
+    assert {"no_pii(text)", "no_leakage(eval)", "unique(row)", "near_unique(normalized)", "non_empty(output)",
+            "length_chars(text)", "not_null(output)"} <= failed
 
 
 def test_tokenize_writes_memmap_shards_with_meta(built):
     meta = json.loads((built / "data/shards/train/meta.json").read_text())
-    assert meta["dtype"] == "uint16" and meta["examples"] == 160 and meta["truncated_examples"] == 0
+    assert meta["dtype"] == "uint16" and meta["examples"] == 161 and meta["truncated_examples"] == 0
     assert meta["tokenizer_hash"] and meta["template_hash"] and 0.5 < meta["real_token_share"] <= 1
     for name in ("tokens.bin", "loss_mask.bin", "positions.bin", "examples.idx"):
         assert (built / "data/shards/train" / name).stat().st_size > 0

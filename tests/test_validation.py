@@ -50,7 +50,7 @@ def test_each_bad_row_is_quarantined_with_file_line_and_check(tmp_path):
     assert outcome.rows_in == 10 == len(outcome.kept) + len(outcome.quarantined)
     assert [row.line for row in outcome.kept] == [1]
     expected = {2: "malformed JSON", 3: 'field "output" is missing', 4: "non_empty(output)",
-                5: "length_chars(text)", 6: "unique(row) (first seen at line 1)", 7: "pii_email(text)",
+                5: "length_chars(text)", 6: "unique(row) (first seen at line 1)", 7: "no_pii(text) (email)",
                 8: "type_str(output)", 9: "not UTF-8", 10: "expected a JSON object"}
     for line, fragment in expected.items():
         assert f"{path}:{line}:" in got[line] and fragment in got[line], (line, got.get(line))
@@ -94,3 +94,72 @@ def test_all_rows_bad_fails(tmp_path):
     path = write(tmp_path / "t.jsonl", ["nope", "nope either"])
     with pytest.raises(DataError, match="every one of the 2 rows failed"):
         gate(outcome_for(path), ValidateParams(max_bad_share=1.0))
+
+
+def test_near_duplicates_warn_by_default_and_keep_the_row(tmp_path):
+    path = write(tmp_path / "t.jsonl", [json.dumps(GOOD), json.dumps({**GOOD, "instruction": "  SAY hi!! "})])
+    outcome = outcome_for(path)
+    assert len(outcome.kept) == 2 and not outcome.quarantined
+    assert outcome.kept[1].warnings == [f"{path}:2: failed near_unique(normalized) (same as line 1 up to "
+                                        f"case/punctuation)"]
+    assert outcome.report()["rows_warned"] == 1
+
+
+def test_near_duplicates_quarantined_when_severity_is_error(tmp_path):
+    from fineflow.config import parse_params
+
+    cfg = parse_params({"validate": {"max_bad_share": 1.0, "checks": {"near_duplicate": {
+        "severity": "error", "max_share": 1.0}}}}).validate_
+    path = write(tmp_path / "t.jsonl", [json.dumps(GOOD), json.dumps({**GOOD, "output": "HI"})])
+    outcome = validate_rows(read_jsonl(path), str(path), cfg)
+    assert [row.line for row in outcome.quarantined] == [2]
+
+
+def test_error_check_above_its_max_share_blocks_the_flow(tmp_path):
+    from fineflow.config import parse_params
+
+    cfg = parse_params({"validate": {"max_bad_share": 1.0, "checks": {"pii": {"max_share": 0.2}}}}).validate_
+    rows = [json.dumps({**GOOD, "output": f"hi {i}"}) for i in range(3)]
+    rows.append(json.dumps({**GOOD, "input": "call +1 415 555 0100"}))
+    path = write(tmp_path / "t.jsonl", rows)
+    outcome = validate_rows(read_jsonl(path), str(path), cfg)
+    with pytest.raises(DataError, match=r"check no_pii\(text\) failed on 1 of 4 rows \(25.0%\), above "
+                                        r"validate.checks.pii.max_share=0.2; first lines: \[4\]"):
+        gate(outcome, cfg)
+
+
+def test_pii_redact_mode_keeps_rows_with_typed_placeholders(tmp_path):
+    from fineflow.config import parse_params
+
+    cfg = parse_params({"validate": {"pii": "redact"}}).validate_
+    path = write(tmp_path / "t.jsonl", [json.dumps({**GOOD, "input": "mail ann@example.org or 10.0.0.7"})])
+    outcome = validate_rows(read_jsonl(path), str(path), cfg)
+    assert not outcome.quarantined and outcome.kept[0].data["input"] == "mail [EMAIL] or [IPV4]"
+    assert outcome.report()["pii_redacted"] == {"email": 1, "ipv4": 1}
+
+
+def test_train_rows_leaking_the_eval_split_are_quarantined(tmp_path):
+    from fineflow.overlap import LeakIndex
+
+    long_text = "the quick brown fox jumps over the lazy dog near the river bank today"
+    eval_rows = [{"instruction": "Summarize.", "input": long_text, "output": "fox"}]
+    index = LeakIndex(["\n".join([r["instruction"], r["input"], r["output"]]) for r in eval_rows], n=8)
+    path = write(tmp_path / "t.jsonl", [
+        json.dumps(GOOD),
+        json.dumps({"instruction": "summarize", "input": long_text.upper(), "output": "FOX."}),  # exact, normalized
+        json.dumps({"instruction": "Retell.", "input": long_text + " and more", "output": "x"}),  # n-gram overlap
+    ])
+    outcome = validate_rows(read_jsonl(path), str(path), CFG, index)
+    got = reasons(outcome)
+    assert sorted(got) == [2, 3]
+    assert "no_leakage(eval) (100% of its word n-grams" in got[2]
+    assert "no_leakage(eval)" in got[3]
+
+
+def test_shared_prompt_template_is_not_leakage():
+    from fineflow.overlap import LeakIndex
+
+    template = "rewrite the date as day month year please"
+    index = LeakIndex([f"{template} {y} 01 0{d}" for y in range(1990, 2000) for d in range(1, 4)], n=8)
+    assert index.overlap(f"{template} 2044 05 07") == 0.0  # only the template is shared
+    assert index.overlap(f"{template} 1995 01 02") == 1.0  # an eval row verbatim

@@ -2,7 +2,8 @@
 
     python -m fineflow.stages.data --train data/raw/train.jsonl --eval data/raw/eval.jsonl
 
-The train file carries a small share of deliberately bad rows so that validation has something to catch;
+The train file carries a small share of deliberately bad rows (fineflow.synth.BAD_KINDS) so that every
+validation check has something to catch;
 the eval split is clean and disjoint from train. Real users point ``data.train_path`` at their own file.
 """
 
@@ -19,7 +20,7 @@ from fineflow.synth import inject_bad_rows, split_train_eval
 def run(params: Params, train_path: Path, eval_path: Path) -> dict:
     cfg = params.data
     train, evaluation = split_train_eval(cfg.n_train, cfg.n_eval, params.seed)
-    train_with_bad = inject_bad_rows(train, cfg.bad_row_share, params.seed)
+    train_with_bad = inject_bad_rows(train, cfg.bad_row_share, params.seed, evaluation)
     write_jsonl(train_path, train_with_bad)
     write_jsonl(eval_path, evaluation)
     return {"train_rows": len(train_with_bad), "bad_rows_injected": len(train_with_bad) - len(train),

@@ -4,7 +4,8 @@
         --out data/validated
 
 Writes ``<out>/train.jsonl`` and ``<out>/eval.jsonl`` (kept rows, normalized), ``<out>/quarantine.jsonl``
-(every rejected row with its reasons) and the report. The report and the quarantine are written even when
+(every rejected row with its reasons), ``<out>/redactions.jsonl`` (with ``validate.pii: redact``: which
+row had which PII kinds replaced) and the report. Train rows are checked for leakage against the eval rows. The report and the quarantine are written even when
 the gate fails, so a failed run can be inspected; then the stage exits non-zero with the reason.
 """
 
@@ -16,19 +17,26 @@ from fineflow.config import Params
 from fineflow.stages._entry import log, run_stage, stage_parser
 from fineflow.errors import DataError
 from fineflow.reports import write_json_atomic, write_jsonl
-from fineflow.validation import clean_record, gate, quarantine_record, read_jsonl, validate_rows
+from fineflow.overlap import LeakIndex
+from fineflow.validation import clean_record, clean_text, gate, quarantine_record, read_jsonl, validate_rows
 
 
 def run(params: Params, train_path: Path, eval_path: Path, out_dir: Path, report_path: Path) -> dict:
     cfg = params.validate_
-    outcomes = {split: validate_rows(read_jsonl(path), str(path), cfg)
-                for split, path in (("train", train_path), ("eval", eval_path))}
+    outcomes = {"eval": validate_rows(read_jsonl(eval_path), str(eval_path), cfg)}
+    # Train rows are checked against what evaluation will score, so a leaked eval row is caught here.
+    leak_index = LeakIndex((clean_text(row) for row in outcomes["eval"].kept), cfg.leakage_ngram)
+    outcomes["train"] = validate_rows(read_jsonl(train_path), str(train_path), cfg, leak_index)
     for split, outcome in outcomes.items():
         write_jsonl(out_dir / f"{split}.jsonl", (clean_record(row) for row in outcome.kept))
         log(f"{split}: {outcome.rows_in} rows in, {len(outcome.kept)} kept, "
-            f"{len(outcome.quarantined)} quarantined")
+            f"{len(outcome.quarantined)} quarantined, {sum(1 for r in outcome.kept if r.warnings)} kept with warnings")
     write_jsonl(out_dir / "quarantine.jsonl",
-                 (quarantine_record(row, split) for split, o in outcomes.items() for row in o.quarantined))
+                (quarantine_record(row, split) for split, o in outcomes.items() for row in o.quarantined))
+    # pii: redact keeps the rows; every replacement is logged (line and kinds, never the value)
+    write_jsonl(out_dir / "redactions.jsonl",
+                ({"split": split, "line": row.line, "kinds": row.redacted}
+                 for split, o in outcomes.items() for row in o.kept if row.redacted))
     train = outcomes["train"]
     report = {**train.report(), "eval": outcomes["eval"].report(), "passed": True}
     try:
