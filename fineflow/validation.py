@@ -186,25 +186,38 @@ def _suite(columns: list[str], cfg: ValidateParams):
     return checks
 
 
-def _run_gx(frame, checks) -> dict[str, list[int] | None]:
+def _run_gx(frame, checks, docs_dir: Path | None = None) -> dict[str, list[int] | None]:
     """Run the suite on the frame; return the failing index values (source line numbers) per check.
 
     A table-level check that fails (a column absent from the file) maps to None: no single row is at fault.
+    With docs_dir, a checkpoint action also renders GX Data Docs (static HTML) there.
     """
     import logging
 
     import great_expectations as gx
+    from great_expectations.checkpoint import UpdateDataDocsAction
 
     logging.getLogger("great_expectations").setLevel(logging.ERROR)
     context = gx.get_context(mode="ephemeral")
     context.variables.progress_bars = {"globally": False}
+    actions = []
+    if docs_dir is not None:
+        context.add_data_docs_site("fineflow", {
+            "class_name": "SiteBuilder", "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
+            "store_backend": {"class_name": "TupleFilesystemStoreBackend",
+                              "base_directory": str(Path(docs_dir).resolve())}})
+        actions.append(UpdateDataDocsAction(name="data_docs", site_names=["fineflow"]))
     batch_def = (context.data_sources.add_pandas("fineflow").add_dataframe_asset("rows")
                  .add_batch_definition_whole_dataframe("all"))
     suite = context.suites.add(gx.ExpectationSuite(name="fineflow_rows"))
     for _, _, expectation in checks:
         suite.add_expectation(expectation)
-    batch = batch_def.get_batch(batch_parameters={"dataframe": frame})
-    result = batch.validate(suite, result_format={"result_format": "COMPLETE"})
+    definition = context.validation_definitions.add(gx.ValidationDefinition(name="rows", data=batch_def,
+                                                                            suite=suite))
+    checkpoint = context.checkpoints.add(gx.Checkpoint(name="fineflow", validation_definitions=[definition],
+                                                       actions=actions,
+                                                       result_format={"result_format": "COMPLETE"}))
+    [result] = checkpoint.run(batch_parameters={"dataframe": frame}).run_results.values()
     # GX does not keep the suite's order in its results: key them by (expectation type, column).
     name_of = {(exp.expectation_type, exp.column): name for name, _, exp in checks}
     failing: dict[str, list[int] | None] = {name: [] for name, _, _ in checks}
@@ -232,8 +245,8 @@ def _detail(name: str, line: int, frame, first_seen: dict) -> str:
     return ""
 
 
-def validate_rows(rows: list[Row], source: str, cfg: ValidateParams,
-                  leak_index: LeakIndex | None = None) -> ValidationOutcome:
+def validate_rows(rows: list[Row], source: str, cfg: ValidateParams, leak_index: LeakIndex | None = None,
+                  docs_dir: Path | None = None) -> ValidationOutcome:
     """Run every check on rows; quarantine (error) or flag (warn) failing rows with file:line reasons."""
     parsed = [row for row in rows if row.data is not None]
     schema_problems: list[str] = []
@@ -244,7 +257,7 @@ def validate_rows(rows: list[Row], source: str, cfg: ValidateParams,
                 _redact_row(row)
         frame = _frame(parsed, leak_index)
         suite = _suite(list(frame.columns), cfg)
-        failing = _run_gx(frame, suite)
+        failing = _run_gx(frame, suite, docs_dir)
         by_line = {row.line: row for row in parsed}
         first_seen: dict[str, dict[str, int]] = {"row_key": {}, "norm_key": {}}
         for column, seen in first_seen.items():

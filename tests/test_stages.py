@@ -49,6 +49,15 @@ def test_validate_catches_every_injected_bad_row(built):
             "length_chars(text)", "not_null(output)"} <= failed
 
 
+def test_validate_renders_data_docs_of_the_suite(built):
+    docs = built / "reports/data_docs"
+    assert (docs / "train/index.html").exists() and (docs / "eval/index.html").exists()
+    [page] = (docs / "train/validations").rglob("*.html")
+    html = page.read_text()
+    for column in ("pii_kinds", "eval_overlap", "norm_key", "output"):  # the suite's checks are on the page
+        assert column in html
+
+
 def test_tokenize_writes_memmap_shards_with_meta(built):
     meta = json.loads((built / "data/shards/train/meta.json").read_text())
     assert meta["dtype"] == "uint16" and meta["examples"] == 161 and meta["truncated_examples"] == 0

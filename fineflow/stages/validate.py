@@ -5,12 +5,15 @@
 
 Writes ``<out>/train.jsonl`` and ``<out>/eval.jsonl`` (kept rows, normalized), ``<out>/quarantine.jsonl``
 (every rejected row with its reasons), ``<out>/redactions.jsonl`` (with ``validate.pii: redact``: which
-row had which PII kinds replaced) and the report. Train rows are checked for leakage against the eval rows. The report and the quarantine are written even when
-the gate fails, so a failed run can be inspected; then the stage exits non-zero with the reason.
+row had which PII kinds replaced), the report, and GX Data Docs HTML under ``reports/data_docs/<split>/``
+(its CSS/JS load from CDNs). Train rows are checked for leakage against the eval rows. The report and the
+quarantine are written even when the gate fails, so a failed run can be inspected; then the stage exits
+non-zero with the reason.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from fineflow.config import Params
@@ -21,12 +24,17 @@ from fineflow.overlap import LeakIndex
 from fineflow.validation import clean_record, clean_text, gate, quarantine_record, read_jsonl, validate_rows
 
 
-def run(params: Params, train_path: Path, eval_path: Path, out_dir: Path, report_path: Path) -> dict:
+def run(params: Params, train_path: Path, eval_path: Path, out_dir: Path, report_path: Path,
+        docs_dir: Path | None = None) -> dict:
     cfg = params.validate_
-    outcomes = {"eval": validate_rows(read_jsonl(eval_path), str(eval_path), cfg)}
+    if docs_dir is not None:
+        shutil.rmtree(docs_dir, ignore_errors=True)  # one run's docs, not an accumulation of old ones
+    outcomes = {"eval": validate_rows(read_jsonl(eval_path), str(eval_path), cfg,
+                                      docs_dir=docs_dir / "eval" if docs_dir else None)}
     # Train rows are checked against what evaluation will score, so a leaked eval row is caught here.
     leak_index = LeakIndex((clean_text(row) for row in outcomes["eval"].kept), cfg.leakage_ngram)
-    outcomes["train"] = validate_rows(read_jsonl(train_path), str(train_path), cfg, leak_index)
+    outcomes["train"] = validate_rows(read_jsonl(train_path), str(train_path), cfg, leak_index,
+                                      docs_dir=docs_dir / "train" if docs_dir else None)
     for split, outcome in outcomes.items():
         write_jsonl(out_dir / f"{split}.jsonl", (clean_record(row) for row in outcome.kept))
         log(f"{split}: {outcome.rows_in} rows in, {len(outcome.kept)} kept, "
@@ -53,8 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train", type=Path, required=True)
     parser.add_argument("--eval", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--data-docs", type=Path, default=Path("reports/data_docs"),
+                        help="where GX renders its Data Docs HTML (one site per split)")
     args = parser.parse_args(argv)
-    return run_stage("validate", args, lambda p: run(p, args.train, args.eval, args.out, Path(args.report)))
+    return run_stage("validate", args, lambda p: run(p, args.train, args.eval, args.out, Path(args.report),
+                                                     args.data_docs))
 
 
 if __name__ == "__main__":
