@@ -109,7 +109,7 @@ def build_embedded_base(model_cfg: ModelParams, base_cfg: BaseParams, seed: int,
     """Tokenizer + tiny Llama, pretrained on the bundled corpus and saved as a HF model directory."""
     import torch
 
-    from fineflow.synth import pretraining_corpus
+    from fineflow.corpus import pretraining_corpus
 
     random.seed(seed)
     torch.manual_seed(seed)

@@ -64,6 +64,22 @@ class DataParams(_Section):
     n_train: int = Field(4000, gt=0)
     n_eval: int = Field(200, gt=0)
     bad_row_share: float = Field(0.03, ge=0, lt=0.5)  # deliberately bad rows so validation has work
+    format: Literal["auto", "jsonl", "csv", "parquet"] = "auto"  # auto: by file extension
+    mapping: "FieldMapping" = Field(default_factory=lambda: FieldMapping())
+
+
+class FieldMapping(_Section):
+    """Which source column feeds each field of fineflow's internal schema (instruction, input, output).
+
+    Alpaca data maps as is; prompt/completion data is ``{instruction: prompt, input: null, output:
+    completion}``. A column named here that the file does not have is a clear error."""
+
+    instruction: str = "instruction"
+    input: str | None = "input"  # null: the data has no separate input field
+    output: str = "output"
+
+
+DataParams.model_rebuild()
 
 
 class CheckParams(_Section):

@@ -1,10 +1,10 @@
-"""The bundled synthetic instruction dataset and the pretraining corpus of the embedded base model.
+"""The bundled synthetic instruction dataset.
 
 Four task families a tiny model can learn on CPU in minutes — field extraction, date formatting, picking
 the larger number, reversing a word list — all copy-and-reorder skills, so held-out rows are new
-combinations of the same vocabulary. The pretraining corpus states the same facts as prose (no instruction
-template), which gives the base model the vocabulary and copying ability that LoRA then adapts to the
-instruction format.
+combinations of the same vocabulary (fineflow.corpus). The base model's pretraining corpus states the same
+facts as prose (no instruction template), which gives it the vocabulary and copying ability that LoRA then
+adapts to the instruction format.
 
 Everything is a pure function of a seed: the same seed gives byte-identical files.
 """
@@ -13,19 +13,9 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
-NAMES = ["Alice", "Bruno", "Chen", "Dalia", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jia", "Kofi", "Lena",
-         "Mateo", "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tariq", "Uma", "Viktor", "Wen", "Ximena",
-         "Yusuf", "Zara", "Arjun", "Beatriz", "Cyril", "Dmitri", "Elif", "Finn"]
-CITIES = ["Paris", "Lagos", "Tokyo", "Lima", "Oslo", "Cairo", "Quito", "Hanoi", "Dublin", "Accra", "Seoul",
-          "Porto", "Riga", "Kyoto", "Perth", "Tunis", "Bern", "Delhi", "Minsk", "Sofia", "Turin", "Nairobi",
-          "Austin", "Havana"]
-JOBS = ["baker", "pilot", "nurse", "chemist", "farmer", "lawyer", "painter", "tailor", "editor", "welder",
-        "dentist", "teacher"]
-WORDS = ["red", "blue", "green", "stone", "river", "cloud", "apple", "tiger", "lamp", "bread", "glass", "wolf",
-         "moon", "sand", "rope", "salt", "fern", "iron", "milk", "owl", "pearl", "reed", "snow", "vine"]
-FIELDS = ["name", "city", "age", "job"]
+from fineflow.corpus import FIELDS, NAMES, WORDS, date_parts, record, record_text
 
 
 @dataclass(frozen=True)
@@ -36,28 +26,13 @@ class Example:
     family: str
 
 
-def _record(rng: random.Random) -> dict[str, str]:
-    return {"name": rng.choice(NAMES), "city": rng.choice(CITIES), "age": str(rng.randint(18, 90)),
-            "job": rng.choice(JOBS)}
-
-
-def _record_text(rec: dict[str, str], rng: random.Random) -> str:
-    keys = FIELDS[:]
-    rng.shuffle(keys)
-    return "; ".join(f"{k}={rec[k]}" for k in keys)
-
-
-def _date(rng: random.Random) -> tuple[int, int, int]:
-    return rng.randint(1950, 2049), rng.randint(1, 12), rng.randint(1, 28)
-
-
 def extract_field(rng: random.Random) -> Example:
-    rec, field = _record(rng), rng.choice(FIELDS)
-    return Example(f"Extract the {field} from the record.", _record_text(rec, rng), rec[field], "extract")
+    rec, field = record(rng), rng.choice(FIELDS)
+    return Example(f"Extract the {field} from the record.", record_text(rec, rng), rec[field], "extract")
 
 
 def format_date(rng: random.Random) -> Example:
-    y, m, d = _date(rng)
+    y, m, d = date_parts(rng)
     return Example("Rewrite the date as DD/MM/YYYY.", f"{y:04d}-{m:02d}-{d:02d}", f"{d:02d}/{m:02d}/{y:04d}",
                    "date")
 
@@ -136,28 +111,3 @@ def inject_bad_rows(rows: list[dict], share: float, seed: int, eval_rows: list[d
             victim = dict(rng.choice(eval_rows))
         out.insert(rng.randrange(len(out) + 1), victim)  # "duplicate": the victim unchanged
     return out
-
-
-def _prose(rng: random.Random) -> str:
-    """One pretraining document: the task families' facts, stated without the instruction template."""
-    kind = rng.randrange(4)
-    if kind == 0:
-        rec = _record(rng)
-        text = _record_text(rec, rng)
-        field = rng.choice(FIELDS)
-        return f"Record {text}. Its {field} is {rec[field]}. {rec['name']} is a {rec['job']} in {rec['city']}."
-    if kind == 1:
-        y, m, d = _date(rng)
-        return f"The date {y:04d}-{m:02d}-{d:02d} is written {d:02d}/{m:02d}/{y:04d} in Europe."
-    if kind == 2:
-        a, b = rng.sample(range(10, 1000), 2)
-        return f"Between {a} and {b} the larger is {max(a, b)} and the smaller is {min(a, b)}."
-    words = rng.sample(WORDS, 3)
-    return f"The words {' '.join(words)} backwards are {' '.join(reversed(words))}."
-
-
-def pretraining_corpus(n_docs: int, seed: int) -> Iterator[str]:
-    """Deterministic prose documents for the embedded base model's tokenizer and pretraining."""
-    rng = random.Random(seed + 7)
-    for _ in range(n_docs):
-        yield _prose(rng)

@@ -121,6 +121,86 @@ def read_jsonl(path: str | Path) -> list[Row]:
     return rows
 
 
+def read_csv(path: str | Path) -> list[Row]:
+    """Every record of a CSV file (header first) as a Row numbered by its line in the file."""
+    import csv
+
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read the file ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not UTF-8 (byte {exc.start}); re-encode the file as UTF-8") from None
+    reader = csv.DictReader(text.splitlines(keepends=True))
+    rows: list[Row] = []
+    try:
+        for record in reader:
+            if None in record:  # more cells than header columns
+                rows.append(Row(reader.line_num, raw=str(record)[:1000],
+                                reasons=[f"{path}:{reader.line_num}: more cells than the header has columns"]))
+            else:
+                rows.append(Row(reader.line_num, data={k: v for k, v in record.items() if v is not None}))
+    except csv.Error as exc:
+        raise DataError(f"{path}:{reader.line_num}: malformed CSV ({exc})") from None
+    if not rows:
+        raise DataError(f"{path}: the file is empty (no rows below the header)")
+    return rows
+
+
+def read_parquet(path: str | Path) -> list[Row]:
+    """Every row of a Parquet file as a Row numbered from 1."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise DataError(f"{path}: cannot read the file as Parquet ({exc})") from None
+    rows = [Row(i, data={k: v for k, v in record.items() if v is not None})
+            for i, record in enumerate(table.to_pylist(), start=1)]
+    if not rows:
+        raise DataError(f"{path}: the file is empty (no rows)")
+    return rows
+
+
+READERS = {"jsonl": read_jsonl, "csv": read_csv, "parquet": read_parquet}
+EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet",
+              ".pq": "parquet"}
+
+
+def read_rows(path: str | Path, fmt: str = "auto") -> list[Row]:
+    """Rows of a JSONL, CSV or Parquet file; with fmt "auto" the extension decides."""
+    path = Path(path)
+    if fmt == "auto":
+        fmt = EXTENSIONS.get(path.suffix.lower())
+        if fmt is None:
+            raise DataError(f"{path}: cannot tell the format from the extension {path.suffix!r}; set "
+                            f"data.format in params.yaml to jsonl, csv or parquet")
+    return READERS[fmt](path)
+
+
+def apply_mapping(rows: list[Row], mapping, source: str) -> list[Row]:
+    """Rename source columns to the internal schema (instruction, input, output), in place.
+
+    A mapped column that no row has is a wrong mapping, not bad rows: raise naming the key and the
+    columns the file does have.
+    """
+    wanted = {"instruction": mapping.instruction, "input": mapping.input, "output": mapping.output}
+    present = {key for row in rows if row.data is not None for key in row.data}
+    for field_name, column in wanted.items():
+        if column is not None and column != field_name and present and column not in present:
+            raise DataError(f"{source}: params.yaml data.mapping.{field_name} is {column!r}, but no row has that "
+                            f"column (columns found: {sorted(present)})")
+    for row in rows:
+        if row.data is not None:
+            row.data = {field_name: row.data[column] for field_name, column in wanted.items()
+                        if column is not None and column in row.data}
+    return rows
+
+
 def _text(data: dict) -> str:
     """What the model will see (instruction, input, output joined); a missing or non-string field becomes
     text here instead of failing inside pandas."""

@@ -1,5 +1,7 @@
 """Stage validate: the great-expectations gate over the raw train and eval rows.
 
+Reads JSONL, CSV or Parquet (``data.format``), renamed to instruction/input/output by ``data.mapping``.
+
     python -m fineflow.stages.validate --train data/raw/train.jsonl --eval data/raw/eval.jsonl \
         --out data/validated
 
@@ -21,7 +23,8 @@ from fineflow.stages._entry import log, run_stage, stage_parser
 from fineflow.errors import DataError
 from fineflow.reports import write_json_atomic, write_jsonl
 from fineflow.overlap import LeakIndex
-from fineflow.validation import clean_record, clean_text, gate, quarantine_record, read_jsonl, validate_rows
+from fineflow.validation import (apply_mapping, clean_record, clean_text, gate, quarantine_record, read_rows,
+                                 validate_rows)
 
 
 def run(params: Params, train_path: Path, eval_path: Path, out_dir: Path, report_path: Path,
@@ -29,11 +32,15 @@ def run(params: Params, train_path: Path, eval_path: Path, out_dir: Path, report
     cfg = params.validate_
     if docs_dir is not None:
         shutil.rmtree(docs_dir, ignore_errors=True)  # one run's docs, not an accumulation of old ones
-    outcomes = {"eval": validate_rows(read_jsonl(eval_path), str(eval_path), cfg,
+
+    def load(path: Path) -> list:
+        return apply_mapping(read_rows(path, params.data.format), params.data.mapping, str(path))
+
+    outcomes = {"eval": validate_rows(load(eval_path), str(eval_path), cfg,
                                       docs_dir=docs_dir / "eval" if docs_dir else None)}
     # Train rows are checked against what evaluation will score, so a leaked eval row is caught here.
     leak_index = LeakIndex((clean_text(row) for row in outcomes["eval"].kept), cfg.leakage_ngram)
-    outcomes["train"] = validate_rows(read_jsonl(train_path), str(train_path), cfg, leak_index,
+    outcomes["train"] = validate_rows(load(train_path), str(train_path), cfg, leak_index,
                                       docs_dir=docs_dir / "train" if docs_dir else None)
     for split, outcome in outcomes.items():
         write_jsonl(out_dir / f"{split}.jsonl", (clean_record(row) for row in outcome.kept))

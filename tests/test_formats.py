@@ -1,0 +1,65 @@
+"""Input formats (JSONL, CSV, Parquet) and the params mapping onto instruction/input/output."""
+
+import json
+
+import pytest
+
+from fineflow.config import FieldMapping, ValidateParams
+from fineflow.errors import DataError
+from fineflow.validation import apply_mapping, read_rows, validate_rows
+
+ROWS = [{"prompt": "Say hi.", "completion": "hi"}, {"prompt": "Say bye.", "completion": "bye"}]
+PROMPT_COMPLETION = FieldMapping(instruction="prompt", input=None, output="completion")
+
+
+def write_all_formats(tmp_path):
+    import pandas as pd
+
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    pd.DataFrame(ROWS).to_csv(tmp_path / "d.csv", index=False)
+    pd.DataFrame(ROWS).to_parquet(tmp_path / "d.parquet")
+    return [tmp_path / "d.jsonl", tmp_path / "d.csv", tmp_path / "d.parquet"]
+
+
+def test_every_format_maps_to_the_same_records(tmp_path):
+    results = []
+    for path in write_all_formats(tmp_path):
+        rows = apply_mapping(read_rows(path), PROMPT_COMPLETION, str(path))
+        outcome = validate_rows(rows, str(path), ValidateParams())
+        results.append([row.data for row in outcome.kept])
+    assert results[0] == results[1] == results[2] == [
+        {"instruction": "Say hi.", "output": "hi"}, {"instruction": "Say bye.", "output": "bye"}]
+
+
+def test_wrong_mapping_is_a_clear_error(tmp_path):
+    path = write_all_formats(tmp_path)[1]
+    with pytest.raises(DataError, match=r"data.mapping.output is 'answer', but no row has that column "
+                                        r"\(columns found: \['completion', 'prompt'\]\)"):
+        apply_mapping(read_rows(path), FieldMapping(instruction="prompt", input=None, output="answer"), str(path))
+
+
+def test_csv_rows_are_numbered_by_file_line_and_ragged_rows_quarantined(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text('instruction,output\n"multi\nline",x\na,b,EXTRA\n')
+    rows = read_rows(path)
+    assert [row.line for row in rows] == [3, 4]
+    assert rows[1].reasons == [f"{path}:4: more cells than the header has columns"]
+
+
+def test_unknown_extension_asks_for_data_format(tmp_path):
+    (tmp_path / "d.txt").write_text("x")
+    with pytest.raises(DataError, match="set data.format in params.yaml"):
+        read_rows(tmp_path / "d.txt")
+
+
+def test_non_utf8_csv_names_the_line(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_bytes(b"instruction,output\na,b\nc,\xff\n")
+    with pytest.raises(DataError, match=rf"{path}:3: not UTF-8"):
+        read_rows(path)
+
+
+def test_not_parquet_is_a_clear_error(tmp_path):
+    (tmp_path / "d.parquet").write_text("not parquet")
+    with pytest.raises(DataError, match="cannot read the file as Parquet"):
+        read_rows(tmp_path / "d.parquet")
