@@ -90,7 +90,6 @@ class CheckParams(_Section):
     max_share: float = Field(0.10, ge=0, le=1)
 
 
-CHECK_NAMES = ("types", "non_null", "non_empty", "length_chars", "duplicate", "near_duplicate", "pii", "leakage")
 
 
 class ValidationChecks(_Section):
@@ -102,6 +101,10 @@ class ValidationChecks(_Section):
     near_duplicate: CheckParams = CheckParams(severity="warn")  # same text up to case/punctuation/spacing
     pii: CheckParams = CheckParams()
     leakage: CheckParams = CheckParams()  # train rows that overlap the eval data
+    # token-level (need the base tokenizer): rows longer than tokenize.seq_len get truncated ...
+    truncation: CheckParams = CheckParams(severity="warn", max_share=0.05)
+    # ... and a row whose response is cut away entirely would train on nothing
+    label_coverage: CheckParams = CheckParams(max_share=0.05)
 
 
 class ValidateParams(_Section):

@@ -23,6 +23,7 @@ from fineflow.config import CheckParams, ValidateParams
 from fineflow.errors import DataError
 from fineflow.overlap import LeakIndex, normalize
 from fineflow.pii import find_pii, redact
+from fineflow.template import encode_example
 
 REQUIRED = ("instruction", "output")
 OPTIONAL = ("input",)
@@ -74,8 +75,10 @@ class ValidationOutcome:
         for row in self.kept:
             for kind in row.redacted:
                 redacted[kind] = redacted.get(kind, 0) + 1
+        truncation = next((c.share for c in self.checks if c.category == "truncation"), None)
         return {
             "rows_in": self.rows_in, "rows_kept": len(self.kept), "rows_quarantined": len(self.quarantined),
+            "truncation_rate": round(truncation, 5) if truncation is not None else None,
             "rows_warned": sum(1 for row in self.kept if row.warnings), "pii_redacted": redacted,
             "checks": {c.name: {"category": c.category, "expectation": c.expectation, "severity": c.severity,
                                 "failed_rows": len(c.failed_lines), "share": round(c.share, 5),
@@ -217,7 +220,20 @@ def _redact_row(row: Row) -> None:
                 row.redacted.extend(span.kind for span in spans)
 
 
-def _frame(rows: list[Row], leak_index: LeakIndex | None):
+@dataclass(frozen=True)
+class TokenView:
+    """How the tokenize stage will see a row: the tokenizer and the packed row length it truncates to."""
+
+    tokenizer: object
+    seq_len: int
+
+    def measure(self, data: dict) -> tuple[int, int]:
+        """(tokens in the rendered example, response tokens still trained on after truncation)."""
+        ids, mask = encode_example(self.tokenizer, *(str(data.get(c) or "") for c in ("instruction", "input", "output")))
+        return len(ids), sum(mask[:self.seq_len])
+
+
+def _frame(rows: list[Row], leak_index: LeakIndex | None, tokens: TokenView | None):
     import pandas as pd
 
     present = {key for row in rows for key in row.data}
@@ -234,12 +250,16 @@ def _frame(rows: list[Row], leak_index: LeakIndex | None):
     # Derived columns that GX then checks: the PII kinds found (None when clean) and the share of the
     # row's word n-grams that the eval data already contains.
     frame["pii_kinds"] = [",".join(sorted({s.kind for s in find_pii(t)})) or None for t in texts]
+    if tokens is not None:
+        measured = [tokens.measure(row.data) for row in rows]
+        frame["n_tokens"] = [n for n, _ in measured]
+        frame["trained_tokens"] = [t for _, t in measured]
     if leak_index is not None:
         frame["eval_overlap"] = [leak_index.overlap(t) for t in texts]
     return frame
 
 
-def _suite(columns: list[str], cfg: ValidateParams):
+def _suite(columns: list[str], cfg: ValidateParams, seq_len: int | None = None):
     """(check name, category, expectation) triples — the suite is data, so the report names each check."""
     import great_expectations.expectations as gxe
 
@@ -260,6 +280,11 @@ def _suite(columns: list[str], cfg: ValidateParams):
     ]
     if cfg.pii == "quarantine":
         checks.append(("no_pii(text)", "pii", gxe.ExpectColumnValuesToBeNull(column="pii_kinds")))
+    if "n_tokens" in columns:
+        checks.append(("fits_seq_len(tokens)", "truncation",
+                       gxe.ExpectColumnValuesToBeBetween(column="n_tokens", max_value=seq_len)))
+        checks.append(("label_coverage(tokens)", "label_coverage",
+                       gxe.ExpectColumnValuesToBeBetween(column="trained_tokens", min_value=1)))
     if "eval_overlap" in columns:
         checks.append(("no_leakage(eval)", "leakage", gxe.ExpectColumnValuesToBeBetween(
             column="eval_overlap", max_value=cfg.leakage_max_overlap)))
@@ -320,13 +345,17 @@ def _detail(name: str, line: int, frame, first_seen: dict) -> str:
         return f" (same as line {first_seen['norm_key'][frame.at[line, 'norm_key']]} up to case/punctuation)"
     if name == "no_pii(text)":
         return f" ({frame.at[line, 'pii_kinds']})"
+    if name == "fits_seq_len(tokens)":
+        return f" ({frame.at[line, 'n_tokens']} tokens, truncated to tokenize.seq_len)"
+    if name == "label_coverage(tokens)":
+        return " (no response token left to train on after truncation)"
     if name == "no_leakage(eval)":
         return f" ({frame.at[line, 'eval_overlap']:.0%} of its word n-grams are in the eval data)"
     return ""
 
 
 def validate_rows(rows: list[Row], source: str, cfg: ValidateParams, leak_index: LeakIndex | None = None,
-                  docs_dir: Path | None = None) -> ValidationOutcome:
+                  docs_dir: Path | None = None, tokens: TokenView | None = None) -> ValidationOutcome:
     """Run every check on rows; quarantine (error) or flag (warn) failing rows with file:line reasons."""
     parsed = [row for row in rows if row.data is not None]
     schema_problems: list[str] = []
@@ -335,8 +364,8 @@ def validate_rows(rows: list[Row], source: str, cfg: ValidateParams, leak_index:
         if cfg.pii == "redact":
             for row in parsed:
                 _redact_row(row)
-        frame = _frame(parsed, leak_index)
-        suite = _suite(list(frame.columns), cfg)
+        frame = _frame(parsed, leak_index, tokens)
+        suite = _suite(list(frame.columns), cfg, tokens.seq_len if tokens else None)
         failing = _run_gx(frame, suite, docs_dir)
         by_line = {row.line: row for row in parsed}
         first_seen: dict[str, dict[str, int]] = {"row_key": {}, "norm_key": {}}

@@ -79,7 +79,8 @@ def built(tmp_path_factory):
     base.run(params, root / "models/base")
     data.run(params, root / "data/raw/train.jsonl", root / "data/raw/eval.jsonl")
     report = validate.run(params, root / "data/raw/train.jsonl", root / "data/raw/eval.jsonl",
-                          root / "data/validated", root / "reports/validate.json", root / "reports/data_docs")
+                          root / "data/validated", root / "reports/validate.json", root / "reports/data_docs",
+                          root / "models/base")
     write_json_atomic(root / "reports/validate.json", report)
     tokenize.run(params, root / "data/validated", root / "models/base", root / "data/shards")
     return root

@@ -163,3 +163,31 @@ def test_shared_prompt_template_is_not_leakage():
     index = LeakIndex([f"{template} {y} 01 0{d}" for y in range(1990, 2000) for d in range(1, 4)], n=8)
     assert index.overlap(f"{template} 2044 05 07") == 0.0  # only the template is shared
     assert index.overlap(f"{template} 1995 01 02") == 1.0  # an eval row verbatim
+
+
+def test_fifty_megabyte_row_is_quarantined_not_a_crash(tmp_path):
+    big = "lorem ipsum " * (50 * 1024 * 1024 // 12)
+    path = write(tmp_path / "t.jsonl", [json.dumps(GOOD), json.dumps({**GOOD, "input": big})])
+    outcome = outcome_for(path)
+    assert [row.line for row in outcome.kept] == [1]
+    assert [row.line for row in outcome.quarantined] == [2]
+    assert f"{path}:2: failed length_chars(text)" in outcome.quarantined[0].reasons[0]
+
+
+def test_token_checks_flag_truncation_and_quarantine_rows_with_nothing_to_train(tmp_path):
+    from fineflow.basemodel import train_tokenizer
+    from fineflow.validation import TokenView
+
+    tokenizer = train_tokenizer(["say hi and bye to everyone in the room " * 3] * 50, vocab_size=300,
+                                model_max_length=128)
+    words = "say hi and bye to everyone in the room"
+    path = write(tmp_path / "t.jsonl", [
+        json.dumps(GOOD),
+        json.dumps({"instruction": "Say hi.", "input": "", "output": words * 4}),  # response cut short
+        json.dumps({"instruction": words * 6, "input": "", "output": "hi"}),  # prompt alone fills the row
+    ])
+    outcome = validate_rows(read_jsonl(path), str(path), CFG, tokens=TokenView(tokenizer, seq_len=40))
+    assert [row.line for row in outcome.quarantined] == [3]
+    assert "label_coverage(tokens) (no response token left to train on" in outcome.quarantined[0].reasons[0]
+    assert outcome.kept[1].warnings[0].startswith(f"{path}:2: failed fits_seq_len(tokens)")
+    assert outcome.report()["truncation_rate"] == round(2 / 3, 5)

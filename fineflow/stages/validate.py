@@ -23,13 +23,19 @@ from fineflow.stages._entry import log, run_stage, stage_parser
 from fineflow.errors import DataError
 from fineflow.reports import write_json_atomic, write_jsonl
 from fineflow.overlap import LeakIndex
-from fineflow.validation import (apply_mapping, clean_record, clean_text, gate, quarantine_record, read_rows,
-                                 validate_rows)
+from fineflow.validation import (TokenView, apply_mapping, clean_record, clean_text, gate, quarantine_record,
+                                 read_rows, validate_rows)
 
 
 def run(params: Params, train_path: Path, eval_path: Path, out_dir: Path, report_path: Path,
-        docs_dir: Path | None = None) -> dict:
+        docs_dir: Path | None = None, base_dir: Path | None = None) -> dict:
     cfg = params.validate_
+    tokens = None
+    if base_dir is not None:  # token-level checks see rows exactly as the tokenize stage will
+        from fineflow.basemodel import resolve_base_model
+        from fineflow.stages.tokenize import load_tokenizer
+
+        tokens = TokenView(load_tokenizer(resolve_base_model(params.model, base_dir)), params.tokenize.seq_len)
     if docs_dir is not None:
         shutil.rmtree(docs_dir, ignore_errors=True)  # one run's docs, not an accumulation of old ones
 
@@ -37,11 +43,11 @@ def run(params: Params, train_path: Path, eval_path: Path, out_dir: Path, report
         return apply_mapping(read_rows(path, params.data.format), params.data.mapping, str(path))
 
     outcomes = {"eval": validate_rows(load(eval_path), str(eval_path), cfg,
-                                      docs_dir=docs_dir / "eval" if docs_dir else None)}
+                                      docs_dir=docs_dir / "eval" if docs_dir else None, tokens=tokens)}
     # Train rows are checked against what evaluation will score, so a leaked eval row is caught here.
     leak_index = LeakIndex((clean_text(row) for row in outcomes["eval"].kept), cfg.leakage_ngram)
     outcomes["train"] = validate_rows(load(train_path), str(train_path), cfg, leak_index,
-                                      docs_dir=docs_dir / "train" if docs_dir else None)
+                                      docs_dir=docs_dir / "train" if docs_dir else None, tokens=tokens)
     for split, outcome in outcomes.items():
         write_jsonl(out_dir / f"{split}.jsonl", (clean_record(row) for row in outcome.kept))
         log(f"{split}: {outcome.rows_in} rows in, {len(outcome.kept)} kept, "
@@ -68,11 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train", type=Path, required=True)
     parser.add_argument("--eval", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--base-dir", type=Path, default=None,
+                        help="base model dir; enables the token-level checks (truncation, label coverage)")
     parser.add_argument("--data-docs", type=Path, default=Path("reports/data_docs"),
                         help="where GX renders its Data Docs HTML (one site per split)")
     args = parser.parse_args(argv)
     return run_stage("validate", args, lambda p: run(p, args.train, args.eval, args.out, Path(args.report),
-                                                     args.data_docs))
+                                                     args.data_docs, args.base_dir))
 
 
 if __name__ == "__main__":
