@@ -72,11 +72,14 @@ class FieldMapping(_Section):
     """Which source column feeds each field of fineflow's internal schema (instruction, input, output).
 
     Alpaca data maps as is; prompt/completion data is ``{instruction: prompt, input: null, output:
-    completion}``. A column named here that the file does not have is a clear error."""
+    completion}``; chat data names its OpenAI-style list with ``messages: messages`` (the last message is
+    the assistant's response, the conversation before it the prompt). A column named here that the file
+    does not have is a clear error."""
 
     instruction: str = "instruction"
     input: str | None = "input"  # null: the data has no separate input field
     output: str = "output"
+    messages: str | None = None  # set for chat data; then instruction/input/output are derived from it
 
 
 DataParams.model_rebuild()

@@ -185,22 +185,64 @@ def read_rows(path: str | Path, fmt: str = "auto") -> list[Row]:
     return READERS[fmt](path)
 
 
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def chat_to_record(messages: object) -> tuple[dict | None, str | None]:
+    """(instruction/input/output record, None) from an OpenAI-style messages list, or (None, problem).
+
+    The last message must be the assistant's: it is the response. Everything before it is the prompt;
+    a single (system +) user turn becomes the instruction as is, longer conversations one "Role: text"
+    line per turn.
+    """
+    if not isinstance(messages, list) or not messages:
+        return None, "messages must be a non-empty list of {role, content} objects"
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
+            return None, f"messages[{i}].role must be one of {list(CHAT_ROLES)}"
+        if not isinstance(message.get("content"), str):
+            return None, f"messages[{i}].content must be a string"
+    if messages[-1]["role"] != "assistant":
+        return None, "the last message must be the assistant's response"
+    prompt = messages[:-1]
+    if not any(m["role"] == "user" for m in prompt):
+        return None, "no user message before the assistant's response"
+    if [m["role"] for m in prompt] in (["user"], ["system", "user"]):
+        instruction = "\n".join(m["content"] for m in prompt)
+    else:
+        instruction = "\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in prompt)
+    return {"instruction": instruction, "input": "", "output": messages[-1]["content"]}, None
+
+
 def apply_mapping(rows: list[Row], mapping, source: str) -> list[Row]:
     """Rename source columns to the internal schema (instruction, input, output), in place.
 
     A mapped column that no row has is a wrong mapping, not bad rows: raise naming the key and the
-    columns the file does have.
+    columns the file does have. A chat row whose messages are malformed is quarantined with the reason.
     """
-    wanted = {"instruction": mapping.instruction, "input": mapping.input, "output": mapping.output}
+    if mapping.messages is not None:
+        wanted = {"messages": mapping.messages}
+    else:
+        wanted = {"instruction": mapping.instruction, "input": mapping.input, "output": mapping.output}
     present = {key for row in rows if row.data is not None for key in row.data}
     for field_name, column in wanted.items():
-        if column is not None and column != field_name and present and column not in present:
+        if column is not None and (column != field_name or field_name == "messages") and present \
+                and column not in present:
             raise DataError(f"{source}: params.yaml data.mapping.{field_name} is {column!r}, but no row has that "
                             f"column (columns found: {sorted(present)})")
     for row in rows:
-        if row.data is not None:
+        if row.data is None:
+            continue
+        if mapping.messages is None:
             row.data = {field_name: row.data[column] for field_name, column in wanted.items()
                         if column is not None and column in row.data}
+            continue
+        record, problem = chat_to_record(row.data.get(mapping.messages))
+        if problem:
+            row.raw, row.data = json.dumps(row.data, ensure_ascii=False, default=str)[:1000], None
+            row.reasons.append(f"{source}:{row.line}: {problem}")
+        else:
+            row.data = record
     return rows
 
 

@@ -63,3 +63,43 @@ def test_not_parquet_is_a_clear_error(tmp_path):
     (tmp_path / "d.parquet").write_text("not parquet")
     with pytest.raises(DataError, match="cannot read the file as Parquet"):
         read_rows(tmp_path / "d.parquet")
+
+
+CHAT = FieldMapping(messages="messages")
+
+
+def test_chat_messages_become_instruction_and_response(tmp_path):
+    rows = [
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."},
+                      {"role": "assistant", "content": "hi"}]},
+        {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+                      {"role": "user", "content": "times 3?"}, {"role": "assistant", "content": "12"}]},
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    mapped = apply_mapping(read_rows(path), CHAT, str(path))
+    assert mapped[0].data == {"instruction": "Be brief.\nSay hi.", "input": "", "output": "hi"}
+    assert mapped[1].data == {"instruction": "User: 2+2?\nAssistant: 4\nUser: times 3?", "input": "",
+                              "output": "12"}
+
+
+@pytest.mark.parametrize("messages, problem", [
+    ("hello", "messages must be a non-empty list"),
+    ([{"role": "robot", "content": "x"}], "messages[0].role must be one of"),
+    ([{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}], "messages[0].content must be a string"),
+    ([{"role": "user", "content": "hi"}], "the last message must be the assistant's response"),
+    ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "x"}], "no user message"),
+])
+def test_malformed_chat_rows_are_quarantined_with_the_reason(tmp_path, messages, problem):
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps({"messages": messages}) + "\n")
+    outcome = validate_rows(apply_mapping(read_rows(path), CHAT, str(path)), str(path), ValidateParams())
+    assert [row.line for row in outcome.kept] == [1]
+    assert outcome.quarantined[0].reasons[0].startswith(f"{path}:2: {problem}")
+
+
+def test_chat_mapping_to_a_missing_column_is_a_clear_error(tmp_path):
+    path = write_all_formats(tmp_path)[0]
+    with pytest.raises(DataError, match="data.mapping.messages is 'messages', but no row has that column"):
+        apply_mapping(read_rows(path), CHAT, str(path))
