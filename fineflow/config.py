@@ -124,6 +124,8 @@ class ValidateParams(_Section):
 
 class TokenizeParams(_Section):
     seq_len: int = Field(256, gt=8)  # packed row length; examples longer than this are truncated
+    workers: int = Field(1, gt=0)  # tokenizer processes; the output is identical for any count
+    pack_window: int = Field(20000, gt=0)  # examples packed together; bounds memory, not the result much
 
 
 class LoraParams(_Section):

@@ -90,19 +90,43 @@ def pack_examples(encoded: list[tuple[list[int], list[int]]], seq_len: int, pad_
     return PackedArrays(tokens, mask, positions, examples), truncated
 
 
+class ShardWriter:
+    """Appends packed windows to a shard directory, so a dataset of any size is written in bounded memory."""
+
+    def __init__(self, out_dir: Path, seq_len: int, dtype: np.dtype):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir, self.seq_len, self.dtype = out_dir, seq_len, np.dtype(dtype)
+        self.files = {name: (out_dir / name).open("wb") for name in
+                      ("tokens.bin", "loss_mask.bin", "positions.bin", "examples.idx")}
+        self.rows = self.examples = self.real_tokens = self.trained_tokens = 0
+
+    def append(self, arrays: PackedArrays) -> None:
+        examples = arrays.examples.copy()
+        examples[:, 0] += self.rows  # window-local row numbers -> shard row numbers
+        for name, array in (("tokens.bin", arrays.tokens), ("loss_mask.bin", arrays.loss_mask),
+                            ("positions.bin", arrays.positions), ("examples.idx", examples)):
+            array.tofile(self.files[name])
+        self.rows += arrays.tokens.shape[0]
+        self.examples += examples.shape[0]
+        self.real_tokens += int(examples[:, 2].sum()) if len(examples) else 0
+        self.trained_tokens += int(arrays.loss_mask.sum())
+
+    def close(self, meta: dict) -> dict:
+        for fh in self.files.values():
+            fh.close()
+        full = {"format_version": FORMAT_VERSION, "rows": self.rows, "seq_len": self.seq_len,
+                "dtype": self.dtype.name, "examples": self.examples, "real_tokens": self.real_tokens,
+                "trained_tokens": self.trained_tokens,
+                "real_token_share": round(self.real_tokens / max(1, self.rows * self.seq_len), 4), **meta}
+        (self.out_dir / "meta.json").write_text(json.dumps(full, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        return full
+
+
 def write_shard(out_dir: Path, arrays: PackedArrays, meta: dict) -> dict:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name, array in (("tokens.bin", arrays.tokens), ("loss_mask.bin", arrays.loss_mask),
-                        ("positions.bin", arrays.positions), ("examples.idx", arrays.examples)):
-        array.tofile(out_dir / name)
-    rows, seq_len = arrays.tokens.shape
-    full = {"format_version": FORMAT_VERSION, "rows": rows, "seq_len": seq_len,
-            "dtype": arrays.tokens.dtype.name, "examples": int(arrays.examples.shape[0]),
-            "real_tokens": int(arrays.examples[:, 2].sum()) if len(arrays.examples) else 0,
-            "trained_tokens": int(arrays.loss_mask.sum()), **meta}
-    full["real_token_share"] = round(full["real_tokens"] / max(1, rows * seq_len), 4)
-    (out_dir / "meta.json").write_text(json.dumps(full, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    return full
+    """One packed window as a whole shard (tests and small data)."""
+    writer = ShardWriter(out_dir, arrays.tokens.shape[1], arrays.tokens.dtype)
+    writer.append(arrays)
+    return writer.close(meta)
 
 
 class PackedShard:

@@ -35,3 +35,13 @@ def encode_example(tokenizer, instruction: str, input: str, output: str) -> tupl
     prompt = tokenizer.encode(render_prompt(instruction, input), add_special_tokens=False)
     response = tokenizer.encode(RESPONSE_PREFIX + output, add_special_tokens=False) + [tokenizer.eos_token_id]
     return prompt + response, [0] * len(prompt) + [1] * len(response)
+
+
+def encode_batch(tokenizer, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
+    """encode_example for many rows at once through the fast tokenizer's batch call (same tokens)."""
+    prompts = [render_prompt(r["instruction"], r.get("input") or "") for r in rows]
+    responses = [RESPONSE_PREFIX + r["output"] for r in rows]
+    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    return [(p + r + [eos], [0] * len(p) + [1] * (len(r) + 1)) for p, r in zip(prompt_ids, response_ids)]

@@ -8,15 +8,15 @@ Reads ``<rows>/train.jsonl`` and ``<rows>/eval.jsonl``, renders each with the pr
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from fineflow import __version__
 from fineflow.basemodel import resolve_base_model
 from fineflow.config import Params
-from fineflow.shards import pack_examples, token_dtype, tokenizer_hash, write_shard
+from fineflow.shards import token_dtype, tokenizer_hash
 from fineflow.stages._entry import log, run_stage, stage_parser
-from fineflow.template import encode_example, template_hash
+from fineflow.template import template_hash
+from fineflow.tokenization import read_rows_lazily, tokenize_to_shard
 
 
 def load_tokenizer(reference: str):
@@ -30,23 +30,19 @@ def load_tokenizer(reference: str):
     return tokenizer
 
 
-def tokenize_split(tokenizer, rows_path: Path, out_dir: Path, seq_len: int) -> dict:
-    with rows_path.open(encoding="utf-8") as fh:
-        rows = [json.loads(line) for line in fh if line.strip()]
-    encoded = [encode_example(tokenizer, r["instruction"], r["input"], r["output"]) for r in rows]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    arrays, truncated = pack_examples(encoded, seq_len, pad_id, token_dtype(len(tokenizer)))
+def tokenize_split(tokenizer, reference: str, rows_path: Path, out_dir: Path, cfg) -> dict:
     meta = {"vocab_size": len(tokenizer), "tokenizer_hash": tokenizer_hash(tokenizer),
-            "template_hash": template_hash(), "code_version": __version__, "truncated_examples": truncated,
-            "source": str(rows_path)}
-    return write_shard(out_dir, arrays, meta)
+            "template_hash": template_hash(), "code_version": __version__, "source": str(rows_path)}
+    return tokenize_to_shard(read_rows_lazily(rows_path), tokenizer, reference, out_dir, cfg.seq_len,
+                             token_dtype(len(tokenizer)), cfg.workers, cfg.pack_window, meta)
 
 
 def run(params: Params, rows_dir: Path, base_dir: Path, out_dir: Path) -> dict:
-    tokenizer = load_tokenizer(resolve_base_model(params.model, base_dir))
+    reference = resolve_base_model(params.model, base_dir)
+    tokenizer = load_tokenizer(reference)
     report = {}
     for split in ("train", "eval"):
-        meta = tokenize_split(tokenizer, rows_dir / f"{split}.jsonl", out_dir / split, params.tokenize.seq_len)
+        meta = tokenize_split(tokenizer, reference, rows_dir / f"{split}.jsonl", out_dir / split, params.tokenize)
         log(f"{split}: {meta['examples']} examples -> {meta['rows']} packed rows of {meta['seq_len']}, "
             f"real-token share {meta['real_token_share']:.1%}")
         report[split] = {k: meta[k] for k in ("examples", "rows", "real_tokens", "trained_tokens",

@@ -1,0 +1,74 @@
+"""Streaming, parallel tokenization of validated rows into packed shards, with memory flat in dataset size.
+
+Rows are read lazily in chunks; chunks are encoded by ``workers`` processes (the Rust tokenizer runs one
+thread per process here, TOKENIZERS_PARALLELISM=false) and come back in input order, so the output is
+byte-identical whatever the worker count. Examples are packed best-fit within windows of
+``pack_window`` examples and each window's rows are appended to the shard files: memory holds one window,
+never the dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+from itertools import islice
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from fineflow.shards import ShardWriter, pack_examples
+from fineflow.template import encode_batch
+
+_WORKER_TOKENIZER = None
+
+
+def _init_worker(reference: str) -> None:
+    global _WORKER_TOKENIZER
+    from transformers import AutoTokenizer
+
+    _WORKER_TOKENIZER = AutoTokenizer.from_pretrained(reference)
+
+
+def _encode_chunk(rows: list[dict]) -> list[tuple[list[int], list[int]]]:
+    return encode_batch(_WORKER_TOKENIZER, rows)
+
+
+def read_rows_lazily(path: Path) -> Iterator[dict]:
+    with path.open(encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                yield json.loads(line)
+
+
+def chunks(items: Iterable, size: int) -> Iterator[list]:
+    iterator = iter(items)
+    while chunk := list(islice(iterator, size)):
+        yield chunk
+
+
+def encode_stream(rows: Iterable[dict], tokenizer, reference: str, workers: int,
+                  chunk_rows: int = 2000) -> Iterator[tuple[list[int], list[int]]]:
+    """(ids, loss mask) per row, in input order; workers > 1 encodes chunks in a process pool."""
+    if workers == 1:
+        for chunk in chunks(rows, chunk_rows):
+            yield from encode_batch(tokenizer, chunk)
+        return
+    context = multiprocessing.get_context("spawn")  # no fork of a parent that may hold torch threads
+    with context.Pool(workers, initializer=_init_worker, initargs=(reference,)) as pool:
+        for encoded in pool.imap(_encode_chunk, chunks(rows, chunk_rows)):
+            yield from encoded
+
+
+def tokenize_to_shard(rows: Iterable[dict], tokenizer, reference: str, out_dir: Path, seq_len: int,
+                      dtype: np.dtype, workers: int, pack_window: int, meta: dict) -> dict:
+    """Encode, pack window by window and append to a shard directory; returns the shard's meta."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    writer = ShardWriter(out_dir, seq_len, dtype)
+    truncated = 0
+    for window in chunks(encode_stream(rows, tokenizer, reference, workers), pack_window):
+        arrays, cut = pack_examples(window, seq_len, pad_id, dtype)
+        writer.append(arrays)
+        truncated += cut
+    # the worker count is not recorded: it must not change the shard (or its DVC hash)
+    return writer.close({**meta, "truncated_examples": truncated, "pack_window": pack_window})
