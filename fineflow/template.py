@@ -41,7 +41,12 @@ def encode_batch(tokenizer, rows: list[dict]) -> list[tuple[list[int], list[int]
     """encode_example for many rows at once through the fast tokenizer's batch call (same tokens)."""
     prompts = [render_prompt(r["instruction"], r.get("input") or "") for r in rows]
     responses = [RESPONSE_PREFIX + r["output"] for r in rows]
-    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:  # a fast tokenizer: call Rust directly, skipping BatchEncoding's conversions
+        prompt_ids = [e.ids for e in backend.encode_batch(prompts, add_special_tokens=False)]
+        response_ids = [e.ids for e in backend.encode_batch(responses, add_special_tokens=False)]
+    else:
+        prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
     eos = tokenizer.eos_token_id
     return [(p + r + [eos], [0] * len(p) + [1] * (len(r) + 1)) for p, r in zip(prompt_ids, response_ids)]
