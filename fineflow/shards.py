@@ -156,9 +156,15 @@ class PackedShard:
 
     def row(self, i: int) -> dict[str, np.ndarray]:
         """input_ids, labels (-100 where not trained) and position_ids of packed row i, as int64."""
-        ids = self.tokens[i].astype(np.int64)
-        labels = np.where(self.loss_mask[i] == 1, ids, -100)
-        positions = self.positions[i].astype(np.int64)
+        return {key: value[0] for key, value in self.batch([i]).items()}
+
+    def batch(self, rows: list[int]) -> dict[str, np.ndarray]:
+        """The rows stacked, gathered from the memory maps in one vectorized read per array (the loop's
+        data wait is this call)."""
+        index = np.asarray(rows, dtype=np.int64)
+        ids = self.tokens[index].astype(np.int64)
+        positions = self.positions[index].astype(np.int64)
+        labels = np.where(self.loss_mask[index] == 1, ids, -100)
         labels[positions == 0] = -100  # the first token of an example is never predicted from the previous one
         return {"input_ids": ids, "labels": labels, "position_ids": positions}
 
@@ -179,8 +185,12 @@ class RowSampler:
         self.epoch, self.position = 0, 0
 
     def _epoch_rows(self) -> np.ndarray:
-        order = np.random.default_rng(self.seed + self.epoch).permutation(self.n_rows)
-        return order[self.rank: self.per_rank * self.world_size: self.world_size]
+        """This rank's rows for the current epoch (computed once per epoch, not per batch)."""
+        if getattr(self, "_cached_epoch", None) != self.epoch:
+            order = np.random.default_rng(self.seed + self.epoch).permutation(self.n_rows)
+            self._cached_rows = order[self.rank: self.per_rank * self.world_size: self.world_size]
+            self._cached_epoch = self.epoch
+        return self._cached_rows
 
     def next_indices(self, count: int) -> list[int]:
         out: list[int] = []

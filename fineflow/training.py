@@ -41,8 +41,7 @@ def lr_multiplier(step: int, warmup: int, total: int, schedule: str) -> float:
 def collate(shard: PackedShard, indices: list[int]) -> dict:
     import torch
 
-    rows = [shard.row(i) for i in indices]
-    return {key: torch.from_numpy(np.stack([r[key] for r in rows])) for key in rows[0]}
+    return {key: torch.from_numpy(array) for key, array in shard.batch(indices).items()}
 
 
 def token_loss_sum(model, batch: dict):
