@@ -20,7 +20,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 
 from fineflow.config import TrainParams
 from fineflow.errors import FineflowError

@@ -9,7 +9,6 @@ Retries: train is retried (a transient crash re-runs it; bad input or params are
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 

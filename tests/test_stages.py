@@ -7,7 +7,7 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, venv_env, write_params
+from tests.conftest import venv_env, write_params
 
 
 def test_base_is_a_loadable_hf_model_dir(built):
