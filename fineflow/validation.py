@@ -275,7 +275,7 @@ class TokenView:
         return len(ids), sum(mask[:self.seq_len])
 
 
-def _frame(rows: list[Row], leak_index: LeakIndex | None, tokens: TokenView | None):
+def _frame(rows: list[Row], leak_index: LeakIndex | None, tokens: TokenView | None, find_pii_kinds: bool):
     import pandas as pd
 
     present = {key for row in rows for key in row.data}
@@ -287,11 +287,11 @@ def _frame(rows: list[Row], leak_index: LeakIndex | None, tokens: TokenView | No
     frame["input"] = frame["input"].where(frame["input"].notna(), "")
     texts = [_text(row.data) for row in rows]
     frame["text"] = texts
-    frame["row_key"] = texts
     frame["norm_key"] = [normalize(t) for t in texts]
     # Derived columns that GX then checks: the PII kinds found (None when clean) and the share of the
     # row's word n-grams that the eval data already contains.
-    frame["pii_kinds"] = [",".join(sorted({s.kind for s in find_pii(t)})) or None for t in texts]
+    if find_pii_kinds:  # with pii: redact the spans were already replaced; scanning again finds nothing
+        frame["pii_kinds"] = [",".join(sorted({s.kind for s in find_pii(t)})) or None for t in texts]
     if tokens is not None:
         measured = [tokens.measure(row.data) for row in rows]
         frame["n_tokens"] = [n for n, _ in measured]
@@ -317,7 +317,7 @@ def _suite(columns: list[str], cfg: ValidateParams, seq_len: int | None = None):
         ("type_str(input)", "types", gxe.ExpectColumnValuesToBeOfType(column="input", type_="str")),
         ("length_chars(text)", "length_chars", gxe.ExpectColumnValueLengthsToBeBetween(
             column="text", min_value=cfg.min_chars, max_value=cfg.max_chars)),
-        ("unique(row)", "duplicate", gxe.ExpectColumnValuesToBeUnique(column="row_key")),
+        ("unique(row)", "duplicate", gxe.ExpectColumnValuesToBeUnique(column="text")),
         ("near_unique(normalized)", "near_duplicate", gxe.ExpectColumnValuesToBeUnique(column="norm_key")),
     ]
     if cfg.pii == "quarantine":
@@ -382,7 +382,7 @@ def _run_gx(frame, checks, docs_dir: Path | None = None) -> dict[str, list[int] 
 def _detail(name: str, line: int, frame, first_seen: dict) -> str:
     """Extra words for a failed check's reason: which line a duplicate repeats, which PII kinds, ..."""
     if name == "unique(row)":
-        return f" (first seen at line {first_seen['row_key'][frame.at[line, 'row_key']]})"
+        return f" (first seen at line {first_seen['text'][frame.at[line, 'text']]})"
     if name == "near_unique(normalized)":
         return f" (same as line {first_seen['norm_key'][frame.at[line, 'norm_key']]} up to case/punctuation)"
     if name == "no_pii(text)":
@@ -406,11 +406,11 @@ def validate_rows(rows: list[Row], source: str, cfg: ValidateParams, leak_index:
         if cfg.pii == "redact":
             for row in parsed:
                 _redact_row(row)
-        frame = _frame(parsed, leak_index, tokens)
+        frame = _frame(parsed, leak_index, tokens, find_pii_kinds=cfg.pii == "quarantine")
         suite = _suite(list(frame.columns), cfg, tokens.seq_len if tokens else None)
         failing = _run_gx(frame, suite, docs_dir)
         by_line = {row.line: row for row in parsed}
-        first_seen: dict[str, dict[str, int]] = {"row_key": {}, "norm_key": {}}
+        first_seen: dict[str, dict[str, int]] = {"text": {}, "norm_key": {}}
         for column, seen in first_seen.items():
             for line, key in frame[column].items():
                 seen.setdefault(key, line)
@@ -423,7 +423,7 @@ def validate_rows(rows: list[Row], source: str, cfg: ValidateParams, leak_index:
                                           [row.line for row in parsed], len(parsed)))
                 continue
             if name in ("unique(row)", "near_unique(normalized)"):  # keep the first copy, flag the rest
-                key = "row_key" if name == "unique(row)" else "norm_key"
+                key = "text" if name == "unique(row)" else "norm_key"
                 lines = [ln for ln in lines if first_seen[key][frame.at[ln, key]] != ln]
             # the schema is not negotiable: a required column missing from the file always blocks
             knobs = CheckParams(max_share=0.0) if category == "schema" else getattr(cfg.checks, category)
