@@ -4,8 +4,9 @@ compute step, for on-the-fly tokenization vs fineflow's packed-shard loader. Sid
     .venv/bin/python bench/data_wait.py [--steps 300] [--compute-ms 20] [--batch 8]
 
 on-the-fly: each step tokenizes its rows from text and pads them into tensors (what a loop without
-pre-tokenized data does); shard loader: each step takes packed rows from the memory-mapped shard through
-the seeded sampler and collates them (what fineflow's train stage does). The fake compute busy-waits, like
+pre-tokenized data does); shard loader, inline: each step takes packed rows from the memory-mapped shard
+through the seeded sampler and collates them in the loop; shard loader, prefetch: the same steps prepared
+ahead on fineflow's BatchLoader thread (what the train stage does). The fake compute busy-waits, like
 a host spinning on a GPU step. Needs `make run` first (data/validated, data/shards, models/base).
 """
 
@@ -50,9 +51,9 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
+    from fineflow.loader import BatchLoader
     from fineflow.shards import PackedShard, RowSampler
     from fineflow.template import encode_batch
-    from fineflow.training import collate
 
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "models/base")
     rows = [json.loads(line) for line in (ROOT / "data/validated/train.jsonl").read_text().splitlines()]
@@ -65,21 +66,22 @@ def main() -> None:
         i = position["i"]
         chunk = [rows[(i + k) % len(rows)] for k in range(n_examples)]
         position["i"] = i + n_examples
-        encoded = encode_batch(tokenizer, chunk)
+        batch = encode_batch(tokenizer, chunk)
+        encoded = [batch.example(k) for k in range(len(batch))]
         longest = max(len(ids) for ids, _ in encoded)
         ids = torch.tensor([ids + [tokenizer.pad_token_id] * (longest - len(ids)) for ids, _ in encoded])
         labels = torch.tensor([[t if m else -100 for t, m in zip(ids_, mask)] + [-100] * (longest - len(ids_))
                                for ids_, mask in encoded])
         return ids, labels
 
-    sampler = RowSampler(len(shard), seed=0)
-
-    def shard_loader():
-        return collate(shard, sampler.next_indices(args.batch))
+    def shard_loader(prefetch: int):
+        loader = BatchLoader(shard, RowSampler(len(shard), seed=0), args.batch, 1, args.steps, prefetch=prefetch)
+        return lambda: next(loader)
 
     compute_s = args.compute_ms / 1000
     print(f"{args.steps} steps, fake compute {args.compute_ms:g} ms/step, {n_examples} examples per step")
-    for name, loader in (("on-the-fly tokenization", on_the_fly), ("shard loader (fineflow)", shard_loader)):
+    for name, loader in (("on-the-fly tokenization", on_the_fly), ("shard loader, inline", shard_loader(0)),
+                         ("shard loader, prefetch 2", shard_loader(2))):
         wait, total = measure(loader, args.steps, compute_s)
         print(f"  {name:26}: data wait {wait / args.steps * 1000:7.3f} ms/step = {wait / total:6.2%} of step time")
 

@@ -6,7 +6,9 @@ length distribution.
 real-token share = non-pad tokens / tokens in the batches the model computes on. Strategies:
   pad-to-max      every example padded to seq_len (what a fixed-shape loader does)
   pad-to-longest  batches of --batch examples in data order, padded to the longest in the batch
-  packed          fineflow's best-fit-decreasing packing into rows of seq_len (fineflow.shards)
+  best-fit        best-fit-decreasing packing into rows of seq_len (the classic bin-packing heuristic)
+  packed          fineflow's packing (fineflow.shards.pack_rows: the better of best-fit-decreasing and
+                  exact-fill, which fills each row's gap with a subset-sum over the lengths left)
 The bundled data needs the tokenize stage's inputs (run `make run` first); the long-tailed distribution is
 synthetic (log-normal lengths, the shape of real instruction datasets: most short, a few very long).
 """
@@ -22,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fineflow.shards import pack_best_fit  # noqa: E402
+from fineflow.shards import pack_best_fit, pack_rows  # noqa: E402
 
 
 def shares(lengths: list[int], seq_len: int, batch: int) -> dict[str, float]:
@@ -30,9 +32,10 @@ def shares(lengths: list[int], seq_len: int, batch: int) -> dict[str, float]:
     lengths = [min(n, seq_len) for n in lengths]
     real = sum(lengths)
     pad_to_longest = sum(max(lengths[i:i + batch]) * len(lengths[i:i + batch]) for i in range(0, len(lengths), batch))
-    rows = pack_best_fit(lengths, seq_len)
+    best_fit, packed = pack_best_fit(lengths, seq_len), pack_rows(lengths, seq_len)
     return {"pad-to-max": real / (len(lengths) * seq_len), "pad-to-longest": real / pad_to_longest,
-            "packed": real / (len(rows) * seq_len), "truncated": truncated}
+            "best-fit": real / (len(best_fit) * seq_len), "packed": real / (len(packed) * seq_len),
+            "truncated": truncated}
 
 
 def bundled_lengths(rows_path: Path, base_dir: Path) -> list[int]:
@@ -61,12 +64,13 @@ def main() -> None:
         datasets = {"bundled train split": bundled_lengths(args.rows, args.base_dir), **datasets}
     else:
         print(f"(no {args.rows} / {args.base_dir}: run `make run` first for the bundled data)")
-    print(f"{'data':32} {'seq_len':>7} {'pad-to-max':>11} {'pad-to-longest':>15} {'packed':>8} {'truncated':>10}")
+    print(f"{'data':32} {'seq_len':>7} {'pad-to-max':>11} {'pad-to-longest':>15} {'best-fit':>9} {'packed':>8} "
+          f"{'truncated':>10}")
     for name, lengths in datasets.items():
         for seq_len in (256, 512, 1024, 2048):
             s = shares(lengths, seq_len, args.batch)
-            print(f"{name:32} {seq_len:7d} {s['pad-to-max']:11.1%} {s['pad-to-longest']:15.1%} {s['packed']:8.1%} "
-                  f"{s['truncated']:10.1%}")
+            print(f"{name:32} {seq_len:7d} {s['pad-to-max']:11.1%} {s['pad-to-longest']:15.1%} {s['best-fit']:9.1%} "
+                  f"{s['packed']:8.1%} {s['truncated']:10.1%}")
 
 
 if __name__ == "__main__":

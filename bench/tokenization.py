@@ -57,7 +57,7 @@ def throughput(base_dir: str, n: int) -> None:
 
     def fineflow_run(workers):
         t0 = time.perf_counter()
-        sum(len(ids) for ids, _ in encode_stream(iter(rows), tokenizer, base_dir, workers))
+        sum(int(batch.lengths.sum()) for batch in encode_stream(iter(rows), tokenizer, base_dir, workers))
         return time.perf_counter() - t0
 
     raw_tokens = sum(len(e.ids) for e in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False))
@@ -82,7 +82,7 @@ def child_tokenize(base_dir: str, rows_path: str, out_dir: str) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     t0 = time.perf_counter()
-    meta = tokenize_to_shard(read_rows_lazily(Path(rows_path)), tokenizer, base_dir, Path(out_dir), 256,
+    meta = tokenize_to_shard(read_rows_lazily(Path(rows_path)), tokenizer, base_dir, Path(out_dir), 512,
                              np.dtype(np.uint16), 1, 20000, {})
     print(json.dumps({"rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                       "seconds": time.perf_counter() - t0, "examples": meta["examples"]}))

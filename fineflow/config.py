@@ -108,6 +108,8 @@ class ValidationChecks(_Section):
     truncation: CheckParams = CheckParams(severity="warn", max_share=0.05)
     # ... and a row whose response is cut away entirely would train on nothing
     label_coverage: CheckParams = CheckParams(max_share=0.05)
+    # chat rows: the tokenizer's chat template must render every conversation as prompt + response
+    chat_template: CheckParams = CheckParams()
 
 
 class ValidateParams(_Section):
@@ -123,7 +125,7 @@ class ValidateParams(_Section):
 
 
 class TokenizeParams(_Section):
-    seq_len: int = Field(256, gt=8)  # packed row length; examples longer than this are truncated
+    seq_len: int = Field(512, gt=8)  # packed row length; examples longer than this are truncated
     workers: int = Field(1, gt=0)  # tokenizer processes; the output is identical for any count
     pack_window: int = Field(20000, gt=0)  # examples packed together; bounds memory, not the result much
 

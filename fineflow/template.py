@@ -1,4 +1,4 @@
-"""The prompt template shared by training (tokenize stage) and evaluation (lm-eval task).
+"""The prompt template shared by training (tokenize stage), validation and evaluation (lm-eval task).
 
 Training tokenizes the prompt and the response separately and concatenates them, so the prompt's tokens
 at training time are exactly the tokens lm-eval feeds the model at evaluation time (it encodes the
@@ -7,15 +7,28 @@ rendered prompt alone). Only the response (and the EOS that ends it) is trained 
 Fields follow a space, never a newline, and the response is " " + output: byte-level BPE tokenizers
 (GPT-2 style) learn words with their leading space, so " Paris" is the token the base model already
 knows, while "Paris" after a newline would be split into rarer pieces it has to learn anew.
+
+Chat rows (validated rows that keep their ``messages``) are rendered with the tokenizer's own chat
+template when it has one — the format an instruct model was trained on — as prompt = the conversation
+up to the generation prompt, response = what the full conversation adds after it. Tokenizers without a
+chat template (the embedded one) render chat rows through the fineflow template like any other row.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
 
 PROMPT_WITH_INPUT = "### Instruction: {instruction}\n### Input: {input}\n### Response:"
 PROMPT_NO_INPUT = "### Instruction: {instruction}\n### Response:"
 RESPONSE_PREFIX = " "  # lm-eval's target_delimiter; stripped from generations before exact match
+
+
+class RenderError(ValueError):
+    """A row the template cannot render (the chat template rejected the conversation)."""
 
 
 def render_prompt(instruction: str, input: str = "") -> str:
@@ -24,29 +37,111 @@ def render_prompt(instruction: str, input: str = "") -> str:
     return PROMPT_NO_INPUT.format(instruction=instruction)
 
 
-def template_hash() -> str:
-    """Changes whenever the template text changes, so shards built with another template are rebuilt."""
-    text = "\0".join([PROMPT_WITH_INPUT, PROMPT_NO_INPUT, RESPONSE_PREFIX])
+def chat_template_of(tokenizer) -> str | None:
+    template = getattr(tokenizer, "chat_template", None)
+    return template if isinstance(template, str) and template else None
+
+
+def template_hash(tokenizer=None) -> str:
+    """Changes whenever the template text (or the tokenizer's chat template) changes, so shards built
+    with another template are rebuilt."""
+    chat = chat_template_of(tokenizer) or "" if tokenizer is not None else ""
+    text = "\0".join([PROMPT_WITH_INPUT, PROMPT_NO_INPUT, RESPONSE_PREFIX, chat])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def render_chat(tokenizer, messages: list[dict]) -> tuple[str, str]:
+    """(prompt, response) texts of a conversation through the tokenizer's chat template."""
+    try:
+        prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=False)
+        full = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception as exc:  # jinja raises whatever the template author chose (raise_exception, TypeError)
+        raise RenderError(f"the tokenizer's chat template cannot render this conversation: "
+                          f"{type(exc).__name__}: {exc}") from None
+    if not full.startswith(prompt) or len(full) == len(prompt):
+        raise RenderError("the tokenizer's chat template does not render the conversation as the prompt "
+                          "(with the generation prompt) followed by the assistant's response")
+    return prompt, full[len(prompt):]
+
+
+def render_pair(tokenizer, row: dict) -> tuple[str, str]:
+    """(prompt, response) texts of a validated row: the chat template for chat rows when the tokenizer has
+    one, else the fineflow template. The EOS is appended as a token id, never as text."""
+    if row.get("messages") and chat_template_of(tokenizer):
+        return render_chat(tokenizer, row["messages"])
+    return render_prompt(row["instruction"], row.get("input") or ""), RESPONSE_PREFIX + row["output"]
 
 
 def encode_example(tokenizer, instruction: str, input: str, output: str) -> tuple[list[int], list[int]]:
     """Token ids and loss mask (1 = trained on) for one example: prompt (masked) + response + EOS."""
-    prompt = tokenizer.encode(render_prompt(instruction, input), add_special_tokens=False)
-    response = tokenizer.encode(RESPONSE_PREFIX + output, add_special_tokens=False) + [tokenizer.eos_token_id]
-    return prompt + response, [0] * len(prompt) + [1] * len(response)
+    return encode_pair(tokenizer, render_prompt(instruction, input), RESPONSE_PREFIX + output)
 
 
-def encode_batch(tokenizer, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
-    """encode_example for many rows at once through the fast tokenizer's batch call (same tokens)."""
-    prompts = [render_prompt(r["instruction"], r.get("input") or "") for r in rows]
-    responses = [RESPONSE_PREFIX + r["output"] for r in rows]
+def encode_pair(tokenizer, prompt: str, response: str) -> tuple[list[int], list[int]]:
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    response_ids = tokenizer.encode(response, add_special_tokens=False) + [tokenizer.eos_token_id]
+    return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
+
+
+@dataclass
+class EncodedBatch:
+    """Many encoded examples as flat arrays (cheap to pickle between processes, cheap to pack)."""
+
+    ids: np.ndarray  # all examples' token ids back to back (int64)
+    mask: np.ndarray  # uint8, 1 = trained on
+    lengths: np.ndarray  # tokens per example (int64)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def example(self, i: int) -> tuple[list[int], list[int]]:
+        start = int(self.lengths[:i].sum())
+        end = start + int(self.lengths[i])
+        return self.ids[start:end].tolist(), self.mask[start:end].tolist()
+
+    def split(self, n: int) -> tuple["EncodedBatch", "EncodedBatch"]:
+        """The first n examples and the rest."""
+        cut = int(self.lengths[:n].sum())
+        return (EncodedBatch(self.ids[:cut], self.mask[:cut], self.lengths[:n]),
+                EncodedBatch(self.ids[cut:], self.mask[cut:], self.lengths[n:]))
+
+    @staticmethod
+    def from_pairs(pairs: list[tuple[list[int], list[int]]]) -> "EncodedBatch":
+        """From (ids, mask) lists, e.g. encode_example's results (tests, small data)."""
+        lengths = np.array([len(ids) for ids, _ in pairs], dtype=np.int64)
+        ids = np.array([t for ids, _ in pairs for t in ids], dtype=np.int64)
+        mask = np.array([m for _, mask in pairs for m in mask], dtype=np.uint8)
+        return EncodedBatch(ids, mask, lengths)
+
+    @staticmethod
+    def concat(batches: list["EncodedBatch"]) -> "EncodedBatch":
+        if len(batches) == 1:
+            return batches[0]
+        return EncodedBatch(*(np.concatenate([getattr(b, name) for b in batches]) for name in ("ids", "mask", "lengths")))
+
+
+def _ids(tokenizer, texts: list[str]) -> list[list[int]]:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:  # a fast tokenizer: call Rust directly, skipping BatchEncoding's conversions
-        prompt_ids = [e.ids for e in backend.encode_batch(prompts, add_special_tokens=False)]
-        response_ids = [e.ids for e in backend.encode_batch(responses, add_special_tokens=False)]
-    else:
-        prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
-    eos = tokenizer.eos_token_id
-    return [(p + r + [eos], [0] * len(p) + [1] * (len(r) + 1)) for p, r in zip(prompt_ids, response_ids)]
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def encode_batch(tokenizer, rows: list[dict]) -> EncodedBatch:
+    """encode_example for many rows at once, into flat arrays (the same tokens as one by one).
+
+    Rendering raises RenderError for a chat row the chat template rejects (validation quarantines those).
+    The arrays are built without per-token Python work: ids are streamed into one buffer and the mask is
+    one np.repeat of 0/1 over the (prompt, response) segment lengths.
+    """
+    pairs = [render_pair(tokenizer, row) for row in rows]
+    prompt_ids = _ids(tokenizer, [p for p, _ in pairs])
+    response_ids = _ids(tokenizer, [r for _, r in pairs])
+    segments = np.empty(2 * len(rows), dtype=np.int64)
+    segments[0::2] = [len(p) for p in prompt_ids]
+    segments[1::2] = [len(r) + 1 for r in response_ids]  # + EOS
+    eos = (tokenizer.eos_token_id,)
+    ids = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(
+        zip(prompt_ids, response_ids, itertools.repeat(eos)))), dtype=np.int64, count=int(segments.sum()))
+    mask = np.repeat(np.tile(np.array([0, 1], dtype=np.uint8), len(rows)), segments)
+    return EncodedBatch(ids, mask, segments[0::2] + segments[1::2])

@@ -1,10 +1,11 @@
 """Streaming, parallel tokenization of validated rows into packed shards, with memory flat in dataset size.
 
 Rows are read lazily in chunks; chunks are encoded by ``workers`` processes (the Rust tokenizer runs one
-thread per process here, TOKENIZERS_PARALLELISM=false) and come back in input order, so the output is
-byte-identical whatever the worker count. Examples are packed best-fit within windows of
-``pack_window`` examples and each window's rows are appended to the shard files: memory holds one window,
-never the dataset.
+thread per process here, TOKENIZERS_PARALLELISM=false) and come back in input order as flat arrays
+(``EncodedBatch``: a few numpy buffers to unpickle, not millions of Python ints), so the output is
+byte-identical whatever the worker count. Examples are packed within windows of ``pack_window``
+examples and each window's rows are appended to the shard files: memory holds one window, never the
+dataset.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from fineflow.shards import ShardWriter, pack_examples
-from fineflow.template import encode_batch
+from fineflow.template import EncodedBatch, encode_batch
 
 _WORKER_TOKENIZER = None
 
@@ -30,7 +31,7 @@ def _init_worker(reference: str) -> None:
     _WORKER_TOKENIZER = AutoTokenizer.from_pretrained(reference)
 
 
-def _encode_chunk(rows: list[dict]) -> list[tuple[list[int], list[int]]]:
+def _encode_chunk(rows: list[dict]) -> EncodedBatch:
     return encode_batch(_WORKER_TOKENIZER, rows)
 
 
@@ -48,16 +49,32 @@ def chunks(items: Iterable, size: int) -> Iterator[list]:
 
 
 def encode_stream(rows: Iterable[dict], tokenizer, reference: str, workers: int,
-                  chunk_rows: int = 2000) -> Iterator[tuple[list[int], list[int]]]:
-    """(ids, loss mask) per row, in input order; workers > 1 encodes chunks in a process pool."""
+                  chunk_rows: int = 2000) -> Iterator[EncodedBatch]:
+    """Encoded chunks of rows, in input order; workers > 1 encodes chunks in a process pool."""
     if workers == 1:
         for chunk in chunks(rows, chunk_rows):
-            yield from encode_batch(tokenizer, chunk)
+            yield encode_batch(tokenizer, chunk)
         return
     context = multiprocessing.get_context("spawn")  # no fork of a parent that may hold torch threads
     with context.Pool(workers, initializer=_init_worker, initargs=(reference,)) as pool:
-        for encoded in pool.imap(_encode_chunk, chunks(rows, chunk_rows)):
-            yield from encoded
+        yield from pool.imap(_encode_chunk, chunks(rows, chunk_rows))
+
+
+def windows(batches: Iterable[EncodedBatch], size: int) -> Iterator[EncodedBatch]:
+    """Regroup encoded chunks into windows of exactly `size` examples (the last may be shorter), so the
+    packing — and the shard bytes — do not depend on how the rows were chunked."""
+    pending: list[EncodedBatch] = []
+    count = 0
+    for batch in batches:
+        pending.append(batch)
+        count += len(batch)
+        while count >= size:
+            merged = EncodedBatch.concat(pending)
+            head, tail = merged.split(size)
+            yield head
+            pending, count = ([tail] if len(tail) else []), len(tail)
+    if count:
+        yield EncodedBatch.concat(pending)
 
 
 def tokenize_to_shard(rows: Iterable[dict], tokenizer, reference: str, out_dir: Path, seq_len: int,
@@ -66,7 +83,7 @@ def tokenize_to_shard(rows: Iterable[dict], tokenizer, reference: str, out_dir: 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     writer = ShardWriter(out_dir, seq_len, dtype)
     truncated = 0
-    for window in chunks(encode_stream(rows, tokenizer, reference, workers), pack_window):
+    for window in windows(encode_stream(rows, tokenizer, reference, workers, min(2000, pack_window)), pack_window):
         arrays, cut = pack_examples(window, seq_len, pad_id, dtype)
         writer.append(arrays)
         truncated += cut

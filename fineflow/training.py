@@ -23,7 +23,8 @@ from pathlib import Path
 
 from fineflow.config import TrainParams
 from fineflow.errors import FineflowError
-from fineflow.shards import PackedShard, RowSampler
+from fineflow.loader import BatchLoader, collate
+from fineflow.shards import PackedShard
 
 
 def lr_multiplier(step: int, warmup: int, total: int, schedule: str) -> float:
@@ -35,12 +36,6 @@ def lr_multiplier(step: int, warmup: int, total: int, schedule: str) -> float:
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     decay = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
     return 0.1 + 0.9 * decay
-
-
-def collate(shard: PackedShard, indices: list[int]) -> dict:
-    import torch
-
-    return {key: torch.from_numpy(array) for key, array in shard.batch(indices).items()}
 
 
 def token_loss_sum(model, batch: dict):
@@ -160,10 +155,10 @@ def evaluate_loss(model, shard: PackedShard, batch_size: int, accelerator) -> fl
     return float(total[0] / max(1.0, float(total[1])))
 
 
-def fit(model, optimizer, scheduler, accelerator, train: PackedShard, sampler: RowSampler, cfg: TrainParams,
-        timer: StepTimer, step_log: StepLog, checkpointer: Checkpointer, eval_shard: PackedShard | None = None,
+def fit(model, optimizer, scheduler, accelerator, batches: BatchLoader, cfg: TrainParams, timer: StepTimer,
+        step_log: StepLog, checkpointer: Checkpointer, eval_shard: PackedShard | None = None,
         log=print) -> FitResult:
-    """Run cfg.steps optimizer steps; returns the figures the train report needs."""
+    """Run cfg.steps optimizer steps on the batches the loader prepares; returns the report's figures."""
     import torch
 
     model.train()
@@ -175,17 +170,14 @@ def fit(model, optimizer, scheduler, accelerator, train: PackedShard, sampler: R
         step_start = time.perf_counter()
 
         t0 = time.perf_counter()
-        indices = [sampler.next_indices(cfg.micro_batch_size) for _ in range(cfg.grad_accum)]
-        micro = [{k: v.to(accelerator.device, non_blocking=True) for k, v in collate(train, rows).items()}
-                 for rows in indices]
-        local_targets = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
-        local_real = sum(train.real_tokens(rows) for rows in indices)
-        counts = accelerator.reduce(torch.tensor([local_targets, local_real], device=accelerator.device),
-                                    reduction="sum")
-        global_targets, step_real = int(counts[0]), int(counts[1])
+        prepared = next(batches)  # blocks only if the loader thread has fallen behind
         timer.add("data_wait_s", time.perf_counter() - t0)
 
         t0 = time.perf_counter()
+        micro = [{k: v.to(accelerator.device, non_blocking=True) for k, v in b.items()} for b in prepared.micro]
+        counts = accelerator.reduce(torch.tensor([prepared.targets, prepared.real_tokens],
+                                                 device=accelerator.device), reduction="sum")
+        global_targets, step_real = int(counts[0]), int(counts[1])
         step_loss = 0.0
         for i, batch in enumerate(micro):
             # DDP averages gradients over ranks; scale by world size so the result is sum / global tokens.
@@ -216,7 +208,7 @@ def fit(model, optimizer, scheduler, accelerator, train: PackedShard, sampler: R
             t0 = time.perf_counter()
             if eval_shard is not None:
                 eval_loss = evaluate_loss(model, eval_shard, cfg.micro_batch_size, accelerator)
-            checkpointer.save(accelerator, model, step, {"step": step, "sampler": sampler.state_dict(),
+            checkpointer.save(accelerator, model, step, {"step": step, "sampler": prepared.sampler_state,
                                                           "tokens_seen": tokens_seen, "loss": loss_value})
             timer.add("checkpoint_s", time.perf_counter() - t0)
 

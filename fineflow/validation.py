@@ -23,7 +23,7 @@ from fineflow.config import CheckParams, ValidateParams
 from fineflow.errors import DataError
 from fineflow.overlap import LeakIndex, normalize
 from fineflow.pii import find_pii, redact
-from fineflow.template import encode_example
+from fineflow.template import RenderError, encode_pair, render_pair
 
 REQUIRED = ("instruction", "output")
 OPTIONAL = ("input",)
@@ -211,7 +211,9 @@ def chat_to_record(messages: object) -> tuple[dict | None, str | None]:
         instruction = "\n".join(m["content"] for m in prompt)
     else:
         instruction = "\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in prompt)
-    return {"instruction": instruction, "input": "", "output": messages[-1]["content"]}, None
+    # the conversation itself travels on: the tokenizer's chat template (when it has one) renders it
+    return {"instruction": instruction, "input": "", "output": messages[-1]["content"],
+            "messages": [{"role": m["role"], "content": m["content"]} for m in messages]}, None
 
 
 def apply_mapping(rows: list[Row], mapping, source: str) -> list[Row]:
@@ -269,10 +271,16 @@ class TokenView:
     tokenizer: object
     seq_len: int
 
-    def measure(self, data: dict) -> tuple[int, int]:
-        """(tokens in the rendered example, response tokens still trained on after truncation)."""
-        ids, mask = encode_example(self.tokenizer, *(str(data.get(c) or "") for c in ("instruction", "input", "output")))
-        return len(ids), sum(mask[:self.seq_len])
+    def measure(self, data: dict) -> tuple[int | None, int | None, str | None]:
+        """(tokens in the rendered example, response tokens still trained on after truncation, why the
+        template could not render the row or None)."""
+        row = {c: str(data.get(c) or "") for c in ("instruction", "input", "output")}
+        try:
+            prompt, response = render_pair(self.tokenizer, {**row, "messages": data.get("messages")})
+        except RenderError as exc:
+            return None, None, str(exc)  # only the render check fails; token checks skip (null) the row
+        ids, mask = encode_pair(self.tokenizer, prompt, response)
+        return len(ids), sum(mask[:self.seq_len]), None
 
 
 def _frame(rows: list[Row], leak_index: LeakIndex | None, tokens: TokenView | None, find_pii_kinds: bool):
@@ -294,8 +302,9 @@ def _frame(rows: list[Row], leak_index: LeakIndex | None, tokens: TokenView | No
         frame["pii_kinds"] = [",".join(sorted({s.kind for s in find_pii(t)})) or None for t in texts]
     if tokens is not None:
         measured = [tokens.measure(row.data) for row in rows]
-        frame["n_tokens"] = [n for n, _ in measured]
-        frame["trained_tokens"] = [t for _, t in measured]
+        frame["n_tokens"] = [n for n, _, _ in measured]
+        frame["trained_tokens"] = [t for _, t, _ in measured]
+        frame["render_error"] = [error for _, _, error in measured]
     if leak_index is not None:
         frame["eval_overlap"] = [leak_index.overlap(t) for t in texts]
     return frame
@@ -327,6 +336,8 @@ def _suite(columns: list[str], cfg: ValidateParams, seq_len: int | None = None):
                        gxe.ExpectColumnValuesToBeBetween(column="n_tokens", max_value=seq_len)))
         checks.append(("label_coverage(tokens)", "label_coverage",
                        gxe.ExpectColumnValuesToBeBetween(column="trained_tokens", min_value=1)))
+        checks.append(("chat_template_renders(row)", "chat_template",
+                       gxe.ExpectColumnValuesToBeNull(column="render_error")))
     if "eval_overlap" in columns:
         checks.append(("no_leakage(eval)", "leakage", gxe.ExpectColumnValuesToBeBetween(
             column="eval_overlap", max_value=cfg.leakage_max_overlap)))
@@ -391,6 +402,8 @@ def _detail(name: str, line: int, frame, first_seen: dict) -> str:
         return f" ({frame.at[line, 'n_tokens']} tokens, truncated to tokenize.seq_len)"
     if name == "label_coverage(tokens)":
         return " (no response token left to train on after truncation)"
+    if name == "chat_template_renders(row)":
+        return f" ({frame.at[line, 'render_error']})"
     if name == "no_leakage(eval)":
         return f" ({frame.at[line, 'eval_overlap']:.0%} of its word n-grams are in the eval data)"
     return ""
@@ -463,8 +476,11 @@ def gate(outcome: ValidationOutcome, cfg: ValidateParams) -> None:
 
 def clean_record(row: Row) -> dict:
     """The normalized record a kept row becomes: instruction, input (may be empty), output."""
-    return {"instruction": row.data["instruction"], "input": row.data.get("input") or "",
-            "output": row.data["output"]}
+    record = {"instruction": row.data["instruction"], "input": row.data.get("input") or "",
+              "output": row.data["output"]}
+    if row.data.get("messages"):
+        record["messages"] = row.data["messages"]
+    return record
 
 
 def clean_text(row: Row) -> str:

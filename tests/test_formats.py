@@ -6,7 +6,7 @@ import pytest
 
 from fineflow.config import FieldMapping, ValidateParams
 from fineflow.errors import DataError
-from fineflow.validation import apply_mapping, read_rows, validate_rows
+from fineflow.validation import Row, apply_mapping, read_rows, validate_rows
 
 ROWS = [{"prompt": "Say hi.", "completion": "hi"}, {"prompt": "Say bye.", "completion": "bye"}]
 PROMPT_COMPLETION = FieldMapping(instruction="prompt", input=None, output="completion")
@@ -78,9 +78,11 @@ def test_chat_messages_become_instruction_and_response(tmp_path):
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     mapped = apply_mapping(read_rows(path), CHAT, str(path))
-    assert mapped[0].data == {"instruction": "Be brief.\nSay hi.", "input": "", "output": "hi"}
-    assert mapped[1].data == {"instruction": "User: 2+2?\nAssistant: 4\nUser: times 3?", "input": "",
-                              "output": "12"}
+    assert {k: v for k, v in mapped[0].data.items() if k != "messages"} == {
+        "instruction": "Be brief.\nSay hi.", "input": "", "output": "hi"}
+    assert {k: v for k, v in mapped[1].data.items() if k != "messages"} == {
+        "instruction": "User: 2+2?\nAssistant: 4\nUser: times 3?", "input": "", "output": "12"}
+    assert mapped[1].data["messages"] == rows[1]["messages"]  # kept for the tokenizer's chat template
 
 
 @pytest.mark.parametrize("messages, problem", [
@@ -103,3 +105,60 @@ def test_chat_mapping_to_a_missing_column_is_a_clear_error(tmp_path):
     path = write_all_formats(tmp_path)[0]
     with pytest.raises(DataError, match="data.mapping.messages is 'messages', but no row has that column"):
         apply_mapping(read_rows(path), CHAT, str(path))
+
+
+# A strict chat template in the style of Llama-2's: roles must alternate user/assistant after an optional
+# system message, else the template itself raises.
+STRICT_CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% if not loop.first %}{{ raise_exception('system must come first') }}{% endif %}"
+    "<<SYS>>{{ m['content'] }}<</SYS>>"
+    "{% elif (m['role'] == 'user') != ((loop.index0 - (1 if messages[0]['role'] == 'system' else 0)) % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+    "{% elif m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% else %} {{ m['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{% endif %}")
+
+
+def _chat_tokenizer(built, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(built / "models/base")
+    tokenizer.chat_template = STRICT_CHAT_TEMPLATE
+    return tokenizer
+
+
+def test_chat_rows_render_through_the_tokenizers_chat_template(built, tmp_path):
+    from fineflow.template import encode_batch, render_pair
+
+    tokenizer = _chat_tokenizer(built, tmp_path)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."},
+                {"role": "assistant", "content": "hi"}]
+    [row] = apply_mapping([Row(1, {"messages": messages})], CHAT, "chat.jsonl")
+    prompt, response = render_pair(tokenizer, row.data)
+    assert prompt == "<<SYS>>Be brief.<</SYS>>[INST] Say hi. [/INST]" and response == " hi"
+    batch = encode_batch(tokenizer, [row.data])
+    ids, mask = batch.example(0)
+    assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == " hi</s>"  # only the response is trained on
+
+
+def test_chat_template_check_quarantines_conversations_the_template_rejects(built, tmp_path):
+    from fineflow.validation import TokenView
+
+    good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    bad = [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"},
+           {"role": "assistant", "content": "hello"}]  # valid OpenAI messages, but not alternating
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (good, bad, good[:1] + [good[1] | {"content": "hey"}])))
+    tokens = TokenView(_chat_tokenizer(built, tmp_path), 128)
+    outcome = validate_rows(apply_mapping(read_rows(path), CHAT, str(path)), str(path), ValidateParams(),
+                            tokens=tokens)
+    assert [row.line for row in outcome.kept] == [1, 3]
+    [reason] = outcome.quarantined[0].reasons
+    assert reason.startswith(f"{path}:2: failed chat_template_renders(row)") and "must alternate" in reason
+    check = next(c for c in outcome.checks if c.category == "chat_template")
+    assert check.failed_lines == [2] and check.severity == "error"
+    # the embedded tokenizer has no chat template: chat rows render through the fineflow template
+    plain = validate_rows(apply_mapping(read_rows(path), CHAT, str(path)), str(path), ValidateParams(),
+                          tokens=TokenView(tokens.tokenizer.__class__.from_pretrained(built / "models/base"), 128))
+    assert len(plain.kept) == 3

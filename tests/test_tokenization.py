@@ -19,8 +19,9 @@ def test_batch_encoding_equals_one_by_one(built):
 
     tokenizer = AutoTokenizer.from_pretrained(built / "models/base")
     rows = list(read_rows_lazily(built / "data/validated/train.jsonl"))[:50]
-    assert encode_batch(tokenizer, rows) == [encode_example(tokenizer, r["instruction"], r["input"], r["output"])
-                                             for r in rows]
+    batch = encode_batch(tokenizer, rows)
+    assert [batch.example(i) for i in range(len(rows))] == [
+        encode_example(tokenizer, r["instruction"], r["input"], r["output"]) for r in rows]
 
 
 def test_two_workers_write_byte_identical_shards(built, tmp_path):
@@ -50,3 +51,58 @@ def test_windowed_packing_keeps_every_example(built, tmp_path):
     assert examples[:, 0].max() == len(shard) - 1  # window-local rows were offset into shard rows
     assert shard.real_tokens(list(range(len(shard)))) == meta["real_tokens"] == int(examples[:, 2].sum())
     assert json.loads((tmp_path / "s/meta.json").read_text())["pack_window"] == 7
+
+
+def _tokenize_stage(built, out, **overrides):
+    from fineflow.config import parse_params
+    from fineflow.stages import tokenize
+    from tests.conftest import TINY_PARAMS, _merge
+
+    params = parse_params(_merge(TINY_PARAMS, {"tokenize": overrides}) if overrides else TINY_PARAMS)
+    return tokenize.run(params, built / "data/validated", built / "models/base", out)
+
+
+def test_tokenize_is_content_addressed(built, tmp_path):
+    """Same rows + tokenizer + template + packing: no work. Any of them changed (or a torn shard): rebuilt."""
+    out = tmp_path / "shards"
+    first = _tokenize_stage(built, out)
+    assert first["train"]["reused"] is False
+    before = {p.name: p.stat().st_mtime_ns for p in (out / "train").iterdir()}
+    again = _tokenize_stage(built, out, workers=2)  # the worker count is not part of the key
+    assert again["train"]["reused"] is True and again["eval"]["reused"] is True
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "train").iterdir()} == before
+    assert again["train"]["content_key"] == first["train"]["content_key"]
+
+    changed = _tokenize_stage(built, out, seq_len=64)  # packing params are part of the key
+    assert changed["train"]["reused"] is False and changed["train"]["content_key"] != first["train"]["content_key"]
+    assert json.loads((out / "train/meta.json").read_text())["seq_len"] == 64
+
+    with (out / "train/tokens.bin").open("r+b") as fh:  # a torn shard (e.g. a crash mid-write) is rebuilt
+        fh.truncate(10)
+    assert _tokenize_stage(built, out, seq_len=64)["train"]["reused"] is False
+    assert not list(tmp_path.glob("shards/.tmp-*"))
+
+
+def test_tokenize_key_follows_rows_tokenizer_and_template(built, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from fineflow import template
+    from fineflow.config import parse_params
+    from fineflow.stages.tokenize import content_key
+    from tests.conftest import TINY_PARAMS
+
+    cfg = parse_params(TINY_PARAMS).tokenize
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes((built / "data/validated/train.jsonl").read_bytes())
+    tokenizer = AutoTokenizer.from_pretrained(built / "models/base")
+    key = content_key(rows, tokenizer, cfg)
+    assert content_key(rows, tokenizer, cfg) == key
+    with rows.open("a") as fh:
+        fh.write(json.dumps({"instruction": "one more", "input": "", "output": "row"}) + "\n")
+    assert content_key(rows, tokenizer, cfg) != key
+    rows.write_bytes((built / "data/validated/train.jsonl").read_bytes())
+    monkeypatch.setattr(template, "PROMPT_NO_INPUT", "Q: {instruction}\nA:")
+    assert content_key(rows, tokenizer, cfg) != key
+    monkeypatch.undo()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert content_key(rows, tokenizer, cfg) != key

@@ -41,6 +41,7 @@ def worker(params: Params, shards: Path, base_dir: Path, checkpoints: Path, out_
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
+    from fineflow.loader import BatchLoader
     from fineflow.shards import PackedShard, RowSampler
     from fineflow.training import Checkpointer, StepLog, StepTimer, fit, lr_multiplier, save_adapter
 
@@ -55,7 +56,10 @@ def worker(params: Params, shards: Path, base_dir: Path, checkpoints: Path, out_
         optimizer, lambda s: lr_multiplier(s, cfg.warmup_steps, cfg.steps, cfg.schedule))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     train, evaluation = PackedShard(shards / "train"), PackedShard(shards / "eval")
-    sampler = RowSampler(len(train), params.seed, accelerator.process_index, accelerator.num_processes)
+    sampler = RowSampler(len(train), params.seed, accelerator.process_index, accelerator.num_processes,
+                         row_tokens=train.real_per_row)
+    batches = BatchLoader(train, sampler, cfg.micro_batch_size, cfg.grad_accum, cfg.steps,
+                          pin_memory=accelerator.device.type == "cuda")
     main = accelerator.is_main_process
     if main:
         log(f"training LoRA r={cfg.lora.r}: {trainable:,} trainable parameters on "
@@ -63,9 +67,10 @@ def worker(params: Params, shards: Path, base_dir: Path, checkpoints: Path, out_
     timer = StepTimer()
     step_log = StepLog(steps_log if main else None)
     try:
-        result = fit(model, optimizer, scheduler, accelerator, train, sampler, cfg, timer, step_log,
+        result = fit(model, optimizer, scheduler, accelerator, batches, cfg, timer, step_log,
                      Checkpointer(checkpoints if main else None, cfg.checkpoint_every), evaluation, log=log)
     finally:
+        batches.close()
         step_log.close()
     accelerator.wait_for_everyone()
     if not main:
