@@ -4,27 +4,166 @@ The train stage's DVC command is a plain ``python -m fineflow.stages.train``; th
 ``train.num_processes`` from params.yaml and re-executes itself under ``accelerate launch`` with the flags
 that really give N processes. (On CPU, ``accelerate launch --cpu --num_processes 2`` silently runs one
 process; ``ACCELERATE_USE_CPU=1`` with ``--multi_gpu`` runs N ranks of DDP over gloo.)
+
+Hardware can instead come from an accelerate config file, a *profile* under ``configs/accelerate/``
+(``resolve_profile("fsdp_lora")``). The profile then decides the distributed type, the number of
+processes, mixed precision and the engine settings; this module adds only what places one launch in a
+cluster (``--machine_rank``, ``--main_process_ip``, ``--main_process_port``), which the file can only hold
+as placeholders, and refuses a caller's ``num_processes`` / ``num_machines`` that contradict the file rather
+than silently overriding it (accelerate lets a command-line flag win over the file).
+
+    python -c "from fineflow.launch import accelerate_command, resolve_profile; \
+        print(accelerate_command(None, False, 'tests.dist_probe', ['/tmp/p'], \
+                                 config_file=resolve_profile('cpu_ddp_2proc')))"
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+from fineflow.errors import FineflowError
 
 WORKER_ENV = "FINEFLOW_TRAIN_WORKER"
+PROFILE_DIR = Path(__file__).resolve().parent.parent / "configs" / "accelerate"
+AUTO = "auto"
+# distributed types that need one accelerator per rank; on a machine without one, accelerate would start
+# N independent world-size-1 jobs (MULTI_GPU) or fail deep inside FSDP/DeepSpeed
+_GPU_TYPES = {"MULTI_GPU", "FSDP", "DEEPSPEED", "MEGATRON_LM"}
 
 
-def accelerate_command(num_processes: int, has_gpu: bool, module: str, module_args: list[str],
-                       main_process_port: int | None = None) -> tuple[list[str], dict[str, str]]:
-    """(argv, extra environment) that runs ``python -m module module_args`` on num_processes ranks."""
-    argv = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1",
+def profile_names(profile_dir: Path = PROFILE_DIR) -> list[str]:
+    """The profiles shipped in configs/accelerate, by name (file stem)."""
+    return sorted(p.stem for p in profile_dir.glob("*.yaml"))
+
+
+def resolve_profile(profile: str, profile_dir: Path = PROFILE_DIR) -> Path | None:
+    """A profile name or path -> the accelerate config file to launch with.
+
+    ``"auto"`` gives None: no config file, flags derived from num_processes and GPU presence (the behaviour
+    of ``accelerate_command`` without a config file). A name (``"fsdp_lora"``) gives
+    ``configs/accelerate/fsdp_lora.yaml``; a path to an existing .yaml/.yml file is returned as is.
+    """
+    if profile == AUTO:
+        return None
+    path = Path(profile)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise FineflowError(f"accelerate profile {profile}: no such file")
+        return path
+    candidate = profile_dir / f"{profile}.yaml"
+    if not candidate.is_file():
+        raise FineflowError(f"accelerate profile {profile!r} is unknown: use {AUTO!r}, one of "
+                            f"{', '.join(profile_names(profile_dir))} (files in {profile_dir}), or a path to an "
+                            f"accelerate config .yaml")
+    return candidate
+
+
+def read_profile(path: Path) -> dict:
+    """The profile's top-level keys (yaml), with a message naming the file when it is not a profile."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise FineflowError(f"accelerate profile {path}: cannot read it ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("distributed_type"), str):
+        raise FineflowError(f"accelerate profile {path}: not an accelerate config file (it needs a "
+                            f"distributed_type such as MULTI_GPU; quote 'NO', which YAML reads as false)")
+    return data
+
+
+def _placement_flags(machine_rank: int | None, main_process_ip: str | None,
+                     main_process_port: int | None) -> list[str]:
+    flags: list[str] = []
+    if machine_rank is not None:
+        flags += ["--machine_rank", str(machine_rank)]
+    if main_process_ip is not None:
+        flags += ["--main_process_ip", main_process_ip]
+    if main_process_port is not None:
+        flags += ["--main_process_port", str(main_process_port)]
+    return flags
+
+
+def _check_multi_node(num_processes: int, num_machines: int, machine_rank: int | None,
+                      main_process_ip: str | None, where: str) -> None:
+    problems = []
+    if num_processes % num_machines:
+        problems.append(f"num_processes ({num_processes}) is the total over all machines and must be a "
+                        f"multiple of num_machines ({num_machines})")
+    if machine_rank is None or not 0 <= machine_rank < num_machines:
+        problems.append(f"machine_rank must be given for every launch, 0..{num_machines - 1} (got {machine_rank})")
+    if not main_process_ip:
+        problems.append("main_process_ip (the address of machine 0, reachable from every machine) must be given")
+    if problems:
+        raise FineflowError(f"{where}: a {num_machines}-machine launch is not fully placed: " + "; ".join(problems))
+
+
+def accelerate_command(num_processes: int | None, has_gpu: bool, module: str, module_args: list[str],
+                       main_process_port: int | None = None, *, config_file: str | Path | None = None,
+                       num_machines: int | None = None, machine_rank: int | None = None,
+                       main_process_ip: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """(argv, extra environment) that runs ``python -m module module_args`` on num_processes ranks.
+
+    Without config_file, flags are derived from num_processes (the total over all machines, accelerate's
+    convention) and has_gpu. With config_file (see ``resolve_profile``) the file decides; num_processes and
+    num_machines may be None (take the file's) and must otherwise agree with it. machine_rank,
+    main_process_ip and main_process_port place this launch in a multi-machine job, in both modes.
+    """
+    placement = _placement_flags(machine_rank, main_process_ip, main_process_port)
+    if config_file is not None:
+        return _profile_command(Path(config_file), num_processes, num_machines, has_gpu, module, module_args,
+                                machine_rank, main_process_ip, placement)
+    if num_processes is None:
+        raise FineflowError("accelerate_command: num_processes is needed when no accelerate profile is given")
+    machines = num_machines or 1
+    argv = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", str(machines),
             "--num_processes", str(num_processes), "--dynamo_backend", "no", "--mixed_precision", "no"]
     env = {WORKER_ENV: "1"}
+    if machines > 1:
+        _check_multi_node(num_processes, machines, machine_rank, main_process_ip, "accelerate_command")
     if num_processes > 1:
         argv.append("--multi_gpu")
         if not has_gpu:
             env["ACCELERATE_USE_CPU"] = "1"  # DDP over gloo; see the module docstring
-        if main_process_port is not None:
-            argv += ["--main_process_port", str(main_process_port)]
+        argv += placement
     elif not has_gpu:
         argv.append("--cpu")
     return argv + ["-m", module, *module_args], env
+
+
+def _profile_command(path: Path, num_processes: int | None, num_machines: int | None, has_gpu: bool,
+                     module: str, module_args: list[str], machine_rank: int | None, main_process_ip: str | None,
+                     placement: list[str]) -> tuple[list[str], dict[str, str]]:
+    profile = read_profile(path)
+    kind = profile["distributed_type"].upper()
+    use_cpu = bool(profile.get("use_cpu", False))
+    problems = []
+    for key, asked in (("num_processes", num_processes), ("num_machines", num_machines)):
+        if asked is not None and key in profile and profile[key] != asked:
+            problems.append(f"it sets {key}: {profile[key]} but {asked} was asked for")
+    if kind == "MULTI_CPU":
+        problems.append("distributed_type MULTI_CPU starts ONE process without mpirun; for N CPU ranks use "
+                        "distributed_type: MULTI_GPU with use_cpu: true (see configs/accelerate/cpu_ddp_2proc.yaml)")
+    if not has_gpu and not use_cpu:
+        problems.append(f"it is a GPU profile (distributed_type {kind}, use_cpu false) and this machine has no "
+                        f"GPU; use the 'auto' or 'cpu_ddp_2proc' profile")
+    if problems:
+        raise FineflowError(f"accelerate profile {path}: " + "; ".join(problems) + ". Edit the profile or the "
+                            "train params so that they agree.")
+    argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path)]
+    if "num_processes" not in profile and num_processes is not None:
+        argv += ["--num_processes", str(num_processes)]  # the profile leaves it open; nothing is overridden
+    machines = num_machines or int(profile.get("num_machines", 1))
+    if machines > 1:
+        total = num_processes if num_processes is not None else int(profile.get("num_processes", machines))
+        _check_multi_node(total, machines, machine_rank,
+                          main_process_ip or profile.get("main_process_ip"), f"accelerate profile {path}")
+        if "num_machines" not in profile:
+            argv += ["--num_machines", str(machines)]
+    env = {WORKER_ENV: "1"}
+    if use_cpu:
+        # accelerate's multi-GPU launcher does not hand use_cpu on to the ranks; this variable makes each
+        # rank's Accelerator join one gloo group on the CPU instead of running as its own world of size 1
+        env["ACCELERATE_USE_CPU"] = "1"
+    return argv + placement + ["-m", module, *module_args], env

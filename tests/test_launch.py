@@ -1,0 +1,214 @@
+"""fineflow.launch: the accelerate command lines (fast), the shipped profiles as accelerate itself reads them
+(fast), and real launches on loopback that must form ONE process group (seconds).
+
+    .venv/bin/python -m pytest tests/test_launch.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fineflow.errors import FineflowError
+from fineflow.launch import (PROFILE_DIR, WORKER_ENV, accelerate_command, profile_names, read_profile,
+                             resolve_profile)
+from tests.conftest import ROOT, venv_env
+
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
+SHIPPED = {"cpu_ddp_2proc", "single_gpu", "multi_gpu_ddp", "fsdp_lora", "deepspeed_zero2", "deepspeed_zero3",
+           "multi_node"}
+
+
+# --- profile names -------------------------------------------------------------------------------------
+
+def test_every_profile_is_shipped_and_resolves():
+    assert set(profile_names()) == SHIPPED
+    assert resolve_profile("auto") is None
+    for name in SHIPPED:
+        assert resolve_profile(name) == PROFILE_DIR / f"{name}.yaml"
+
+
+def test_profile_by_path_and_unknown_name(tmp_path):
+    custom = tmp_path / "mine.yaml"
+    custom.write_text("distributed_type: MULTI_GPU\n")
+    assert resolve_profile(str(custom)) == custom
+    with pytest.raises(FineflowError, match="unknown.*fsdp_lora"):
+        resolve_profile("fsdp")
+    with pytest.raises(FineflowError, match="no such file"):
+        resolve_profile(str(tmp_path / "missing.yaml"))
+
+
+def test_each_profile_opens_with_the_command_that_uses_it():
+    for name in SHIPPED:
+        text = (PROFILE_DIR / f"{name}.yaml").read_text()
+        header = text.split("\ncompute_environment:")[0]
+        assert text.startswith("#") and "accelerate launch --config_file configs/accelerate/" + name in header
+
+
+# --- flags, no profile (the train stage's behaviour since the walking skeleton) ----------------------
+
+def test_auto_flags_unchanged():
+    base = LAUNCH + ["--num_machines", "1"]
+    tail = ["--dynamo_backend", "no", "--mixed_precision", "no"]
+    argv, env = accelerate_command(2, False, "m", ["--x"], main_process_port=1234)
+    assert argv == base + ["--num_processes", "2", *tail, "--multi_gpu", "--main_process_port", "1234",
+                           "-m", "m", "--x"]
+    assert env == {WORKER_ENV: "1", "ACCELERATE_USE_CPU": "1"}
+    argv, env = accelerate_command(1, False, "m", [])
+    assert argv == base + ["--num_processes", "1", *tail, "--cpu", "-m", "m"] and env == {WORKER_ENV: "1"}
+    argv, env = accelerate_command(4, True, "m", [])
+    assert "--multi_gpu" in argv and "--cpu" not in argv and env == {WORKER_ENV: "1"}
+
+
+def test_multi_node_flags():
+    argv, _ = accelerate_command(4, True, "m", [], 29500, num_machines=2, machine_rank=1,
+                                   main_process_ip="10.0.0.1")
+    joined = " ".join(argv)
+    assert "--num_machines 2 --num_processes 4" in joined and "--multi_gpu" in argv
+    assert "--machine_rank 1 --main_process_ip 10.0.0.1 --main_process_port 29500" in joined
+    with pytest.raises(FineflowError, match="main_process_ip"):
+        accelerate_command(4, True, "m", [], num_machines=2, machine_rank=0)
+    with pytest.raises(FineflowError, match="machine_rank"):
+        accelerate_command(4, True, "m", [], num_machines=2, main_process_ip="10.0.0.1")
+    with pytest.raises(FineflowError, match="multiple of num_machines"):
+        accelerate_command(3, True, "m", [], num_machines=2, machine_rank=0, main_process_ip="10.0.0.1")
+
+
+# --- profiles ------------------------------------------------------------------------------------------
+
+def test_profile_decides_and_is_not_overridden():
+    argv, env = accelerate_command(None, False, "m", ["--x"], config_file=resolve_profile("cpu_ddp_2proc"))
+    assert argv == LAUNCH + ["--config_file", str(PROFILE_DIR / "cpu_ddp_2proc.yaml"), "-m", "m", "--x"]
+    assert env == {WORKER_ENV: "1", "ACCELERATE_USE_CPU": "1"}
+    # agreeing values are fine and still not passed as flags
+    argv, _ = accelerate_command(2, False, "m", [], config_file=resolve_profile("cpu_ddp_2proc"), num_machines=1)
+    assert "--num_processes" not in argv and "--num_machines" not in argv
+    with pytest.raises(FineflowError, match="num_processes: 2 but 4"):
+        accelerate_command(4, False, "m", [], config_file=resolve_profile("cpu_ddp_2proc"))
+    argv, env = accelerate_command(None, True, "m", [], config_file=resolve_profile("fsdp_lora"))
+    assert not {"--multi_gpu", "--cpu", "--mixed_precision", "--num_processes"} & set(argv)
+    assert env == {WORKER_ENV: "1"}
+
+
+def test_gpu_profile_refused_without_gpu_and_multi_cpu_refused(tmp_path):
+    with pytest.raises(FineflowError, match="no GPU"):
+        accelerate_command(None, False, "m", [], config_file=resolve_profile("multi_gpu_ddp"))
+    multi_cpu = tmp_path / "multi_cpu.yaml"
+    multi_cpu.write_text("distributed_type: MULTI_CPU\nuse_cpu: true\nnum_processes: 2\n")
+    with pytest.raises(FineflowError, match="ONE process"):
+        accelerate_command(None, False, "m", [], config_file=multi_cpu)
+    no_type = tmp_path / "bad.yaml"
+    no_type.write_text("distributed_type: NO\n")  # unquoted NO is a YAML boolean
+    with pytest.raises(FineflowError, match="quote 'NO'"):
+        read_profile(no_type)
+
+
+def test_multi_node_profile_needs_placement_per_launch():
+    profile = resolve_profile("multi_node")
+    with pytest.raises(FineflowError, match="machine_rank.*main_process_ip"):
+        accelerate_command(None, True, "m", [], config_file=profile)
+    argv, _ = accelerate_command(None, True, "m", [], 29501, config_file=profile, machine_rank=1,
+                                 main_process_ip="10.0.0.1")
+    assert " ".join(argv).endswith("--machine_rank 1 --main_process_ip 10.0.0.1 --main_process_port 29501 -m m")
+
+
+# accelerate's own reading of each file (its private validator: the same code `accelerate launch` runs)
+EXPECTED = {
+    "cpu_ddp_2proc": dict(multi_gpu=True, use_cpu=True, num_processes=2, num_machines=1, mixed_precision="no"),
+    "single_gpu": dict(multi_gpu=False, use_fsdp=False, use_deepspeed=False, use_cpu=False, num_processes=1,
+                       mixed_precision="bf16", gpu_ids="0"),
+    "multi_gpu_ddp": dict(multi_gpu=True, use_cpu=False, num_processes=8, mixed_precision="bf16"),
+    "fsdp_lora": dict(use_fsdp=True, num_processes=8, mixed_precision="bf16", fsdp_version=1,
+                      fsdp_use_orig_params=True, fsdp_auto_wrap_policy="TRANSFORMER_BASED_WRAP",
+                      fsdp_transformer_layer_cls_to_wrap="LlamaDecoderLayer", fsdp_sharding_strategy="FULL_SHARD"),
+    "deepspeed_zero2": dict(use_deepspeed=True, zero_stage=2, num_processes=8, mixed_precision="bf16"),
+    "deepspeed_zero3": dict(use_deepspeed=True, zero_stage=3, zero3_init_flag=True, num_processes=8),
+    "multi_node": dict(multi_gpu=True, num_machines=2, num_processes=16, machine_rank=1,
+                       main_process_ip="10.9.8.7", main_process_port=29500),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_accelerate_reads_each_profile_as_intended(name):
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    extra = ["--machine_rank", "1", "--main_process_ip", "10.9.8.7"] if name == "multi_node" else []
+    args = launch_command_parser().parse_args(["--config_file", str(PROFILE_DIR / f"{name}.yaml"), *extra,
+                                               "-m", "m"])
+    args, _, _ = _validate_launch_command(args)
+    got = {key: getattr(args, key, None) for key in EXPECTED[name]}
+    assert got == EXPECTED[name]
+
+
+def test_fsdp_profile_reaches_the_ranks_environment():
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(PROFILE_DIR / "fsdp_lora.yaml"), "-m", "m"])
+    args, _, _ = _validate_launch_command(args)
+    args.main_process_port = 0  # prepare_multi_gpu_env probes the port; 0 = any free one
+    env = prepare_multi_gpu_env(args)
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_USE_ORIG_PARAMS"] == "true"
+    assert env["FSDP_TRANSFORMER_CLS_TO_WRAP"] == "LlamaDecoderLayer"
+    assert env["FSDP_SYNC_MODULE_STATES"] == "true" and env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+
+
+# --- real launches on loopback -------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_all(commands: list[tuple[list[str], dict[str, str]]], logs: list[Path], timeout: float) -> list[int]:
+    """Start every launch at once (each its own process group), wait for all; kill them all on timeout."""
+    procs = []
+    try:
+        for (argv, env), log in zip(commands, logs):
+            with log.open("w") as fh:
+                procs.append(subprocess.Popen(argv, cwd=ROOT, env={**venv_env(), **env}, stdout=fh,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        return [proc.returncode for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks torchrun started under it
+                proc.wait()
+
+
+@pytest.mark.parametrize("layout", ["cpu_ddp_2proc profile", "2 machines x 1 process"])
+def test_real_launch_forms_one_group(layout, tmp_path):
+    """Every rank sees world size 2 and the all-reduced sum 1+2; rank 0 alone writes probe.json."""
+    if layout == "cpu_ddp_2proc profile":
+        outs = [tmp_path / "out"]
+        commands = [accelerate_command(None, False, "tests.dist_probe", [str(outs[0])],
+                                       config_file=resolve_profile("cpu_ddp_2proc"))]
+    else:
+        port = _free_port()
+        outs = [tmp_path / f"machine{rank}" for rank in (0, 1)]
+        commands = [accelerate_command(2, False, "tests.dist_probe", [str(out)], port, num_machines=2,
+                                       machine_rank=rank, main_process_ip="127.0.0.1")
+                    for rank, out in enumerate(outs)]
+    logs = [tmp_path / f"launch{i}.log" for i in range(len(commands))]
+    codes = _run_all(commands, logs, timeout=240)
+    text = "".join(log.read_text() for log in logs)
+    assert codes == [0] * len(commands), text[-4000:]
+    for rank in (0, 1):
+        assert f"probe rank={rank} world=2 sum=3 backend=gloo" in text, text[-4000:]
+    written = sorted(p for out in outs for p in out.rglob("*") if p.is_file())
+    assert written == [outs[0] / "probe.json"]
+    record = json.loads(written[0].read_text())
+    assert record["world_size"] == 2 and record["rank"] == 0
+
