@@ -8,12 +8,15 @@
 2. Peak RSS of the whole tokenize path (stream -> encode -> pack -> write shard) on 10k vs --rows synthetic
    rows, each in a fresh child process (ru_maxrss), to show memory flat in dataset size.
 Needs the embedded base model (`make run` first, or --base-dir pointing at any HF tokenizer).
+Every encoder here runs with TOKENIZERS_PARALLELISM=false, as in the pipeline: one Rust thread per
+process, so "2 workers" is the only way to a second core and the comparison with raw is like for like.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -21,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 

@@ -1,0 +1,181 @@
+"""The ``fineflow`` command. Subcommands: ``plan`` (the GPU memory planner, fineflow.planner).
+
+    fineflow plan --model 7B --method lora --precision bf16 --micro-batch 4 --seq-len 2048
+    fineflow plan --model models/base --method full --gpus 8 --sharding fsdp --device-gib 80 --auto-fit
+    fineflow plan --table --gradient-checkpointing --device-gib 80
+    python -m fineflow.cli plan ...     # the same, without the installed script
+
+Exit status: 0 when the plan fits (or no --device-gib was given), 1 when it does not, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from fineflow.errors import FineflowError
+
+
+def _plan_parser(sub) -> None:
+    from fineflow.planner import (
+        ATTENTIONS,
+        KNOWN_SHAPES,
+        METHODS,
+        OPTIMIZERS,
+        PRECISIONS,
+        SHARDINGS,
+    )
+
+    p = sub.add_parser("plan", help="predict peak GPU memory per device before launching a run",
+                       description="Predict peak GPU memory per device: weights, gradients, optimizer "
+                                   "states, activations, overhead (conventions: fineflow/planner.py).")
+    p.add_argument("--model", default="7B",
+                   help=f"a known size ({', '.join(KNOWN_SHAPES)}), a parameter count, a config.json or a "
+                        "model directory (default: 7B)")
+    p.add_argument("--method", choices=METHODS, default="lora")
+    p.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument("--micro-batch", type=int, default=1, help="rows per device per forward (default: 1)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per row (default: 2048)")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--gpus", type=int, default=1, help="data-parallel ranks (default: 1)")
+    p.add_argument("--sharding", choices=SHARDINGS, default="none",
+                   help="none: DDP; zero2: gradients+optimizer sharded; fsdp/zero3: everything sharded")
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--lora-targets", default="all-linear",
+                   help="comma-separated linears (q_proj,v_proj,...) or all-linear (default)")
+    p.add_argument("--attention", choices=ATTENTIONS, default="sdpa")
+    p.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True,
+                   help="rows hold several examples behind an attention mask, as fineflow packs them (default)")
+    p.add_argument("--device-gib", type=float, help="device memory in GiB: say whether the plan fits")
+    p.add_argument("--auto-fit", action="store_true",
+                   help="with --device-gib: enable gradient checkpointing, then lower the micro-batch, until it fits")
+    p.add_argument("--table", action="store_true", help="print full/lora/qlora for every known size")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(run=_run_plan)
+
+
+def _setup_from_args(args):
+    from fineflow.planner import LINEARS, Setup
+
+    targets = LINEARS if args.lora_targets == "all-linear" else tuple(
+        t.strip() for t in args.lora_targets.split(",") if t.strip())
+    return Setup(method=args.method, precision=args.precision, optimizer=args.optimizer,
+                 micro_batch_size=args.micro_batch, seq_len=args.seq_len, grad_accum=args.grad_accum,
+                 gradient_checkpointing=args.gradient_checkpointing, num_gpus=args.gpus, sharding=args.sharding,
+                 lora_r=args.lora_r, lora_targets=targets, attention=args.attention, packed=args.packed)
+
+
+def _describe_setup(setup) -> str:
+    return (f"{setup.precision}, {setup.optimizer}, micro-batch {setup.micro_batch_size} x seq {setup.seq_len}, "
+            f"gradient checkpointing {'on' if setup.gradient_checkpointing else 'off'}, {setup.num_gpus} GPU(s), "
+            f"sharding {setup.sharding}, attention {setup.attention}, {'packed' if setup.packed else 'plain'} rows")
+
+
+def format_plan(result, device_bytes: float | None = None) -> str:
+    """A plan as an aligned breakdown in GiB, with the verdict when the device size is known."""
+    from fineflow.planner import FRAGMENTATION, GiB
+
+    s = result.setup
+    method = s.method if s.method == "full" else f"{s.method} r={s.lora_r} on {len(s.lora_targets)} module(s)"
+    lines = [(f"{result.model}: {result.params / 1e9:.2f}B parameters, {method}, "
+              f"{result.trainable_params:,} trainable"),
+             _describe_setup(s), ""]
+    rows = [("weights", result.weights, ""), ("gradients", result.gradients, ""),
+            ("optimizer states", result.optimizer_states,
+             "incl. fp32 master weights" if s.method == "full" and s.precision != "fp32" else ""),
+            ("activations", result.activations, f"of which loss over the vocabulary {result.logits / GiB:.2f} GiB"),
+            ("overhead", result.overhead, f"CUDA context/NCCL + {FRAGMENTATION:.0%} fragmentation")]
+    if result.optimizer_step > result.activations:
+        rows.append(("optimizer step", result.optimizer_step, "temporaries in step(), larger than activations"))
+    lines += [f"  {name:<17}{value / GiB:>9.2f} GiB   {note}".rstrip() for name, value, note in rows]
+    lines.append(f"  {'total':<17}{result.total / GiB:>9.2f} GiB per device")
+    if device_bytes is not None:
+        verdict = "fits in" if result.fits(device_bytes) else "does NOT fit in"
+        lines.append(f"{verdict} {device_bytes / GiB:.1f} GiB ({result.total / device_bytes:.0%} of the device)")
+    return "\n".join(lines)
+
+
+def format_table(setup, device_bytes: float | None = None) -> str:
+    """full/lora/qlora for every known size with setup's other settings, GiB per device."""
+    from dataclasses import replace
+
+    from fineflow.planner import KNOWN_SHAPES, METHODS, GiB, plan
+
+    header = (f"{'model':<14}{'params':>8}  {'method':<6}{'weights':>9}{'grads':>8}{'optim':>8}{'activ':>8}"
+              f"{'opt.step':>10}{'overhead':>10}{'total':>9}")
+    fits_col = f"  fits {device_bytes / GiB:g} GiB" if device_bytes is not None else ""
+    lines = [(f"GiB per device; {_describe_setup(setup)}; LoRA r={setup.lora_r} on {len(setup.lora_targets)} "
+              "module(s)"), "total = weights + grads + optim + max(activ, opt.step) + overhead",
+             header + fits_col, "-" * len(header + fits_col)]
+    for shape in KNOWN_SHAPES.values():
+        for method in METHODS:
+            r = plan(shape, replace(setup, method=method))
+            row = (f"{shape.name:<14}{shape.params / 1e9:>7.2f}B  {method:<6}{r.weights / GiB:>9.1f}"
+                   f"{r.gradients / GiB:>8.1f}{r.optimizer_states / GiB:>8.1f}{r.activations / GiB:>8.1f}"
+                   f"{r.optimizer_step / GiB:>10.1f}{r.overhead / GiB:>10.1f}{r.total / GiB:>9.1f}")
+            lines.append(row + (f"  {'yes' if r.fits(device_bytes) else 'no'}" if fits_col else ""))
+    return "\n".join(lines)
+
+
+def _run_plan(args) -> int:
+    from fineflow.planner import (
+        DoesNotFit,
+        GiB,
+        auto_fit,
+        load_shape,
+        plan,
+        what_to_change,
+    )
+
+    setup = _setup_from_args(args)
+    device = args.device_gib * GiB if args.device_gib else None
+    if args.table:
+        print(format_table(setup, device))
+        return 0
+    shape = load_shape(args.model)
+    result, changes = plan(shape, setup), []
+    if device is not None and args.auto_fit:
+        try:
+            fitted = auto_fit(shape, setup, device)
+        except DoesNotFit as exc:
+            print(format_plan(result, device))
+            print(f"refused: {exc}")
+            return 1
+        result, changes = fitted.plan, fitted.changes
+    if args.json:
+        print(json.dumps({**result.as_dict(), "changes": changes,
+                          "fits": result.fits(device) if device else None}, indent=2))
+    else:
+        print(format_plan(result, device))
+        for change in changes:
+            print(f"auto-fit: {change}")
+        if device is not None and not result.fits(device):
+            print(f"to fit: {what_to_change(shape, setup, device)}")
+    return 0 if device is None or result.fits(device) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fineflow", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command")
+    _plan_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return args.run(args)
+    except FineflowError as exc:
+        print(f"fineflow {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

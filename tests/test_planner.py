@@ -1,0 +1,393 @@
+"""The GPU memory planner (fineflow.planner) and ``fineflow plan``: formulas on known numbers, the order in
+which auto_fit adapts a run, refusals, config loading and the CLI. Pure arithmetic: milliseconds."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import subprocess
+import sys
+import tomllib
+from dataclasses import replace
+
+import pytest
+
+from fineflow.cli import main
+from fineflow.errors import FineflowError
+from fineflow.planner import (
+    KNOWN_SHAPES,
+    LINEARS,
+    DoesNotFit,
+    GiB,
+    ModelShape,
+    Setup,
+    activation_bytes,
+    auto_fit,
+    check_fit,
+    layer_activation_bytes,
+    load_shape,
+    logits_bytes,
+    lora_params,
+    plan,
+    refusal,
+    shape_from_config,
+    shape_from_file,
+)
+
+SEVEN_B = KNOWN_SHAPES["7B"]
+# The bench's tiny model (bench/planner_accuracy.py): LlamaConfig(hidden 128, intermediate 384, 4 layers, 4 heads,
+# vocab 1024, untied); transformers counts 1,115,264 parameters.
+TINY = ModelShape("tiny", hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=4,
+                  vocab_size=1024)
+LLAMA_3_8B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "vocab_size": 128256, "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+}
+
+
+# ---------------------------------------------------------------- shapes and parameter counts
+
+
+@pytest.mark.parametrize("size, count", [("1B", 1_235_814_400), ("7B", 6_738_415_616), ("8B", 8_030_261_248),
+                                         ("13B", 13_015_864_320), ("70B", 70_553_706_496)])
+def test_known_shapes_have_the_published_parameter_counts(size, count):
+    assert KNOWN_SHAPES[size].params == count
+
+
+def test_parameter_count_matches_transformers_for_small_configs():
+    # counted by transformers for the two models bench/planner_accuracy.py builds
+    assert TINY.params == 1_115_264
+    fifty_m = ModelShape("50M", 512, 1408, 8, 8, 8, 32000)
+    assert fifty_m.params == 58_466_816
+
+
+def test_lora_trainable_parameters_match_peft():
+    # what peft's print_trainable_parameters() reports for Llama-2-7B at r=16
+    assert lora_params(SEVEN_B, 16, ("q_proj", "v_proj")) == 8_388_608
+    assert lora_params(SEVEN_B, 16, LINEARS) == 39_976_960
+    # grouped-query attention: k/v adapters are narrower (Llama-3-8B, r=8, q and v)
+    assert lora_params(KNOWN_SHAPES["8B"], 8, ("q_proj", "v_proj")) == 32 * 8 * ((4096 + 4096) + (4096 + 1024))
+
+
+# ---------------------------------------------------------------- weights, gradients, optimizer states
+
+
+def test_full_bf16_adamw_follows_the_mixed_precision_convention():
+    p = SEVEN_B.params
+    result = plan(SEVEN_B, Setup(method="full", precision="bf16", optimizer="adamw"))
+    assert result.weights == 2 * p  # 16-bit working weights
+    assert result.gradients == 2 * p  # 16-bit gradients
+    assert result.optimizer_states == (8 + 4) * p  # fp32 exp_avg + exp_avg_sq, plus fp32 master weights
+
+
+def test_full_fp32_has_no_master_copy():
+    p = SEVEN_B.params
+    result = plan(SEVEN_B, Setup(method="full", precision="fp32", optimizer="adamw"))
+    assert (result.weights, result.gradients, result.optimizer_states) == (4 * p, 4 * p, 8 * p)
+
+
+def test_optimizers_order_by_state_size():
+    states = {opt: plan(SEVEN_B, Setup(method="full", optimizer=opt)).optimizer_states
+              for opt in ("adamw", "adamw_8bit", "sgd")}
+    p = SEVEN_B.params
+    assert states["sgd"] == (4 + 4) * p  # momentum + master weights
+    assert 6 * p < states["adamw_8bit"] < 6.1 * p  # two 1-byte states + block constants + master weights
+    assert states["adamw_8bit"] < states["sgd"] < states["adamw"]
+
+
+def test_lora_is_much_smaller_than_full():
+    full = plan(SEVEN_B, Setup(method="full"))
+    lora = plan(SEVEN_B, Setup(method="lora"))
+    assert lora.gradients + lora.optimizer_states < 0.01 * (full.gradients + full.optimizer_states)
+    assert lora.total < full.total / 3
+    # adapters are fp32: 4 bytes of weight, 4 of gradient, 8 of AdamW state per adapter parameter
+    assert lora.gradients == 4 * lora.trainable_params and lora.optimizer_states == 8 * lora.trainable_params
+
+
+@pytest.mark.parametrize("size", ["7B", "70B"])
+def test_qlora_weights_are_about_a_quarter_of_bf16(size):
+    shape = KNOWN_SHAPES[size]
+    ratio = plan(shape, Setup(method="qlora")).weights / plan(shape, Setup(method="lora")).weights
+    assert 0.25 < ratio < 0.32  # 4-bit linears + constants; embeddings and lm_head stay 16-bit
+
+
+# ---------------------------------------------------------------- activations
+
+
+def test_layer_activations_on_hand_computed_numbers():
+    # fp32, full, SDPA, per token of one layer: two RMSNorms 2*(4h + 4h), linear inputs 4*(3h + i),
+    # q, k, v and SDPA output 4*4h, logsumexp 4*a, SwiGLU 3*4*i  ->  1024+1024 + 3072 + 2048+16 + 4608
+    setup = Setup(method="full", precision="fp32", micro_batch_size=8, seq_len=256, packed=False)
+    per_token = (1024 + 1024) + (1536 + 1536) + (2048 + 16) + 4608
+    assert per_token == 11792
+    assert layer_activation_bytes(TINY, setup) == 8 * 256 * per_token
+
+
+def test_packed_rows_keep_an_attention_mask_per_layer():
+    plain = Setup(method="full", precision="bf16", micro_batch_size=4, seq_len=2048, packed=False)
+    packed = replace(plain, packed=True)
+    assert layer_activation_bytes(SEVEN_B, packed) - layer_activation_bytes(SEVEN_B, plain) == 4 * 2048 * 2048 * 2
+    # grouped-query k/v: expanded to all heads once a mask is passed (repeat_kv), kept narrow without one
+    eight_b, one = KNOWN_SHAPES["8B"], replace(plain, micro_batch_size=1, seq_len=1)
+    expanded = layer_activation_bytes(eight_b, replace(one, packed=True)) - 2  # minus the 1x1 mask
+    assert expanded - layer_activation_bytes(eight_b, one) == 2 * 2 * (4096 - 1024)
+
+
+def test_korthikanti_quadratic_term_appears_only_with_eager_attention():
+    sdpa = Setup(method="full", precision="bf16", micro_batch_size=2, seq_len=1024, packed=False)
+    eager = replace(sdpa, attention="eager")
+    b, s, a, h = 2, 1024, SEVEN_B.num_heads, SEVEN_B.hidden_size
+    # eager keeps the fp32 softmax and its 16-bit cast (4 + 2 bytes per score) and no SDPA output/logsumexp
+    difference = layer_activation_bytes(SEVEN_B, eager) - layer_activation_bytes(SEVEN_B, sdpa)
+    assert difference == b * s * (a * s * 6 - 2 * h - 4 * a)
+    # with SDPA the cost is linear in the sequence; eager is super-linear
+    longer = replace(sdpa, seq_len=2048)
+    assert layer_activation_bytes(SEVEN_B, longer) == 2 * layer_activation_bytes(SEVEN_B, sdpa)
+    assert layer_activation_bytes(SEVEN_B, replace(eager, seq_len=2048)) > 2.5 * layer_activation_bytes(SEVEN_B, eager)
+
+
+def test_logits_are_three_fp32_vocabulary_tensors():
+    setup = Setup(micro_batch_size=4, seq_len=2048)
+    assert logits_bytes(KNOWN_SHAPES["8B"], setup) == 4 * 2048 * 128256 * 4 * 3
+
+
+def test_gradient_checkpointing_keeps_only_layer_inputs():
+    setup = Setup(method="lora", micro_batch_size=4, seq_len=2048)
+    plain = activation_bytes(SEVEN_B, setup)
+    checkpointed = activation_bytes(SEVEN_B, replace(setup, gradient_checkpointing=True))
+    assert checkpointed < 0.15 * plain
+    tokens, layer = 4 * 2048, layer_activation_bytes(SEVEN_B, setup)
+    head = tokens * 4 * SEVEN_B.hidden_size  # final norm's fp32 input (frozen norm, frozen lm_head)
+    kept = SEVEN_B.num_layers * tokens * 2 * SEVEN_B.hidden_size  # one bf16 hidden state per layer
+    working = tokens * 2 * (SEVEN_B.hidden_size + 2 * SEVEN_B.intermediate_size)  # gradients in one layer
+    assert checkpointed == kept + head + max(logits_bytes(SEVEN_B, setup), layer + working)
+
+
+def test_lora_on_a_16bit_base_keeps_a_copy_of_the_input_per_adapter():
+    # peft casts each adapted linear's input to the adapter dtype: q, k and v no longer share one tensor
+    qkv = Setup(method="lora", lora_targets=("q_proj", "k_proj", "v_proj"), micro_batch_size=1, seq_len=1)
+    q_only = replace(qkv, lora_targets=("q_proj",))
+    assert layer_activation_bytes(SEVEN_B, qkv) - layer_activation_bytes(SEVEN_B, q_only) == 2 * 2 * SEVEN_B.hidden_size
+    # in fp32 there is no cast: the three share the norm's output
+    assert (layer_activation_bytes(SEVEN_B, replace(qkv, precision="fp32"))
+            == layer_activation_bytes(SEVEN_B, replace(q_only, precision="fp32")))
+
+
+# ---------------------------------------------------------------- sharding
+
+
+def test_zero2_divides_gradients_and_optimizer_states_only():
+    single = plan(KNOWN_SHAPES["13B"], Setup(method="full"))
+    zero2 = plan(KNOWN_SHAPES["13B"], Setup(method="full", num_gpus=8, sharding="zero2"))
+    assert zero2.weights == single.weights
+    assert zero2.gradients == single.gradients / 8
+    assert zero2.optimizer_states == single.optimizer_states / 8
+
+
+def test_fsdp_divides_everything_but_holds_the_gathered_layers():
+    single = plan(KNOWN_SHAPES["13B"], Setup(method="full"))
+    fsdp = plan(KNOWN_SHAPES["13B"], Setup(method="full", num_gpus=8, sharding="fsdp"))
+    assert fsdp.optimizer_states == single.optimizer_states / 8 and fsdp.gradients == single.gradients / 8
+    assert single.weights / 8 < fsdp.weights < single.weights / 4
+    assert fsdp.activations == single.activations  # each rank runs its own micro-batch
+    assert plan(KNOWN_SHAPES["13B"], Setup(method="full", num_gpus=8, sharding="zero3")).total == fsdp.total
+
+
+def test_ddp_replicates_and_adds_gradient_buckets():
+    single = plan(SEVEN_B, Setup(method="full"))
+    ddp = plan(SEVEN_B, Setup(method="full", num_gpus=8))
+    assert ddp.weights == single.weights and ddp.optimizer_states == single.optimizer_states
+    assert ddp.gradients == 2 * single.gradients
+    assert ddp.overhead > single.overhead  # NCCL buffers
+
+
+# ---------------------------------------------------------------- fits, auto_fit, refusal
+
+
+def test_fits_compares_the_total():
+    result = plan(SEVEN_B, Setup())
+    assert result.fits(result.total) and not result.fits(result.total - 1)
+    assert result.total == pytest.approx(result.weights + result.gradients + result.optimizer_states
+                                         + result.activations + result.overhead)
+
+
+def test_auto_fit_leaves_a_fitting_run_alone():
+    setup = Setup(micro_batch_size=2, seq_len=1024)
+    fitted = auto_fit(SEVEN_B, setup, 80 * GiB)
+    assert fitted.setup == setup and fitted.changes == []
+
+
+def test_auto_fit_enables_checkpointing_first():
+    setup = Setup(micro_batch_size=8, seq_len=2048)
+    budget = plan(SEVEN_B, replace(setup, gradient_checkpointing=True)).total + GiB
+    assert not plan(SEVEN_B, setup).fits(budget)
+    fitted = auto_fit(SEVEN_B, setup, budget)
+    assert fitted.setup == replace(setup, gradient_checkpointing=True)
+    assert len(fitted.changes) == 1 and "gradient_checkpointing: false -> true" in fitted.changes[0]
+
+
+def test_auto_fit_then_halves_the_micro_batch_keeping_the_global_batch():
+    setup = Setup(method="full", micro_batch_size=8, grad_accum=1, seq_len=4096)
+    shape = KNOWN_SHAPES["1B"]
+    two = plan(shape, replace(setup, gradient_checkpointing=True, micro_batch_size=2)).total
+    four = plan(shape, replace(setup, gradient_checkpointing=True, micro_batch_size=4)).total
+    fitted = auto_fit(shape, setup, (two + four) / 2)
+    assert (fitted.setup.gradient_checkpointing, fitted.setup.micro_batch_size, fitted.setup.grad_accum) == (True, 2, 4)
+    assert fitted.setup.global_batch == setup.global_batch
+    assert [c.split(":")[0] for c in fitted.changes] == ["train.gradient_checkpointing", "train.micro_batch_size",
+                                                         "train.micro_batch_size"]
+    assert "8 -> 4" in fitted.changes[1] and "4 -> 2" in fitted.changes[2]
+
+
+def test_auto_fit_steps_an_odd_micro_batch_through_its_divisors():
+    setup = Setup(micro_batch_size=6, seq_len=4096)
+    smallest = plan(SEVEN_B, replace(setup, gradient_checkpointing=True, micro_batch_size=1)).total
+    fitted = auto_fit(SEVEN_B, setup, smallest)
+    assert (fitted.setup.micro_batch_size, fitted.setup.grad_accum) == (1, 6)  # 6 -> 3 -> 1
+
+
+def test_auto_fit_refuses_when_nothing_it_may_change_is_enough():
+    with pytest.raises(DoesNotFit) as info:
+        auto_fit(SEVEN_B, Setup(method="lora", micro_batch_size=4), 10 * GiB)
+    message = str(info.value)
+    assert isinstance(info.value, FineflowError)
+    assert "needs" in message and "device has 10.0 GiB" in message and "train.method: qlora" in message
+
+
+def test_refusal_names_the_largest_micro_batch_that_fits():
+    shape, setup = KNOWN_SHAPES["1B"], Setup(method="lora", micro_batch_size=8, seq_len=2048)
+    two, three = (plan(shape, replace(setup, micro_batch_size=m)).total for m in (2, 3))
+    budget = (two + three) / 2
+    message = refusal(shape, setup, budget)
+    assert message.startswith(f"Llama-3.2-1B (lora) needs {plan(shape, setup).total / GiB:.1f} GiB per device, "
+                              f"device has {budget / GiB:.1f} GiB: ")
+    assert "set train.micro_batch_size <= 2 " in message and "set train.gradient_checkpointing: true" in message
+
+
+def test_check_fit_refuses_or_adapts():
+    setup = Setup(micro_batch_size=8, seq_len=2048)
+    budget = plan(SEVEN_B, replace(setup, gradient_checkpointing=True)).total + GiB
+    with pytest.raises(DoesNotFit, match="set train.gradient_checkpointing: true"):
+        check_fit(SEVEN_B, setup, budget, adapt=False)
+    assert check_fit(SEVEN_B, setup, budget, adapt=True).setup.gradient_checkpointing
+
+
+def test_invalid_settings_are_reported_together():
+    with pytest.raises(FineflowError) as info:
+        Setup(method="prefix", micro_batch_size=0, lora_targets=("qkv",))
+    message = str(info.value)
+    assert "method must be one of full, lora, qlora" in message
+    assert "micro_batch_size must be >= 1 (got 0)" in message and "lora_targets" in message
+
+
+# ---------------------------------------------------------------- loading a shape
+
+
+def test_config_json_and_model_dir_give_the_known_shape(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_8B_CONFIG))
+    for reference in (tmp_path / "config.json", tmp_path):
+        shape = shape_from_file(reference)
+        assert replace(shape, name="") == replace(KNOWN_SHAPES["8B"], name="")
+        assert shape.params == 8_030_261_248
+    assert load_shape(str(tmp_path)).params == 8_030_261_248
+
+
+def test_config_reads_text_config_head_dim_and_defaults():
+    nested = {"model_type": "llava", "text_config": {**LLAMA_3_8B_CONFIG, "head_dim": 256}}
+    shape = shape_from_config(nested)
+    assert shape.q_dim == 32 * 256 and shape.kv_dim == 8 * 256
+    bare = {k: v for k, v in LLAMA_3_8B_CONFIG.items() if k not in ("num_key_value_heads", "tie_word_embeddings")}
+    assert shape_from_config(bare).num_kv_heads == 32 and not shape_from_config(bare).tie_word_embeddings
+
+
+@pytest.mark.parametrize("config, fragment", [
+    ({"n_embd": 768, "n_layer": 12}, "missing hidden_size, intermediate_size"),
+    ({**LLAMA_3_8B_CONFIG, "num_local_experts": 8}, "mixture-of-experts"),
+])
+def test_unsupported_configs_are_refused_clearly(config, fragment):
+    with pytest.raises(FineflowError, match=fragment):
+        shape_from_config(config)
+
+
+def test_unreadable_model_references_are_clear(tmp_path):
+    with pytest.raises(FineflowError, match="no config.json there"):
+        shape_from_file(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(FineflowError, match="cannot read the model config"):
+        shape_from_file(tmp_path)
+    with pytest.raises(FineflowError, match="no standard shape near 3.00B"):
+        load_shape("3B")
+
+
+@pytest.mark.parametrize("reference, name", [("7b", "Llama-2-7B"), ("6.7e9", "Llama-2-7B"), ("8B", "Llama-3-8B"),
+                                             ("1500M", "Llama-3.2-1B"), ("70B", "Llama-3-70B")])
+def test_sizes_and_counts_resolve_to_known_shapes(reference, name):
+    assert load_shape(reference).name == name
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+def test_table_prints_every_size_and_method(capsys):
+    assert main(["plan", "--table", "--device-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("Llama-")]
+    assert len(rows) == 15
+    for shape in KNOWN_SHAPES.values():
+        assert [r.split()[2] for r in rows if r.split()[0] == shape.name] == ["full", "lora", "qlora"]
+    seven_full = next(r for r in rows if r.startswith("Llama-2-7B") and " full " in r).split()
+    assert float(seven_full[3]) == pytest.approx(2 * SEVEN_B.params / GiB, abs=0.05)  # weights column
+    assert seven_full[-1] == "no" and rows[1].split()[-1] == "yes"  # 7B full needs > 80 GiB; 1B lora fits
+
+
+def test_plan_prints_a_breakdown_and_exit_status_says_whether_it_fits(capsys):
+    assert main(["plan", "--model", "7B", "--method", "qlora", "--micro-batch", "1", "--device-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    for label in ("weights", "gradients", "optimizer states", "activations", "overhead", "total", "fits in 80.0 GiB"):
+        assert label in out
+    assert main(["plan", "--model", "70B", "--method", "full", "--device-gib", "80"]) == 1
+    assert "to fit: " in capsys.readouterr().out
+
+
+def test_plan_auto_fit_and_json(capsys):
+    args = ["plan", "--model", "7B", "--micro-batch", "8", "--seq-len", "2048", "--device-gib", "40"]
+    assert main(args + ["--auto-fit", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] is True and data["setup"]["gradient_checkpointing"] is True
+    assert data["changes"] and data["gib"]["total"] <= 40
+    assert data["bytes"]["total"] == round(plan(SEVEN_B, Setup(**{**data["setup"], "lora_targets": LINEARS})).total)
+
+
+def test_plan_reads_a_config_json(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA_3_8B_CONFIG))
+    assert main(["plan", "--model", str(path), "--method", "full"]) == 0
+    assert "8.03B parameters" in capsys.readouterr().out
+
+
+def test_plan_bad_input_is_one_line_and_status_2(capsys):
+    assert main(["plan", "--model", "gpt-five"]) == 2
+    assert "fineflow plan: error: --model 'gpt-five' is neither a known size" in capsys.readouterr().err
+
+
+def test_python_dash_m_runs_the_cli(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["fineflow.cli", "plan", "--model", "1B"])
+    monkeypatch.delitem(sys.modules, "fineflow.cli", raising=False)  # run it fresh, as python -m does
+    with pytest.raises(SystemExit) as info:
+        runpy.run_module("fineflow.cli", run_name="__main__")
+    assert info.value.code == 0 and "Llama-3.2-1B" in capsys.readouterr().out
+
+
+def test_console_script_is_declared():
+    from tests.conftest import ROOT
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["fineflow"] == "fineflow.cli:main"
+
+
+def test_planner_and_cli_import_nothing_heavy():
+    code = ("import sys, fineflow.cli, fineflow.planner; "
+            "print(sorted({'torch', 'transformers', 'pydantic'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
