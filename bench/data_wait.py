@@ -6,8 +6,9 @@ compute step, for on-the-fly tokenization vs fineflow's packed-shard loader. Sid
 on-the-fly: each step tokenizes its rows from text and pads them into tensors (what a loop without
 pre-tokenized data does); shard loader, inline: each step takes packed rows from the memory-mapped shard
 through the seeded sampler and collates them in the loop; shard loader, prefetch: the same steps prepared
-ahead on fineflow's BatchLoader thread (what the train stage does). The fake compute busy-waits, like
-a host spinning on a GPU step. Needs `make run` first (data/validated, data/shards, models/base).
+ahead on fineflow's BatchLoader thread (what the train stage does). The fake step runs twice: releasing
+the GIL (as torch kernels and a host waiting on the GPU do) and holding it (a busy Python loop, the worst
+case for the loader thread). Needs `make run` first (data/validated, data/shards, models/base).
 """
 
 from __future__ import annotations
@@ -22,14 +23,20 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def fake_compute(seconds: float) -> None:
-    """Busy-wait like a host spinning on a GPU step (a sleep would let the core idle and go cold)."""
+def busy_compute(seconds: float) -> None:
+    """A step that holds the GIL the whole time (pure-Python work): the worst case for a loader thread."""
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
 
 
-def measure(next_batch, steps: int, compute_s: float) -> tuple[float, float]:
+def gpu_like_compute(seconds: float) -> None:
+    """A step that releases the GIL while it runs, as torch does inside its kernels and while the host
+    waits for a CUDA step to finish (what the train loop's .item() does)."""
+    time.sleep(seconds)
+
+
+def measure(next_batch, steps: int, compute_s: float, fake_compute) -> tuple[float, float]:
     """(seconds waiting for data, seconds in total) over steps."""
     wait = 0.0
     start = time.perf_counter()
@@ -79,11 +86,15 @@ def main() -> None:
         return lambda: next(loader)
 
     compute_s = args.compute_ms / 1000
-    print(f"{args.steps} steps, fake compute {args.compute_ms:g} ms/step, {n_examples} examples per step")
-    for name, loader in (("on-the-fly tokenization", on_the_fly), ("shard loader, inline", shard_loader(0)),
-                         ("shard loader, prefetch 2", shard_loader(2))):
-        wait, total = measure(loader, args.steps, compute_s)
-        print(f"  {name:26}: data wait {wait / args.steps * 1000:7.3f} ms/step = {wait / total:6.2%} of step time")
+    print(f"{args.steps} steps, fake compute {args.compute_ms:g} ms/step, {args.batch} packed rows of "
+          f"{shard.meta['seq_len']} = {n_examples} examples per step")
+    for label, fake_compute in (("GIL released (torch kernels, GPU wait)", gpu_like_compute),
+                                ("GIL held (busy Python step)", busy_compute)):
+        print(f" fake step: {label}")
+        for name, loader in (("on-the-fly tokenization", lambda: on_the_fly), ("shard loader, inline", lambda: shard_loader(0)),
+                             ("shard loader, prefetch 2", lambda: shard_loader(2))):
+            wait, total = measure(loader(), args.steps, compute_s, fake_compute)
+            print(f"  {name:26}: data wait {wait / args.steps * 1000:7.3f} ms/step = {wait / total:6.2%} of step time")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/tokenization.py [--rows 1000000] [--base-dir models/base]
 
-1. Throughput on the same texts: raw `tokenizers` batch encoding (`encode_batch` of the already rendered
+1. Throughput on the same texts (and 1 vs 2 workers on --scaling-rows rows, where the pool's start is
+   amortized): raw `tokenizers` batch encoding (`encode_batch` of the already rendered
    prompts and responses, nothing else) vs fineflow's encode path from rows (rendering the template, loss
    mask, EOS) with 1 and 2 worker processes; best of 3 runs each.
 2. Peak RSS of the whole tokenize path (stream -> encode -> pack -> write shard) on 10k vs --rows synthetic
@@ -59,22 +60,43 @@ def throughput(base_dir: str, n: int) -> None:
         sum(len(e.ids) for e in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False))
         return time.perf_counter() - t0
 
-    def fineflow_run(workers):
+    lines = [json.dumps(r) + "\n" for r in rows]
+
+    def fineflow_run(workers, source):
         t0 = time.perf_counter()
-        sum(int(batch.lengths.sum()) for batch in encode_stream(iter(rows), tokenizer, base_dir, workers))
+        sum(int(batch.lengths.sum()) for batch in encode_stream(iter(source), tokenizer, base_dir, workers))
         return time.perf_counter() - t0
 
     raw_tokens = sum(len(e.ids) for e in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False))
     tokens = raw_tokens + len(rows)  # fineflow also appends one EOS per example
     raw_s = best_of_3(raw_run)
-    results = {workers: (tokens, best_of_3(lambda: fineflow_run(workers))) for workers in (1, 2)}
-    print(f"throughput on {n:,} rows ({raw_tokens:,} tokens):")
-    print(f"  raw tokenizers encode_batch : {raw_tokens / raw_s:12,.0f} tokens/s   1.00x")
-    for workers, (tokens, seconds) in results.items():
+    runs = {"fineflow, 1 worker, parsed rows": best_of_3(lambda: fineflow_run(1, rows)),
+            "fineflow, 1 worker, JSON lines": best_of_3(lambda: fineflow_run(1, lines)),
+            "fineflow, 2 workers, JSON lines": best_of_3(lambda: fineflow_run(2, lines))}
+    print(f"throughput on {n:,} rows ({raw_tokens:,} tokens), TOKENIZERS_PARALLELISM=false:")
+    print(f"  {'raw tokenizers encode_batch':34}: {raw_tokens / raw_s:12,.0f} tokens/s   1.00x")
+    for name, seconds in runs.items():
         rate = tokens / seconds
-        note = " (incl. starting the worker processes)" if workers > 1 else ""
-        print(f"  fineflow, {workers} worker(s)       : {rate:12,.0f} tokens/s   "
-              f"{rate / (raw_tokens / raw_s):.2f}x{note}")
+        note = " (incl. starting the worker processes)" if "2 workers" in name else ""
+        print(f"  {name:34}: {rate:12,.0f} tokens/s   {rate / (raw_tokens / raw_s):.2f}x{note}")
+    print(f"  2 workers vs 1 (JSON lines): {runs['fineflow, 1 worker, JSON lines'] / runs['fineflow, 2 workers, JSON lines']:.2f}x")
+
+
+def worker_scaling(base_dir: str, n: int) -> None:
+    """1 vs 2 workers on a larger set, where starting the pool (spawn + imports, ~2 s) is amortized."""
+    from transformers import AutoTokenizer
+
+    from fineflow.tokenization import encode_stream
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    lines = [json.dumps(r) + "\n" for r in synthetic_rows(n)]
+    seconds = {}
+    for workers in (1, 2):
+        t0 = time.perf_counter()
+        tokens = sum(int(b.lengths.sum()) for b in encode_stream(iter(lines), tokenizer, base_dir, workers))
+        seconds[workers] = time.perf_counter() - t0
+    print(f"workers on {n:,} rows ({tokens:,} tokens, JSON lines): 1 worker {seconds[1]:.1f} s, "
+          f"2 workers {seconds[2]:.1f} s -> {seconds[1] / seconds[2]:.2f}x")
 
 
 def child_tokenize(base_dir: str, rows_path: str, out_dir: str) -> None:
@@ -82,11 +104,11 @@ def child_tokenize(base_dir: str, rows_path: str, out_dir: str) -> None:
     import numpy as np
     from transformers import AutoTokenizer
 
-    from fineflow.tokenization import read_rows_lazily, tokenize_to_shard
+    from fineflow.tokenization import read_lines, tokenize_to_shard
 
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     t0 = time.perf_counter()
-    meta = tokenize_to_shard(read_rows_lazily(Path(rows_path)), tokenizer, base_dir, Path(out_dir), 512,
+    meta = tokenize_to_shard(read_lines(Path(rows_path)), tokenizer, base_dir, Path(out_dir), 512,
                              np.dtype(np.uint16), 1, 20000, {})
     print(json.dumps({"rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                       "seconds": time.perf_counter() - t0, "examples": meta["examples"]}))
@@ -115,9 +137,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--throughput-rows", type=int, default=100_000)
     parser.add_argument("--base-dir", default=str(ROOT / "models/base"))
+    parser.add_argument("--scaling-rows", type=int, default=400_000)
+    parser.add_argument("--skip-rss", action="store_true", help="throughput only")
     args = parser.parse_args()
     throughput(args.base_dir, args.throughput_rows)
-    peak_rss(args.base_dir, [10_000, args.rows])
+    worker_scaling(args.base_dir, args.scaling_rows)
+    if not args.skip_rss:
+        peak_rss(args.base_dir, [10_000, args.rows])
 
 
 if __name__ == "__main__":

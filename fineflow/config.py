@@ -138,8 +138,16 @@ class LoraParams(_Section):
 
 
 class TrainParams(_Section):
-    method: Literal["lora"] = "lora"
-    num_processes: int = Field(1, gt=0)  # data-parallel processes; >1 on CPU runs DDP over gloo
+    method: Literal["lora", "qlora", "full"] = "lora"  # qlora: 4-bit base via bitsandbytes, CUDA only
+    precision: Literal["no", "bf16", "fp16"] = "no"  # mixed precision; fp16 needs a GPU (loss scaling)
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
+    # hardware: an accelerate config under configs/accelerate (or a path); "auto" derives it from
+    # num_processes and whether there is a GPU. num_processes null takes the profile's.
+    accelerate_profile: str = "auto"
+    num_processes: int | None = Field(1, gt=0)  # data-parallel ranks over all machines; 2 on CPU = DDP/gloo
+    num_machines: int = Field(1, gt=0)  # >1: launch once per machine with --machine-rank/--main-process-ip
+    auto_fit: bool = False  # plan exceeds device memory: adapt (checkpointing, smaller micro-batch) or refuse
+    device_memory_gib: float | None = Field(None, gt=0)  # per device; null = detect (GPU memory, or RAM/ranks)
     steps: int = Field(300, gt=0)  # optimizer steps
     micro_batch_size: int = Field(8, gt=0)  # packed rows per process per micro-step
     grad_accum: int = Field(1, gt=0)
@@ -148,8 +156,11 @@ class TrainParams(_Section):
     warmup_steps: int = Field(20, ge=0)
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     max_grad_norm: float = Field(1.0, gt=0)
+    eval_every: int = Field(100, gt=0)  # validation loss on the eval shard every N steps (and at the end)
     checkpoint_every: int = Field(100, gt=0)
     log_every: int = Field(10, gt=0)
+    prefetch: int = Field(2, ge=0)  # optimizer steps of batches prepared ahead on a background thread
+    tracker: Literal["tensorboard", "mlflow", "none"] = "tensorboard"  # accelerate tracker (logs/<tracker>)
     lora: LoraParams = LoraParams()
 
 

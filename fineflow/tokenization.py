@@ -31,15 +31,26 @@ def _init_worker(reference: str) -> None:
     _WORKER_TOKENIZER = AutoTokenizer.from_pretrained(reference)
 
 
-def _encode_chunk(rows: list[dict]) -> EncodedBatch:
-    return encode_batch(_WORKER_TOKENIZER, rows)
+def _parsed(chunk: list) -> list[dict]:
+    """Rows as dicts; raw JSON lines are parsed here, i.e. in the worker when there are workers."""
+    return [json.loads(item) if isinstance(item, str) else item for item in chunk]
 
 
-def read_rows_lazily(path: Path) -> Iterator[dict]:
+def _encode_chunk(chunk: list) -> EncodedBatch:
+    return encode_batch(_WORKER_TOKENIZER, _parsed(chunk))
+
+
+def read_lines(path: Path) -> Iterator[str]:
+    """The rows file's non-blank lines, unparsed: JSON parsing is left to whoever encodes them, so with
+    workers the main process only reads and ships bytes."""
     with path.open(encoding="utf-8") as fh:
         for line in fh:
             if line.strip():
-                yield json.loads(line)
+                yield line
+
+
+def read_rows_lazily(path: Path) -> Iterator[dict]:
+    return (json.loads(line) for line in read_lines(path))
 
 
 def chunks(items: Iterable, size: int) -> Iterator[list]:
@@ -48,12 +59,13 @@ def chunks(items: Iterable, size: int) -> Iterator[list]:
         yield chunk
 
 
-def encode_stream(rows: Iterable[dict], tokenizer, reference: str, workers: int,
+def encode_stream(rows: Iterable[dict | str], tokenizer, reference: str, workers: int,
                   chunk_rows: int = 2000) -> Iterator[EncodedBatch]:
-    """Encoded chunks of rows, in input order; workers > 1 encodes chunks in a process pool."""
+    """Encoded chunks of rows (dicts or raw JSON lines), in input order; workers > 1 encodes chunks in a
+    process pool."""
     if workers == 1:
         for chunk in chunks(rows, chunk_rows):
-            yield encode_batch(tokenizer, chunk)
+            yield encode_batch(tokenizer, _parsed(chunk))
         return
     context = multiprocessing.get_context("spawn")  # no fork of a parent that may hold torch threads
     with context.Pool(workers, initializer=_init_worker, initargs=(reference,)) as pool:
@@ -77,7 +89,7 @@ def windows(batches: Iterable[EncodedBatch], size: int) -> Iterator[EncodedBatch
         yield EncodedBatch.concat(pending)
 
 
-def tokenize_to_shard(rows: Iterable[dict], tokenizer, reference: str, out_dir: Path, seq_len: int,
+def tokenize_to_shard(rows: Iterable[dict | str], tokenizer, reference: str, out_dir: Path, seq_len: int,
                       dtype: np.dtype, workers: int, pack_window: int, meta: dict) -> dict:
     """Encode, pack window by window and append to a shard directory; returns the shard's meta."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -1,8 +1,10 @@
 """The training loop: one readable ``fit()`` on accelerate, fed from packed shards.
 
-Side effects go through objects handed to ``fit``: a ``StepTimer`` (where each step's time went), a
-``StepLog`` (the per-step JSONL that ``dvc plots`` renders) and a ``Checkpointer`` (atomic safetensors
-saves). The loop itself only computes.
+Side effects go through objects handed to ``fit``: a ``BatchLoader`` (batches prepared ahead on a thread),
+a ``StepTimer`` (where each step's time went), a ``StepLog`` (the per-step JSONL that ``dvc plots``
+renders), a ``Progress`` (a rich bar with tokens/s and ETA on a terminal, log lines elsewhere) and a
+``Checkpointer`` (atomic safetensors saves). Metrics also go to accelerate's trackers (TensorBoard by
+default) through ``accelerator.log``. The loop itself only computes.
 
 Loss is token-weighted across micro-batches and data-parallel ranks: each optimizer step divides the summed
 cross-entropy by the number of trained tokens in the whole global batch, so 1 process and N processes with
@@ -14,7 +16,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import shutil
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -88,13 +92,55 @@ class StepLog:
             self._fh.close()
 
 
-def save_adapter(model, out_dir: Path) -> None:
+def peak_memory_mb(device) -> float:
+    """Peak memory so far: CUDA's allocator peak on a GPU, the process's peak RSS otherwise (Linux: KiB)."""
+    if getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class Progress:
+    """Console progress, rank 0: a rich bar (step, loss, tokens/s, ETA) when stderr is a terminal; a log
+    line every log_every steps (with the ETA) when it is not — Prefect and DVC capture plain lines."""
+
+    def __init__(self, total: int, log_every: int, log=print, enabled: bool = True):
+        self.total, self.log_every, self.log = total, log_every, log
+        self.started = time.perf_counter()
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeRemainingColumn
+
+            self.bar = Bar(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+                           TextColumn("ETA"), TimeRemainingColumn(), transient=False)
+            self.task = self.bar.add_task("train", total=total, status="")
+            self.bar.start()
+
+    def eta_s(self, step: int) -> float:
+        return (time.perf_counter() - self.started) / step * (self.total - step)
+
+    def update(self, step: int, record: dict) -> None:
+        status = f"loss {record['loss']:.4f} {record['tokens_per_s']:,.0f} tok/s"
+        if "eval_loss" in record:
+            status += f" eval_loss {record['eval_loss']:.4f}"
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, status=status)
+        elif step % self.log_every == 0 or step == self.total:
+            self.log(f"step {step}/{self.total} {status} lr {record['lr']:.2e} ETA {self.eta_s(step):.0f}s")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def save_adapter(model, out_dir: Path, state_dict: dict | None = None) -> None:
     """save_pretrained, then make adapter_config.json byte-stable.
 
     peft keeps target_modules as a set, which it writes in hash order (random per process), so the same
     training would give different bytes — and a different DVC hash — run to run.
     """
-    model.save_pretrained(out_dir)
+    model.save_pretrained(out_dir, state_dict=state_dict)  # peft keeps only the adapter's entries
     config_path = Path(out_dir) / "adapter_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     if isinstance(config.get("target_modules"), list):
@@ -109,8 +155,8 @@ class Checkpointer:
     never leaves a half-written ``step-N`` directory. Only the main process writes.
     """
 
-    def __init__(self, root: Path | None, every: int):
-        self.root, self.every = root, every
+    def __init__(self, root: Path | None, every: int, method: str = "lora"):
+        self.root, self.every, self.method = root, every, method
 
     def due(self, step: int) -> bool:
         """The same answer on every rank: ranks must agree, since validation before a save is collective."""
@@ -122,7 +168,11 @@ class Checkpointer:
         final = self.root / f"step-{step:07d}"
         tmp = self.root / f".tmp-step-{step:07d}"
         shutil.rmtree(tmp, ignore_errors=True)
-        save_adapter(accelerator.unwrap_model(model), tmp)
+        unwrapped = accelerator.unwrap_model(model)
+        if self.method == "full":
+            unwrapped.save_pretrained(tmp, safe_serialization=True)
+        else:
+            save_adapter(unwrapped, tmp)
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -136,6 +186,7 @@ class FitResult:
     tokens: int  # real (trained-on or attended, non-pad) tokens processed, summed over ranks
     wall_s: float
     timer: StepTimer
+    peak_mem_mb: float = 0.0
 
 
 def evaluate_loss(model, shard: PackedShard, batch_size: int, accelerator) -> float:
@@ -157,7 +208,7 @@ def evaluate_loss(model, shard: PackedShard, batch_size: int, accelerator) -> fl
 
 def fit(model, optimizer, scheduler, accelerator, batches: BatchLoader, cfg: TrainParams, timer: StepTimer,
         step_log: StepLog, checkpointer: Checkpointer, eval_shard: PackedShard | None = None,
-        log=print) -> FitResult:
+        progress: Progress | None = None) -> FitResult:
     """Run cfg.steps optimizer steps on the batches the loader prepares; returns the report's figures."""
     import torch
 
@@ -204,25 +255,28 @@ def fit(model, optimizer, scheduler, accelerator, batches: BatchLoader, cfg: Tra
         tokens_seen += step_real
 
         eval_loss = None
+        if eval_shard is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+            eval_loss = evaluate_loss(model, eval_shard, cfg.micro_batch_size, accelerator)
         if checkpointer.due(step) or step == cfg.steps:
             t0 = time.perf_counter()
-            if eval_shard is not None:
-                eval_loss = evaluate_loss(model, eval_shard, cfg.micro_batch_size, accelerator)
             checkpointer.save(accelerator, model, step, {"step": step, "sampler": prepared.sampler_state,
                                                           "tokens_seen": tokens_seen, "loss": loss_value})
             timer.add("checkpoint_s", time.perf_counter() - t0)
 
         step_s = time.perf_counter() - step_start
         record = {"step": step, "loss": round(loss_value, 5), "lr": scheduler.get_last_lr()[0],
-                  "grad_norm": round(float(grad_norm), 5), "tokens": step_real,
-                  "tokens_per_s": round(step_real / step_s, 1), "step_s": round(step_s, 5),
-                  **{k: round(v, 5) for k, v in timer.current.items()}}
+                  # DeepSpeed clips inside its engine and hands back no norm
+                  "grad_norm": round(float(grad_norm), 5) if grad_norm is not None else None,
+                  "tokens": step_real, "tokens_per_s": round(step_real / step_s, 1), "step_s": round(step_s, 5),
+                  **{k: round(v, 5) for k, v in timer.current.items()},
+                  "peak_mem_mb": round(peak_memory_mb(accelerator.device), 1)}
         if eval_loss is not None:
             record["eval_loss"] = round(eval_loss, 5)
         if accelerator.is_main_process:
             step_log.log(record)
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                log(f"step {step}/{cfg.steps} loss {loss_value:.4f} lr {record['lr']:.2e} "
-                    f"{record['tokens_per_s']:.0f} tok/s" + (f" eval_loss {eval_loss:.4f}" if eval_loss else ""))
-    return FitResult(cfg.steps, loss_value, eval_loss, tokens_seen, time.perf_counter() - started, timer)
+            accelerator.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=step)
+            if progress is not None:
+                progress.update(step, record)
+    return FitResult(cfg.steps, loss_value, eval_loss, tokens_seen, time.perf_counter() - started, timer,
+                     peak_memory_mb(accelerator.device))
 

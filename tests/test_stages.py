@@ -74,7 +74,8 @@ def trained(built):
     from tests.conftest import TINY_PARAMS
 
     report = train.worker(parse_params(TINY_PARAMS), built / "data/shards", built / "models/base",
-                          built / "checkpoints", built / "models/candidate", built / "reports/train_steps.jsonl")
+                          built / "checkpoints", built / "models/candidate", built / "reports/train_steps.jsonl",
+                          built / "logs")
     return built, report
 
 
@@ -92,6 +93,10 @@ def test_train_writes_adapter_checkpoints_and_step_log(trained):
     assert sorted(p.name for p in (built / "checkpoints").iterdir()) == ["step-0000002", "step-0000004"]
     steps = [json.loads(x) for x in (built / "reports/train_steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3, 4] and all("data_wait_s" in s for s in steps)
+    assert all(s["peak_mem_mb"] > 0 and s["tokens_per_s"] > 0 for s in steps)
+    assert report["plan"]["gib"]["total"] > 0 and report["plan"]["changes"] == []  # sized before training
+    # accelerate's TensorBoard tracker wrote an event file with the step metrics
+    assert list((built / "logs").rglob("events.out.tfevents.*"))
 
 
 def test_evaluate_then_promote(trained, tiny_params):

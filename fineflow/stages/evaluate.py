@@ -39,9 +39,12 @@ def run(params: Params, base_dir: Path, adapter_dir: Path, eval_rows: Path, out_
         load_s = time.perf_counter() - t0
         scores, timings = {}, {}
         for name in ("base", "candidate"):
-            if name == "candidate":  # wrap the already-loaded base: one load, adapter not merged
+            if name == "candidate":
                 t0 = time.perf_counter()
-                model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+                if (adapter_dir / "adapter_config.json").exists():  # wrap the loaded base: adapter not merged
+                    model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+                else:  # train.method full: the candidate is a whole model
+                    model = AutoModelForCausalLM.from_pretrained(adapter_dir, dtype=torch.float32).eval()
                 load_s += time.perf_counter() - t0
             else:
                 model = base

@@ -25,7 +25,7 @@ from fineflow.config import Params
 from fineflow.shards import FORMAT_VERSION, shard_key_matches, token_dtype, tokenizer_hash
 from fineflow.stages._entry import log, run_stage, stage_parser
 from fineflow.template import template_hash
-from fineflow.tokenization import read_rows_lazily, tokenize_to_shard
+from fineflow.tokenization import read_lines, tokenize_to_shard
 
 
 def load_tokenizer(reference: str):
@@ -65,7 +65,7 @@ def tokenize_split(tokenizer, reference: str, rows_path: Path, out_dir: Path, cf
             "template_hash": template_hash(tokenizer), "code_version": __version__, "content_key": key}
     building = out_dir.with_name(f".tmp-{out_dir.name}")
     shutil.rmtree(building, ignore_errors=True)
-    meta = tokenize_to_shard(read_rows_lazily(rows_path), tokenizer, reference, building, cfg.seq_len,
+    meta = tokenize_to_shard(read_lines(rows_path), tokenizer, reference, building, cfg.seq_len,
                              token_dtype(len(tokenizer)), cfg.workers, cfg.pack_window, meta)
     shutil.rmtree(out_dir, ignore_errors=True)  # a reader never sees a mix: meta.json is written last
     os.replace(building, out_dir)

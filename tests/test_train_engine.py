@@ -1,0 +1,105 @@
+"""The training engine's options on CPU: full fine-tuning, bf16, gradient checkpointing, hardware gates,
+and the memory planner's refuse / auto_fit verdicts before launch."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.conftest import TINY_PARAMS, _merge, venv_env, write_params
+
+
+def _params(**train):
+    from fineflow.config import parse_params
+
+    return parse_params(_merge(TINY_PARAMS, {"train": {"steps": 2, "checkpoint_every": 2, **train}}))
+
+
+def _train(built, tmp_path, params):
+    from accelerate.state import AcceleratorState
+
+    from fineflow.stages import train
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # a launched rank is a fresh process; here, reset
+
+    return train.worker(params, built / "data/shards", built / "models/base", tmp_path / "checkpoints",
+                        tmp_path / "candidate", tmp_path / "steps.jsonl", tmp_path / "logs")
+
+
+def test_full_fine_tuning_saves_a_whole_model_that_evaluate_loads(built, tmp_path, tiny_params):
+    from fineflow.stages import evaluate
+
+    report = _train(built, tmp_path, _params(method="full", tracker="none"))
+    weights = load_file(tmp_path / "candidate/model.safetensors")
+    assert report["method"] == "full" and not any("lora_" in name for name in weights)
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(built / "models/base")
+    assert report["trainable_parameters"] == sum(p.numel() for p in base.parameters())  # every weight trains
+    scores = evaluate.run(tiny_params, built / "models/base", tmp_path / "candidate",
+                          built / "data/validated/eval.jsonl", tmp_path / "eval", tmp_path / "raw")
+    assert "fineflow_synth/exact_match" in scores["candidate"]
+
+
+def test_bf16_with_gradient_checkpointing_trains_on_cpu(built, tmp_path):
+    report = _train(built, tmp_path, _params(precision="bf16", gradient_checkpointing=True, tracker="none"))
+    assert report["precision"] == "bf16" and report["gradient_checkpointing"] is True
+    assert report["final_loss"] == report["final_loss"]  # finite, not NaN
+    assert report["plan"]["setup"]["gradient_checkpointing"] is True
+
+
+def _train_cli(tmp_path, overrides):
+    write_params(tmp_path / "params.yaml", overrides)
+    return subprocess.run([sys.executable, "-m", "fineflow.stages.train", "--shards", "data/shards", "--base-dir",
+                           "models/base", "--checkpoints", "ck", "--out", "candidate", "--steps-log", "s.jsonl"],
+                          cwd=tmp_path, env=venv_env(), capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture
+def project(built, tmp_path):
+    import shutil
+
+    shutil.copytree(built / "data/shards", tmp_path / "data/shards")
+    shutil.copytree(built / "models/base", tmp_path / "models/base")
+    return tmp_path
+
+
+def test_qlora_on_cpu_is_refused_with_what_to_do(project):
+    result = _train_cli(project, {"train.method": "qlora"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "train.method is qlora" in result.stderr and "needs a CUDA GPU" in result.stderr
+    assert "train.method: lora" in result.stderr
+
+
+def test_plan_that_does_not_fit_is_refused_before_launch(project):
+    result = _train_cli(project, {"train.device_memory_gib": 0.01})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "needs 0.5 GiB per device, device has 0.0 GiB" in result.stderr
+    assert "launching" not in result.stdout  # refused by the launcher, no rank was started
+
+
+def test_auto_fit_adapts_the_plan_and_keeps_the_global_batch(built, tmp_path):
+    from fineflow import planner
+    from fineflow.stages.train import fit_plan
+
+    params = _params(micro_batch_size=4, grad_accum=1, tracker="none")
+    reference = str(built / "models/base")
+    _, roomy, _ = fit_plan(params, reference, has_gpu=False)
+    setup = planner.Setup(**{**roomy["setup"], "micro_batch_size": 1, "gradient_checkpointing": True,
+                             "lora_targets": tuple(roomy["setup"]["lora_targets"])})
+    smallest = planner.plan(planner.load_shape(reference), setup).total
+    assert smallest < roomy["bytes"]["total"]
+    budget = smallest * 1.000001 / 2**30  # only micro-batch 1 with checkpointing fits
+    with pytest.raises(planner.DoesNotFit, match="train.micro_batch_size"):
+        fit_plan(_params(micro_batch_size=4, device_memory_gib=budget), reference, has_gpu=False)
+    adapted_params = _params(micro_batch_size=4, grad_accum=1, device_memory_gib=budget, auto_fit=True,
+                             tracker="none")
+    adapted, plan, changes = fit_plan(adapted_params, reference, has_gpu=False)
+    assert changes and adapted.gradient_checkpointing is True
+    assert (adapted.micro_batch_size, adapted.grad_accum) == (1, 4)  # the global batch is unchanged
+    assert plan["bytes"]["total"] <= budget * 2**30
+    report = _train(built, tmp_path, adapted_params)  # and the ranks run with the adapted settings
+    assert (report["micro_batch_size"], report["grad_accum"]) == (adapted.micro_batch_size, adapted.grad_accum)
+    assert json.loads((tmp_path / "steps.jsonl").read_text().splitlines()[0])["tokens"] > 0
