@@ -11,7 +11,7 @@ tokenize stage's own function and used instead (a few seconds); models/base and 
 rebuilt here.
 
 fineflow      fineflow.stages.train.worker() in-process: one rank, accelerate on CPU, params.yaml with
-              train.steps = --steps and checkpointing off (checkpoint_every = steps, so the only eval+save is
+              train.steps = --steps and checkpointing off (checkpoint.every_steps = steps, so the only eval+save is
               the one fit() always does after the last step; it is timed in checkpoint_s and taken out of
               the loop time here). Packed rows of tokenize.seq_len, micro_batch_size rows x grad_accum per
               step, block-diagonal attention from per-example position ids.
@@ -109,8 +109,10 @@ def shards_current(params, reference: str, rows_dir: Path, shards_dir: Path) -> 
 
 def with_steps(params, steps: int):
     """params with train.steps reduced and checkpointing effectively off (frozen pydantic models)."""
-    train = params.train.model_copy(update={"steps": steps, "checkpoint_every": steps, "log_every": steps})
-    return params.model_copy(update={"train": train})
+    train = params.train.model_copy(update={"steps": steps, "log_every": steps, "eval_every": steps,
+                                            "tracker": "none"})
+    checkpoint = params.checkpoint.model_copy(update={"every_steps": steps})
+    return params.model_copy(update={"train": train, "checkpoint": checkpoint})
 
 
 # -------------------------------------------------------------------------------------------- fineflow

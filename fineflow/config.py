@@ -157,11 +157,24 @@ class TrainParams(_Section):
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     max_grad_norm: float = Field(1.0, gt=0)
     eval_every: int = Field(100, gt=0)  # validation loss on the eval shard every N steps (and at the end)
-    checkpoint_every: int = Field(100, gt=0)
+    resume: Literal["auto", "never"] = "auto"  # auto: continue from the newest valid checkpoint of this config
     log_every: int = Field(10, gt=0)
     prefetch: int = Field(2, ge=0)  # optimizer steps of batches prepared ahead on a background thread
     tracker: Literal["tensorboard", "mlflow", "none"] = "tensorboard"  # accelerate tracker (logs/<tracker>)
     lora: LoraParams = LoraParams()
+
+
+class CheckpointSettings(_Section):
+    """When and how the train stage checkpoints (fineflow.checkpoint)."""
+
+    every_steps: int = Field(100, gt=0)
+    every_minutes: float | None = Field(None, gt=0)  # also save when this long has passed since the last save
+    keep_last: int = Field(2, ge=1)
+    keep_best: int = Field(1, ge=0)  # by validation loss; never deleted, nor the one resumed from
+    mode: Literal["async", "sync"] = "async"  # async: the loop blocks only for the copy to host memory
+    backend: Literal["thread", "process"] = "thread"  # where async writes run (bench/checkpoint_stall.py)
+    on_write_error: Literal["stop", "retry"] = "stop"  # e.g. disk full: stop with a clear error, or retry
+    retries: int = Field(3, ge=0)
 
 
 class EvaluateParams(_Section):
@@ -185,6 +198,7 @@ class Params(_Section):
     validate_: ValidateParams = Field(ValidateParams(), alias="validate")
     tokenize: TokenizeParams = TokenizeParams()
     train: TrainParams = TrainParams()
+    checkpoint: CheckpointSettings = CheckpointSettings()
     evaluate: EvaluateParams = EvaluateParams()
     promote: PromoteParams = PromoteParams()
 

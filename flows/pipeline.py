@@ -17,7 +17,7 @@ from prefect import flow
 from tasks.stages import run_stage
 
 STAGES = ["base", "data", "validate", "tokenize", "train", "evaluate", "promote"]
-RETRIES = {"train": 1}
+RETRIES = {"train": 2}  # a crashed train stage resumes from its last valid checkpoint
 
 
 @flow(name="fineflow", log_prints=True)

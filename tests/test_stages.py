@@ -90,7 +90,9 @@ def test_train_writes_adapter_checkpoints_and_step_log(trained):
     # byte-stable across processes (peft writes a set), and no absolute path of this checkout
     assert config["target_modules"] == sorted(config["target_modules"])
     assert config["base_model_name_or_path"] == str(built / "models/base")  # as passed in, not resolved
-    assert sorted(p.name for p in (built / "checkpoints").iterdir()) == ["step-0000002", "step-0000004"]
+    [run_dir] = (built / "checkpoints").iterdir()  # one directory per training configuration
+    assert sorted(p.name for p in run_dir.iterdir()) == ["step-0000002", "step-0000004"]  # keep_last 2
+    assert report["resumed_from_step"] == 0 and report["checkpoint_write_s"] is not None
     steps = [json.loads(x) for x in (built / "reports/train_steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3, 4] and all("data_wait_s" in s for s in steps)
     assert all(s["peak_mem_mb"] > 0 and s["tokens_per_s"] > 0 for s in steps)

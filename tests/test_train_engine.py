@@ -14,7 +14,7 @@ from tests.conftest import TINY_PARAMS, _merge, venv_env, write_params
 def _params(**train):
     from fineflow.config import parse_params
 
-    return parse_params(_merge(TINY_PARAMS, {"train": {"steps": 2, "checkpoint_every": 2, **train}}))
+    return parse_params(_merge(TINY_PARAMS, {"train": {"steps": 2, **train}}))
 
 
 def _train(built, tmp_path, params):

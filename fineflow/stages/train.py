@@ -13,9 +13,12 @@ the model, checkpoints, step log and report. On a cluster, run it once per machi
 
 from __future__ import annotations
 
+import errno
+import functools
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from fineflow.basemodel import resolve_base_model
@@ -165,6 +168,44 @@ def init_tracker(accelerator, params: Params, cfg: TrainParams) -> None:
                                                   "tokenize.seq_len": params.tokenize.seq_len})
 
 
+def _slow_write(delay_s: float, path, nbytes) -> None:
+    time.sleep(delay_s)
+
+
+def _disk_full_at(step: int, path, nbytes) -> None:
+    if f"step-{step:07d}" in str(path):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
+
+
+def fault_hook():
+    """Fault injection for the kill -9 and disk-full tests, from the environment (never set in normal
+    runs): FINEFLOW_FAULT_WRITE_DELAY_S slows every checkpoint write, so a kill can land mid-write;
+    FINEFLOW_FAULT_DISK_FULL_AT_STEP makes the writer of that step's checkpoint hit ENOSPC."""
+    if os.environ.get("FINEFLOW_FAULT_DISK_FULL_AT_STEP"):
+        return functools.partial(_disk_full_at, int(os.environ["FINEFLOW_FAULT_DISK_FULL_AT_STEP"]))
+    if os.environ.get("FINEFLOW_FAULT_WRITE_DELAY_S"):
+        return functools.partial(_slow_write, float(os.environ["FINEFLOW_FAULT_WRITE_DELAY_S"]))
+    return None
+
+
+def resume_point(accelerator, checkpoints: Path, print_: dict, mode: str):
+    """(run directory, loaded checkpoint or None): rank 0 decides, every rank loads the same one."""
+    from fineflow.checkpoint import load_checkpoint
+    from fineflow.resume import ResumePlan, plan_resume, run_id
+
+    decision = [None]
+    if accelerator.is_main_process:
+        plan = plan_resume(checkpoints, print_, mode)
+        decision = [str(plan.checkpoint) if plan.checkpoint else None]
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        decision = broadcast_object_list(decision)
+    plan = ResumePlan(checkpoints / run_id(print_), Path(decision[0]) if decision[0] else None)
+    # latest_valid (rank 0) just hashed every file of it: load without hashing it all again
+    return plan.run_dir, (load_checkpoint(plan.checkpoint, verify=False) if plan.checkpoint else None)
+
+
 def worker(params: Params, shards: Path, base_dir: Path, checkpoints: Path, out_dir: Path,
            steps_log: Path, logs_dir: Path | None = None) -> dict | None:
     """One rank of training; returns the report on rank 0 and None elsewhere."""
@@ -172,9 +213,11 @@ def worker(params: Params, shards: Path, base_dir: Path, checkpoints: Path, out_
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
+    from fineflow.checkpoint import CheckpointManager
     from fineflow.loader import BatchLoader
+    from fineflow.resume import fingerprint
     from fineflow.shards import PackedShard, RowSampler
-    from fineflow.training import Checkpointer, Progress, StepLog, StepTimer, fit, lr_multiplier
+    from fineflow.training import Checkpointer, Progress, StepLog, StepTimer, fit, lr_multiplier, restore
 
     has_gpu = torch.cuda.is_available()
     check_hardware(params.train, has_gpu)
@@ -194,10 +237,24 @@ def worker(params: Params, shards: Path, base_dir: Path, checkpoints: Path, out_
     train, evaluation = PackedShard(shards / "train"), PackedShard(shards / "eval")
     sampler = RowSampler(len(train), params.seed, accelerator.process_index, accelerator.num_processes,
                          row_tokens=train.real_per_row)
-    batches = BatchLoader(train, sampler, cfg.micro_batch_size, cfg.grad_accum, cfg.steps, prefetch=cfg.prefetch,
-                          pin_memory=accelerator.device.type == "cuda")
+    print_ = fingerprint(params, reference, train.meta, accelerator.num_processes)
+    run_dir, resumed = resume_point(accelerator, checkpoints, print_, cfg.resume)
+    start_step, tokens_seen = 0, 0
+    if resumed is not None:  # weights, optimizer, schedule, RNG and the sampler's position: no replay
+        restore(resumed, accelerator, model, optimizer, scheduler)
+        sampler.load_state_dict(resumed.state["sampler"])
+        start_step, tokens_seen = resumed.state["step"], resumed.state["tokens_seen"]
+    batches = BatchLoader(train, sampler, cfg.micro_batch_size, cfg.grad_accum, cfg.steps - start_step,
+                          prefetch=cfg.prefetch, pin_memory=accelerator.device.type == "cuda")
     main = accelerator.is_main_process
+    ck = params.checkpoint
+    manager = CheckpointManager(run_dir, keep_last=ck.keep_last, keep_best=ck.keep_best, mode=ck.mode,
+                                async_backend=ck.backend, on_write_error=ck.on_write_error, retries=ck.retries,
+                                write_hook=fault_hook()) if main else None
     if main:
+        if resumed is not None:
+            manager.protect(resumed.path)
+            log(f"resuming from {resumed.path} (step {start_step} of {cfg.steps})")
         init_tracker(accelerator, params, cfg)
         log(f"training {cfg.method}" + (f" r={cfg.lora.r}" if cfg.method != "full" else "")
             + f": {trainable:,} trainable parameters on {accelerator.num_processes} process(es), device "
@@ -205,11 +262,14 @@ def worker(params: Params, shards: Path, base_dir: Path, checkpoints: Path, out_
         for change in changes:
             log(f"auto_fit: {change}")
     timer = StepTimer()
-    step_log = StepLog(steps_log if main else None)
-    progress = Progress(cfg.steps, cfg.log_every, log) if main else None
+    step_log = StepLog(steps_log if main else None, resume_after=start_step)
+    progress = Progress(cfg.steps, cfg.log_every, log, start=start_step) if main else None
     try:
         result = fit(model, optimizer, scheduler, accelerator, batches, cfg, timer, step_log,
-                     Checkpointer(checkpoints if main else None, cfg.checkpoint_every, cfg.method), evaluation, progress)
+                     Checkpointer(manager, ck.every_steps, ck.every_minutes, print_), evaluation, progress,
+                     start_step=start_step, tokens_seen=tokens_seen)
+        if manager is not None:
+            manager.close()  # the last save is complete and verified before the stage reports success
     finally:
         batches.close()
         step_log.close()
@@ -221,15 +281,17 @@ def worker(params: Params, shards: Path, base_dir: Path, checkpoints: Path, out_
     if not main:
         return None
     totals = result.timer.totals
-    return {"steps": result.steps, "method": cfg.method, "precision": cfg.precision,
-            "final_loss": round(result.final_loss, 5),
+    return {"steps": result.steps, "resumed_from_step": result.resumed_from, "method": cfg.method,
+            "precision": cfg.precision, "final_loss": round(result.final_loss, 5),
             "eval_loss": round(result.eval_loss, 5) if result.eval_loss is not None else None,
-            "tokens": result.tokens, "tokens_per_s": round(result.tokens / result.wall_s, 1),
+            "tokens": result.tokens, "tokens_per_s": round(result.tokens / max(result.wall_s, 1e-9), 1),
             "world_size": accelerator.num_processes, "trainable_parameters": trainable,
             "micro_batch_size": cfg.micro_batch_size, "grad_accum": cfg.grad_accum,
             "gradient_checkpointing": cfg.gradient_checkpointing,
             "loop_s": round(result.wall_s, 3), **{k: round(v, 3) for k, v in totals.items()},
-            "data_wait_share": round(totals["data_wait_s"] / result.wall_s, 5),
+            "data_wait_share": round(totals["data_wait_s"] / max(result.wall_s, 1e-9), 5),
+            "checkpoint_write_s": round(manager.last_result.get("write_s", 0.0), 3)
+            if manager is not None and manager.last_result else None,
             "peak_mem_mb": round(result.peak_mem_mb, 1), "plan": plan}
 
 

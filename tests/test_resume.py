@@ -1,0 +1,178 @@
+"""Exact resume after kill -9: the train stage is SIGKILLed at several points (mid-step, mid-checkpoint-
+write), re-run until done, and must end with adapter tensors torch.equal to an uninterrupted run's and the
+same sequence of rows trained on. Also: a corrupted newest checkpoint, disk full, a changed config."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import venv_env, write_params
+
+STEPS = 12
+TRAIN = [sys.executable, "-m", "fineflow.stages.train", "--shards", "data/shards", "--base-dir", "models/base",
+         "--checkpoints", "checkpoints", "--out", "models/candidate", "--steps-log", "reports/train_steps.jsonl",
+         "--logs-dir", "logs"]
+OVERRIDES = {"train.steps": STEPS, "train.eval_every": 4, "train.tracker": "none", "train.warmup_steps": 2,
+             "checkpoint.every_steps": 2, "checkpoint.keep_last": 2}
+
+
+def _project(built, path, overrides=None):
+    shutil.copytree(built / "data/shards", path / "data/shards")
+    shutil.copytree(built / "models/base", path / "models/base")
+    write_params(path / "params.yaml", {**OVERRIDES, **(overrides or {})})
+    return path
+
+
+def _env(ranks, extra=None):
+    env = {**venv_env(), "FINEFLOW_FAULT_WRITE_DELAY_S": "0.03", **(extra or {})}  # widen the write window
+    if ranks == 1:
+        env["FINEFLOW_TRAIN_WORKER"] = "1"  # run the rank directly, no launcher in between
+    return env
+
+
+def _last_step(project) -> int:
+    try:
+        lines = (project / "reports/train_steps.jsonl").read_text().splitlines()
+        return json.loads(lines[-1])["step"] if lines else 0
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def _writing(project) -> bool:
+    return any(project.glob("checkpoints/*/.tmp-step-*"))
+
+
+def _start(project, ranks, extra_args=(), env=None):
+    args = list(extra_args)
+    if ranks > 1:
+        args += ["--main-process-port", str(_free_port())]
+    return subprocess.Popen(TRAIN + args, cwd=project, env=env or _env(ranks), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _kill_when(project, ranks, condition, timeout=240) -> bool:
+    """Start the stage, SIGKILL its whole process group as soon as condition(project) holds; returns
+    whether the kill happened (False: the run finished first)."""
+    proc = _start(project, ranks)
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        if condition(project):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return True
+        time.sleep(0.002)
+    output = proc.communicate()[0]
+    assert proc.returncode == 0, output[-3000:]
+    return False
+
+
+def _finish(project, ranks, env=None) -> str:
+    proc = _start(project, ranks, env=env)
+    output = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, output[-4000:]
+    return output
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rows(project):
+    return [json.loads(line)["rows"] for line in (project / "reports/train_steps.jsonl").read_text().splitlines()]
+
+
+def _adapter(project):
+    return load_file(project / "models/candidate/adapter_model.safetensors")
+
+
+def _assert_same_training(resumed, reference):
+    assert [json.loads(x)["step"] for x in (resumed / "reports/train_steps.jsonl").read_text().splitlines()] \
+        == list(range(1, STEPS + 1))  # no step logged twice, none missing
+    assert _rows(resumed) == _rows(reference)  # the same rows, in the same order: nothing skipped or replayed
+    a, b = _adapter(resumed), _adapter(reference)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-exact
+
+
+KILL_POINTS = [
+    ("after step 1, before any checkpoint", lambda p: _last_step(p) >= 1),
+    ("during a checkpoint write", _writing),
+    ("after step 5, between checkpoints", lambda p: _last_step(p) >= 5),
+    ("during a later checkpoint write", lambda p: _last_step(p) >= 6 and _writing(p)),
+    ("after step 9", lambda p: _last_step(p) >= 9),
+    ("after step 11, just before the end", lambda p: _last_step(p) >= 11),
+]
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=["1-process", "2-process-ddp"])
+def test_sigkill_at_many_points_then_resume_is_bit_exact(built, tmp_path, ranks):
+    overrides = {"train.num_processes": ranks, "train.micro_batch_size": 4 // ranks}
+    reference = _project(built, tmp_path / "reference", overrides)
+    _finish(reference, ranks)
+    resumed = _project(built, tmp_path / "resumed", overrides)
+    kills = 0
+    for _, condition in KILL_POINTS:
+        kills += _kill_when(resumed, ranks, condition)
+    output = _finish(resumed, ranks)
+    assert kills >= 5, f"only {kills} kills landed before the run finished"
+    assert "resuming from" in output
+    _assert_same_training(resumed, reference)
+    report = json.loads((resumed / "reports/train.json").read_text())
+    assert report["resumed_from_step"] > 0 and report["steps"] == STEPS
+
+
+def test_corrupt_newest_checkpoint_is_skipped_with_a_warning_and_resume_stays_exact(built, tmp_path):
+    reference = _project(built, tmp_path / "reference")
+    _finish(reference, 1)
+    resumed = _project(built, tmp_path / "resumed")
+    assert _kill_when(resumed, 1, lambda p: _last_step(p) >= 7 and not _writing(p))
+    [run_dir] = (resumed / "checkpoints").iterdir()
+    newest = sorted(run_dir.glob("step-*"))[-1]
+    data = bytearray((newest / "model.safetensors").read_bytes())
+    data[-3] ^= 0xFF  # one flipped bit pattern in a tensor
+    (newest / "model.safetensors").write_bytes(bytes(data))
+    output = _finish(resumed, 1)
+    assert f"{newest.name}/model.safetensors: sha256 mismatch" in output  # the warning names the file
+    _assert_same_training(resumed, reference)
+
+
+def test_disk_full_stops_with_a_clear_error_and_keeps_the_previous_checkpoint(built, tmp_path):
+    from fineflow.checkpoint import latest_valid, load_checkpoint
+
+    project = _project(built, tmp_path)
+    proc = _start(project, 1, env=_env(1, {"FINEFLOW_FAULT_DISK_FULL_AT_STEP": "4"}))
+    output = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 2 and "Traceback" not in output, output[-3000:]
+    assert "disk full" in output.lower() and "step-0000002" in output
+    [run_dir] = (project / "checkpoints").iterdir()
+    assert latest_valid(run_dir).name == "step-0000002" and load_checkpoint(run_dir / "step-0000002").step == 2
+    assert not list(run_dir.glob(".tmp-*"))
+    # space is back: the retry resumes from step 2 and finishes
+    output = _finish(project, 1)
+    assert "resuming from" in output and "step-0000002" in output
+
+
+def test_changed_config_after_a_crash_is_refused_unless_resume_never(built, tmp_path):
+    project = _project(built, tmp_path)
+    assert _kill_when(project, 1, lambda p: _last_step(p) >= 5 and not _writing(p))
+    write_params(project / "params.yaml", {**OVERRIDES, "train.lr": 1e-3})
+    proc = _start(project, 1)
+    output = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 2 and "Traceback" not in output
+    assert "unfinished run" in output and "lr: 0.003 -> 0.001" in output and "train.resume: never" in output
+    write_params(project / "params.yaml", {**OVERRIDES, "train.lr": 1e-3, "train.resume": "never"})
+    output = _finish(project, 1)
+    assert "resuming from" not in output
+    assert len(list((project / "checkpoints").iterdir())) == 2  # the other config's run is kept
