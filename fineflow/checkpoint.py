@@ -361,8 +361,10 @@ def _write_checkpoint(job: SaveJob, write_hook: WriteHook | None) -> tuple[Path,
                                        write_hook)
     for name, payload in job.json_files.items():
         files[name] = _write_file(tmp / name, [payload], write_hook)
+    # no timestamp: the same state must give the same bytes (DVC hashes checkpoints/ into dvc.lock, and
+    # the Prefect flow and `dvc repro` must leave the same lock); the directory's mtime says when
     manifest = {"format": FORMAT, "version": FORMAT_VERSION, "step": job.step, "metric": job.metric,
-                "created_unix": round(time.time(), 3), "files": files}
+                "files": files}
     manifest_bytes = _json_bytes(manifest)
     _write_file(tmp / MANIFEST, [manifest_bytes], write_hook)
     # the marker names the manifest's hash: a marker next to any other manifest is not a complete save
