@@ -203,8 +203,10 @@ class Checkpointer:
             return
         trainable = {name: p.detach() for name, p in accelerator.unwrap_model(model).named_parameters()
                      if p.requires_grad}
+        scaler = getattr(accelerator, "scaler", None)  # fp16 on a GPU: the loss scale must continue too
         self.manager.save(step, trainable, optimizer.state_dict(), scheduler.state_dict(),
-                          {**state, "fingerprint": self.fingerprint}, rngs, metric)
+                          {**state, "fingerprint": self.fingerprint}, rngs, metric,
+                          grad_scaler_state=scaler.state_dict() if scaler is not None else None)
 
 
 def restore(checkpoint, accelerator, model, optimizer, scheduler) -> None:
@@ -222,6 +224,9 @@ def restore(checkpoint, accelerator, model, optimizer, scheduler) -> None:
             parameters[name].copy_(tensor)
     optimizer.load_state_dict(checkpoint.optimizer_state_dict)
     scheduler.load_state_dict(checkpoint.scheduler_state_dict)
+    scaler = getattr(accelerator, "scaler", None)
+    if scaler is not None and checkpoint.grad_scaler_state is not None:
+        scaler.load_state_dict(checkpoint.grad_scaler_state)
     restore_rng(checkpoint.rng_snapshots[accelerator.process_index])
 
 

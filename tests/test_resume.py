@@ -176,3 +176,15 @@ def test_changed_config_after_a_crash_is_refused_unless_resume_never(built, tmp_
     output = _finish(project, 1)
     assert "resuming from" not in output
     assert len(list((project / "checkpoints").iterdir())) == 2  # the other config's run is kept
+
+
+def test_tensorboard_curves_have_no_duplicate_steps_after_a_resume(built, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    project = _project(built, tmp_path, {"train.tracker": "tensorboard"})
+    assert _kill_when(project, 1, lambda p: _last_step(p) >= 7 and not _writing(p))
+    _finish(project, 1)
+    events = EventAccumulator(str(project / "logs/fineflow"))
+    events.Reload()
+    steps = [event.step for event in events.Scalars("loss")]
+    assert steps == list(range(1, STEPS + 1))  # the crashed attempt's steps after its checkpoint were purged

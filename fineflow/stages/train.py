@@ -160,12 +160,16 @@ def save_model(accelerator, model, out_dir: Path, method: str) -> None:
         save_adapter(unwrapped, out_dir, state)
 
 
-def init_tracker(accelerator, params: Params, cfg: TrainParams) -> None:
+def init_tracker(accelerator, params: Params, cfg: TrainParams, start_step: int = 0) -> None:
+    """accelerate's tracker; after a resume from step N, TensorBoard purges the events a crashed attempt
+    logged after N, so no step appears twice in the curves."""
     if cfg.tracker == "none":
         return
     flat = {f"train.{k}": v for k, v in cfg.model_dump().items() if isinstance(v, (int, float, str, bool))}
+    init_kwargs = {"tensorboard": {"purge_step": start_step + 1}} if start_step else {}
     accelerator.init_trackers("fineflow", config={**flat, "seed": params.seed,
-                                                  "tokenize.seq_len": params.tokenize.seq_len})
+                                                  "tokenize.seq_len": params.tokenize.seq_len},
+                              init_kwargs=init_kwargs)
 
 
 def _slow_write(delay_s: float, path, nbytes) -> None:
@@ -255,7 +259,7 @@ def worker(params: Params, shards: Path, base_dir: Path, checkpoints: Path, out_
         if resumed is not None:
             manager.protect(resumed.path)
             log(f"resuming from {resumed.path} (step {start_step} of {cfg.steps})")
-        init_tracker(accelerator, params, cfg)
+        init_tracker(accelerator, params, cfg, start_step)
         log(f"training {cfg.method}" + (f" r={cfg.lora.r}" if cfg.method != "full" else "")
             + f": {trainable:,} trainable parameters on {accelerator.num_processes} process(es), device "
               f"{accelerator.device}, precision {cfg.precision}, planned peak {plan['gib']['total']:.2f} GiB per device")
