@@ -130,7 +130,10 @@ def build_model(base_reference: str, params: Params, cfg: TrainParams):
     model = AutoModelForCausalLM.from_pretrained(base_reference, **kwargs)
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5's name for it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.method == "full":
         return model
     from peft import LoraConfig, get_peft_model
