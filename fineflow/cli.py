@@ -1,11 +1,18 @@
-"""The ``fineflow`` command. Subcommands: ``plan`` (the GPU memory planner, fineflow.planner).
+"""The ``fineflow`` command. Subcommands: ``plan`` (the GPU memory planner, fineflow.planner),
+``registry verify|rollback|list`` (the model registry, fineflow.promotion) and ``lineage`` (fineflow.lineage).
 
     fineflow plan --model 7B --method lora --precision bf16 --micro-batch 4 --seq-len 2048
     fineflow plan --model models/base --method full --gpus 8 --sharding fsdp --device-gib 80 --auto-fit
     fineflow plan --table --gradient-checkpointing --device-gib 80
+    fineflow registry verify [--registry models/registry]
+    fineflow registry rollback [--to ID] [--registry models/registry] [--champion models/champion]
+    fineflow registry list
+    fineflow lineage models/champion     # or a candidate id, or reports/lineage/<id>.json
     python -m fineflow.cli plan ...     # the same, without the installed script
 
-Exit status: 0 when the plan fits (or no --device-gib was given), 1 when it does not, 2 on bad input.
+Exit status of plan: 0 when the plan fits (or no --device-gib was given), 1 when it does not; of registry
+verify: 0 when the log's hash chain and the stored candidates are intact, 1 (naming the first bad line)
+when not. 2 on bad input everywhere.
 """
 
 from __future__ import annotations
@@ -157,10 +164,99 @@ def _run_plan(args) -> int:
     return 0 if device is None or result.fits(device) else 1
 
 
+def _registry_parser(sub) -> None:
+    p = sub.add_parser("registry", help="verify the promotion log, roll back the champion, list candidates")
+    actions = p.add_subparsers(dest="action", required=True)
+    verify = actions.add_parser("verify", help="check the promotion log's hash chain and the stored candidates")
+    rollback = actions.add_parser("rollback", help="reinstall an earlier champion (logged)")
+    rollback.add_argument("--to", help="candidate id (or a unique prefix); default: the champion before the current")
+    rollback.add_argument("--champion", default="models/champion", help="installed champion dir (default: models/champion)")
+    rollback.add_argument("--base-dir", help="base model to merge into (default: the one recorded at promotion)")
+    listing = actions.add_parser("list", help="candidates, their decisions and the champion")
+    for q in (verify, rollback, listing):
+        q.add_argument("--registry", default="models/registry", help="registry dir (default: models/registry)")
+    verify.set_defaults(run=_run_verify)
+    rollback.set_defaults(run=_run_rollback)
+    listing.set_defaults(run=_run_list)
+
+
+def _run_verify(args) -> int:
+    from pathlib import Path
+
+    from fineflow.promotion import read_log, verify_log
+
+    problems = verify_log(Path(args.registry))
+    if problems:
+        for problem in problems:
+            print(f"BROKEN: {problem}")
+        return 1
+    print(f"OK: {len(read_log(Path(args.registry)))} entries, hash chain intact, candidates match their ids")
+    return 0
+
+
+def _run_rollback(args) -> int:
+    from pathlib import Path
+
+    from fineflow.stages.promote import rollback
+
+    result = rollback(Path(args.registry), Path(args.champion), args.to, args.base_dir)
+    print(f"rolled back: champion {result['from']} -> {result['to']} (log entry {result['log_seq']})")
+    return 0
+
+
+def _run_list(args) -> int:
+    import json
+    from pathlib import Path
+
+    from fineflow.promotion import CHAMPION_FILE, RECORD_FILE
+
+    registry = Path(args.registry)
+    alias = registry / CHAMPION_FILE
+    champion = json.loads(alias.read_text(encoding="utf-8")).get("id") if alias.is_file() else None
+    root = registry / "candidates"
+    for cdir in sorted(root.iterdir()) if root.is_dir() else []:
+        if cdir.name.startswith(".") or not (cdir / RECORD_FILE).is_file():
+            continue
+        record = json.loads((cdir / RECORD_FILE).read_text(encoding="utf-8"))
+        metrics = ", ".join(f"{k} {v:.4f}" for k, v in (record.get("metrics") or {}).items())
+        print(f"{'*' if cdir.name == champion else ' '} {cdir.name}  {record.get('decision', '?'):<8}  {metrics}")
+    print(f"champion: {champion or 'none'}")
+    return 0
+
+
+def _lineage_parser(sub) -> None:
+    p = sub.add_parser("lineage", help="print where a model came from, as a tree",
+                       description="Print a lineage manifest: a model dir (models/champion, a registry "
+                                   "candidate), a candidate id, or a lineage JSON file.")
+    p.add_argument("target", help="model dir, candidate id, or lineage .json")
+    p.add_argument("--registry", default="models/registry", help="where candidate ids are looked up")
+    p.add_argument("--runs", default="reports/lineage",
+                   help="full per-run manifests (git, times, user, host) by candidate id (default: reports/lineage)")
+    p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    p.set_defaults(run=_run_lineage)
+
+
+def _run_lineage(args) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from fineflow.lineage import resolve, tree
+
+    manifest = resolve(args.target, Path(args.registry), Path(args.runs))
+    if args.json:
+        print(json.dumps(manifest, indent=2, sort_keys=True))
+    else:
+        Console(soft_wrap=True).print(tree(manifest, f"lineage of {args.target}"))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fineflow", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command")
     _plan_parser(sub)
+    _registry_parser(sub)
+    _lineage_parser(sub)
     return parser
 
 

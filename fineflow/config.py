@@ -178,7 +178,11 @@ class CheckpointSettings(_Section):
 
 
 class EvaluateParams(_Section):
-    tasks: list[str] = ["fineflow_synth"]
+    """lm-eval tasks (fineflow.evaluation): bundled names, names from task_dirs, or lm-eval registry names."""
+
+    # registry tasks need their dataset in the local cache (offline); only they make lm-eval index its own tasks
+    tasks: list[str] = Field(["fineflow_synth", "fineflow_synth_mc"], min_length=1)
+    task_dirs: list[str] = []  # extra folders of task YAMLs, indexed with the bundled tasks
     batch_size: int = Field(32, gt=0)
     max_gen_toks: int = Field(24, gt=0)
     limit: int | None = Field(None, gt=0)  # evaluate only the first N docs of each task
@@ -188,6 +192,9 @@ class PromoteParams(_Section):
     primary_metric: str = "fineflow_synth/exact_match"  # "<task>/<metric>" from evaluate.tasks
     min_delta: float = Field(0.05, ge=0)  # candidate must beat the champion (or base) by this much
     max_regression: float = Field(0.0, ge=0)  # no other task may drop by more than this
+    # paired bootstrap over per-sample scores (seeded by `seed`): the delta's CI must exclude 0
+    bootstrap_samples: int = Field(2000, ge=100)  # more: a steadier CI, a slower gate
+    confidence: float = Field(0.95, gt=0.5, lt=1)  # two-sided CI level
 
 
 class Params(_Section):

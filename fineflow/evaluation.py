@@ -1,13 +1,26 @@
 """A thin adapter around lm-eval's ``simple_evaluate`` (heavy imports inside functions).
 
-The bundled task folder (``fineflow/evaltasks``) is copied to a working directory with the eval rows'
-absolute path filled in, and indexed with ``include_defaults=False`` so lm-eval does not scan its 200+
-built-in task folders. The base model is loaded once: it is evaluated plain, then wrapped with the
-candidate's LoRA adapter (not merged) and evaluated again.
+Tasks come from three places, searched in this order:
+
+1. the bundled folder (``fineflow/evaltasks``), copied to a working directory with the eval rows' absolute
+   path filled in;
+2. ``evaluate.task_dirs``, the user's folders of task YAMLs, indexed where they are;
+3. lm-eval's own registry, by name. Only when a name is in neither of the first two does lm-eval index its
+   200+ built-in task folders (~10 s); local tasks alone never pay for it.
+
+Every task is built once before any model is loaded, so a misspelt name, a broken user YAML or a registry
+task whose dataset is not cached offline stops the stage with one clear ``FineflowError``.
+
+One base model is loaded and scored plain, then under each LoRA adapter in turn (the candidate, then the
+champion), never merged; peft's ``unload()`` swaps the LoRA layers back for the original modules after
+each, so adapters never stack. A fully fine-tuned model is loaded on its own.
 """
 
 from __future__ import annotations
 
+import gc
+import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -15,7 +28,10 @@ from pathlib import Path
 from fineflow.errors import FineflowError
 
 BUNDLED_TASKS = Path(__file__).parent / "evaltasks"
+CHAMPION_RECORD = "champion.json"
 
+
+# ---------------------------------------------------------------- tasks
 
 def prepare_task_dir(work_dir: Path, eval_file: Path, max_gen_toks: int) -> Path:
     """Copy the bundled task YAMLs into work_dir with the eval file's absolute path substituted."""
@@ -31,15 +47,213 @@ def prepare_task_dir(work_dir: Path, eval_file: Path, max_gen_toks: int) -> Path
     return work_dir
 
 
-def task_manager(task_dir: Path, tasks: list[str]):
+def _registry_mentions(names: set[str]) -> set[str]:
+    """The names that occur literally in some YAML of lm-eval's built-in task folders.
+
+    Every registered task, group and tag name is written in one of those files, so a name found nowhere
+    is certainly not there: reading the files' text (~1 s) spares a misspelt name lm-eval's full index.
+    """
+    import lm_eval.tasks
+
+    left, found = set(names), set()
+    for path in Path(lm_eval.tasks.__file__).parent.rglob("*.yaml"):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        hits = {name for name in left if name in text}
+        found |= hits
+        left -= hits
+        if not left:
+            break
+    return found
+
+
+def resolve_tasks(tasks: list[str], bundled_dir: Path, task_dirs: list[str]):
+    """(lm-eval TaskManager that knows every name in tasks, the names that come from lm-eval's registry)."""
     from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=str(task_dir), include_defaults=False)
-    unknown = [t for t in tasks if t not in manager.all_tasks]
+    missing = [d for d in task_dirs if not Path(d).is_dir()]
+    if missing:
+        raise FineflowError(f"params.yaml: evaluate.task_dirs names folder(s) that do not exist: {missing} "
+                            f"(relative paths are read from {Path.cwd()})")
+    paths = [str(bundled_dir), *(str(Path(d).resolve()) for d in task_dirs)]  # later paths win on a clash
+    local = TaskManager(include_path=paths, include_defaults=False)
+    outside = [t for t in tasks if t not in local.all_tasks]
+    if not outside:
+        return local, []
+    maybe_registry = _registry_mentions(set(outside))
+    manager = TaskManager(include_path=paths, include_defaults=True) if maybe_registry else local
+    unknown = [t for t in outside if t not in manager.all_tasks]
     if unknown:
-        raise FineflowError(f"params.yaml: evaluate.tasks names unknown task(s) {unknown}; "
-                            f"available here: {sorted(manager.all_tasks)}")
-    return manager
+        hint = (" (a YAML lm-eval cannot parse is skipped silently: check the files under evaluate.task_dirs)"
+                if task_dirs else "")
+        raise FineflowError(f"params.yaml: evaluate.tasks names unknown task(s) {unknown}: neither bundled, nor "
+                            f"in evaluate.task_dirs {task_dirs}, nor in lm-eval's registry{hint}; available "
+                            f"locally: {sorted(local.all_tasks)}")
+    return manager, outside
+
+
+def _offline() -> bool:
+    return any(os.environ.get(key, "0").strip().lower() not in ("", "0", "false", "no", "off")
+               for key in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+
+
+def _build_error(manager, name: str, from_registry: bool, exc: Exception) -> str:
+    text = str(exc).strip()
+    detail = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+    entry = manager.task_index.get(name)
+    if not from_registry:
+        where = f" ({entry.yaml_path})" if entry is not None and entry.yaml_path else ""
+        return f"params.yaml: evaluate.tasks: task {name!r}{where} cannot be built: {detail}"
+    dataset = ((entry.cfg if entry is not None else None) or {}).get("dataset_path")
+    needs = f"lm-eval registry task {name!r} needs its dataset" + (f" ({dataset})" if dataset else "")
+    if _offline():
+        return (f"params.yaml: evaluate.tasks: {needs}, which is not in the local datasets cache, and "
+                f"HF_DATASETS_OFFLINE is set, so it cannot be downloaded. Fetch it once with network access "
+                f"(HF_DATASETS_OFFLINE=0 HF_HUB_OFFLINE=0), or remove {name!r} from evaluate.tasks. ({detail})")
+    return f"params.yaml: evaluate.tasks: {needs}, which could not be loaded: {detail}"
+
+
+def check_tasks(manager, tasks: list[str], registry_tasks: list[str]) -> None:
+    """Build every task once (dataset and all) before any model is loaded; a task that cannot be built is
+    the user's to fix, so it raises one clear FineflowError instead of failing every model's evaluation."""
+    for name in tasks:
+        try:
+            manager.load([name])
+        except Exception as exc:  # noqa: BLE001 — lm-eval and datasets raise what they raise: name the task
+            raise FineflowError(_build_error(manager, name, name in registry_tasks, exc)) from None
+
+
+# ---------------------------------------------------------------- models
+
+def find_model(path: Path | None) -> tuple[str, Path] | None:
+    """("adapter" | "full", directory) for a PEFT adapter or a whole HF model at path (or in its adapter/ or
+    merged/ subfolder), or None when there is nothing to evaluate there."""
+    if path is None:
+        return None
+    for kind, folder, marker in (("adapter", path, "adapter_config.json"), ("adapter", path / "adapter",
+                                 "adapter_config.json"), ("full", path, "config.json"),
+                                 ("full", path / "merged", "config.json")):
+        if (folder / marker).is_file():
+            return kind, folder
+    return None
+
+
+def champion_id(champion_dir: Path) -> str | None:
+    """The champion's id from its record (``id``, or ``candidate_id`` in older records); None if unreadable."""
+    try:
+        record = json.loads((champion_dir / CHAMPION_RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return (record.get("id") or record.get("candidate_id")) if isinstance(record, dict) else None
+
+
+class ModelScorer:
+    """One loaded base model and tokenizer, scored plain, under an adapter, or beside a whole model."""
+
+    def __init__(self, reference: str, tasks: list[str], manager, batch_size: int, limit: int | None):
+        import torch
+
+        self.reference, self.tasks, self.manager = reference, tasks, manager
+        self.batch_size, self.limit = batch_size, limit
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.base = self.tokenizer = None
+
+    def _load(self, path: str | Path):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device).eval()
+
+    def load_base(self) -> float:
+        from transformers import AutoTokenizer
+
+        started = time.perf_counter()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.reference)
+        self.base = self._load(self.reference)
+        return time.perf_counter() - started
+
+    def score(self, kind: str, path: Path | None = None) -> tuple[dict, float, float]:
+        """(lm-eval results, load seconds, scoring seconds) for kind "base", "adapter" (path on the loaded
+        base, not merged) or "full" (the whole model at path, freed afterwards)."""
+        if kind == "base":
+            return self._timed(self.base, 0.0)
+        started = time.perf_counter()
+        if kind == "full":
+            model = self._load(path)
+            try:
+                return self._timed(model, time.perf_counter() - started)
+            finally:
+                del model
+                self._free()
+        from peft import PeftModel
+
+        try:
+            model = PeftModel.from_pretrained(self.base, str(path), is_trainable=False).eval()
+        except Exception:
+            self._restore_base()
+            raise
+        try:
+            return self._timed(model, time.perf_counter() - started)
+        finally:
+            self.base = model.unload()  # LoRA layers swapped back for the originals: the next adapter won't stack
+            del model
+            self._free()
+
+    def _timed(self, model, load_s: float) -> tuple[dict, float, float]:
+        results, score_s = evaluate_model(model, self.tokenizer, self.tasks, self.manager, self.batch_size,
+                                          self.limit)
+        return results, load_s, score_s
+
+    def _restore_base(self) -> None:
+        """A failed adapter load can leave LoRA layers injected into the base: reload it clean."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        if any(isinstance(module, BaseTunerLayer) for module in self.base.modules()):
+            self.base = None
+            self._free()
+            self.base = self._load(self.reference)
+
+    def _free(self) -> None:
+        import torch
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def evaluate_model(model, tokenizer, tasks: list[str], manager, batch_size: int,
+                   limit: int | None) -> tuple[dict, float]:
+    """Run lm-eval on an in-memory model; returns (results dict, seconds spent scoring).
+
+    Memory stays flat in the number of docs: HFLM runs ``batch_size`` requests at a time and keeps of each
+    only its reduced answer — the generated string, or for a log-likelihood request (each option of a
+    multiple-choice doc) a (sum of log-probs, is_greedy) pair; a batch's logits are freed with the batch.
+    ``log_samples`` then holds per doc those answers plus the doc and prompt text, never logits.
+    """
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    started = time.perf_counter()
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=True,
+                              bootstrap_iters=0, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
+    return results, time.perf_counter() - started
+
+
+# ---------------------------------------------------------------- results
+
+def _sample(row: dict, config: dict, metric_names: dict) -> dict:
+    """One doc's scores: doc_id, target and prediction as text, and each metric's value for this doc."""
+    resps = row["filtered_resps"]
+    out = {"doc_id": row["doc_id"], "target": row["target"], "prediction": resps[0] if resps else None}
+    if config.get("output_type") == "multiple_choice":
+        delimiter = config.get("target_delimiter", " ")
+        options = [args[1].removeprefix(delimiter) for args in row["arguments"]]
+        lls = [float(r[0]) for r in resps]
+        best = max(range(len(lls)), key=lls.__getitem__) if lls else None
+        target = row["target"]
+        out.update(target=options[target] if isinstance(target, int) and 0 <= target < len(options) else target,
+                   prediction=options[best] if best is not None else None, loglikelihoods=lls)
+    return {**out, **{m: row[m] for m in metric_names if m in row}}
 
 
 def summarize(results: dict) -> tuple[dict, dict]:
@@ -48,21 +262,22 @@ def summarize(results: dict) -> tuple[dict, dict]:
     for task, values in results["results"].items():
         metrics[task] = {key.split(",")[0]: float(v) for key, v in values.items()
                          if "," in key and "_stderr" not in key and isinstance(v, (int, float))}
-    samples: dict[str, list[dict]] = {}
-    for task, rows in (results.get("samples") or {}).items():
-        samples[task] = [{"doc_id": r["doc_id"], "target": r["target"],
-                          "prediction": r["filtered_resps"][0] if r["filtered_resps"] else None,
-                          **{m: r[m] for m in metrics[task] if m in r}} for r in rows]
+    configs = results.get("configs") or {}
+    samples = {task: [_sample(r, configs.get(task) or {}, metrics.get(task, {})) for r in rows]
+               for task, rows in (results.get("samples") or {}).items()}
     return metrics, samples
 
 
-def evaluate_model(model, tokenizer, tasks: list[str], manager, batch_size: int, limit: int | None) -> tuple[dict, float]:
-    """Run lm-eval on an in-memory model; returns (results dict, seconds spent scoring)."""
-    from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
+def write_samples(folder: Path, results: dict) -> None:
+    """lm-eval's logged samples as they are, one ``<task>.jsonl`` per task (one doc per line)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for task, rows in (results.get("samples") or {}).items():
+        with (folder / f"{task}.jsonl").open("w", encoding="utf-8") as fh:
+            for row in rows:
+                fh.write(json.dumps(row, default=str, ensure_ascii=False) + "\n")
 
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    started = time.perf_counter()
-    results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=True,
-                              bootstrap_iters=0, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
-    return results, time.perf_counter() - started
+
+def results_file(results: dict) -> dict:
+    """The standard lm-eval results JSON (what lm-eval's own results file holds: no per-sample logs)."""
+    return json.loads(json.dumps({k: v for k, v in results.items() if k != "samples"}, default=str))

@@ -107,7 +107,7 @@ def test_evaluate_then_promote(trained, tiny_params):
     built, _ = trained
     report = evaluate.run(tiny_params, built / "models/base", built / "models/candidate",
                           built / "data/validated/eval.jsonl", built / "eval", built / "reports/lm_eval")
-    assert set(report["base"]) == {"fineflow_synth/exact_match"} == set(report["candidate"])
+    assert set(report["base"]) == {"fineflow_synth/exact_match", "fineflow_synth_mc/acc"} == set(report["candidate"])
     scores = json.loads((built / "eval/scores.json").read_text())
     assert len(scores["candidate"]["samples"]["fineflow_synth"]) == 6  # evaluate.limit
     decision = promote.run(tiny_params, built / "eval/scores.json", built / "models/candidate",
