@@ -31,6 +31,8 @@ from pathlib import Path
 
 import yaml
 
+from fineflow.reports import sha256_file
+
 FORMAT = 1
 PACKAGES = ("torch", "transformers", "peft", "accelerate", "lm-eval", "datasets", "tokenizers", "safetensors",
             "dvc", "fineflow")
@@ -39,14 +41,6 @@ REQUIRED = ("params", "packages.torch", "packages.transformers", "packages.peft"
             "data.template_hash", "artefacts.adapter.sha256", "eval.scores_sha256", "eval.eval_data_sha256",
             "run.git.commit")
 REPORT_STAGES = ("base", "data", "validate", "tokenize", "train", "evaluate")
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def file_hashes(directory: Path, exclude: tuple[str, ...] = ()) -> dict[str, str]:

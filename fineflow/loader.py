@@ -27,11 +27,16 @@ class StepBatch:
     sampler_state: dict  # the sampler's state once these rows were drawn
 
 
-def collate(shard: PackedShard, indices: list[int], pin_memory: bool = False) -> dict:
+def as_tensors(arrays: dict, pin_memory: bool = False) -> dict:
+    """torch views of a batch's numpy arrays (zero-copy), pinned for an async host-to-GPU copy if asked."""
     import torch
 
-    batch = {key: torch.from_numpy(array) for key, array in shard.batch(indices).items()}  # zero-copy
+    batch = {key: torch.from_numpy(value) for key, value in arrays.items()}
     return {key: value.pin_memory() for key, value in batch.items()} if pin_memory else batch
+
+
+def collate(shard: PackedShard, indices: list[int], pin_memory: bool = False) -> dict:
+    return as_tensors(shard.batch(indices), pin_memory)
 
 
 def prepare_step(shard: PackedShard, sampler: RowSampler, micro_batch_size: int, grad_accum: int,
@@ -39,14 +44,10 @@ def prepare_step(shard: PackedShard, sampler: RowSampler, micro_batch_size: int,
     """One optimizer step's batches. Runs on the loader thread, so it uses numpy only (no torch op): a
     torch op here would open a second OpenMP team beside the training thread's and, on a machine with
     few cores, the two spin-wait against each other (a 10x slowdown on 2 cores)."""
-    import torch
-
     rows = [sampler.next_indices(micro_batch_size) for _ in range(grad_accum)]
     arrays = [shard.batch(r) for r in rows]
     targets = sum(int(np.count_nonzero(a["labels"][:, 1:] != -100)) for a in arrays)
-    micro = [{key: torch.from_numpy(value) for key, value in a.items()} for a in arrays]
-    if pin_memory:
-        micro = [{key: value.pin_memory() for key, value in m.items()} for m in micro]
+    micro = [as_tensors(a, pin_memory) for a in arrays]
     return StepBatch(micro, rows, targets, sum(shard.real_tokens(r) for r in rows), sampler.state_dict())
 
 

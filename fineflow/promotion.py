@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+from fineflow.reports import sha256_file
+
 CHAMPION_FILE = "champion.json"
 LOG_FILE = "promotions.jsonl"
 HEAD_FILE = "HEAD"
@@ -227,7 +229,7 @@ def directory_hash(path: Path, exclude: tuple[str, ...] = ()) -> str:
     digest = hashlib.sha256()
     for file in sorted(p for p in path.rglob("*") if p.is_file() and p.name not in exclude):
         digest.update(str(file.relative_to(path)).encode() + b"\0")
-        digest.update(hashlib.sha256(file.read_bytes()).digest())
+        digest.update(bytes.fromhex(sha256_file(file)))
     return digest.hexdigest()
 
 

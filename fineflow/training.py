@@ -22,7 +22,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from fineflow.config import TrainParams
 from fineflow.errors import FineflowError
 from fineflow.loader import BatchLoader, collate

@@ -107,3 +107,12 @@ def copy_project(dest: Path, overrides: dict | None = None) -> Path:
 def venv_env() -> dict[str, str]:
     """Environment for subprocesses: this interpreter's bin first on PATH (dvc.yaml calls `python`)."""
     return {**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"]}
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a test's own rendezvous; never another address)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.conftest import venv_env, write_params
+from tests.conftest import free_port, venv_env, write_params
 
 TRAIN = [sys.executable, "-m", "fineflow.stages.train", "--shards", "data/shards", "--base-dir", "models/base",
          "--checkpoints", "checkpoints", "--out", "models/candidate", "--steps-log", "reports/train_steps.jsonl",
@@ -50,18 +50,10 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(built, t
     assert two_loss == pytest.approx(one_loss, rel=1e-2)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_machines_on_loopback_train_one_adapter(built, tmp_path):
     """num_machines 2, one process each, one rendezvous on 127.0.0.1: two launches of the same stage."""
     project = _project(built, tmp_path, {"train.num_processes": 2, "train.num_machines": 2})
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     try:
         for rank in (0, 1):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import pytest
 from fineflow.errors import FineflowError
 from fineflow.launch import (PROFILE_DIR, WORKER_ENV, accelerate_command, profile_names, read_profile,
                              resolve_profile)
-from tests.conftest import ROOT, venv_env
+from tests.conftest import ROOT, free_port, venv_env
 
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
 SHIPPED = {"cpu_ddp_2proc", "single_gpu", "multi_gpu_ddp", "fsdp_lora", "deepspeed_zero2", "deepspeed_zero3",
@@ -163,12 +162,6 @@ def test_fsdp_profile_reaches_the_ranks_environment():
 
 # --- real launches on loopback -------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_all(commands: list[tuple[list[str], dict[str, str]]], logs: list[Path], timeout: float) -> list[int]:
     """Start every launch at once (each its own process group), wait for all; kill them all on timeout."""
     procs = []
@@ -196,7 +189,7 @@ def test_real_launch_forms_one_group(layout, tmp_path):
         commands = [accelerate_command(None, False, "tests.dist_probe", [str(outs[0])],
                                        config_file=resolve_profile("cpu_ddp_2proc"))]
     else:
-        port = _free_port()
+        port = free_port()
         outs = [tmp_path / f"machine{rank}" for rank in (0, 1)]
         commands = [accelerate_command(2, False, "tests.dist_probe", [str(out)], port, num_machines=2,
                                        machine_rank=rank, main_process_ip="127.0.0.1")

@@ -9,13 +9,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import venv_env, write_params
+from tests.conftest import free_port, venv_env, write_params
 
 STEPS = 12
 TRAIN = [sys.executable, "-m", "fineflow.stages.train", "--shards", "data/shards", "--base-dir", "models/base",
@@ -54,7 +53,7 @@ def _writing(project) -> bool:
 def _start(project, ranks, extra_args=(), env=None):
     args = list(extra_args)
     if ranks > 1:
-        args += ["--main-process-port", str(_free_port())]
+        args += ["--main-process-port", str(free_port())]
     return subprocess.Popen(TRAIN + args, cwd=project, env=env or _env(ranks), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
@@ -80,14 +79,6 @@ def _finish(project, ranks, env=None) -> str:
     output = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, output[-4000:]
     return output
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rows(project):

@@ -16,7 +16,6 @@ registry task whose dataset is not cached offline) are the user's to fix and sto
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import tempfile
 import time
@@ -27,7 +26,7 @@ from fineflow.config import Params
 from fineflow.errors import FineflowError
 from fineflow.evaluation import (ModelScorer, champion_id, check_tasks, find_model, prepare_task_dir, resolve_tasks,
                                  results_file, summarize, write_samples)
-from fineflow.reports import write_json_atomic
+from fineflow.reports import sha256_file, write_json_atomic
 from fineflow.stages._entry import log, run_stage, stage_parser
 
 
@@ -77,7 +76,7 @@ def run(params: Params, base_dir: Path, adapter_dir: Path, eval_rows: Path, out_
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out_dir / "scores.json", {
         "tasks": cfg.tasks, "eval_rows": str(eval_rows),
-        "eval_data_sha256": hashlib.sha256(eval_rows.read_bytes()).hexdigest(), **scores})
+        "eval_data_sha256": sha256_file(eval_rows), **scores})
     return report(scores, timings, tasks_s, base_load_s, time.perf_counter() - started)
 
 

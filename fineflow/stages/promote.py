@@ -23,12 +23,12 @@ import yaml
 
 from fineflow.config import Params
 from fineflow.errors import FineflowError
-from fineflow.lineage import build_manifest, deterministic, missing_fields, sha256_file
+from fineflow.lineage import build_manifest, deterministic, missing_fields
 from fineflow.promotion import (CHAMPION_FILE, RECORD_FILE, Decision, append_log, candidate_dir, candidate_id,
                                 champion_history, current_champion, decision_record, directory_hash,
                                 ensure_empty_champion, flatten, gate, paired_bootstrap, read_record, set_alias,
                                 staging_dir, store_candidate, swap_in)
-from fineflow.reports import write_json_atomic
+from fineflow.reports import sha256_file, write_json_atomic
 from fineflow.stages._entry import log, run_stage, stage_parser
 
 LICENSE_PLACEHOLDER = "apache-2.0"  # fineflow's own license; replace with your base model's and data's terms

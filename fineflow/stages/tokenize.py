@@ -22,6 +22,7 @@ from pathlib import Path
 from fineflow import __version__
 from fineflow.basemodel import resolve_base_model
 from fineflow.config import Params
+from fineflow.reports import sha256_file
 from fineflow.shards import FORMAT_VERSION, shard_key_matches, token_dtype, tokenizer_hash
 from fineflow.stages._entry import log, run_stage, stage_parser
 from fineflow.template import template_hash
@@ -39,18 +40,10 @@ def load_tokenizer(reference: str):
     return tokenizer
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while block := fh.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def content_key(rows_path: Path, tokenizer, cfg) -> str:
     """What a shard is a function of: the rows, the tokenizer, the template, the packing and the format.
     (Not the worker count: it does not change a byte.)"""
-    parts = [file_sha256(rows_path), tokenizer_hash(tokenizer), template_hash(tokenizer), str(cfg.seq_len),
+    parts = [sha256_file(rows_path), tokenizer_hash(tokenizer), template_hash(tokenizer), str(cfg.seq_len),
              str(cfg.pack_window), str(FORMAT_VERSION)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
