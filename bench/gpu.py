@@ -12,7 +12,8 @@ sits on every attention and MLP projection. The data path is fineflow's: random 
 length are packed into rows of --seq-len, written with ``fineflow.shards.write_shard`` to a temp dir, read
 back through the memory-mapped ``PackedShard.batch`` in the order of the seeded ``RowSampler``, and the loss
 is ``fineflow.training.token_loss_sum`` (packed rows: position ids restart per example, so attention stays
-within each example). The step loop mirrors ``fit()``'s timing
+within each example; ``--attention varlen``, the default as in train.attention, computes it per example
+with fineflow.attention instead of over a dense row mask). The step loop mirrors ``fit()``'s timing
 split: data wait (sample, gather from the memory map, copy to the GPU), forward+backward, optimizer.
 
 MFU = model FLOPs per second / the chip's dense bf16 peak. Model FLOPs per token, for LoRA:
@@ -60,19 +61,22 @@ def model_flops_per_token(n_base: int, n_lora: int, layers: int, hidden: int, se
     return 4 * n_base + 6 * n_lora + 12 * layers * hidden * seq_len
 
 
-def build_model(shape: dict, device, lora_r: int, grad_checkpointing: bool):
+def build_model(shape: dict, device, lora_r: int, grad_checkpointing: bool, attention: str = "varlen"):
     """Random-weight Llama in bf16, created on device (no CPU init of 0.9B parameters), with LoRA."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from fineflow.attention import register
+
+    implementation = register() if attention == "varlen" else attention  # train.attention's choices
     config = LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"],
                          intermediate_size=shape["intermediate"], num_hidden_layers=shape["layers"],
                          num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
                          max_position_embeddings=shape["seq_len"], tie_word_embeddings=False)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=implementation)
     if grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
@@ -138,12 +142,13 @@ def to_tensors(batch: dict) -> dict:
 def run(shape: dict, args, device) -> dict:
     import torch
 
+    from fineflow.attention import layout_kwargs, packed_layout
     from fineflow.shards import PackedShard, RowSampler
     from fineflow.training import token_loss_sum
 
     cuda = device.type == "cuda"
     t_setup = time.perf_counter()
-    model = build_model(shape, device, args.lora_r, args.grad_checkpointing)
+    model = build_model(shape, device, args.lora_r, args.grad_checkpointing, args.attention)
     params = count_params(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=cuda)
     model.train()
@@ -156,11 +161,13 @@ def run(shape: dict, args, device) -> dict:
         def step(micro: int) -> tuple[float, float, float, int, float]:
             t0 = time.perf_counter()
             rows = sampler.next_indices(micro)
-            batch = {k: v.to(device, non_blocking=True) for k, v in to_tensors(shard.batch(rows)).items()}
+            arrays = shard.batch(rows)
+            batch = {k: v.to(device, non_blocking=True) for k, v in to_tensors(arrays).items()}
+            extra = layout_kwargs(packed_layout(arrays["position_ids"]), device) if args.attention == "varlen" else {}
             real = shard.real_tokens(rows)
             t1 = time.perf_counter()
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss_sum, n = token_loss_sum(model, batch)
+                loss_sum, n = token_loss_sum(model, batch, **extra)
             (loss_sum / max(1, n)).backward()
             loss = loss_sum.item() / max(1, n)  # a host sync per step, as fit() has
             t2 = time.perf_counter()
@@ -212,7 +219,7 @@ def run(shape: dict, args, device) -> dict:
     peak_mem = (torch.cuda.max_memory_allocated(device) if cuda
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
     return {
-        "bench": "gpu_lora", "device": name, "smoke": args.smoke, "shape": shape,
+        "bench": "gpu_lora", "device": name, "smoke": args.smoke, "shape": shape, "attention": args.attention,
         "params_total": params["total"], "params_trainable": params["trainable"],
         "n_base_matmul": params["n_base_matmul"], "n_lora": params["n_lora"], "lora_r": args.lora_r,
         "micro_batch": micro, "seq_len": shape["seq_len"], "grad_checkpointing": args.grad_checkpointing,
@@ -266,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora-r", type=int, default=16)
     parser.add_argument("--pool-rows", type=int, default=0, help="rows in the random shard (cycled by epoch)")
     parser.add_argument("--grad-checkpointing", action="store_true")
+    parser.add_argument("--attention", choices=("varlen", "sdpa", "flash_attention_2"), default="varlen",
+                        help="as train.attention (varlen: per-example attention, fineflow.attention)")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="override the chip's dense bf16 peak")
     parser.add_argument("--smoke", action="store_true", help="tiny config, a few steps, CPU allowed")
     args = parser.parse_args(argv)

@@ -2,7 +2,16 @@
 packing: same tiny model, same data, same optimizer steps, same CPU threads. Side by side, one run.
 
     .venv/bin/python bench/trl_compare.py [--steps 150] [--threads N] [--params params.yaml] \
-        [--only fineflow,trl,trl-packed]
+        [--only fineflow,trl,trl-packed] [--repeats 3] [--data bundled|long-tailed]
+
+Every method runs --repeats times, interleaved (fineflow, TRL, TRL packed, fineflow, ...), each run in a
+fresh Python process, and the table gives each method's median loop time; the per-round ratios are
+printed under it. On a shared 2-core
+VM one run's rate moves by 15-30%, so a single round can flatter either side.
+
+--data long-tailed runs the same comparison on a variant of the bundled rows whose prompts carry a seeded,
+log-normal amount of extra context (median ~40 words, a few to the row limit; outputs unchanged), the
+length shape of real instruction/RAG data; both sides tokenize and train on the same rows.
 
 Needs the default pipeline's artefacts (`make run` first): models/base, data/validated/{train,eval}.jsonl
 and data/shards. When data/shards is missing or was built from other inputs than the current params and
@@ -113,6 +122,41 @@ def with_steps(params, steps: int):
                                             "tracker": "none"})
     checkpoint = params.checkpoint.model_copy(update={"every_steps": steps})
     return params.model_copy(update={"train": train, "checkpoint": checkpoint})
+
+
+def long_tailed_rows(rows_dir: Path, out_dir: Path, reference: str, seq_len: int, seed: int = 0) -> Path:
+    """data/validated's train and eval rows with a seeded log-normal number of context words prepended to
+    each input (words drawn from the rows' own inputs), each example kept within seq_len tokens so neither
+    side truncates a response. Returns the new rows dir."""
+    import numpy as np
+
+    from fineflow.stages.tokenize import load_tokenizer
+    from fineflow.template import encode_batch
+
+    tokenizer = load_tokenizer(reference)
+    rng = np.random.default_rng(seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "eval"):
+        rows = [json.loads(line) for line in (rows_dir / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()
+                if line.strip()]
+        pool = " ".join(r.get("input") or r["instruction"] for r in rows).split()
+        words = np.minimum(rng.lognormal(mean=3.7, sigma=0.9, size=len(rows)).astype(int), 2000)
+        longer = []
+        for row, n in zip(rows, words.tolist()):
+            context = " ".join(pool[i] for i in rng.integers(0, len(pool), size=n))
+            candidate = {**row, "input": f"context: {context}\n{row.get('input') or ''}"}
+            while n > 0 and encode_batch(tokenizer, [candidate]).lengths[0] > seq_len:
+                n = n * 3 // 4  # too long for a row: shorten the context until the whole example fits
+                candidate = {**row, "input": f"context: {' '.join(context.split()[:n])}\n{row.get('input') or ''}"}
+            longer.append(candidate)
+        (out_dir / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in longer), encoding="utf-8")
+    return out_dir
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 # -------------------------------------------------------------------------------------------- fineflow
@@ -337,6 +381,44 @@ def run_trl(params, base_dir: Path, rows_dir: Path, tmp: Path, threads: int, pac
 
 # ------------------------------------------------------------------------------------------------ main
 
+def run_isolated(mode: str, args, base_dir: Path, rows_dir: Path, shards_dir: Path, run_tmp: Path,
+                 batch: int) -> dict:
+    """One method's run in a fresh interpreter, so no method inherits another's threads, allocator state
+    or imports (measured: fineflow ran 11% slower in-process after a TRL run than alone)."""
+    import subprocess
+
+    out = run_tmp / "result.json"
+    command = [sys.executable, __file__, "--worker", mode, "--steps", str(args.steps), "--threads",
+               str(args.threads), "--params", str(args.params), "--base-dir", str(base_dir), "--rows-dir",
+               str(rows_dir), "--shards-dir", str(shards_dir), "--tmp", str(run_tmp), "--batch", str(batch),
+               "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0 or not out.exists():
+        fail(f"{mode} run failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def worker_main(args) -> None:
+    """--worker MODE: run one method on prepared inputs and write its result JSON (see run_isolated)."""
+    import datasets
+    import torch
+    import transformers
+
+    from fineflow.config import load_params
+
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    params = with_steps(load_params(args.params), args.steps)
+    torch.set_num_threads(args.threads)
+    if args.worker == "fineflow":
+        result = run_fineflow(params, args.base_dir, args.shards_dir, args.tmp, args.threads)
+    else:
+        result = run_trl(params, args.base_dir, args.rows_dir, args.tmp, args.threads,
+                         args.worker == "trl-packed", args.batch)
+    args.out.write_text(json.dumps(result))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=150, help="optimizer steps for every method (default 150)")
@@ -344,7 +426,15 @@ def main() -> None:
                         help="torch.set_num_threads for every method (default: the CPUs this process may use)")
     parser.add_argument("--params", type=Path, default=ROOT / "params.yaml")
     parser.add_argument("--only", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians reported (default 3)")
+    parser.add_argument("--data", choices=("bundled", "long-tailed"), default="bundled")
+    # internal: one method in a fresh process (run_isolated)
+    for hidden in ("--worker", "--base-dir", "--rows-dir", "--shards-dir", "--tmp", "--out"):
+        parser.add_argument(hidden, type=str if hidden == "--worker" else Path, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        return worker_main(args)
     modes = [m.strip() for m in args.only.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         fail(f"--only takes a comma-separated subset of {','.join(MODES)}")
@@ -366,6 +456,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fineflow-trl-bench-") as tmp_name:
         tmp = Path(tmp_name)
         base_dir, rows_dir, shards_dir, shard_note = locate_inputs(params, tmp)
+        if args.data == "long-tailed":
+            from fineflow.basemodel import resolve_base_model
+            from fineflow.stages import tokenize
+
+            rows_dir = long_tailed_rows(rows_dir, tmp / "long-tailed", resolve_base_model(params.model, base_dir),
+                                        params.tokenize.seq_len, params.seed)
+            shards_dir = tmp / "long-tailed-shards"
+            tokenize.run(params, rows_dir, base_dir, shards_dir)
+            shard_note = "built in a temp dir from the long-tailed rows"
         shard = PackedShard(shards_dir / "train")
         per_row = shard.meta["examples"] / len(shard)
         ff_examples = cfg.micro_batch_size * cfg.grad_accum * per_row
@@ -373,7 +472,7 @@ def main() -> None:
         print(f"trl {trl.__version__}, transformers {transformers.__version__}, torch {torch.__version__}; "
               f"torch.set_num_threads({args.threads}) before every method; {args.steps} optimizer steps each; "
               f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
-        print(f"data: {rows_dir.relative_to(ROOT)}/train.jsonl, {shard.meta['examples']} examples; fineflow "
+        print(f"data ({args.data}): {rows_dir}/train.jsonl, {shard.meta['examples']} examples; fineflow "
               f"shards: {shard_note}; {len(shard)} rows of {shard.meta['seq_len']}, {per_row:.2f} examples/row, "
               f"{shard.meta.get('real_tokens'):,} real tokens (share {shard.meta.get('real_token_share')})")
         print(f"model: {base_dir.relative_to(ROOT)}; LoRA r={cfg.lora.r} alpha={cfg.lora.alpha} "
@@ -383,15 +482,16 @@ def main() -> None:
             print(f"note: params train.num_processes={cfg.num_processes}; this bench runs every method on 1 process")
         print(flush=True)
 
-        results = []
-        for mode in modes:
-            print(f"--- running {mode} ...", flush=True)
-            if mode == "fineflow":
-                results.append(run_fineflow(params, base_dir, shards_dir, tmp, args.threads))
-            else:
-                packing = mode == "trl-packed"
-                batch = cfg.micro_batch_size if packing else trl_batch  # packed: the same rows/step as fineflow
-                results.append(run_trl(params, base_dir, rows_dir, tmp, args.threads, packing, batch))
+        rounds = []
+        for round_index in range(args.repeats):
+            results = []
+            for mode in modes:
+                print(f"--- round {round_index + 1}/{args.repeats}: running {mode} ...", flush=True)
+                run_tmp = tmp / f"round{round_index}-{mode}"
+                run_tmp.mkdir()
+                batch = cfg.micro_batch_size if mode == "trl-packed" else trl_batch  # packed: fineflow's rows/step
+                results.append(run_isolated(mode, args, base_dir, rows_dir, shards_dir, run_tmp, batch))
+            rounds.append(results)
 
     print(f"\nload average after: {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} CPUs")
     print(f"fineflow examples/step = {cfg.micro_batch_size} rows x {cfg.grad_accum} accum x {per_row:.2f} "
@@ -400,6 +500,8 @@ def main() -> None:
               f"{'loop s':>7} {'eff tok/s':>9} {'fineflow/x':>10}")
     print(header)
     print("-" * len(header))
+    # the table: the last round's counts (identical every round: seeded) with each method's median loop time
+    results = [{**r, "loop_s": median([rnd[i]["loop_s"] for rnd in rounds])} for i, r in enumerate(rounds[-1])]
     ff = next((r for r in results if r["name"].startswith("fineflow")), None)
     ff_rate = ff["tokens"] / ff["loop_s"] if ff else None
     for r in results:
@@ -408,6 +510,18 @@ def main() -> None:
         examples = f"{r['examples_per_step']:7.1f}" if r["examples_exact"] else f"~{r['examples_per_step']:6.1f}"
         print(f"{r['name']:48} {r['steps']:5d} {examples} {r['tokens']:11,d} {1 - r['tokens'] / r['cells']:9.1%} "
               f"{r['threads']!s:>7} {r['loop_s']:7.2f} {rate:9.0f} {ratio}")
+    print(f"(loop s = median of {len(rounds)} interleaved rounds)")
+    if ff is not None and len(rounds) > 1:
+        ff_index = results.index(ff)
+        for i, r in enumerate(results):
+            if r is ff:
+                continue
+            per_round = [(rnd[i]["tokens"] / rnd[i]["loop_s"]) for rnd in rounds]
+            ff_round = [(rnd[ff_index]["tokens"] / rnd[ff_index]["loop_s"]) for rnd in rounds]
+            ratios = [a / b for a, b in zip(ff_round, per_round)]
+            print(f"  fineflow / {r['name']}: per round {', '.join(f'{x:.2f}x' for x in ratios)} "
+                  f"(rates: fineflow {', '.join(f'{x:.0f}' for x in ff_round)}; "
+                  f"this {', '.join(f'{x:.0f}' for x in per_round)} tok/s)")
     print()
     for r in results:
         print(f"{r['name']}: {r['note']}")

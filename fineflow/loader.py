@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fineflow.attention import PackedLayout, packed_layout
 from fineflow.shards import PackedShard, RowSampler
 
 
@@ -25,6 +26,7 @@ class StepBatch:
     targets: int  # tokens trained on (labels != -100) in this rank's micro-batches
     real_tokens: int  # non-pad tokens in them
     sampler_state: dict  # the sampler's state once these rows were drawn
+    layouts: list[PackedLayout] | None = None  # per micro-batch, for train.attention varlen
 
 
 def as_tensors(arrays: dict, pin_memory: bool = False) -> dict:
@@ -40,15 +42,18 @@ def collate(shard: PackedShard, indices: list[int], pin_memory: bool = False) ->
 
 
 def prepare_step(shard: PackedShard, sampler: RowSampler, micro_batch_size: int, grad_accum: int,
-                 pin_memory: bool = False) -> StepBatch:
-    """One optimizer step's batches. Runs on the loader thread, so it uses numpy only (no torch op): a
-    torch op here would open a second OpenMP team beside the training thread's and, on a machine with
-    few cores, the two spin-wait against each other (a 10x slowdown on 2 cores)."""
+                 pin_memory: bool = False, varlen: bool = False) -> StepBatch:
+    """One optimizer step's batches (and, for varlen attention, where each example sits in them). Runs on
+    the loader thread, so it uses numpy only (no torch op): a torch op here would open a second OpenMP
+    team beside the training thread's and, on a machine with few cores, the two spin-wait against each
+    other (a 10x slowdown on 2 cores)."""
     rows = [sampler.next_indices(micro_batch_size) for _ in range(grad_accum)]
     arrays = [shard.batch(r) for r in rows]
     targets = sum(int(np.count_nonzero(a["labels"][:, 1:] != -100)) for a in arrays)
+    layouts = [packed_layout(a["position_ids"]) for a in arrays] if varlen else None
     micro = [as_tensors(a, pin_memory) for a in arrays]
-    return StepBatch(micro, rows, targets, sum(shard.real_tokens(r) for r in rows), sampler.state_dict())
+    return StepBatch(micro, rows, targets, sum(shard.real_tokens(r) for r in rows), sampler.state_dict(),
+                     layouts)
 
 
 class _Failed:
@@ -64,8 +69,8 @@ class BatchLoader:
     """
 
     def __init__(self, shard: PackedShard, sampler: RowSampler, micro_batch_size: int, grad_accum: int,
-                 steps: int, prefetch: int = 2, pin_memory: bool = False):
-        self._prepare = lambda: prepare_step(shard, sampler, micro_batch_size, grad_accum, pin_memory)
+                 steps: int, prefetch: int = 2, pin_memory: bool = False, varlen: bool = False):
+        self._prepare = lambda: prepare_step(shard, sampler, micro_batch_size, grad_accum, pin_memory, varlen)
         self.steps, self.prefetch = steps, prefetch
         self._served = 0
         self._stop = threading.Event()

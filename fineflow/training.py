@@ -24,7 +24,8 @@ from pathlib import Path
 
 from fineflow.config import TrainParams
 from fineflow.errors import FineflowError
-from fineflow.loader import BatchLoader, collate
+from fineflow.attention import layout_kwargs, packed_layout
+from fineflow.loader import BatchLoader, as_tensors
 from fineflow.shards import PackedShard
 
 
@@ -39,14 +40,15 @@ def lr_multiplier(step: int, warmup: int, total: int, schedule: str) -> float:
     return 0.1 + 0.9 * decay
 
 
-def token_loss_sum(model, batch: dict):
+def token_loss_sum(model, batch: dict, **forward_kwargs):
     """Summed next-token cross-entropy over trained tokens, and how many there were.
 
     No attention_mask is passed: with position_ids that restart per example, transformers builds a
     block-diagonal causal mask, so packed examples never attend to each other. Logits are computed only
     at positions whose next token is trained on (``logits_to_keep`` as a boolean mask): in instruction
     data that is a small share of the row (6% on the bundled data), and the vocabulary projection and its
-    fp32 loss are the largest per-token cost after the layers.
+    fp32 loss are the largest per-token cost after the layers. ``forward_kwargs``: the varlen attention
+    layout (fineflow.attention.layout_kwargs) when the model was loaded with it.
     """
     import torch
     import torch.nn.functional as F
@@ -55,7 +57,7 @@ def token_loss_sum(model, batch: dict):
     keep = torch.zeros_like(batch["labels"], dtype=torch.bool)
     keep[:, :-1] = targets != -100
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-                   logits_to_keep=keep).logits  # (trained positions, vocab)
+                   logits_to_keep=keep, **forward_kwargs).logits  # (trained positions, vocab)
     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets[keep[:, :-1]], reduction="sum")
     return loss, int(keep.sum())
 
@@ -241,7 +243,7 @@ class FitResult:
     resumed_from: int = 0  # the step this attempt started after (0: a fresh start)
 
 
-def evaluate_loss(model, shard: PackedShard, batch_size: int, accelerator) -> float:
+def evaluate_loss(model, shard: PackedShard, batch_size: int, accelerator, varlen: bool = False) -> float:
     """Mean token loss over an eval shard, this rank's share of rows, reduced across ranks."""
     import torch
 
@@ -250,8 +252,10 @@ def evaluate_loss(model, shard: PackedShard, batch_size: int, accelerator) -> fl
     with torch.no_grad():
         rows = list(range(accelerator.process_index, len(shard), accelerator.num_processes))
         for i in range(0, len(rows), batch_size):
-            batch = {k: v.to(accelerator.device) for k, v in collate(shard, rows[i:i + batch_size]).items()}
-            loss_sum, n = token_loss_sum(model, batch)
+            arrays = shard.batch(rows[i:i + batch_size])
+            batch = {k: v.to(accelerator.device) for k, v in as_tensors(arrays).items()}
+            extra = layout_kwargs(packed_layout(arrays["position_ids"]), accelerator.device) if varlen else {}
+            loss_sum, n = token_loss_sum(model, batch, **extra)
             total += torch.tensor([loss_sum.item(), n], dtype=torch.float64, device=accelerator.device)
     total = accelerator.reduce(total, reduction="sum")
     model.train()
@@ -280,6 +284,8 @@ def fit(model, optimizer, scheduler, accelerator, batches: BatchLoader, cfg: Tra
 
         t0 = time.perf_counter()
         micro = [{k: v.to(accelerator.device, non_blocking=True) for k, v in b.items()} for b in prepared.micro]
+        extras = ([layout_kwargs(layout, accelerator.device) for layout in prepared.layouts] if prepared.layouts
+                  else [{}] * len(micro))
         counts = accelerator.reduce(torch.tensor([prepared.targets, prepared.real_tokens],
                                                  device=accelerator.device), reduction="sum")
         global_targets, step_real = int(counts[0]), int(counts[1])
@@ -288,7 +294,7 @@ def fit(model, optimizer, scheduler, accelerator, batches: BatchLoader, cfg: Tra
             # DDP averages gradients over ranks; scale by world size so the result is sum / global tokens.
             sync = accelerator.no_sync(model) if i < len(micro) - 1 else nullcontext()
             with sync:
-                loss_sum, _ = token_loss_sum(model, batch)
+                loss_sum, _ = token_loss_sum(model, batch, **extras[i])
                 accelerator.backward(loss_sum * world / max(1, global_targets))
             step_loss += loss_sum.item()
         timer.add("compute_s", time.perf_counter() - t0)
@@ -310,7 +316,8 @@ def fit(model, optimizer, scheduler, accelerator, batches: BatchLoader, cfg: Tra
 
         step_eval = None
         if eval_shard is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
-            step_eval = eval_loss = evaluate_loss(model, eval_shard, cfg.micro_batch_size, accelerator)
+            step_eval = eval_loss = evaluate_loss(model, eval_shard, cfg.micro_batch_size, accelerator,
+                                                  varlen=cfg.attention == "varlen")
         if checkpointer.due(step, cfg.steps, accelerator):
             t0 = time.perf_counter()  # the stall: async saves block only for the copy to host memory
             checkpointer.save(accelerator, model, optimizer, scheduler, step,

@@ -40,6 +40,13 @@ def check_hardware(cfg: TrainParams, has_gpu: bool) -> None:
     if cfg.precision == "fp16" and not has_gpu:
         raise FineflowError("params.yaml: train.precision fp16 needs a CUDA GPU (loss scaling); on CPU use "
                             "train.precision: bf16 or no.")
+    if cfg.attention == "flash_attention_2":
+        from importlib.util import find_spec
+
+        if not has_gpu or find_spec("flash_attn") is None:
+            raise FineflowError("params.yaml: train.attention flash_attention_2 needs a CUDA GPU and the flash-attn "
+                                "package (pip install flash-attn); train.attention: varlen does the same per-example "
+                                "attention on any device.")
 
 
 def sharding_of(profile: Path | None) -> str:
@@ -110,8 +117,18 @@ def fit_plan(params: Params, reference: str, has_gpu: bool):
     return adapted, plan, result.changes
 
 
-def build_model(base_reference: str, params: Params, cfg: TrainParams):
-    """The model to train: LoRA / QLoRA adapters on a frozen base, or the whole base (full)."""
+def attention_of(cfg: TrainParams) -> str:
+    """The attn_implementation to load the model with (registering fineflow's varlen one when chosen)."""
+    if cfg.attention == "varlen":
+        from fineflow.attention import register
+
+        return register()
+    return cfg.attention
+
+
+def build_model(base_reference: str, params: Params, cfg: TrainParams, fuse_lora: bool = False):
+    """The model to train: LoRA / QLoRA adapters on a frozen base, or the whole base (full). fuse_lora:
+    route plain LoRA linears through fineflow.fused_lora (same maths, fewer memory passes)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -127,7 +144,7 @@ def build_model(base_reference: str, params: Params, cfg: TrainParams):
         kwargs = {"dtype": torch.bfloat16, "quantization_config": BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16)}
-    model = AutoModelForCausalLM.from_pretrained(base_reference, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(base_reference, attn_implementation=attention_of(cfg), **kwargs)
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers 5's name for it
@@ -145,7 +162,12 @@ def build_model(base_reference: str, params: Params, cfg: TrainParams):
     lora = cfg.lora
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                         target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    model = get_peft_model(model, config)
+    if fuse_lora:
+        from fineflow.fused_lora import fuse_lora_layers
+
+        fuse_lora_layers(model)
+    return model
 
 
 def save_model(accelerator, model, out_dir: Path, method: str) -> None:
@@ -234,10 +256,12 @@ def worker(params: Params, shards: Path, base_dir: Path, checkpoints: Path, out_
     accelerator = Accelerator(mixed_precision=cfg.precision, log_with=tracker,
                               project_dir=str(logs_dir or Path("logs")))
     set_seed(params.seed)
-    model = build_model(reference, params, cfg)
+    # ZeRO-3 gathers each module's parameters in that module's own forward hook: leave peft's forward there
+    model = build_model(reference, params, cfg, fuse_lora=cfg.fused_lora and sharding_of(
+        resolve_profile(cfg.accelerate_profile)) != "zero3")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                                  weight_decay=cfg.weight_decay)
+                                  weight_decay=cfg.weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_multiplier(s, cfg.warmup_steps, cfg.steps, cfg.schedule))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -252,7 +276,8 @@ def worker(params: Params, shards: Path, base_dir: Path, checkpoints: Path, out_
         sampler.load_state_dict(resumed.state["sampler"])
         start_step, tokens_seen = resumed.state["step"], resumed.state["tokens_seen"]
     batches = BatchLoader(train, sampler, cfg.micro_batch_size, cfg.grad_accum, cfg.steps - start_step,
-                          prefetch=cfg.prefetch, pin_memory=accelerator.device.type == "cuda")
+                          prefetch=cfg.prefetch, pin_memory=accelerator.device.type == "cuda",
+                          varlen=cfg.attention == "varlen")
     main = accelerator.is_main_process
     ck = params.checkpoint
     manager = CheckpointManager(run_dir, keep_last=ck.keep_last, keep_best=ck.keep_best, mode=ck.mode,
