@@ -68,7 +68,7 @@ from fineflow.runtime import apply_offline_environment
 apply_offline_environment(ROOT)
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-MODES = ("fineflow", "trl", "trl-packed")
+MODES = ("fineflow", "trl", "trl-packed", "fineflow-dense")  # the last: ablation, only with --only
 
 
 def fail(message: str) -> None:
@@ -411,12 +411,17 @@ def worker_main(args) -> None:
     transformers.logging.disable_progress_bar()
     params = with_steps(load_params(args.params), args.steps)
     torch.set_num_threads(args.threads)
-    if args.worker == "fineflow":
+    if args.worker == "fineflow-dense":  # ablation: the dense block-diagonal mask and peft's own LoRA forward
+        train = params.train.model_copy(update={"attention": "sdpa", "fused_lora": False})
+        params = params.model_copy(update={"train": train})
+        result = run_fineflow(params, args.base_dir, args.shards_dir, args.tmp, args.threads)
+        result["name"] = "fineflow, dense mask + peft LoRA (ablation)"
+    elif args.worker == "fineflow":
         result = run_fineflow(params, args.base_dir, args.shards_dir, args.tmp, args.threads)
     else:
         result = run_trl(params, args.base_dir, args.rows_dir, args.tmp, args.threads,
                          args.worker == "trl-packed", args.batch)
-    args.out.write_text(json.dumps(result))
+    args.out.write_text(json.dumps({**result, "mode": args.worker}))
 
 
 def main() -> None:
@@ -425,7 +430,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="torch.set_num_threads for every method (default: the CPUs this process may use)")
     parser.add_argument("--params", type=Path, default=ROOT / "params.yaml")
-    parser.add_argument("--only", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--only", default=",".join(MODES[:3]),
+                        help=f"comma-separated subset of {','.join(MODES)} (default: the first three); "
+                             "fineflow-dense = fineflow with train.attention sdpa and fused_lora false (ablation)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians reported (default 3)")
     parser.add_argument("--data", choices=("bundled", "long-tailed"), default="bundled")
     # internal: one method in a fresh process (run_isolated)
@@ -502,7 +509,7 @@ def main() -> None:
     print("-" * len(header))
     # the table: the last round's counts (identical every round: seeded) with each method's median loop time
     results = [{**r, "loop_s": median([rnd[i]["loop_s"] for rnd in rounds])} for i, r in enumerate(rounds[-1])]
-    ff = next((r for r in results if r["name"].startswith("fineflow")), None)
+    ff = next((r for r in results if r["mode"] == "fineflow"), None)
     ff_rate = ff["tokens"] / ff["loop_s"] if ff else None
     for r in results:
         rate = r["tokens"] / r["loop_s"]
