@@ -39,16 +39,18 @@ def repro_single(stage: str, project_dir: Path, log) -> bool:
     Returns whether the stage's command ran (False when DVC found it unchanged and skipped it)."""
     command = [sys.executable, "-m", "dvc", "repro", "--single-item", stage]
     tail: deque[str] = deque(maxlen=60)
+    ran = False  # seen DVC's "Running stage" line (a chatty stage pushes it out of the tail)
     with subprocess.Popen(command, cwd=project_dir, env=stage_environment(), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
         for line in proc.stdout:
             line = line.rstrip()
             if line:
                 tail.append(line)
+                ran = ran or line.startswith(f"Running stage '{stage}'")
                 log(line)
     if proc.returncode:
         raise StageFailed(stage, proc.returncode, list(tail))
-    return any(line.startswith(f"Running stage '{stage}'") for line in tail)
+    return ran
 
 
 def _report_markdown(stage: str, report: dict) -> str:

@@ -68,3 +68,17 @@ def test_flow_then_dvc_repro(prefect_harness, tmp_path, monkeypatch):
     repro_lock = yaml.safe_load((repro_copy / "dvc.lock").read_text())
     for stage in STAGES:  # outs' md5s equal: the same artefacts, byte for byte
         assert repro_lock["stages"][stage] == flow_lock["stages"][stage], stage
+
+
+def test_a_stage_counts_as_run_even_when_its_output_pushes_dvcs_line_out_of_the_log_tail(tmp_path, monkeypatch):
+    """The evaluate stage prints ~90 lines: "Running stage 'evaluate'" must still be seen (it was missed once,
+    when only the last 60 lines were searched)."""
+    import tasks.stages as stages
+
+    fake = tmp_path / "fake_dvc.py"  # stands in for `python -m dvc repro`: DVC's line, then 200 of the stage's
+    fake.write_text("print(\"Running stage 'evaluate':\")\nfor i in range(200):\n    print(f'line {i}')\n")
+    real_popen = stages.subprocess.Popen
+    monkeypatch.setattr(stages.subprocess, "Popen", lambda command, **kw: real_popen([sys.executable, str(fake)], **kw))
+    lines = []
+    assert stages.repro_single("evaluate", tmp_path, lines.append) is True
+    assert len(lines) == 201
