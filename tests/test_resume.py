@@ -122,6 +122,10 @@ def test_sigkill_at_many_points_then_resume_is_bit_exact(built, tmp_path, ranks)
     _assert_same_training(resumed, reference)
     report = json.loads((resumed / "reports/train.json").read_text())
     assert report["resumed_from_step"] > 0 and report["steps"] == STEPS
+    # throughput counts only what this attempt trained, not the tokens of the steps before the resume
+    reference_report = json.loads((reference / "reports/train.json").read_text())
+    assert report["tokens"] == reference_report["tokens"] > report["tokens_this_attempt"] > 0
+    assert report["tokens_per_s"] == pytest.approx(report["tokens_this_attempt"] / report["loop_s"], rel=0.01)
 
 
 def test_corrupt_newest_checkpoint_is_skipped_with_a_warning_and_resume_stays_exact(built, tmp_path):

@@ -50,6 +50,23 @@ def test_bf16_with_gradient_checkpointing_trains_on_cpu(built, tmp_path):
     assert report["plan"]["setup"]["gradient_checkpointing"] is True
 
 
+def test_per_example_attention_and_fused_lora_train_like_the_reference_path(built, tmp_path):
+    """The fast path (varlen attention, fused LoRA) and the reference (transformers' masked sdpa, peft's
+    forward) give the same per-step losses on the same batches."""
+    runs = {}
+    for name, options in (("fast", {}), ("reference", {"attention": "sdpa", "fused_lora": False})):
+        (tmp_path / name).mkdir()
+        report = _train(built, tmp_path / name, _params(steps=4, tracker="none", **options))
+        steps = [json.loads(line) for line in (tmp_path / name / "steps.jsonl").read_text().splitlines()]
+        runs[name] = report, steps
+    (fast, fast_steps), (reference, reference_steps) = runs["fast"], runs["reference"]
+    assert fast["attention"] == "varlen" and fast["fused_lora_layers"] == 2 * 7  # 2 layers x 7 projections
+    assert reference["attention"] == "sdpa" and reference["fused_lora_layers"] == 0
+    assert [s["rows"] for s in fast_steps] == [s["rows"] for s in reference_steps]
+    assert [s["loss"] for s in fast_steps] == pytest.approx([s["loss"] for s in reference_steps], rel=1e-4)
+    assert fast["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-4)
+
+
 def _train_cli(tmp_path, overrides):
     write_params(tmp_path / "params.yaml", overrides)
     return subprocess.run([sys.executable, "-m", "fineflow.stages.train", "--shards", "data/shards", "--base-dir",
