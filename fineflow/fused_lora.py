@@ -9,8 +9,9 @@ gradients within float rounding of peft's (tests/test_fused_lora.py); adapters s
 as before, since the parameters are peft's own.
 
 Only the plain case is fused: a torch.nn.Linear base of the adapter's dtype, one active adapter, no
-dropout, no DoRA/variant, not merged. Anything else (adapters disabled, autocast on, parameters a
-sharding engine has not gathered) falls back to peft's forward at call time.
+dropout, no DoRA/variant, not merged. Under autocast (train.precision bf16/fp16) the op runs in the
+autocast dtype, as autocast would run the linear. Anything else (adapters disabled or merged, parameters
+a sharding engine has not gathered) falls back to peft's forward at call time.
 
     fuse_lora_layers(peft_model)  # -> how many layers were fused
 """
@@ -69,15 +70,24 @@ def fusable(layer) -> bool:
 
 def _fused_forward(self, x, *args, **kwargs):
     name = next(iter(self.lora_A.keys()))
-    base, a, b = self.base_layer.weight, self.lora_A[name].weight, self.lora_B[name].weight
+    base, bias = self.base_layer.weight, self.base_layer.bias
+    a, b = self.lora_A[name].weight, self.lora_B[name].weight
+    device_type = x.device.type
+    autocast = torch.is_autocast_enabled(device_type)
     plain = (not args and not kwargs and not self.merged and not self.disable_adapters
-             and list(self.active_adapters) == [name] and x.dtype == base.dtype
-             and not torch.is_autocast_enabled(x.device.type) and not base.requires_grad
-             and (self.base_layer.bias is None or not self.base_layer.bias.requires_grad)
+             and list(self.active_adapters) == [name] and (autocast or x.dtype == base.dtype)
+             and not base.requires_grad and (bias is None or not bias.requires_grad)
              and base.numel() and a.numel() and b.numel())  # a sharding engine may hold them ungathered
     if not plain:
         return type(self).forward(self, x, *args, **kwargs)
-    return FusedLoraLinear.apply(x, base, self.base_layer.bias, a, b, self.scaling[name])
+    if autocast:
+        # what autocast does for a linear: compute in its dtype; the casts are differentiable, so A and B
+        # keep fp32 gradients
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch.autocast(device_type, enabled=False):
+            return FusedLoraLinear.apply(x.to(dtype), base.to(dtype), None if bias is None else bias.to(dtype),
+                                         a.to(dtype), b.to(dtype), self.scaling[name])
+    return FusedLoraLinear.apply(x, base, bias, a, b, self.scaling[name])
 
 
 def fuse_lora_layers(model) -> int:
