@@ -58,9 +58,9 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from fineflow.loader import BatchLoader
-    from fineflow.shards import PackedShard, RowSampler
-    from fineflow.template import encode_batch
+    from fineflow.train.loader import BatchLoader
+    from fineflow.tokenize.shards import PackedShard, RowSampler
+    from fineflow.tokenize.template import encode_batch
 
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "models/base")
     rows = [json.loads(line) for line in (ROOT / "data/validated/train.jsonl").read_text().splitlines()]

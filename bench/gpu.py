@@ -9,11 +9,11 @@ Prints tokens/s, MFU, peak memory and data-wait share as a readable block, then 
 The model is Llama-architecture (hidden 2048, 16 layers, 16 heads, 8 KV heads, MLP 5632, vocab 32000:
 0.90B parameters), built directly on the GPU in bf16 with random weights (no download). LoRA (peft, r=16)
 sits on every attention and MLP projection. The data path is fineflow's: random token examples of mixed
-length are packed into rows of --seq-len, written with ``fineflow.shards.write_shard`` to a temp dir, read
+length are packed into rows of --seq-len, written with ``fineflow.tokenize.shards.write_shard`` to a temp dir, read
 back through the memory-mapped ``PackedShard.batch`` in the order of the seeded ``RowSampler``, and the loss
-is ``fineflow.training.token_loss_sum`` (packed rows: position ids restart per example, so attention stays
+is ``fineflow.train.loop.token_loss_sum`` (packed rows: position ids restart per example, so attention stays
 within each example; ``--attention varlen``, the default as in train.attention, computes it per example
-with fineflow.attention instead of over a dense row mask). The step loop mirrors ``fit()``'s timing
+with fineflow.train.attention instead of over a dense row mask). The step loop mirrors ``fit()``'s timing
 split: data wait (sample, gather from the memory map, copy to the GPU), forward+backward, optimizer.
 
 MFU = model FLOPs per second / the chip's dense bf16 peak. Model FLOPs per token, for LoRA:
@@ -67,7 +67,7 @@ def build_model(shape: dict, device, lora_r: int, grad_checkpointing: bool, atte
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from fineflow.attention import register
+    from fineflow.train.attention import register
 
     implementation = register() if attention == "varlen" else attention  # train.attention's choices
     config = LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"],
@@ -110,7 +110,7 @@ def write_random_shard(out_dir: Path, rows: int, seq_len: int, vocab: int, seed:
     """
     import numpy as np
 
-    from fineflow.shards import PackedArrays, token_dtype, write_shard
+    from fineflow.tokenize.shards import PackedArrays, token_dtype, write_shard
 
     rng = np.random.default_rng(seed)
     tokens = np.zeros((rows, seq_len), dtype=token_dtype(vocab))
@@ -142,9 +142,9 @@ def to_tensors(batch: dict) -> dict:
 def run(shape: dict, args, device) -> dict:
     import torch
 
-    from fineflow.attention import layout_kwargs, packed_layout
-    from fineflow.shards import PackedShard, RowSampler
-    from fineflow.training import token_loss_sum
+    from fineflow.train.attention import layout_kwargs, packed_layout
+    from fineflow.tokenize.shards import PackedShard, RowSampler
+    from fineflow.train.loop import token_loss_sum
 
     cuda = device.type == "cuda"
     t_setup = time.perf_counter()
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool-rows", type=int, default=0, help="rows in the random shard (cycled by epoch)")
     parser.add_argument("--grad-checkpointing", action="store_true")
     parser.add_argument("--attention", choices=("varlen", "sdpa", "flash_attention_2"), default="varlen",
-                        help="as train.attention (varlen: per-example attention, fineflow.attention)")
+                        help="as train.attention (varlen: per-example attention, fineflow.train.attention)")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="override the chip's dense bf16 peak")
     parser.add_argument("--smoke", action="store_true", help="tiny config, a few steps, CPU allowed")
     args = parser.parse_args(argv)

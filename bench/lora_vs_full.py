@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 def child(method: str, steps: int, out: str) -> None:
     from fineflow.config import load_params
-    from fineflow.stages import train
+    from fineflow.train import recipe
 
     raw = load_params(ROOT / "params.yaml").model_dump(by_alias=True)
     raw["checkpoint"]["every_steps"] = steps
@@ -32,7 +32,7 @@ def child(method: str, steps: int, out: str) -> None:
                         lr=raw["train"]["lr"] if method == "lora" else 3e-4)
     from fineflow.config import parse_params
 
-    report = train.worker(parse_params(raw), ROOT / "data/shards", ROOT / "models/base", Path(out) / "ck",
+    report = recipe.train_rank(parse_params(raw), ROOT / "data/shards", ROOT / "models/base", Path(out) / "ck",
                           Path(out) / "model", Path(out) / "steps.jsonl", Path(out) / "logs")
     print(json.dumps(report))
 

@@ -7,7 +7,7 @@ real-token share = non-pad tokens / tokens in the batches the model computes on.
   pad-to-max      every example padded to seq_len (what a fixed-shape loader does)
   pad-to-longest  batches of --batch examples in data order, padded to the longest in the batch
   best-fit        best-fit-decreasing packing into rows of seq_len (the classic bin-packing heuristic)
-  packed          fineflow's packing (fineflow.shards.pack_rows: the better of best-fit-decreasing and
+  packed          fineflow's packing (fineflow.tokenize.shards.pack_rows: the better of best-fit-decreasing and
                   exact-fill, which fills each row's gap with a subset-sum over the lengths left)
 The bundled data needs the tokenize stage's inputs (run `make run` first); the long-tailed distribution is
 synthetic (log-normal lengths, the shape of real instruction datasets: most short, a few very long).
@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fineflow.shards import pack_best_fit, pack_rows  # noqa: E402
+from fineflow.tokenize.shards import pack_best_fit, pack_rows  # noqa: E402
 
 
 def shares(lengths: list[int], seq_len: int, batch: int) -> dict[str, float]:
@@ -41,7 +41,7 @@ def shares(lengths: list[int], seq_len: int, batch: int) -> dict[str, float]:
 def bundled_lengths(rows_path: Path, base_dir: Path) -> list[int]:
     from transformers import AutoTokenizer
 
-    from fineflow.template import encode_example
+    from fineflow.tokenize.template import encode_example
 
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     rows = [json.loads(line) for line in rows_path.read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -1,11 +1,11 @@
-"""Planner accuracy on CPU: fineflow.planner's weight and activation terms against measured memory, for
+"""Planner accuracy on CPU: fineflow.train.planner's weight and activation terms against measured memory, for
 the tiny model and a ~50M-parameter Llama, side by side in one run.
 
     .venv/bin/python bench/planner_accuracy.py [--threads 2]
 
 Each row runs in a fresh process (nothing left over from the previous row): build the model (fp32,
 transformers 5 LlamaForCausalLM, attn_implementation as listed: SDPA unless the row says eager), run one
-forward+backward with fineflow's loss (the same lines as fineflow.training.token_loss_sum), and measure:
+forward+backward with fineflow's loss (the same lines as fineflow.train.loop.token_loss_sum), and measure:
 
 - weights: the process's resident memory (VmRSS) just before and just after building the model (and
   wrapping it with peft for the LoRA row). A throwaway model is built first so that transformers' lazy
@@ -17,7 +17,7 @@ forward+backward with fineflow's loss (the same lines as fineflow.training.token
 - glibc's malloc is told to serve every block over 64 KiB with mmap (MALLOC_MMAP_THRESHOLD_), so a freed
   tensor leaves resident memory at once and RSS tracks live tensors instead of the heap's high-water mark.
 
-Predictions come from fineflow.planner with the settings actually run: precision fp32, the attention
+Predictions come from fineflow.train.planner with the settings actually run: precision fp32, the attention
 implementation of the row, method full (LoRA r=16 on all seven linears for the LoRA row), the model's
 LlamaConfig passed through shape_from_config. Overhead (CUDA context, fragmentation) is not compared.
 """
@@ -85,7 +85,7 @@ def _peak(counter: str) -> int:
 
 
 def _loss(model, ids, positions):
-    """fineflow.training.token_loss_sum's loss (summed next-token cross-entropy, fp32), every token trained."""
+    """fineflow.train.loop.token_loss_sum's loss (summed next-token cross-entropy, fp32), every token trained."""
     import torch.nn.functional as F
 
     logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
@@ -121,7 +121,7 @@ def child(case: dict, threads: int) -> dict:
         if case["method"] == "lora":
             from peft import LoraConfig, get_peft_model
 
-            from fineflow.planner import LINEARS
+            from fineflow.train.planner import LINEARS
 
             model = get_peft_model(model, LoraConfig(r=LORA_R, lora_alpha=32, lora_dropout=0.0,
                                                      target_modules=list(LINEARS), task_type="CAUSAL_LM"))
@@ -170,7 +170,7 @@ def measure(case: dict, threads: int) -> dict:
 
 def predict(case: dict):
     """The planner's plan for exactly what the child runs."""
-    from fineflow.planner import LINEARS, Setup, plan, shape_from_config
+    from fineflow.train.planner import LINEARS, Setup, plan, shape_from_config
 
     shape = shape_from_config(case["config"], name=case["label"])
     setup = Setup(method=case["method"], precision="fp32", micro_batch_size=case["batch"], seq_len=case["seq_len"],

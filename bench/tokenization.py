@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def synthetic_rows(n: int):
-    from fineflow.synth import generate_examples
+    from fineflow.data.synth import generate_examples
 
     for ex in generate_examples(n, seed=1):
         yield {"instruction": ex.instruction, "input": ex.input, "output": ex.output}
@@ -46,8 +46,8 @@ def write_rows(path: Path, n: int) -> None:
 def throughput(base_dir: str, n: int) -> None:
     from transformers import AutoTokenizer
 
-    from fineflow.template import RESPONSE_PREFIX, render_prompt
-    from fineflow.tokenization import encode_stream
+    from fineflow.tokenize.template import RESPONSE_PREFIX, render_prompt
+    from fineflow.tokenize.tokenization import encode_stream
 
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     rows = list(synthetic_rows(n))
@@ -86,7 +86,7 @@ def worker_scaling(base_dir: str, n: int) -> None:
     """1 vs 2 workers on a larger set, where starting the pool (spawn + imports, ~2 s) is amortized."""
     from transformers import AutoTokenizer
 
-    from fineflow.tokenization import encode_stream
+    from fineflow.tokenize.tokenization import encode_stream
 
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     lines = [json.dumps(r) + "\n" for r in synthetic_rows(n)]
@@ -104,7 +104,7 @@ def child_tokenize(base_dir: str, rows_path: str, out_dir: str) -> None:
     import numpy as np
     from transformers import AutoTokenizer
 
-    from fineflow.tokenization import read_lines, tokenize_to_shard
+    from fineflow.tokenize.tokenization import read_lines, tokenize_to_shard
 
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     t0 = time.perf_counter()

@@ -19,7 +19,7 @@ rows (content key mismatch, e.g. tokenize.seq_len changed), fresh shards are bui
 tokenize stage's own function and used instead (a few seconds); models/base and data/validated are never
 rebuilt here.
 
-fineflow      fineflow.stages.train.worker() in-process: one rank, accelerate on CPU, params.yaml with
+fineflow      fineflow.train.recipe.train_rank() in-process: one rank, accelerate on CPU, params.yaml with
               train.steps = --steps and checkpointing off (checkpoint.every_steps = steps, so the only eval+save is
               the one fit() always does after the last step; it is timed in checkpoint_s and taken out of
               the loop time here). Packed rows of tokenize.seq_len, micro_batch_size rows x grad_accum per
@@ -36,7 +36,7 @@ TRL packed    the same with packing=True and TRL 1.16's default packing_strategy
               per_device_train_batch_size = micro_batch_size packed rows (TRL's rows of <= max_length).
 
 Both TRL runs use the same base model and LoRA config (params.train.lora), an AdamW with fineflow's lr and
-weight decay, fineflow's own schedule (fineflow.training.lr_multiplier: linear warmup, cosine/linear decay
+weight decay, fineflow's own schedule (fineflow.train.loop.lr_multiplier: linear warmup, cosine/linear decay
 to 10%), max_grad_norm, no gradient checkpointing (SFTConfig's default is on), fp32, no eval, no saving,
 no logging, dataloader_num_workers 0. TRL's time is its training loop (on_train_begin -> last on_step_end,
 so it includes fetching/collating every batch, like fineflow's loop includes its data wait); real tokens are
@@ -86,7 +86,7 @@ def locate_inputs(params, tmp: Path) -> tuple[Path, Path, Path, str]:
     if missing:
         fail(f"missing {', '.join(missing)}: run `make run` (or `make repro`) first to build the base model and "
              "the validated rows")
-    from fineflow.basemodel import resolve_base_model
+    from fineflow.model_ref import resolve_base_model
     from fineflow.stages import tokenize
 
     reference = resolve_base_model(params.model, base_dir)
@@ -102,8 +102,8 @@ def locate_inputs(params, tmp: Path) -> tuple[Path, Path, Path, str]:
 
 def shards_current(params, reference: str, rows_dir: Path, shards_dir: Path) -> bool:
     try:
-        from fineflow.shards import shard_key_matches
-        from fineflow.stages.tokenize import content_key, load_tokenizer
+        from fineflow.tokenize.shards import shard_key_matches
+        from fineflow.tokenize.tokenization import content_key, load_tokenizer
     except ImportError:  # an older/newer layout: fall back to the row length only
         try:
             meta = json.loads((shards_dir / "train/meta.json").read_text())
@@ -130,8 +130,8 @@ def long_tailed_rows(rows_dir: Path, out_dir: Path, reference: str, seq_len: int
     side truncates a response. Returns the new rows dir."""
     import numpy as np
 
-    from fineflow.stages.tokenize import load_tokenizer
-    from fineflow.template import encode_batch
+    from fineflow.tokenize.tokenization import load_tokenizer
+    from fineflow.tokenize.template import encode_batch
 
     tokenizer = load_tokenizer(reference)
     rng = np.random.default_rng(seed)
@@ -164,8 +164,8 @@ def median(values: list[float]) -> float:
 def run_fineflow(params, base_dir: Path, shards_dir: Path, tmp: Path, threads: int) -> dict:
     import torch
 
-    from fineflow.shards import PackedShard
-    from fineflow.stages.train import worker
+    from fineflow.tokenize.shards import PackedShard
+    from fineflow.train.recipe import train_rank as worker
 
     torch.set_num_threads(threads)
     cfg = params.train
@@ -198,7 +198,7 @@ def rows_drawn(params, shard, shard_dir: Path) -> tuple[int, int] | None:
     it; None if the sampler's API has moved on."""
     import numpy as np
 
-    from fineflow.shards import RowSampler
+    from fineflow.tokenize.shards import RowSampler
 
     cfg = params.train
     try:
@@ -214,7 +214,7 @@ def rows_drawn(params, shard, shard_dir: Path) -> tuple[int, int] | None:
 # ------------------------------------------------------------------------------------------------- TRL
 
 def trl_rows(rows_path: Path, eos: str) -> list[dict]:
-    from fineflow.template import RESPONSE_PREFIX, render_prompt
+    from fineflow.tokenize.template import RESPONSE_PREFIX, render_prompt
 
     out = []
     for line in rows_path.read_text(encoding="utf-8").splitlines():
@@ -235,8 +235,8 @@ def build_trl(params, base_dir: Path, rows_dir: Path, out_dir: Path, packing: bo
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from fineflow.basemodel import resolve_base_model
-    from fineflow.training import lr_multiplier
+    from fineflow.model_ref import resolve_base_model
+    from fineflow.train.loop import lr_multiplier
 
     cfg = params.train
     reference = resolve_base_model(params.model, base_dir)
@@ -309,7 +309,7 @@ def build_trl(params, base_dir: Path, rows_dir: Path, out_dir: Path, packing: bo
 def same_encoding(trainer, rows_path: Path) -> str:
     """How many of TRL's tokenized examples equal fineflow's encoding (token ids and trained-on mask)."""
     try:
-        from fineflow.template import encode_batch
+        from fineflow.tokenize.template import encode_batch
 
         rows = [json.loads(line) for line in rows_path.read_text(encoding="utf-8").splitlines() if line.strip()]
         encoded = encode_batch(trainer.processing_class, rows)
@@ -452,7 +452,7 @@ def main() -> None:
     import trl
 
     from fineflow.config import load_params
-    from fineflow.shards import PackedShard
+    from fineflow.tokenize.shards import PackedShard
 
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()
@@ -464,7 +464,7 @@ def main() -> None:
         tmp = Path(tmp_name)
         base_dir, rows_dir, shards_dir, shard_note = locate_inputs(params, tmp)
         if args.data == "long-tailed":
-            from fineflow.basemodel import resolve_base_model
+            from fineflow.model_ref import resolve_base_model
             from fineflow.stages import tokenize
 
             rows_dir = long_tailed_rows(rows_dir, tmp / "long-tailed", resolve_base_model(params.model, base_dir),

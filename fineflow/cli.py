@@ -1,5 +1,5 @@
-"""The ``fineflow`` command. Subcommands: ``plan`` (the GPU memory planner, fineflow.planner),
-``registry verify|rollback|list`` (the model registry, fineflow.promotion) and ``lineage`` (fineflow.lineage).
+"""The ``fineflow`` command. Subcommands: ``plan`` (the GPU memory planner, fineflow.train.planner),
+``registry verify|rollback|list`` (the model registry, fineflow.registry.promotion) and ``lineage`` (fineflow.registry.lineage).
 
     fineflow plan --model 7B --method lora --precision bf16 --micro-batch 4 --seq-len 2048
     fineflow plan --model models/base --method full --gpus 8 --sharding fsdp --device-gib 80 --auto-fit
@@ -25,7 +25,7 @@ from fineflow.errors import FineflowError
 
 
 def _plan_parser(sub) -> None:
-    from fineflow.planner import (
+    from fineflow.train.planner import (
         ATTENTIONS,
         KNOWN_SHAPES,
         METHODS,
@@ -36,7 +36,7 @@ def _plan_parser(sub) -> None:
 
     p = sub.add_parser("plan", help="predict peak GPU memory per device before launching a run",
                        description="Predict peak GPU memory per device: weights, gradients, optimizer "
-                                   "states, activations, overhead (conventions: fineflow/planner.py).")
+                                   "states, activations, overhead (conventions: fineflow/train/planner.py).")
     p.add_argument("--model", default="7B",
                    help=f"a known size ({', '.join(KNOWN_SHAPES)}), a parameter count, a config.json or a "
                         "model directory (default: 7B)")
@@ -65,7 +65,7 @@ def _plan_parser(sub) -> None:
 
 
 def _setup_from_args(args):
-    from fineflow.planner import LINEARS, Setup
+    from fineflow.train.planner import LINEARS, Setup
 
     targets = LINEARS if args.lora_targets == "all-linear" else tuple(
         t.strip() for t in args.lora_targets.split(",") if t.strip())
@@ -83,7 +83,7 @@ def _describe_setup(setup) -> str:
 
 def format_plan(result, device_bytes: float | None = None) -> str:
     """A plan as an aligned breakdown in GiB, with the verdict when the device size is known."""
-    from fineflow.planner import FRAGMENTATION, GiB
+    from fineflow.train.planner import FRAGMENTATION, GiB
 
     s = result.setup
     method = s.method if s.method == "full" else f"{s.method} r={s.lora_r} on {len(s.lora_targets)} module(s)"
@@ -109,7 +109,7 @@ def format_table(setup, device_bytes: float | None = None) -> str:
     """full/lora/qlora for every known size with setup's other settings, GiB per device."""
     from dataclasses import replace
 
-    from fineflow.planner import KNOWN_SHAPES, METHODS, GiB, plan
+    from fineflow.train.planner import KNOWN_SHAPES, METHODS, GiB, plan
 
     header = (f"{'model':<14}{'params':>8}  {'method':<6}{'weights':>9}{'grads':>8}{'optim':>8}{'activ':>8}"
               f"{'opt.step':>10}{'overhead':>10}{'total':>9}")
@@ -128,7 +128,7 @@ def format_table(setup, device_bytes: float | None = None) -> str:
 
 
 def _run_plan(args) -> int:
-    from fineflow.planner import (
+    from fineflow.train.planner import (
         DoesNotFit,
         GiB,
         auto_fit,
@@ -183,7 +183,7 @@ def _registry_parser(sub) -> None:
 def _run_verify(args) -> int:
     from pathlib import Path
 
-    from fineflow.promotion import read_log, verify_log
+    from fineflow.registry.promotion import read_log, verify_log
 
     problems = verify_log(Path(args.registry))
     if problems:
@@ -208,7 +208,7 @@ def _run_list(args) -> int:
     import json
     from pathlib import Path
 
-    from fineflow.promotion import CHAMPION_FILE, RECORD_FILE
+    from fineflow.registry.promotion import CHAMPION_FILE, RECORD_FILE
 
     registry = Path(args.registry)
     alias = registry / CHAMPION_FILE
@@ -241,7 +241,7 @@ def _run_lineage(args) -> int:
 
     from rich.console import Console
 
-    from fineflow.lineage import resolve, tree
+    from fineflow.registry.lineage import resolve, tree
 
     manifest = resolve(args.target, Path(args.registry), Path(args.runs))
     if args.json:

@@ -141,11 +141,11 @@ class TrainParams(_Section):
     method: Literal["lora", "qlora", "full"] = "lora"  # qlora: 4-bit base via bitsandbytes, CUDA only
     precision: Literal["no", "bf16", "fp16"] = "no"  # mixed precision; fp16 needs a GPU (loss scaling)
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
-    # attention over packed rows. varlen: per example, cost sum(len^2) (fineflow.attention; any device);
+    # attention over packed rows. varlen: per example, cost sum(len^2) (fineflow.train.attention; any device);
     # sdpa: transformers' block-diagonal (L x L) mask over the whole row; flash_attention_2: flash-attn's
     # varlen kernel from the same position ids (CUDA + the flash-attn package)
     attention: Literal["varlen", "sdpa", "flash_attention_2"] = "varlen"
-    # LoRA layers as one autograd op (base GEMM + low-rank update accumulated in place; fineflow.fused_lora);
+    # LoRA layers as one autograd op (base GEMM + low-rank update accumulated in place; fineflow.train.fused_lora);
     # false: peft's own forward. Not applied under DeepSpeed ZeRO-3 (parameters gathered per module)
     fused_lora: bool = True
     # hardware: an accelerate config under configs/accelerate (or a path); "auto" derives it from
@@ -185,7 +185,7 @@ class CheckpointSettings(_Section):
 
 
 class EvaluateParams(_Section):
-    """lm-eval tasks (fineflow.evaluation): bundled names, names from task_dirs, or lm-eval registry names."""
+    """lm-eval tasks (fineflow.evaluate.harness): bundled names, names from task_dirs, or lm-eval registry names."""
 
     # registry tasks need their dataset in the local cache (offline); only they make lm-eval index its own tasks
     tasks: list[str] = Field(["fineflow_synth", "fineflow_synth_mc"], min_length=1)

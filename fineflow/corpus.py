@@ -1,7 +1,7 @@
 """The bundled world of the synthetic data — names, cities, words — and the embedded base model's
 pretraining corpus, which states the task families' facts as prose (no instruction template).
 
-Kept apart from fineflow.synth (the instruction dataset) so that editing the dataset generator does not
+Kept apart from fineflow.data.synth (the instruction dataset) so that editing the dataset generator does not
 re-run the base stage's pretraining: ``dvc.yaml`` lists only this module for the base stage.
 """
 

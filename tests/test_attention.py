@@ -1,12 +1,12 @@
-"""Variable-length attention over packed rows (fineflow.attention): the layout covers every token once,
+"""Variable-length attention over packed rows (fineflow.train.attention): the layout covers every token once,
 and loss and gradients equal transformers' block-diagonal-mask sdpa on the same rows."""
 
 import numpy as np
 import pytest
 import torch
 
-from fineflow.attention import LAYOUT_KWARG, VARLEN, layout_kwargs, packed_layout, plan_groups, register, segments
-from fineflow.training import token_loss_sum
+from fineflow.train.attention import LAYOUT_KWARG, VARLEN, layout_kwargs, packed_layout, plan_groups, register, segments
+from fineflow.train.loop import token_loss_sum
 
 
 def packed_rows(lengths_per_row: list[list[int]], seq_len: int) -> np.ndarray:

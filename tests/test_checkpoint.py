@@ -1,4 +1,4 @@
-"""Checkpoint library (fineflow/checkpoint.py): exact round trips, corruption, disk full, torn writes
+"""Checkpoint library (fineflow/checkpoint/): exact round trips, corruption, disk full, torn writes
 (SIGKILL at random moments), retention and fingerprints. Fast: small tensors, real files, real kills.
 
     .venv/bin/python -m pytest tests/test_checkpoint.py -q -s     # -s shows the torn-write counts
@@ -85,7 +85,7 @@ def test_files_are_safetensors_and_json_only(tmp_path):
         json.loads((path / name).read_text())
     manifest = verify_checkpoint(path, deep=True)
     assert set(manifest["files"]) == set(step_names(path)) - {"COMPLETE", "manifest.json"}
-    source = (ROOT / "fineflow/checkpoint.py").read_text()
+    source = (ROOT / "fineflow/checkpoint/").read_text()
     assert "import pickle" not in source and "torch.load(" not in source
 
 

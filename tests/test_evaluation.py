@@ -119,7 +119,7 @@ def test_base_candidate_and_champion_on_one_base(built, adapter, tmp_path):
 def test_failing_champion_is_recorded_and_the_stage_goes_on(built, adapter, tmp_path):
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    from fineflow.evaluation import ModelScorer
+    from fineflow.evaluate.harness import ModelScorer
 
     champion = _champion(adapter, tmp_path / "champion", {"id": "bad"}, corrupt=True)
     report = _run(built, adapter, tmp_path, _params(tasks=["fineflow_synth_mc"]), champion)
@@ -137,7 +137,7 @@ def test_failing_champion_is_recorded_and_the_stage_goes_on(built, adapter, tmp_
 
 
 def test_user_task_dir_is_indexed_with_the_bundled_tasks(built, adapter, tmp_path):
-    from fineflow.evaluation import BUNDLED_TASKS
+    from fineflow.evaluate.harness import BUNDLED_TASKS
 
     user = tmp_path / "my_tasks"
     user.mkdir()
@@ -152,7 +152,7 @@ def test_user_task_dir_is_indexed_with_the_bundled_tasks(built, adapter, tmp_pat
 
 
 def test_unknown_task_name_is_a_clear_error_without_indexing_lm_eval(built, tmp_path):
-    from fineflow.evaluation import prepare_task_dir, resolve_tasks
+    from fineflow.evaluate.harness import prepare_task_dir, resolve_tasks
 
     task_dir = prepare_task_dir(tmp_path / "tasks", built / "data/validated/eval.jsonl", 8)
     started = time.perf_counter()

@@ -6,7 +6,7 @@ import pytest
 
 from fineflow.config import FieldMapping, ValidateParams
 from fineflow.errors import DataError
-from fineflow.validation import Row, apply_mapping, read_rows, validate_rows
+from fineflow.data.validation import Row, apply_mapping, read_rows, validate_rows
 
 ROWS = [{"prompt": "Say hi.", "completion": "hi"}, {"prompt": "Say bye.", "completion": "bye"}]
 PROMPT_COMPLETION = FieldMapping(instruction="prompt", input=None, output="completion")
@@ -129,7 +129,7 @@ def _chat_tokenizer(built, tmp_path):
 
 
 def test_chat_rows_render_through_the_tokenizers_chat_template(built, tmp_path):
-    from fineflow.template import encode_batch, render_pair
+    from fineflow.tokenize.template import encode_batch, render_pair
 
     tokenizer = _chat_tokenizer(built, tmp_path)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."},
@@ -143,7 +143,7 @@ def test_chat_rows_render_through_the_tokenizers_chat_template(built, tmp_path):
 
 
 def test_chat_template_check_quarantines_conversations_the_template_rejects(built, tmp_path):
-    from fineflow.validation import TokenView
+    from fineflow.data.validation import TokenView
 
     good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     bad = [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"},

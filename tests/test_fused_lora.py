@@ -1,10 +1,10 @@
-"""fineflow.fused_lora: the fused LoRA op computes peft's maths (values and gradients), falls back to peft
+"""fineflow.train.fused_lora: the fused LoRA op computes peft's maths (values and gradients), falls back to peft
 wherever it is not the plain case, and leaves saved adapters loadable by stock peft."""
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from fineflow.fused_lora import FusedLoraLinear, fuse_lora_layers, fusable
+from fineflow.train.fused_lora import FusedLoraLinear, fuse_lora_layers, fusable
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -55,7 +55,7 @@ def test_fused_model_trains_like_peft():
 
 
 def test_under_bf16_autocast_the_fused_op_matches_peft_at_bf16_precision(monkeypatch):
-    import fineflow.fused_lora as fused_lora
+    import fineflow.train.fused_lora as fused_lora
 
     ids = torch.randint(1, 64, (3, 20), generator=torch.Generator().manual_seed(4))
     reference, fused = _lora_model(), _lora_model()

@@ -1,4 +1,4 @@
-"""fineflow.launch: the accelerate command lines (fast), the shipped profiles as accelerate itself reads them
+"""fineflow.train.launch: the accelerate command lines (fast), the shipped profiles as accelerate itself reads them
 (fast), and real launches on loopback that must form ONE process group (seconds).
 
     .venv/bin/python -m pytest tests/test_launch.py -q
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fineflow.errors import FineflowError
-from fineflow.launch import (PROFILE_DIR, WORKER_ENV, accelerate_command, profile_names, read_profile,
+from fineflow.train.launch import (PROFILE_DIR, WORKER_ENV, accelerate_command, profile_names, read_profile,
                              resolve_profile)
 from tests.conftest import ROOT, free_port, venv_env
 

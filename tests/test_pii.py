@@ -2,7 +2,7 @@
 
 import pytest
 
-from fineflow.pii import find_pii, luhn_valid, redact
+from fineflow.data.pii import find_pii, luhn_valid, redact
 
 
 @pytest.mark.parametrize("text, kind", [

@@ -1,4 +1,4 @@
-"""The GPU memory planner (fineflow.planner) and ``fineflow plan``: formulas on known numbers, the order in
+"""The GPU memory planner (fineflow.train.planner) and ``fineflow plan``: formulas on known numbers, the order in
 which auto_fit adapts a run, refusals, config loading and the CLI. Pure arithmetic: milliseconds."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from fineflow.cli import main
 from fineflow.errors import FineflowError
-from fineflow.planner import (
+from fineflow.train.planner import (
     KNOWN_SHAPES,
     LINEARS,
     DoesNotFit,
@@ -387,7 +387,7 @@ def test_console_script_is_declared():
 
 
 def test_planner_and_cli_import_nothing_heavy():
-    code = ("import sys, fineflow.cli, fineflow.planner; "
+    code = ("import sys, fineflow.cli, fineflow.train.planner; "
             "print(sorted({'torch', 'transformers', 'pydantic'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

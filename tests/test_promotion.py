@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from fineflow.promotion import (append_log, decide, directory_hash, ensure_empty_champion, install_champion,
+from fineflow.registry.promotion import (append_log, decide, directory_hash, ensure_empty_champion, install_champion,
                                 read_champion)
 
 P = "synth/exact_match"
@@ -56,7 +56,7 @@ def test_champion_install_replaces_atomically(tmp_path):
 
 # ---- the whole gate: paired bootstrap, refusals ----------------------------------------------------
 
-from fineflow.promotion import gate, paired_bootstrap  # noqa: E402
+from fineflow.registry.promotion import gate, paired_bootstrap  # noqa: E402
 
 H = "e" * 64
 GATE = dict(primary=P, min_delta=0.05, max_regression=0.0, bootstrap_samples=2000, confidence=0.95, seed=0,
@@ -170,7 +170,7 @@ def test_gate_refuses_incomplete_lineage(missing, expected):
 
 
 def test_lineage_required_fields():
-    from fineflow.lineage import REQUIRED, missing_fields
+    from fineflow.registry.lineage import REQUIRED, missing_fields
 
     assert missing_fields(None) == list(REQUIRED)
     full = {}
@@ -186,7 +186,7 @@ def test_lineage_required_fields():
 
 
 def test_verify_names_the_first_edited_line(tmp_path):
-    from fineflow.promotion import verify_log
+    from fineflow.registry.promotion import verify_log
 
     for decision in ("refused", "promoted", "refused"):
         append_log(tmp_path, {"decision": decision, "metrics": {P: 0.5}})

@@ -10,11 +10,11 @@ from tests.conftest import TINY_PARAMS, _merge
 def _train(built, workdir, params) -> tuple[str, bytes]:
     from accelerate.state import AcceleratorState
 
-    from fineflow.stages import train
+    from fineflow.train import recipe
 
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
-        train.worker(params, built / "data/shards", built / "models/base", workdir / "checkpoints",
+        recipe.train_rank(params, built / "data/shards", built / "models/base", workdir / "checkpoints",
                      workdir / "candidate", workdir / "train_steps.jsonl", workdir / "logs")
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)

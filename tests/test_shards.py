@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from fineflow.shards import (PackedShard, RowSampler, pack_best_fit, pack_exact_fill, pack_examples, pack_rows,
+from fineflow.tokenize.shards import (PackedShard, RowSampler, pack_best_fit, pack_exact_fill, pack_examples, pack_rows,
                              token_dtype, write_shard)
-from fineflow.template import EncodedBatch
+from fineflow.tokenize.template import EncodedBatch
 
 
 def test_dtype_follows_vocab_size():
@@ -112,8 +112,8 @@ def test_packed_row_loss_equals_sum_of_unpacked_losses(tmp_path):
     """Attention and positions never cross examples: packing changes nothing about each example's loss."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fineflow.loader import collate
-    from fineflow.training import token_loss_sum
+    from fineflow.train.loader import collate
+    from fineflow.train.loop import token_loss_sum
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -155,7 +155,7 @@ def test_sampler_state_refuses_another_dataset():
 
 
 def test_loader_prefetches_the_same_steps_and_records_the_state_after_each(tmp_path):
-    from fineflow.loader import BatchLoader
+    from fineflow.train.loader import BatchLoader
 
     pairs = [([i % 30 + 1] * (3 + i % 5), [0, 1] + [1] * (1 + i % 5)) for i in range(60)]
     arrays, _ = pack_examples(EncodedBatch.from_pairs(pairs), seq_len=16, pad_id=0, dtype=np.dtype(np.uint16))
@@ -177,7 +177,7 @@ def test_loader_prefetches_the_same_steps_and_records_the_state_after_each(tmp_p
 
 
 def test_loader_reraises_a_failure_from_its_thread(tmp_path):
-    from fineflow.loader import BatchLoader
+    from fineflow.train.loader import BatchLoader
 
     arrays, _ = pack_examples(_toy_examples(), seq_len=8, pad_id=0, dtype=np.dtype(np.uint16))
     write_shard(tmp_path, arrays, {"vocab_size": 32})

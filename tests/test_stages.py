@@ -33,7 +33,7 @@ def test_data_is_deterministic_and_has_bad_rows(built, tiny_params, tmp_path):
 
 
 def test_validate_catches_every_injected_bad_row(built):
-    from fineflow.synth import BAD_KINDS
+    from fineflow.data.synth import BAD_KINDS
 
     report = json.loads((built / "reports/validate.json").read_text())
     kept = (built / "data/validated/train.jsonl").read_text().splitlines()
@@ -70,10 +70,10 @@ def test_tokenize_writes_memmap_shards_with_meta(built):
 def trained(built):
     """One in-process, single-rank training run (the worker a launched rank runs)."""
     from fineflow.config import parse_params
-    from fineflow.stages import train
+    from fineflow.train import recipe
     from tests.conftest import TINY_PARAMS
 
-    report = train.worker(parse_params(TINY_PARAMS), built / "data/shards", built / "models/base",
+    report = recipe.train_rank(parse_params(TINY_PARAMS), built / "data/shards", built / "models/base",
                           built / "checkpoints", built / "models/candidate", built / "reports/train_steps.jsonl",
                           built / "logs")
     return built, report

@@ -4,9 +4,9 @@ import json
 
 import numpy as np
 
-from fineflow.shards import PackedShard
-from fineflow.template import encode_batch, encode_example
-from fineflow.tokenization import read_rows_lazily, tokenize_to_shard
+from fineflow.tokenize.shards import PackedShard
+from fineflow.tokenize.template import encode_batch, encode_example
+from fineflow.tokenize.tokenization import read_rows_lazily, tokenize_to_shard
 
 
 def _shard_bytes(path):
@@ -86,9 +86,9 @@ def test_tokenize_is_content_addressed(built, tmp_path):
 def test_tokenize_key_follows_rows_tokenizer_and_template(built, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    from fineflow import template
+    from fineflow.tokenize import template
     from fineflow.config import parse_params
-    from fineflow.stages.tokenize import content_key
+    from fineflow.tokenize.tokenization import content_key
     from tests.conftest import TINY_PARAMS
 
     cfg = parse_params(TINY_PARAMS).tokenize

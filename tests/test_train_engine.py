@@ -20,11 +20,11 @@ def _params(**train):
 def _train(built, tmp_path, params):
     from accelerate.state import AcceleratorState
 
-    from fineflow.stages import train
+    from fineflow.train import recipe
 
     AcceleratorState._reset_state(reset_partial_state=True)  # a launched rank is a fresh process; here, reset
 
-    return train.worker(params, built / "data/shards", built / "models/base", tmp_path / "checkpoints",
+    return recipe.train_rank(params, built / "data/shards", built / "models/base", tmp_path / "checkpoints",
                         tmp_path / "candidate", tmp_path / "steps.jsonl", tmp_path / "logs")
 
 
@@ -98,8 +98,8 @@ def test_plan_that_does_not_fit_is_refused_before_launch(project):
 
 
 def test_auto_fit_adapts_the_plan_and_keeps_the_global_batch(built, tmp_path):
-    from fineflow import planner
-    from fineflow.stages.train import fit_plan
+    from fineflow.train import planner
+    from fineflow.train.sizing import fit_plan
 
     params = _params(micro_batch_size=4, grad_accum=1, tracker="none")
     reference = str(built / "models/base")

@@ -6,7 +6,7 @@ import pytest
 
 from fineflow.config import ValidateParams
 from fineflow.errors import DataError
-from fineflow.validation import gate, read_jsonl, validate_rows
+from fineflow.data.validation import gate, read_jsonl, validate_rows
 
 CFG = ValidateParams(max_chars=300, max_bad_share=0.5)
 GOOD = {"instruction": "Say hi.", "input": "", "output": "hi"}
@@ -139,7 +139,7 @@ def test_pii_redact_mode_keeps_rows_with_typed_placeholders(tmp_path):
 
 
 def test_train_rows_leaking_the_eval_split_are_quarantined(tmp_path):
-    from fineflow.overlap import LeakIndex
+    from fineflow.data.overlap import LeakIndex
 
     long_text = "the quick brown fox jumps over the lazy dog near the river bank today"
     eval_rows = [{"instruction": "Summarize.", "input": long_text, "output": "fox"}]
@@ -157,7 +157,7 @@ def test_train_rows_leaking_the_eval_split_are_quarantined(tmp_path):
 
 
 def test_shared_prompt_template_is_not_leakage():
-    from fineflow.overlap import LeakIndex
+    from fineflow.data.overlap import LeakIndex
 
     template = "rewrite the date as day month year please"
     index = LeakIndex([f"{template} {y} 01 0{d}" for y in range(1990, 2000) for d in range(1, 4)], n=8)
@@ -175,8 +175,8 @@ def test_fifty_megabyte_row_is_quarantined_not_a_crash(tmp_path):
 
 
 def test_token_checks_flag_truncation_and_quarantine_rows_with_nothing_to_train(tmp_path):
-    from fineflow.basemodel import train_tokenizer
-    from fineflow.validation import TokenView
+    from fineflow.base.model import train_tokenizer
+    from fineflow.data.validation import TokenView
 
     tokenizer = train_tokenizer(["say hi and bye to everyone in the room " * 3] * 50, vocab_size=300,
                                 model_max_length=128)

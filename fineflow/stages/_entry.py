@@ -25,7 +25,7 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
-def run_stage(stage: str, args: argparse.Namespace, body: Callable[[Params], dict]) -> int:
+def run_entry(stage: str, args: argparse.Namespace, body: Callable[[Params], dict]) -> int:
     """Run body(params), write its report with the wall time, and turn user errors into one clean line."""
     apply_offline_environment()
     started = time.perf_counter()

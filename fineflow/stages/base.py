@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fineflow.basemodel import build_embedded_base, write_external_marker
+from fineflow.base.model import build_embedded_base
+from fineflow.model_ref import write_external_marker
 from fineflow.config import Params
-from fineflow.stages._entry import log, run_stage, stage_parser
+from fineflow.stages._entry import log, run_entry, stage_parser
 
 
 def run(params: Params, out_dir: Path) -> dict:
@@ -23,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = stage_parser("base", __doc__)
     parser.add_argument("--out", type=Path, required=True, help="model directory to write")
     args = parser.parse_args(argv)
-    return run_stage("base", args, lambda params: run(params, args.out))
+    return run_entry("base", args, lambda params: run(params, args.out))
 
 
 if __name__ == "__main__":

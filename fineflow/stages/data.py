@@ -2,7 +2,7 @@
 
     python -m fineflow.stages.data --train data/raw/train.jsonl --eval data/raw/eval.jsonl
 
-The train file carries a small share of deliberately bad rows (fineflow.synth.BAD_KINDS) so that every
+The train file carries a small share of deliberately bad rows (fineflow.data.synth.BAD_KINDS) so that every
 validation check has something to catch;
 the eval split is clean and disjoint from train. Real users point ``data.train_path`` at their own file.
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 
 from fineflow.config import Params
 from fineflow.reports import write_jsonl
-from fineflow.stages._entry import run_stage, stage_parser
-from fineflow.synth import inject_bad_rows, split_train_eval
+from fineflow.stages._entry import run_entry, stage_parser
+from fineflow.data.synth import inject_bad_rows, split_train_eval
 
 
 def run(params: Params, train_path: Path, eval_path: Path) -> dict:
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train", type=Path, required=True)
     parser.add_argument("--eval", type=Path, required=True)
     args = parser.parse_args(argv)
-    return run_stage("data", args, lambda params: run(params, args.train, args.eval))
+    return run_entry("data", args, lambda params: run(params, args.train, args.eval))
 
 
 if __name__ == "__main__":

@@ -21,13 +21,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from fineflow.basemodel import resolve_base_model
+from fineflow.model_ref import resolve_base_model
 from fineflow.config import Params
 from fineflow.errors import FineflowError
-from fineflow.evaluation import (ModelScorer, champion_id, check_tasks, find_model, prepare_task_dir, resolve_tasks,
+from fineflow.evaluate.harness import (ModelScorer, champion_id, check_tasks, find_model, prepare_task_dir, resolve_tasks,
                                  results_file, summarize, write_samples)
 from fineflow.reports import sha256_file, write_json_atomic
-from fineflow.stages._entry import log, run_stage, stage_parser
+from fineflow.stages._entry import log, run_entry, stage_parser
 
 
 def run(params: Params, base_dir: Path, adapter_dir: Path, eval_rows: Path, out_dir: Path, raw_dir: Path,
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--champion", type=Path, default=None,
                         help="the current champion (adapter or model dir with champion.json); evaluated too if present")
     args = parser.parse_args(argv)
-    return run_stage("evaluate", args, lambda p: run(p, args.base_dir, args.adapter, args.eval_rows, args.out,
+    return run_entry("evaluate", args, lambda p: run(p, args.base_dir, args.adapter, args.eval_rows, args.out,
                                                      args.raw_results, args.champion))
 
 

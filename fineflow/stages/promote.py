@@ -4,7 +4,7 @@
         --champion models/champion --registry models/registry --base-dir models/base \
         --shards data/shards --train-report reports/train.json --lineage reports/lineage
 
-Builds the run's lineage manifest, runs the gate (fineflow.promotion.gate: min_delta, paired bootstrap CI,
+Builds the run's lineage manifest, runs the gate (fineflow.registry.promotion.gate: min_delta, paired bootstrap CI,
 no regression, refusal on missing/failed/mismatched evaluations or incomplete lineage), keeps the candidate
 in the registry by id, appends the decision and its evidence to ``<registry>/promotions.jsonl``, and on
 success installs the champion atomically: the PEFT adapter, the merged model (``merged/``), the tokenizer,
@@ -23,13 +23,13 @@ import yaml
 
 from fineflow.config import Params
 from fineflow.errors import FineflowError
-from fineflow.lineage import build_manifest, deterministic, missing_fields
-from fineflow.promotion import (CHAMPION_FILE, RECORD_FILE, Decision, append_log, candidate_dir, candidate_id,
+from fineflow.registry.lineage import build_manifest, deterministic, missing_fields
+from fineflow.registry.promotion import (CHAMPION_FILE, RECORD_FILE, Decision, append_log, candidate_dir, candidate_id,
                                 champion_history, current_champion, decision_record, directory_hash,
                                 ensure_empty_champion, flatten, gate, paired_bootstrap, read_record, set_alias,
                                 staging_dir, store_candidate, swap_in)
 from fineflow.reports import sha256_file, write_json_atomic
-from fineflow.stages._entry import log, run_stage, stage_parser
+from fineflow.stages._entry import log, run_entry, stage_parser
 
 LICENSE_PLACEHOLDER = "apache-2.0"  # fineflow's own license; replace with your base model's and data's terms
 TRAIN_FIGURES = ("wall_s", "tokens_per_s", "steps", "tokens", "final_loss", "eval_loss", "world_size")
@@ -53,7 +53,7 @@ def eval_data_hash(scores: dict) -> str | None:
 def base_reference(params: Params, base_dir: Path | None, adapter_dir: Path) -> str:
     """What from_pretrained loads as the base: --base-dir (or the user's model.base), else the adapter's own."""
     if base_dir is not None:
-        from fineflow.basemodel import resolve_base_model
+        from fineflow.model_ref import resolve_base_model
 
         return resolve_base_model(params.model, base_dir)
     try:
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lineage", type=Path, default=Path("reports/lineage"),
                         help="where the full lineage manifest <candidate id>.json goes (default: reports/lineage)")
     args = parser.parse_args(argv)
-    return run_stage("promote", args, lambda p: run(p, args.scores, args.adapter, args.champion, args.registry,
+    return run_entry("promote", args, lambda p: run(p, args.scores, args.adapter, args.champion, args.registry,
                                                     args.base_dir, args.train_report, args.lineage, args.shards))
 
 

@@ -19,11 +19,11 @@ import shutil
 from pathlib import Path
 
 from fineflow.config import Params
-from fineflow.stages._entry import log, run_stage, stage_parser
+from fineflow.stages._entry import log, run_entry, stage_parser
 from fineflow.errors import DataError
 from fineflow.reports import write_json_atomic, write_jsonl
-from fineflow.overlap import LeakIndex
-from fineflow.validation import (TokenView, apply_mapping, clean_record, clean_text, gate, quarantine_record,
+from fineflow.data.overlap import LeakIndex
+from fineflow.data.validation import (TokenView, apply_mapping, clean_record, clean_text, gate, quarantine_record,
                                  read_rows, validate_rows)
 
 
@@ -32,8 +32,8 @@ def run(params: Params, train_path: Path, eval_path: Path, out_dir: Path, report
     cfg = params.validate_
     tokens = None
     if base_dir is not None:  # token-level checks see rows exactly as the tokenize stage will
-        from fineflow.basemodel import resolve_base_model
-        from fineflow.stages.tokenize import load_tokenizer
+        from fineflow.model_ref import resolve_base_model
+        from fineflow.tokenize.tokenization import load_tokenizer
 
         tokens = TokenView(load_tokenizer(resolve_base_model(params.model, base_dir)), params.tokenize.seq_len)
     if docs_dir is not None:
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-docs", type=Path, default=Path("reports/data_docs"),
                         help="where GX renders its Data Docs HTML (one site per split)")
     args = parser.parse_args(argv)
-    return run_stage("validate", args, lambda p: run(p, args.train, args.eval, args.out, Path(args.report),
+    return run_entry("validate", args, lambda p: run(p, args.train, args.eval, args.out, Path(args.report),
                                                      args.data_docs, args.base_dir))
 
 

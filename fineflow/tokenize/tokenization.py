@@ -10,16 +10,23 @@ dataset.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
+import os
+import shutil
 from itertools import islice
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
 
-from fineflow.shards import ShardWriter, pack_examples
-from fineflow.template import EncodedBatch, encode_batch
+from fineflow import __version__
+from fineflow.errors import FineflowError
+from fineflow.reports import sha256_file
+from fineflow.tokenize.shards import (FORMAT_VERSION, ShardWriter, pack_examples, shard_key_matches, token_dtype,
+                                      tokenizer_hash)
+from fineflow.tokenize.template import EncodedBatch, encode_batch, template_hash
 
 _WORKER_TOKENIZER = None
 
@@ -101,3 +108,39 @@ def tokenize_to_shard(rows: Iterable[dict | str], tokenizer, reference: str, out
         truncated += cut
     # the worker count is not recorded: it must not change the shard (or its DVC hash)
     return writer.close({**meta, "truncated_examples": truncated, "pack_window": pack_window})
+
+
+def load_tokenizer(reference: str):
+    """The base model's tokenizer, refused when it cannot end a response (no EOS token)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(reference)
+    if tokenizer.eos_token_id is None:
+        raise FineflowError(f"{reference}: the tokenizer has no EOS token; fine-tuning needs one to end responses")
+    return tokenizer
+
+
+def content_key(rows_path: Path, tokenizer, cfg) -> str:
+    """What a shard is a function of: the rows, the tokenizer, the template, the packing and the format.
+    (Not the worker count: it does not change a byte.)"""
+    parts = [sha256_file(rows_path), tokenizer_hash(tokenizer), template_hash(tokenizer), str(cfg.seq_len),
+             str(cfg.pack_window), str(FORMAT_VERSION)]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def tokenize_split(tokenizer, reference: str, rows_path: Path, out_dir: Path, cfg) -> dict:
+    """Build one split's shard, or keep the existing one when its content key matches. Built in a temp dir
+    and swapped in, so a reader never sees a half-written shard."""
+    key = content_key(rows_path, tokenizer, cfg)
+    existing = shard_key_matches(out_dir, key)
+    if existing is not None:
+        return {**existing, "reused": True}
+    meta = {"vocab_size": len(tokenizer), "tokenizer_hash": tokenizer_hash(tokenizer),
+            "template_hash": template_hash(tokenizer), "code_version": __version__, "content_key": key}
+    building = out_dir.with_name(f".tmp-{out_dir.name}")
+    shutil.rmtree(building, ignore_errors=True)
+    meta = tokenize_to_shard(read_lines(rows_path), tokenizer, reference, building, cfg.seq_len,
+                             token_dtype(len(tokenizer)), cfg.workers, cfg.pack_window, meta)
+    shutil.rmtree(out_dir, ignore_errors=True)  # a reader never sees a mix: meta.json is written last
+    os.replace(building, out_dir)
+    return {**meta, "reused": False}

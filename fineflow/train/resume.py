@@ -36,15 +36,15 @@ def base_identity(reference: str) -> dict:
     return {"config_sha256": hashlib.sha256(config).hexdigest(), "weights": weights}
 
 
-def fingerprint(params, reference: str, shard_meta: dict, world_size: int) -> dict:
+def run_fingerprint(params, reference: str, shard_meta: dict, world_size: int) -> dict:
     """Plain JSON (lists, not tuples): it is compared with the copy stored in each checkpoint."""
     train = {k: v for k, v in params.train.model_dump().items() if k not in NOT_IN_FINGERPRINT}
     return {"base": base_identity(reference), "data": shard_meta.get("content_key"), "seed": params.seed,
             "seq_len": params.tokenize.seq_len, "world_size": world_size, "train": train}
 
 
-def run_id(print_: dict) -> str:
-    return hashlib.sha256(json.dumps(print_, sort_keys=True, default=str).encode()).hexdigest()[:12]
+def run_id(fingerprint: dict) -> str:
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -71,17 +71,17 @@ def _state(checkpoint: Path) -> dict:
     return from_tree(json.loads((checkpoint / "state.json").read_text(encoding="utf-8")), {})
 
 
-def plan_resume(root: Path, print_: dict, mode: str) -> ResumePlan:
+def plan_resume(root: Path, fingerprint: dict, mode: str) -> ResumePlan:
     """Rank 0 decides (other ranks read the same directory: a shared filesystem is assumed)."""
     from fineflow.checkpoint import clean_stale, latest_valid
 
-    run_dir = Path(root) / run_id(print_)
+    run_dir = Path(root) / run_id(fingerprint)
     if mode == "never":
         shutil.rmtree(run_dir, ignore_errors=True)
         return ResumePlan(run_dir, None)
     if run_dir.exists():
         clean_stale(run_dir)  # first: a crash mid re-save leaves the published checkpoint as .old-step-N
-    own = latest_valid(run_dir, expected_fingerprint=print_) if run_dir.exists() else None
+    own = latest_valid(run_dir, expected_fingerprint=fingerprint) if run_dir.exists() else None
     if own is not None:
         return ResumePlan(run_dir, own)
     for other in sorted(p for p in Path(root).glob("*") if p.is_dir() and p != run_dir):
@@ -90,7 +90,7 @@ def plan_resume(root: Path, print_: dict, mode: str) -> ResumePlan:
             continue
         state = _state(checkpoint)
         if state.get("step", 0) < state.get("total_steps", 0):
-            changes = changed_keys(state.get("fingerprint") or {}, print_)
+            changes = changed_keys(state.get("fingerprint") or {}, fingerprint)
             raise FineflowError(
                 f"{checkpoint} is an unfinished run (step {state['step']} of {state['total_steps']}) of another "
                 f"configuration; resuming it with these params would not continue the same training. Changed: "

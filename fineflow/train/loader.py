@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fineflow.attention import PackedLayout, packed_layout
-from fineflow.shards import PackedShard, RowSampler
+from fineflow.train.attention import PackedLayout, packed_layout
+from fineflow.tokenize.shards import PackedShard, RowSampler
 
 
 @dataclass

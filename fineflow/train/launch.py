@@ -12,7 +12,7 @@ cluster (``--machine_rank``, ``--main_process_ip``, ``--main_process_port``), wh
 as placeholders, and refuses a caller's ``num_processes`` / ``num_machines`` that contradict the file rather
 than silently overriding it (accelerate lets a command-line flag win over the file).
 
-    python -c "from fineflow.launch import accelerate_command, resolve_profile; \
+    python -c "from fineflow.train.launch import accelerate_command, resolve_profile; \
         print(accelerate_command(None, False, 'tests.dist_probe', ['/tmp/p'], \
                                  config_file=resolve_profile('cpu_ddp_2proc')))"
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 from fineflow.errors import FineflowError
 
 WORKER_ENV = "FINEFLOW_TRAIN_WORKER"
-PROFILE_DIR = Path(__file__).resolve().parent.parent / "configs" / "accelerate"
+PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "accelerate"
 AUTO = "auto"
 # distributed types that need one accelerator per rank; on a machine without one, accelerate would start
 # N independent world-size-1 jobs (MULTI_GPU) or fail deep inside FSDP/DeepSpeed

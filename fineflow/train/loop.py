@@ -3,7 +3,7 @@
 Side effects go through objects handed to ``fit``: a ``BatchLoader`` (batches prepared ahead on a thread),
 a ``StepTimer`` (where each step's time went), a ``StepLog`` (the per-step JSONL that ``dvc plots``
 renders), a ``Progress`` (a rich bar with tokens/s and ETA on a terminal, log lines elsewhere) and a
-``Checkpointer`` (atomic safetensors saves). Metrics also go to accelerate's trackers (TensorBoard by
+``TrainStateSaver`` (atomic safetensors saves). Metrics also go to accelerate's trackers (TensorBoard by
 default) through ``accelerator.log``. The loop itself only computes.
 
 Loss is token-weighted across micro-batches and data-parallel ranks: each optimizer step divides the summed
@@ -24,9 +24,9 @@ from pathlib import Path
 
 from fineflow.config import TrainParams
 from fineflow.errors import FineflowError
-from fineflow.attention import layout_kwargs, packed_layout
-from fineflow.loader import BatchLoader, as_tensors
-from fineflow.shards import PackedShard
+from fineflow.train.attention import layout_kwargs, packed_layout
+from fineflow.train.loader import BatchLoader, as_tensors
+from fineflow.tokenize.shards import PackedShard
 
 
 def lr_multiplier(step: int, warmup: int, total: int, schedule: str) -> float:
@@ -48,7 +48,7 @@ def token_loss_sum(model, batch: dict, **forward_kwargs):
     at positions whose next token is trained on (``logits_to_keep`` as a boolean mask): in instruction
     data that is a small share of the row (6% on the bundled data), and the vocabulary projection and its
     fp32 loss are the largest per-token cost after the layers. ``forward_kwargs``: the varlen attention
-    layout (fineflow.attention.layout_kwargs) when the model was loaded with it.
+    layout (fineflow.train.attention.layout_kwargs) when the model was loaded with it.
     """
     import torch
     import torch.nn.functional as F
@@ -165,7 +165,7 @@ def save_adapter(model, out_dir: Path, state_dict: dict | None = None) -> None:
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-class Checkpointer:
+class TrainStateSaver:
     """Decides when to checkpoint and hands the loop's full state to a CheckpointManager.
 
     Every rank calls ``due`` and ``save`` (each contributes its RNG state, and ranks must agree on a
@@ -263,7 +263,7 @@ def evaluate_loss(model, shard: PackedShard, batch_size: int, accelerator, varle
 
 
 def fit(model, optimizer, scheduler, accelerator, batches: BatchLoader, cfg: TrainParams, timer: StepTimer,
-        step_log: StepLog, checkpointer: Checkpointer, eval_shard: PackedShard | None = None,
+        step_log: StepLog, saver: TrainStateSaver, eval_shard: PackedShard | None = None,
         progress: Progress | None = None, start_step: int = 0, tokens_seen: int = 0) -> FitResult:
     """Run optimizer steps start_step+1 .. cfg.steps on the batches the loader prepares (after a resume,
     the loader's sampler, the weights and the optimizer were restored to start_step); returns the report's
@@ -318,9 +318,9 @@ def fit(model, optimizer, scheduler, accelerator, batches: BatchLoader, cfg: Tra
         if eval_shard is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
             step_eval = eval_loss = evaluate_loss(model, eval_shard, cfg.micro_batch_size, accelerator,
                                                   varlen=cfg.attention == "varlen")
-        if checkpointer.due(step, cfg.steps, accelerator):
+        if saver.due(step, cfg.steps, accelerator):
             t0 = time.perf_counter()  # the stall: async saves block only for the copy to host memory
-            checkpointer.save(accelerator, model, optimizer, scheduler, step,
+            saver.save(accelerator, model, optimizer, scheduler, step,
                               {"step": step, "total_steps": cfg.steps, "sampler": prepared.sampler_state,
                                "tokens_seen": tokens_seen, "loss": loss_value}, step_eval)
             timer.add("checkpoint_s", time.perf_counter() - t0)

@@ -2,7 +2,7 @@
 
 Tasks come from three places, searched in this order:
 
-1. the bundled folder (``fineflow/evaltasks``), copied to a working directory with the eval rows' absolute
+1. the bundled folder (``fineflow/evaluate/evaltasks``), copied to a working directory with the eval rows' absolute
    path filled in;
 2. ``evaluate.task_dirs``, the user's folders of task YAMLs, indexed where they are;
 3. lm-eval's own registry, by name. Only when a name is in neither of the first two does lm-eval index its

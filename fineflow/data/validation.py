@@ -2,9 +2,9 @@
 
 Rows that cannot be parsed (malformed JSON, non-UTF-8 bytes, not an object) never reach GX: they are
 quarantined with the reason and their raw text. Parsed rows go through a GX 1.x suite: schema, types,
-non-null, non-empty, length bounds, exact and near duplicates (the first copy is kept), PII (fineflow.pii;
+non-null, non-empty, length bounds, exact and near duplicates (the first copy is kept), PII (fineflow.data.pii;
 or, with ``validate.pii: redact``, PII is replaced by typed placeholders before the checks run) and
-train/eval leakage (fineflow.overlap). Each check has a category in ``validate.checks`` that sets its
+train/eval leakage (fineflow.data.overlap). Each check has a category in ``validate.checks`` that sets its
 severity: ``error`` quarantines the failing rows, ``warn`` keeps them and reports them.
 Invariant: ``rows_in == rows_kept + rows_quarantined`` — nothing is dropped silently.
 
@@ -21,9 +21,9 @@ from pathlib import Path
 
 from fineflow.config import CheckParams, ValidateParams
 from fineflow.errors import DataError
-from fineflow.overlap import LeakIndex, normalize
-from fineflow.pii import find_pii, redact
-from fineflow.template import RenderError, encode_pair, render_pair
+from fineflow.data.overlap import LeakIndex, normalize
+from fineflow.data.pii import find_pii, redact
+from fineflow.tokenize.template import RenderError, encode_pair, render_pair
 
 REQUIRED = ("instruction", "output")
 OPTIONAL = ("input",)

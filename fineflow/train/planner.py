@@ -484,7 +484,7 @@ class DoesNotFit(FineflowError):
 
 
 @dataclass(frozen=True)
-class FitResult:
+class FitVerdict:
     """The settings to run with, their plan, and each change made to get there (empty: unchanged)."""
 
     setup: Setup
@@ -502,14 +502,14 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
-def auto_fit(shape: ModelShape, setup: Setup, device_bytes: float) -> FitResult:
+def auto_fit(shape: ModelShape, setup: Setup, device_bytes: float) -> FitVerdict:
     """Adapt setup until its plan fits device_bytes, changing as little as possible, in this order:
     1. enable gradient checkpointing; 2. lower the micro-batch step by step (halving, down to 1),
     raising grad_accum so that the global batch is unchanged. Raises DoesNotFit when even that fails."""
     current, changes = setup, []
     result = plan(shape, current)
     if result.fits(device_bytes):
-        return FitResult(current, result, changes)
+        return FitVerdict(current, result, changes)
     if not current.gradient_checkpointing:
         current = replace(current, gradient_checkpointing=True)
         before, result = result, plan(shape, current)
@@ -525,17 +525,17 @@ def auto_fit(shape: ModelShape, setup: Setup, device_bytes: float) -> FitResult:
                        f"{PARAM_KEYS['grad_accum']}: {current.grad_accum} -> {accum} (global batch unchanged)")
         current = replace(current, micro_batch_size=smaller, grad_accum=accum)
         result = plan(shape, current)
-    return FitResult(current, result, changes)
+    return FitVerdict(current, result, changes)
 
 
-def check_fit(shape: ModelShape, setup: Setup, device_bytes: float, adapt: bool) -> FitResult:
+def check_fit(shape: ModelShape, setup: Setup, device_bytes: float, adapt: bool) -> FitVerdict:
     """What the train stage calls before launching: adapt (``train.auto_fit: true``) or refuse."""
     if adapt:
         return auto_fit(shape, setup, device_bytes)
     result = plan(shape, setup)
     if not result.fits(device_bytes):
         raise DoesNotFit(refusal(shape, setup, device_bytes))
-    return FitResult(setup, result)
+    return FitVerdict(setup, result)
 
 
 def _largest_fitting(values: list[int], make, shape: ModelShape, device_bytes: float) -> int | None:

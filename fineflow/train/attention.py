@@ -132,7 +132,7 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
             raise ValueError(f"attention implementation {VARLEN!r} needs position_ids (restarting at 0 per "
-                             "packed example) or a layout from fineflow.attention.layout_kwargs")
+                             "packed example) or a layout from fineflow.train.attention.layout_kwargs")
         positions = position_ids.expand(query.shape[0], -1).detach().cpu().numpy()
         packing = layout_kwargs(packed_layout(positions), query.device)[LAYOUT_KWARG]
     groups, scatter = packing

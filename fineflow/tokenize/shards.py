@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fineflow.template import EncodedBatch
+from fineflow.tokenize.template import EncodedBatch
 
 FORMAT_VERSION = 2  # 2: exact-fill packing, content key in meta
 SHARD_FILES = ("tokens.bin", "loss_mask.bin", "positions.bin", "examples.idx")

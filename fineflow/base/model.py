@@ -123,25 +123,3 @@ def build_embedded_base(model_cfg: ModelParams, base_cfg: BaseParams, seed: int,
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return {"parameters": n_params, "vocab_size": len(tokenizer), "corpus_docs": len(texts), **figures}
-
-
-EXTERNAL_MARKER = "external_base.json"
-
-
-def write_external_marker(out_dir: Path, reference: str) -> dict:
-    """For a real base (local dir or hub id) the stage builds nothing; it records what will be used."""
-    import json
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / EXTERNAL_MARKER).write_text(json.dumps({"base": reference}, indent=2) + "\n", encoding="utf-8")
-    return {"skipped": True, "base": reference}
-
-
-def resolve_base_model(model_cfg: ModelParams, base_dir: str | Path) -> str:
-    """What to pass to ``from_pretrained``: the built embedded model's dir, or the user's path/hub id.
-
-    Kept as given (relative to the project root, where DVC runs stages) rather than made absolute: the
-    adapter records it in adapter_config.json, and an absolute path would make the same training produce
-    different bytes in different checkouts.
-    """
-    return str(base_dir) if model_cfg.is_embedded else model_cfg.base
