@@ -1,5 +1,14 @@
-"""Stage train: the training recipe a rank runs (``recipe``), the ``fit()`` loop and LR schedule (``loop``),
-model building (``model``), the batch loader (``loader``), per-example attention (``attention``), fused
-LoRA linears (``fused_lora``), the memory planner (``planner``) and sizing a run with it (``sizing``),
-accelerate launch commands (``launch``) and when to resume (``resume``). Entry: ``fineflow.stages.train``.
-Checkpoint files themselves are ``fineflow.checkpoint``."""
+"""Stage train. Entry: ``fineflow.stages.train``; checkpoint files are ``fineflow.checkpoint``.
+
+    recipe.py      the story, read in order: launcher (size, then ``accelerate launch``), then each rank
+    sizing.py      hardware checks and the memory planner's verdict for params (refuse or auto_fit)
+    planner.py     the memory planner's arithmetic (also ``fineflow plan``)
+    launch.py      accelerate profiles and launch commands
+    model.py       the model to train (LoRA / QLoRA / full) and saving it
+    schedule.py    the learning-rate schedule
+    loop.py        ``fit()``: the loop, step timing and logs, the checkpoint trigger, restoring a checkpoint
+    loader.py      batches prepared ahead on a thread from the shard sampler
+    attention.py   per-example (varlen) attention over packed rows
+    fused_lora.py  fused LoRA linears
+    resume.py      the run fingerprint and whether to resume
+"""

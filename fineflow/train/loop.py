@@ -29,17 +29,6 @@ from fineflow.train.loader import BatchLoader, as_tensors
 from fineflow.tokenize.shards import PackedShard
 
 
-def lr_multiplier(step: int, warmup: int, total: int, schedule: str) -> float:
-    """Linear warmup, then cosine or linear decay to 10% (or constant); step is 0-based."""
-    if step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    decay = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
-    return 0.1 + 0.9 * decay
-
-
 def token_loss_sum(model, batch: dict, **forward_kwargs):
     """Summed next-token cross-entropy over trained tokens, and how many there were.
 
