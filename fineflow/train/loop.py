@@ -291,7 +291,8 @@ def fit(model, optimizer, scheduler, accelerator, batches: BatchLoader, cfg: Tra
         t0 = time.perf_counter()
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         optimizer.step()
-        scheduler.step()
+        if not accelerator.optimizer_step_was_skipped:  # fp16: a step the loss scaler skipped is not a step
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         timer.add("optimizer_s", time.perf_counter() - t0)
 
