@@ -69,8 +69,11 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(built, t
 
 
 def test_two_machines_on_loopback_train_one_adapter(built, tmp_path):
-    """num_machines 2, one process each, one rendezvous on 127.0.0.1: two launches of the same stage."""
-    project = _project(built, tmp_path, {"train.num_processes": 2, "train.num_machines": 2})
+    """num_machines 2, one process each, one rendezvous on 127.0.0.1: two launches of the same stage. It trains
+    exactly what one process with the same global batch trains (same lr, loss and grad norm per step)."""
+    project = _project(built, tmp_path, {"train.num_processes": 2, "train.num_machines": 2,
+                                         "train.micro_batch_size": 2})
+    one_steps = _train(_project(built, tmp_path / "one", {"train.num_processes": 1, "train.micro_batch_size": 4}))
     port = str(free_port())
     procs = []
     try:
@@ -90,5 +93,9 @@ def test_two_machines_on_loopback_train_one_adapter(built, tmp_path):
     report = json.loads((project / "reports/train.json").read_text())
     assert report["world_size"] == 2
     assert (project / "models/candidate/adapter_model.safetensors").exists()
-    steps = (project / "reports/train_steps.jsonl").read_text().splitlines()
-    assert len(steps) == report["steps"]  # machine 1's rank wrote nothing
+    steps = [json.loads(line) for line in (project / "reports/train_steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == list(range(1, report["steps"] + 1))  # machine 1's rank wrote nothing
+    assert [s["lr"] for s in steps] == pytest.approx(expected_lrs(yaml.safe_load((project / "params.yaml").read_text())),
+                                                     rel=1e-9)
+    for key in ("loss", "grad_norm"):
+        assert [s[key] for s in steps] == pytest.approx([s[key] for s in one_steps], rel=1e-4), key
