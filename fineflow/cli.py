@@ -1,5 +1,6 @@
 """The ``fineflow`` command. Subcommands: ``plan`` (the GPU memory planner, fineflow.train.planner),
-``registry verify|rollback|list`` (the model registry, fineflow.registry.promotion) and ``lineage`` (fineflow.registry.lineage).
+``registry verify|rollback|list`` (the model registry: fineflow.registry.store, rollback in
+fineflow.registry.champion) and ``lineage`` (fineflow.registry.lineage).
 
     fineflow plan --model 7B --method lora --precision bf16 --micro-batch 4 --seq-len 2048
     fineflow plan --model models/base --method full --gpus 8 --sharding fsdp --device-gib 80 --auto-fit
@@ -170,7 +171,8 @@ def _registry_parser(sub) -> None:
     verify = actions.add_parser("verify", help="check the promotion log's hash chain and the stored candidates")
     rollback = actions.add_parser("rollback", help="reinstall an earlier champion (logged)")
     rollback.add_argument("--to", help="candidate id (or a unique prefix); default: the champion before the current")
-    rollback.add_argument("--champion", default="models/champion", help="installed champion dir (default: models/champion)")
+    rollback.add_argument("--champion", default="models/champion",
+                          help="installed champion dir (default: models/champion)")
     rollback.add_argument("--base-dir", help="base model to merge into (default: the one recorded at promotion)")
     listing = actions.add_parser("list", help="candidates, their decisions and the champion")
     for q in (verify, rollback, listing):
@@ -183,7 +185,7 @@ def _registry_parser(sub) -> None:
 def _run_verify(args) -> int:
     from pathlib import Path
 
-    from fineflow.registry.promotion import read_log, verify_log
+    from fineflow.registry.store import read_log, verify_log
 
     problems = verify_log(Path(args.registry))
     if problems:
@@ -197,7 +199,7 @@ def _run_verify(args) -> int:
 def _run_rollback(args) -> int:
     from pathlib import Path
 
-    from fineflow.stages.promote import rollback
+    from fineflow.registry.champion import rollback
 
     result = rollback(Path(args.registry), Path(args.champion), args.to, args.base_dir)
     print(f"rolled back: champion {result['from']} -> {result['to']} (log entry {result['log_seq']})")
@@ -205,21 +207,15 @@ def _run_rollback(args) -> int:
 
 
 def _run_list(args) -> int:
-    import json
     from pathlib import Path
 
-    from fineflow.registry.promotion import CHAMPION_FILE, RECORD_FILE
+    from fineflow.registry.store import alias_id, stored_records
 
     registry = Path(args.registry)
-    alias = registry / CHAMPION_FILE
-    champion = json.loads(alias.read_text(encoding="utf-8")).get("id") if alias.is_file() else None
-    root = registry / "candidates"
-    for cdir in sorted(root.iterdir()) if root.is_dir() else []:
-        if cdir.name.startswith(".") or not (cdir / RECORD_FILE).is_file():
-            continue
-        record = json.loads((cdir / RECORD_FILE).read_text(encoding="utf-8"))
+    champion = alias_id(registry)
+    for cid, record in stored_records(registry):
         metrics = ", ".join(f"{k} {v:.4f}" for k, v in (record.get("metrics") or {}).items())
-        print(f"{'*' if cdir.name == champion else ' '} {cdir.name}  {record.get('decision', '?'):<8}  {metrics}")
+        print(f"{'*' if cid == champion else ' '} {cid}  {record.get('decision', '?'):<8}  {metrics}")
     print(f"champion: {champion or 'none'}")
     return 0
 

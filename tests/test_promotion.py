@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from fineflow.registry.promotion import (append_log, decide, directory_hash, ensure_empty_champion, install_champion,
-                                read_champion)
+from fineflow.registry.gate import decide
+from fineflow.registry.store import append_log, directory_hash, ensure_empty_champion, install_champion, read_champion
 
 P = "synth/exact_match"
 
@@ -56,7 +56,7 @@ def test_champion_install_replaces_atomically(tmp_path):
 
 # ---- the whole gate: paired bootstrap, refusals ----------------------------------------------------
 
-from fineflow.registry.promotion import gate, paired_bootstrap  # noqa: E402
+from fineflow.registry.gate import paired_bootstrap, promotion_decision  # noqa: E402
 
 H = "e" * 64
 GATE = dict(primary=P, min_delta=0.05, max_regression=0.0, bootstrap_samples=2000, confidence=0.95, seed=0,
@@ -86,13 +86,14 @@ def test_bootstrap_is_seeded_and_brackets_the_mean():
 
 
 def test_gate_promotes_a_clear_improvement_over_the_base():
-    d = gate({"base": entry({P: hits(5)}), "candidate": entry({P: hits(25)})}, None, [], **GATE)
+    d = promotion_decision({"base": entry({P: hits(5)}), "candidate": entry({P: hits(25)})}, None, [], **GATE)
     assert d.promote and "beats the base model" in d.reason and d.stats["ci_low"] > 0 and "CI" in d.reason
 
 
 def test_gate_refuses_a_tie_within_noise():
     # 22/40 vs 20/40, on different docs: +0.05 meets min_delta, but the CI straddles 0
-    d = gate({"base": entry({P: hits(20)}), "candidate": entry({P: hits(22, offset=10)})}, None, [], **GATE)
+    scores = {"base": entry({P: hits(20)}), "candidate": entry({P: hits(22, offset=10)})}
+    d = promotion_decision(scores, None, [], **GATE)
     assert not d.promote and "includes 0" in d.reason and d.stats["ci_low"] <= 0 < d.stats["ci_high"]
     assert d.stats["delta"] == 0.05 and 0 < d.stats["p_value"] < 1
 
@@ -100,7 +101,7 @@ def test_gate_refuses_a_tie_within_noise():
 def test_gate_refuses_a_regression_on_a_secondary_task():
     scores = {"base": entry({P: hits(5), "other/acc": hits(30)}),
               "candidate": entry({P: hits(35), "other/acc": hits(25)})}
-    d = gate(scores, None, [], **GATE)
+    d = promotion_decision(scores, None, [], **GATE)
     assert not d.promote and "other/acc" in d.reason and d.regressions == {"other/acc": 0.125}
 
 
@@ -116,7 +117,7 @@ def test_gate_refuses_a_regression_on_a_secondary_task():
      "base model's evaluation failed: boom"),
 ])
 def test_gate_refuses_a_missing_or_failed_evaluation(scores, expected):
-    d = gate(scores, None, [], **GATE)
+    d = promotion_decision(scores, None, [], **GATE)
     assert not d.promote and expected in d.reason
 
 
@@ -126,38 +127,38 @@ CHAMPION = {"id": "c" * 16, "metrics": {P: 0.25}, "samples": entry({P: hits(10)}
 def test_gate_compares_with_the_champion_not_the_base():
     scores = {"base": entry({P: hits(0)}), "candidate": entry({P: hits(12)}),
               "champion": {**entry({P: hits(10)}), "id": CHAMPION["id"]}}
-    d = gate(scores, CHAMPION, [], **GATE)
+    d = promotion_decision(scores, CHAMPION, [], **GATE)
     assert not d.promote and "champion cccc" in d.reason  # +0.05 over the champion is within noise
-    better = gate({**scores, "candidate": entry({P: hits(30)})}, CHAMPION, [], **GATE)
+    better = promotion_decision({**scores, "candidate": entry({P: hits(30)})}, CHAMPION, [], **GATE)
     assert better.promote and better.reference == 0.25
 
 
 def test_gate_uses_the_champions_recorded_samples_when_it_was_not_re_evaluated():
-    d = gate({"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)})}, CHAMPION, [], **GATE)
+    d = promotion_decision({"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)})}, CHAMPION, [], **GATE)
     assert d.promote and d.reference_name == "champion " + "c" * 16
 
 
 def test_gate_refuses_a_failed_champion_evaluation():
     scores = {"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)}),
               "champion": {"status": "failed", "error": "corrupt adapter", "id": CHAMPION["id"]}}
-    d = gate(scores, CHAMPION, [], **GATE)
+    d = promotion_decision(scores, CHAMPION, [], **GATE)
     assert not d.promote and "evaluation failed: corrupt adapter" in d.reason
 
 
 def test_gate_refuses_different_eval_data_than_the_champions():
     scores = {"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)})}
-    d = gate(scores, CHAMPION, [], **{**GATE, "eval_data_sha256": "f" * 64})
+    d = promotion_decision(scores, CHAMPION, [], **{**GATE, "eval_data_sha256": "f" * 64})
     assert not d.promote and "different eval data" in d.reason and "ffffffffffff" in d.reason
-    unknown = gate(scores, CHAMPION, [], **{**GATE, "eval_data_sha256": None})
+    unknown = promotion_decision(scores, CHAMPION, [], **{**GATE, "eval_data_sha256": None})
     assert not unknown.promote and "eval_data_sha256" in unknown.reason
 
 
 def test_gate_refuses_a_champion_mismatch_and_a_legacy_champion_without_evidence():
     scores = {"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)}),
               "champion": {**entry({P: hits(10)}), "id": "d" * 16}}
-    assert "re-run the evaluate stage" in gate(scores, CHAMPION, [], **GATE).reason
+    assert "re-run the evaluate stage" in promotion_decision(scores, CHAMPION, [], **GATE).reason
     legacy = {"id": "a" * 64, "metrics": {P: 0.25}, "samples": None, "eval_data_sha256": None}
-    d = gate({"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)})}, legacy, [], **GATE)
+    d = promotion_decision({"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)})}, legacy, [], **GATE)
     assert not d.promote and "no recorded eval data hash" in d.reason
 
 
@@ -165,7 +166,7 @@ def test_gate_refuses_a_champion_mismatch_and_a_legacy_champion_without_evidence
     (None, "has no lineage manifest"), (["run.git.commit", "data.tokenizer_hash"],
                                         "lineage is incomplete: missing run.git.commit, data.tokenizer_hash")])
 def test_gate_refuses_incomplete_lineage(missing, expected):
-    d = gate({"base": entry({P: hits(5)}), "candidate": entry({P: hits(30)})}, None, missing, **GATE)
+    d = promotion_decision({"base": entry({P: hits(5)}), "candidate": entry({P: hits(30)})}, None, missing, **GATE)
     assert not d.promote and expected in d.reason
 
 
@@ -186,7 +187,7 @@ def test_lineage_required_fields():
 
 
 def test_verify_names_the_first_edited_line(tmp_path):
-    from fineflow.registry.promotion import verify_log
+    from fineflow.registry.store import verify_log
 
     for decision in ("refused", "promoted", "refused"):
         append_log(tmp_path, {"decision": decision, "metrics": {P: 0.5}})

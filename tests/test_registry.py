@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from fineflow import cli
-from fineflow.registry.promotion import candidate_id, read_log, verify_log
+from fineflow.registry.store import candidate_id, read_log, verify_log
 
 P = "fineflow_synth/exact_match"
 EVAL_SHA = "e" * 64

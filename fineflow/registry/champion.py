@@ -1,0 +1,251 @@
+"""The promote procedure and the champion's assembly: what ``fineflow.stages.promote`` runs and what
+``fineflow registry rollback`` runs.
+
+``promote`` builds the run's lineage manifest, runs the gate (``gate.promotion_decision``), keeps the
+candidate in the registry by id, appends the decision and its evidence to the promotion log, and on success
+installs the champion atomically: the PEFT adapter, the merged model (``merged/``), the tokenizer, a model
+card (``README.md``) and the deterministic lineage (``lineage.json``). The slow, failure-prone assembly
+happens before anything is logged or replaced, so a crash leaves the registry and the champion as they were.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+from fineflow.config import Params
+from fineflow.errors import FineflowError
+from fineflow.registry.card import model_card, train_figures
+from fineflow.registry.gate import Decision, bootstrap_per_metric, decision_record, flatten, promotion_decision, refusal
+from fineflow.registry.lineage import build_manifest, deterministic, missing_fields
+from fineflow.registry.store import (
+    CHAMPION_FILE,
+    RECORD_FILE,
+    alias_id,
+    append_log,
+    candidate_dir,
+    candidate_id,
+    champion_history,
+    current_champion,
+    directory_hash,
+    ensure_empty_champion,
+    read_record,
+    set_alias,
+    staging_dir,
+    store_candidate,
+    swap_in,
+)
+from fineflow.reports import sha256_file, write_json_atomic
+
+
+def promote(params: Params, scores_path: Path, adapter_dir: Path, champion_dir: Path, registry_dir: Path,
+            base_dir: Path | None = None, train_report: Path | None = None, lineage_dir: Path | None = None,
+            shards_dir: Path = Path("data/shards"), root: Path = Path("."), log=print) -> dict:
+    """Judge the candidate at adapter_dir against the champion (or the base) on the evaluate stage's scores,
+    record the decision in the registry, install the candidate as champion if it passed; the stage's report.
+
+    root is the checkout the lineage's git state and dvc.lock are read from; the full manifest (with git,
+    times, user, host) goes to ``<lineage_dir>/<candidate id>.json``, outside DVC's outputs."""
+    scores, unreadable = read_scores(scores_path)
+    eval_hash = eval_data_hash(scores)
+    cid = candidate_id(adapter_dir)
+    manifest = build_manifest(params=params.model_dump(mode="json", by_alias=True), adapter_dir=adapter_dir,
+                              scores_path=scores_path, eval_data_sha256=eval_hash, shards_dir=shards_dir, root=root)
+    manifest["candidate_id"] = cid
+    champion = current_champion(registry_dir, champion_dir)
+    if unreadable:
+        decision = refusal(unreadable, params.promote.primary_metric)
+    else:
+        decision = judge(params, scores, champion, missing_fields(manifest), eval_hash)
+    record = candidate_record(params, scores, cid, adapter_dir, base_dir, eval_hash, manifest, decision)
+    stored = store_candidate(registry_dir, adapter_dir, cid, record)
+    ensure_empty_champion(champion_dir)
+    staging = None
+    if decision.promote:  # the slow, failure-prone part happens before anything is logged or replaced
+        if not record["base_model"]:
+            raise FineflowError(f"{adapter_dir}: cannot tell the base model to merge into; pass --base-dir")
+        staging = build_champion(staging_dir(champion_dir), stored, record["base_model"], record,
+                                 train_figures(train_report, log))
+    entry = append_log(registry_dir, log_entry(params, record, decision, champion))
+    if staging is not None:
+        install_built(staging, champion_dir, registry_dir, cid, record, entry["seq"])
+    lineage_path = None
+    if lineage_dir is not None:
+        lineage_path = lineage_dir / f"{cid}.json"
+        write_json_atomic(lineage_path, manifest)
+    log(("PROMOTED: " if decision.promote else "NOT promoted: ") + decision.reason)
+    return stage_report(decision, cid, entry["seq"], lineage_path)
+
+
+def rollback(registry_dir: Path, champion_dir: Path, to: str | None = None, base_dir: str | None = None) -> dict:
+    """Reinstall an earlier champion from candidates/<id> (default: the one before the current) atomically,
+    rebuilding its merged model, tokenizer and card, and log a "rollback" entry."""
+    current = alias_id(registry_dir)
+    source = candidate_dir(registry_dir, to if to is not None else _previous_champion(registry_dir, current))
+    cid = source.name
+    if cid == current:
+        raise FineflowError(f"{cid} is already the champion")
+    record = read_record(registry_dir, cid)
+    base_ref = base_dir or record.get("base_model")
+    if not base_ref:
+        raise FineflowError(f"{source}: the record names no base model; pass --base-dir")
+    staging = build_champion(staging_dir(champion_dir), source, base_ref, record, None)
+    entry = append_log(registry_dir, {"candidate_id": cid, "decision": "rollback", "promote": True,
+                                      "reason": f"rollback from {current} to {cid}", "champion_before": current,
+                                      "metrics": record.get("metrics"),
+                                      "eval_data_sha256": record.get("eval_data_sha256")})
+    install_built(staging, champion_dir, registry_dir, cid, record, entry["seq"])
+    return {"from": current, "to": cid, "log_seq": entry["seq"]}
+
+
+def _previous_champion(registry_dir: Path, current: str | None) -> str:
+    """The latest champion in the log other than the current one whose files the registry still holds."""
+    earlier = [c for c in reversed(champion_history(registry_dir)) if c != current
+               and (registry_dir / "candidates" / c).is_dir()]
+    if not earlier:
+        raise FineflowError(f"{registry_dir}: no earlier champion stored in the registry to roll back to")
+    return earlier[0]
+
+
+# ---- the evidence ----------------------------------------------------------------------------------
+
+
+def read_scores(path: Path) -> tuple[dict, str | None]:
+    """The evaluate stage's scores.json, or ({}, why it cannot be read): the gate then refuses, with that reason."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) or {}, None
+    except (OSError, json.JSONDecodeError) as exc:
+        return {}, f"{path}: cannot read evaluation scores ({exc}); run the evaluate stage"
+
+
+def eval_data_hash(scores: dict) -> str | None:
+    """The scores' eval_data_sha256, or (older scores) the sha256 of the eval rows file they name."""
+    if scores.get("eval_data_sha256"):
+        return scores["eval_data_sha256"]
+    rows = Path(scores.get("eval_rows") or "")
+    return sha256_file(rows) if scores.get("eval_rows") and rows.is_file() else None
+
+
+def judge(params: Params, scores: dict, champion: dict | None, lineage_missing: list[str] | None,
+          eval_hash: str | None) -> Decision:
+    """The gate with the promote params and the run's seed."""
+    cfg = params.promote
+    return promotion_decision(scores, champion, lineage_missing, primary=cfg.primary_metric, min_delta=cfg.min_delta,
+                              max_regression=cfg.max_regression, bootstrap_samples=cfg.bootstrap_samples,
+                              confidence=cfg.confidence, seed=params.seed, eval_data_sha256=eval_hash)
+
+
+def base_reference(params: Params, base_dir: Path | None, adapter_dir: Path) -> str:
+    """What from_pretrained loads as the base: --base-dir (or the user's model.base), else the adapter's own."""
+    if base_dir is not None:
+        from fineflow.model_ref import resolve_base_model
+
+        return resolve_base_model(params.model, base_dir)
+    try:
+        return json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))["base_model_name_or_path"]
+    except (OSError, KeyError, json.JSONDecodeError):
+        raise FineflowError(f"{adapter_dir}: cannot tell the base model; pass --base-dir") from None
+
+
+def _base_or_none(params: Params, base_dir: Path | None, adapter_dir: Path) -> str | None:
+    """A refused candidate is still recorded when its base cannot be told; only a promotion needs it."""
+    try:
+        return base_reference(params, base_dir, adapter_dir)
+    except FineflowError:
+        return None
+
+
+# ---- what the registry records -----------------------------------------------------------------------
+
+
+def candidate_record(params: Params, scores: dict, cid: str, adapter_dir: Path, base_dir: Path | None,
+                     eval_hash: str | None, manifest: dict, decision: Decision) -> dict:
+    """candidates/<id>/record.json: metrics, per-sample scores, the bootstrap versus the base for every metric
+    (the model card's table), the decision and the deterministic lineage. Base figures only when both the
+    base's and the candidate's evaluations succeeded."""
+    cfg = params.promote
+    candidate = scores.get("candidate") or {}
+    base = scores.get("base") or {}
+    base_ok = base.get("status", "ok") == "ok" and candidate.get("status", "ok") == "ok"
+    return {"candidate_id": cid, "adapter_sha256": directory_hash(adapter_dir),
+            "metrics": flatten(candidate.get("metrics") or {}), "samples": candidate.get("samples"),
+            "base_metrics": flatten(base.get("metrics") or {}) if base_ok else {},
+            "vs_base": bootstrap_per_metric(candidate, base, cfg.bootstrap_samples, cfg.confidence, params.seed)
+            if base_ok and candidate else {},
+            "eval_data_sha256": eval_hash, "scores_sha256": manifest["eval"]["scores_sha256"],
+            "decision": verdict(decision), "reason": decision.reason, "stats": decision.stats,
+            "base_model": _base_or_none(params, base_dir, adapter_dir),
+            "lineage": deterministic(manifest)}
+
+
+def verdict(decision: Decision) -> str:
+    return "promoted" if decision.promote else "refused"
+
+
+def log_entry(params: Params, record: dict, decision: Decision, champion: dict | None) -> dict:
+    """The promotion log's entry for this decision: the evidence, and digests of what it was computed from."""
+    return {"candidate_id": record["candidate_id"], "adapter_sha256": record["adapter_sha256"],
+            "decision": verdict(decision), **decision_record(decision),
+            "metrics": record["metrics"], "eval_data_sha256": record["eval_data_sha256"],
+            "scores_sha256": record["scores_sha256"],
+            "lineage_sha256": json_digest(record["lineage"]),
+            "champion_before": champion["id"] if champion else None,
+            "params": params.model_dump(mode="json", by_alias=True)}
+
+
+def json_digest(payload: dict) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def stage_report(decision: Decision, cid: str, log_seq: int, lineage_path: Path | None) -> dict:
+    stats = decision.stats or {}
+    return {"decision": verdict(decision), "reason": decision.reason, "candidate_id": cid,
+            "primary_metric": decision.primary, "candidate_value": decision.candidate,
+            "reference_value": decision.reference, "reference": decision.reference_name,
+            "delta": stats.get("delta"), "ci_low": stats.get("ci_low"), "ci_high": stats.get("ci_high"),
+            "p_value": stats.get("p_value"), "log_seq": log_seq,
+            "lineage": str(lineage_path) if lineage_path else None}
+
+
+# ---- the champion directory --------------------------------------------------------------------------
+
+
+def build_champion(staging: Path, source: Path, base_ref: str, record: dict, train: dict | None) -> Path:
+    """Assemble a complete champion directory at staging: adapter files, merged model, tokenizer, card,
+    lineage.json. install_built then writes champion.json and swaps it in."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    shutil.copytree(source, staging, ignore=shutil.ignore_patterns(RECORD_FILE))
+    is_adapter = (source / "adapter_config.json").exists()
+    tokenizer = AutoTokenizer.from_pretrained(base_ref)
+    if is_adapter:
+        from peft import PeftModel
+
+        base = AutoModelForCausalLM.from_pretrained(base_ref, dtype="auto")
+        merged = PeftModel.from_pretrained(base, str(source)).merge_and_unload()
+        with torch.no_grad():
+            merged.save_pretrained(staging / "merged")  # transformers 5 writes safetensors only
+        tokenizer.save_pretrained(staging / "merged")
+    tokenizer.save_pretrained(staging)
+    lineage = {"candidate_id": record["candidate_id"], **(record.get("lineage") or {})}
+    write_json_atomic(staging / "lineage.json", lineage)
+    (staging / "README.md").write_text(model_card(record, base_ref, train, is_adapter), encoding="utf-8")
+    return staging
+
+
+def install_built(staging: Path, champion_dir: Path, registry_dir: Path, cid: str, record: dict, seq: int) -> None:
+    """Make the assembled staging dir the champion cid, after log entry seq was written: its champion.json,
+    the atomic swap, then the registry's alias."""
+    write_json_atomic(staging / CHAMPION_FILE, champion_json(record, seq))
+    swap_in(staging, champion_dir)
+    set_alias(registry_dir, cid, seq)
+
+
+def champion_json(record: dict, seq: int) -> dict:
+    """models/champion/champion.json: which candidate is installed, by which log entry, and its evidence."""
+    return {"candidate_id": record["candidate_id"], "metrics": record.get("metrics"), "promotion_seq": seq,
+            "eval_data_sha256": record.get("eval_data_sha256"), "base_model": record.get("base_model"),
+            "stats": record.get("stats")}

@@ -1,0 +1,253 @@
+"""The promotion gate: the statistics and the decision, on numbers only (no files).
+
+A candidate becomes champion only if its primary metric beats the reference (the current champion, or
+the base model when there is none) by ``promote.min_delta``, a seeded paired bootstrap over the
+per-sample scores puts the lower end of the delta's confidence interval above 0 (so a lucky run on a
+small eval set is not promoted), and no other metric regresses by more than ``promote.max_regression``.
+It is refused outright, with the reason, when an evaluation is missing or failed, the eval data differs
+from the champion's, or the candidate's lineage manifest is missing or incomplete.
+
+``promotion_decision`` is the whole gate on an evaluate stage's scores; ``decide`` the comparison of two
+sets of metrics it ends with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from fineflow.registry.store import ID_LEN, same_id
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """Paired bootstrap of mean(candidate - reference) over per-sample scores."""
+
+    delta: float
+    ci_low: float
+    ci_high: float
+    p_value: float  # one-sided: share of bootstrap deltas <= 0
+    n: int
+    confidence: float
+    samples: int
+    seed: int
+
+    def describe(self) -> str:
+        return (f"{self.delta:+.4f}, {self.confidence:.0%} CI [{self.ci_low:+.4f}, {self.ci_high:+.4f}], "
+                f"p={self.p_value:.3f}, n={self.n}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """The gate's verdict and its evidence; keyword-only, since several fields share a type and a position
+    would silently swap the candidate's and the reference's values."""
+
+    promote: bool
+    reason: str
+    primary: str
+    candidate: float | None
+    reference: float | None
+    reference_name: str
+    regressions: dict
+    stats: dict | None = None  # the Bootstrap as a dict, when it was computed
+
+
+def refusal(reason: str, primary: str, reference_name: str = "reference", candidate: float | None = None,
+            reference: float | None = None) -> Decision:
+    """A refusal for want of evidence: no regressions measured, no bootstrap run."""
+    return Decision(promote=False, reason=reason, primary=primary, candidate=candidate, reference=reference,
+                    reference_name=reference_name, regressions={}, stats=None)
+
+
+def decision_record(decision: Decision) -> dict:
+    """The decision as the promotion log stores it."""
+    return asdict(decision)
+
+
+def flatten(metrics: dict[str, dict[str, float]]) -> dict[str, float]:
+    """{task: {metric: v}} -> {"task/metric": v}."""
+    return {f"{task}/{name}": value for task, values in metrics.items() for name, value in values.items()}
+
+
+def paired_bootstrap(candidate: Sequence[float], reference: Sequence[float], samples: int = 2000,
+                     confidence: float = 0.95, seed: int = 0) -> Bootstrap:
+    """Resample the paired differences with replacement ``samples`` times (numpy, seeded): mean delta,
+    percentile CI and the one-sided p-value. Memory stays bounded for long eval sets (chunks of rows)."""
+    import numpy as np
+
+    diffs = np.asarray(candidate, dtype=np.float64) - np.asarray(reference, dtype=np.float64)
+    n = int(diffs.size)
+    if n == 0:
+        raise ValueError("no paired samples")
+    rng = np.random.default_rng(seed)
+    means = np.empty(samples, dtype=np.float64)
+    chunk = max(1, (1 << 22) // n)
+    for start in range(0, samples, chunk):
+        k = min(chunk, samples - start)
+        means[start:start + k] = diffs[rng.integers(0, n, size=(k, n))].mean(axis=1)
+    alpha = (1.0 - confidence) / 2
+    low, high = np.quantile(means, [alpha, 1.0 - alpha])
+    return Bootstrap(delta=round(float(diffs.mean()), 6), ci_low=round(float(low), 6), ci_high=round(float(high), 6),
+                     p_value=round(float((means <= 0).mean()), 6), n=n, confidence=confidence, samples=samples,
+                     seed=seed)
+
+
+def bootstrap_per_metric(candidate: dict, reference: dict, samples: int, confidence: float, seed: int) -> dict:
+    """Paired bootstrap of every task/metric both evaluation entries have per-sample scores for, on exactly the
+    same docs: {"task/metric": {delta, ci_low, ci_high, p_value, n, confidence}} (the model card's table)."""
+    out = {}
+    for task, metrics in (candidate.get("metrics") or {}).items():
+        cand_rows = {r["doc_id"]: r for r in (candidate.get("samples") or {}).get(task) or []}
+        ref_rows = {r["doc_id"]: r for r in (reference.get("samples") or {}).get(task) or []}
+        docs = sorted(set(cand_rows) & set(ref_rows))
+        for metric in metrics:
+            pairs = [(cand_rows[d][metric], ref_rows[d][metric]) for d in docs
+                     if isinstance(cand_rows[d].get(metric), (int, float))
+                     and isinstance(ref_rows[d].get(metric), (int, float))]
+            if pairs and len(pairs) == len(cand_rows) == len(ref_rows):
+                b = paired_bootstrap([c for c, _ in pairs], [r for _, r in pairs], samples, confidence, seed)
+                out[f"{task}/{metric}"] = {"delta": b.delta, "ci_low": b.ci_low, "ci_high": b.ci_high,
+                                           "p_value": b.p_value, "n": b.n, "confidence": confidence}
+    return out
+
+
+def decide(candidate: dict[str, float], reference: dict[str, float], reference_name: str, primary: str,
+           min_delta: float, max_regression: float, stats: Bootstrap | None = None) -> Decision:
+    """The gate on numbers. Metrics are flat {"task/metric": value}, higher is better. With stats (the
+    paired bootstrap of the primary metric) the delta is the paired mean and its CI must exclude 0."""
+    cand, ref = candidate.get(primary), reference.get(primary)
+    st = asdict(stats) if stats else None
+
+    def verdict(promote: bool, reason: str, regressions: dict | None = None) -> Decision:
+        return Decision(promote=promote, reason=reason, primary=primary, candidate=cand, reference=ref,
+                        reference_name=reference_name, regressions=regressions or {}, stats=st)
+
+    if cand is None:
+        return verdict(False, f"the candidate has no value for the primary metric {primary}")
+    if ref is None:
+        return verdict(False, f"the {reference_name} has no value for the primary metric {primary}")
+    regressions = {key: round(reference[key] - value, 6) for key, value in candidate.items()
+                   if key != primary and key in reference and reference[key] - value > max_regression}
+    if regressions:
+        return verdict(False, f"regressed beyond promote.max_regression={max_regression} on {sorted(regressions)} "
+                              f"versus the {reference_name}: "
+                              + ", ".join(f"{k} -{v:.4f}" for k, v in sorted(regressions.items())), regressions)
+    delta = stats.delta if stats else cand - ref
+    evidence = f" ({stats.describe()})" if stats else ""
+    if delta < min_delta:
+        return verdict(False, f"{primary} {cand:.4f} does not beat the {reference_name}'s {ref:.4f} by "
+                              f"promote.min_delta={min_delta}: delta {delta:+.4f}{evidence}")
+    if stats and stats.ci_low <= 0:
+        return verdict(False, f"{primary} delta {delta:+.4f} over the {reference_name} is within noise: the "
+                              f"{stats.confidence:.0%} CI [{stats.ci_low:+.4f}, {stats.ci_high:+.4f}] includes 0 "
+                              f"(p={stats.p_value:.3f}, n={stats.n})")
+    return verdict(True, f"{primary} {cand:.4f} beats the {reference_name}'s {ref:.4f} by {delta:+.4f} "
+                         f"(>= {min_delta}){evidence} with no regression")
+
+
+def per_sample(entry: dict, primary: str) -> dict | None:
+    """{doc_id: score} of the primary metric from an evaluation entry's samples, or None."""
+    task, _, metric = primary.partition("/")
+    rows = (entry.get("samples") or {}).get(task)
+    if not rows:
+        return None
+    scores = {r["doc_id"]: float(r[metric]) for r in rows
+              if isinstance(r.get(metric), (int, float)) and "doc_id" in r}
+    return scores or None
+
+
+def promotion_decision(scores: dict, champion: dict | None, lineage_missing: list[str] | None, *, primary: str,
+                       min_delta: float, max_regression: float, bootstrap_samples: int, confidence: float,
+                       seed: int, eval_data_sha256: str | None) -> Decision:
+    """The whole gate. scores is eval/scores.json; champion the current champion's record ({"id",
+    "metrics" flat, "samples", "eval_data_sha256"}) or None; lineage_missing the REQUIRED lineage fields
+    that are absent (None: no manifest at all). Never promotes on missing or doubtful evidence."""
+    candidate = scores.get("candidate")
+    problem = _candidate_problem(candidate, lineage_missing)
+    if problem:
+        return refusal(problem, primary)
+    if champion is None:
+        reference_name = "base model"
+        reference, problem = _base_as_reference(scores)
+    else:
+        reference_name = f"champion {champion['id'][:ID_LEN]}"
+        reference, problem = _champion_as_reference(scores, champion, reference_name, eval_data_sha256)
+    if problem:
+        return refusal(problem, primary, reference_name)
+    return _compare(candidate, reference, reference_name, primary=primary, min_delta=min_delta,
+                    max_regression=max_regression, bootstrap_samples=bootstrap_samples, confidence=confidence,
+                    seed=seed)
+
+
+def _candidate_problem(candidate: dict | None, lineage_missing: list[str] | None) -> str | None:
+    """Why the candidate's own evidence (its evaluation, its lineage) cannot be judged, or None."""
+    if candidate and candidate.get("status", "ok") != "ok":
+        return f"the candidate's evaluation failed: {candidate.get('error', 'no error given')}"
+    if not candidate or not candidate.get("metrics"):
+        return "no candidate evaluation in the scores: run the evaluate stage"
+    if lineage_missing is None:
+        return "the candidate has no lineage manifest"
+    if lineage_missing:
+        return f"the candidate's lineage is incomplete: missing {', '.join(lineage_missing)}"
+    return None
+
+
+def _base_as_reference(scores: dict) -> tuple[dict | None, str | None]:
+    """With no champion yet the base model's evaluation is the reference: (entry, None) or (None, why not)."""
+    reference = scores.get("base")
+    if reference and reference.get("status", "ok") != "ok":
+        return None, f"the base model's evaluation failed: {reference.get('error', 'no error given')}"
+    if not reference or not reference.get("metrics"):
+        return None, "no base model evaluation in the scores (needed when there is no champion)"
+    return reference, None
+
+
+def _champion_as_reference(scores: dict, champion: dict, reference_name: str,
+                           eval_data_sha256: str | None) -> tuple[dict | None, str | None]:
+    """The champion's evaluation in these scores, else its metrics recorded at promotion, provided both were
+    computed on the same eval data as the candidate's: (entry, None) or (None, why not comparable)."""
+    cid = champion["id"]
+    recorded = champion.get("eval_data_sha256")
+    if recorded and not eval_data_sha256:
+        return None, ("the scores do not say which eval data they were computed on (no eval_data_sha256), "
+                      f"so they cannot be compared with the {reference_name}'s")
+    if recorded and recorded != eval_data_sha256:
+        return None, (f"evaluated on different eval data than the {reference_name}: sha256 "
+                      f"{eval_data_sha256[:12]} now, {recorded[:12]} when it was promoted; evaluate on the "
+                      "champion's eval data (or roll back / re-baseline deliberately)")
+    evaluated = scores.get("champion")
+    if evaluated is not None:
+        if evaluated.get("status", "ok") != "ok":
+            return None, f"the {reference_name}'s evaluation failed: {evaluated.get('error', 'no error given')}"
+        if evaluated.get("id") and not same_id(evaluated["id"], cid):
+            return None, (f"the scores evaluated champion {evaluated['id'][:ID_LEN]} but the registry's "
+                          f"champion is {cid[:ID_LEN]}: re-run the evaluate stage")
+        return evaluated, None
+    if not recorded:
+        return None, (f"the {reference_name} has no recorded eval data hash and was not re-evaluated in "
+                      "this run, so its metrics cannot be compared")
+    return {"metrics": None, "flat": champion.get("metrics") or {}, "samples": champion.get("samples")}, None
+
+
+def _compare(candidate: dict, reference: dict, reference_name: str, *, primary: str, min_delta: float,
+             max_regression: float, bootstrap_samples: int, confidence: float, seed: int) -> Decision:
+    """decide() on the two entries' metrics, with the paired bootstrap of the primary metric over the docs
+    both were scored on; refused when the per-sample scores that bootstrap needs are missing or unpaired."""
+    cand_flat = flatten(candidate["metrics"])
+    ref_flat = reference.get("flat") if reference.get("metrics") is None else flatten(reference["metrics"])
+    cand_samples, ref_samples = per_sample(candidate, primary), per_sample(reference, primary)
+    if cand_flat.get(primary) is None or ref_flat.get(primary) is None:
+        return decide(cand_flat, ref_flat, reference_name, primary, min_delta, max_regression)
+    values = dict(primary=primary, reference_name=reference_name, candidate=cand_flat.get(primary),
+                  reference=ref_flat.get(primary))
+    if cand_samples is None or ref_samples is None:
+        who = "candidate" if cand_samples is None else reference_name
+        return refusal(f"no per-sample {primary} scores for the {who}: the gate needs them for the paired "
+                       "bootstrap", **values)
+    if set(cand_samples) != set(ref_samples):
+        return refusal(f"the candidate's and the {reference_name}'s per-sample scores cover different docs "
+                       f"({len(cand_samples)} vs {len(ref_samples)}): not comparable", **values)
+    docs = sorted(cand_samples)
+    stats = paired_bootstrap([cand_samples[d] for d in docs], [ref_samples[d] for d in docs], bootstrap_samples,
+                             confidence, seed)
+    return decide(cand_flat, ref_flat, reference_name, primary, min_delta, max_regression, stats)
