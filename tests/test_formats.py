@@ -5,8 +5,9 @@ import json
 import pytest
 
 from fineflow.config import FieldMapping, ValidateParams
+from fineflow.data.formats import Row, apply_mapping, read_rows
+from fineflow.data.validation import validate_rows
 from fineflow.errors import DataError
-from fineflow.data.validation import Row, apply_mapping, read_rows, validate_rows
 
 ROWS = [{"prompt": "Say hi.", "completion": "hi"}, {"prompt": "Say bye.", "completion": "bye"}]
 PROMPT_COMPLETION = FieldMapping(instruction="prompt", input=None, output="completion")
@@ -149,7 +150,8 @@ def test_chat_template_check_quarantines_conversations_the_template_rejects(buil
     bad = [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"},
            {"role": "assistant", "content": "hello"}]  # valid OpenAI messages, but not alternating
     path = tmp_path / "chat.jsonl"
-    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (good, bad, good[:1] + [good[1] | {"content": "hey"}])))
+    third = good[:1] + [good[1] | {"content": "hey"}]
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (good, bad, third)))
     tokens = TokenView(_chat_tokenizer(built, tmp_path), 128)
     outcome = validate_rows(apply_mapping(read_rows(path), CHAT, str(path)), str(path), ValidateParams(),
                             tokens=tokens)

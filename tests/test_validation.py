@@ -4,9 +4,11 @@ import json
 
 import pytest
 
-from fineflow.config import ValidateParams
+from fineflow.config import ValidateParams, ValidationChecks
+from fineflow.data import checks
+from fineflow.data.formats import read_jsonl
+from fineflow.data.validation import raise_if_blocked, validate_rows
 from fineflow.errors import DataError
-from fineflow.data.validation import gate, read_jsonl, validate_rows
 
 CFG = ValidateParams(max_chars=300, max_bad_share=0.5)
 GOOD = {"instruction": "Say hi.", "input": "", "output": "hi"}
@@ -29,7 +31,7 @@ def test_good_rows_pass(tmp_path):
     rows = [json.dumps({**GOOD, "output": f"hi {i}"}) for i in range(5)]
     outcome = outcome_for(write(tmp_path / "t.jsonl", rows))
     assert (outcome.rows_in, len(outcome.kept), len(outcome.quarantined)) == (5, 5, 0)
-    gate(outcome, CFG)
+    raise_if_blocked(outcome, CFG)
 
 
 def test_each_bad_row_is_quarantined_with_file_line_and_check(tmp_path):
@@ -60,7 +62,7 @@ def test_too_many_bad_rows_fail_with_file_line_and_check(tmp_path):
     path = write(tmp_path / "t.jsonl", [json.dumps(GOOD), "not json", "{broken"])
     outcome = outcome_for(path)
     with pytest.raises(DataError) as info:
-        gate(outcome, ValidateParams(max_bad_share=0.1))
+        raise_if_blocked(outcome, ValidateParams(max_bad_share=0.1))
     message = str(info.value)
     assert "2 of 3 rows" in message and "validate.max_bad_share" in message
     assert f"{path}:2: malformed JSON" in message
@@ -68,8 +70,9 @@ def test_too_many_bad_rows_fail_with_file_line_and_check(tmp_path):
 
 def test_required_field_missing_everywhere_is_a_schema_error(tmp_path):
     path = write(tmp_path / "t.jsonl", [json.dumps({"instruction": "a", "response": "b"})] * 2)
-    with pytest.raises(DataError, match=r'required field "output" is missing from every row \(column_exists\(output\)\)'):
-        gate(outcome_for(path), CFG)
+    with pytest.raises(DataError,
+                       match=r'required field "output" is missing from every row \(column_exists\(output\)\)'):
+        raise_if_blocked(outcome_for(path), CFG)
 
 
 def test_empty_file_is_a_clear_error(tmp_path):
@@ -93,7 +96,7 @@ def test_byte_order_mark_is_accepted(tmp_path):
 def test_all_rows_bad_fails(tmp_path):
     path = write(tmp_path / "t.jsonl", ["nope", "nope either"])
     with pytest.raises(DataError, match="every one of the 2 rows failed"):
-        gate(outcome_for(path), ValidateParams(max_bad_share=1.0))
+        raise_if_blocked(outcome_for(path), ValidateParams(max_bad_share=1.0))
 
 
 def test_near_duplicates_warn_by_default_and_keep_the_row(tmp_path):
@@ -125,7 +128,7 @@ def test_error_check_above_its_max_share_blocks_the_flow(tmp_path):
     outcome = validate_rows(read_jsonl(path), str(path), cfg)
     with pytest.raises(DataError, match=r"check no_pii\(text\) failed on 1 of 4 rows \(25.0%\), above "
                                         r"validate.checks.pii.max_share=0.2; first lines: \[4\]"):
-        gate(outcome, cfg)
+        raise_if_blocked(outcome, cfg)
 
 
 def test_pii_redact_mode_keeps_rows_with_typed_placeholders(tmp_path):
@@ -191,3 +194,64 @@ def test_token_checks_flag_truncation_and_quarantine_rows_with_nothing_to_train(
     assert "label_coverage(tokens) (no response token left to train on" in outcome.quarantined[0].reasons[0]
     assert outcome.kept[1].warnings[0].startswith(f"{path}:2: failed fits_seq_len(tokens)")
     assert outcome.report()["truncation_rate"] == round(2 / 3, 5)
+
+
+# The check declarations (fineflow.data.checks) are the single source of what the gate runs and reports.
+
+def _tiny_tokenizer():
+    from fineflow.base.model import train_tokenizer
+
+    return train_tokenizer(["say hi and bye to everyone in the room " * 3] * 50, vocab_size=300, model_max_length=128)
+
+
+def test_every_reported_check_is_declared_once_in_suite_order(tmp_path):
+    from fineflow.data.overlap import LeakIndex
+    from fineflow.data.validation import TokenView
+
+    path = write(tmp_path / "t.jsonl", [json.dumps(GOOD), json.dumps({**GOOD, "output": "bye"})])
+    outcome = validate_rows(read_jsonl(path), str(path), CFG, LeakIndex(["an eval row"], n=8),
+                            tokens=TokenView(_tiny_tokenizer(), seq_len=40))
+    report = outcome.report()["checks"]
+    names = [check.name for check in checks.CHECKS]
+    assert len(names) == len(set(names))
+    assert list(report) == names  # every declaration applies here: token view, leak index, pii: quarantine
+    for check in checks.CHECKS:
+        entry = report[check.name]
+        knobs = check.knobs(CFG.checks)
+        assert (entry["category"], entry["severity"], entry["max_share"]) == (check.category, knobs.severity,
+                                                                                knobs.max_share)
+
+
+def test_every_declared_category_has_its_knob_in_config():
+    categories = {check.category for check in checks.CHECKS} - {checks.SCHEMA}
+    assert categories <= set(ValidationChecks.model_fields), "add the category to ValidationChecks and params.yaml"
+    assert checks.SCHEMA not in ValidationChecks.model_fields  # the schema is not negotiable: no knob
+
+
+def test_checks_on_one_derived_column_derive_it_the_same_way():
+    derivations: dict[str, object] = {}
+    for check in checks.CHECKS:
+        if check.derive is not None:
+            assert derivations.setdefault(check.column, check.derive) is check.derive, check.name
+
+
+def test_a_new_declaration_alone_runs_reports_and_explains_itself(tmp_path, monkeypatch):
+    from fineflow.config import parse_params
+
+    short_output = checks.Check(
+        "min_output_chars(output)", "non_empty", "output_chars",
+        lambda col, ctx: checks._gxe().ExpectColumnValuesToBeBetween(column=col, min_value=3),
+        derive=lambda ctx: [len(str(row.data.get("output") or "")) for row in ctx.rows],
+        detail=lambda row: f" ({row['output_chars']} characters)")
+    monkeypatch.setattr(checks, "CHECKS", [*checks.CHECKS, short_output])
+    path = write(tmp_path / "t.jsonl", [json.dumps({**GOOD, "output": "hello"}), json.dumps(GOOD)])
+    outcome = outcome_for(path)
+    assert [row.line for row in outcome.quarantined] == [2]
+    assert outcome.quarantined[0].reasons == [f"{path}:2: failed min_output_chars(output) (2 characters)"]
+    entry = outcome.report()["checks"]["min_output_chars(output)"]
+    assert entry["category"] == "non_empty" and entry["first_failed_lines"] == [2] and entry["severity"] == "error"
+    # its category's knob sets its severity, like every other check of that category
+    warn = parse_params({"validate": {"checks": {"non_empty": {"severity": "warn"}}}}).validate_
+    outcome = validate_rows(read_jsonl(path), str(path), warn)
+    assert not outcome.quarantined
+    assert outcome.kept[1].warnings == [f"{path}:2: failed min_output_chars(output) (2 characters)"]

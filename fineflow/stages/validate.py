@@ -19,12 +19,19 @@ import shutil
 from pathlib import Path
 
 from fineflow.config import Params
-from fineflow.stages._entry import log, run_entry, stage_parser
+from fineflow.data.formats import apply_mapping, read_rows
+from fineflow.data.overlap import LeakIndex
+from fineflow.data.validation import (
+    TokenView,
+    clean_record,
+    clean_text,
+    quarantine_record,
+    raise_if_blocked,
+    validate_rows,
+)
 from fineflow.errors import DataError
 from fineflow.reports import write_json_atomic, write_jsonl
-from fineflow.data.overlap import LeakIndex
-from fineflow.data.validation import (TokenView, apply_mapping, clean_record, clean_text, gate, quarantine_record,
-                                 read_rows, validate_rows)
+from fineflow.stages._entry import log, run_entry, stage_parser
 
 
 def run(params: Params, train_path: Path, eval_path: Path, out_dir: Path, report_path: Path,
@@ -62,7 +69,7 @@ def run(params: Params, train_path: Path, eval_path: Path, out_dir: Path, report
     report = {**train.report(), "eval": outcomes["eval"].report(), "passed": True}
     try:
         for outcome in outcomes.values():
-            gate(outcome, cfg)
+            raise_if_blocked(outcome, cfg)
     except DataError:
         write_json_atomic(report_path, {"stage": "validate", **report, "passed": False})
         raise

@@ -1,0 +1,210 @@
+"""Every validation check of the data gate, each declared once, in ``CHECKS``.
+
+A ``Check`` carries everything the gate needs: the name reports and quarantine reasons show, the category
+whose ``validate.checks.<category>`` knob sets its severity and max_share, the column it checks (and how
+that column is derived from the rows when the rows do not have it), when it applies, its great-expectations
+expectation, whether the first copy is kept (duplicates) and the detail its reason adds.
+fineflow.data.validation builds the frame, the GX suite, the report and the reasons from these alone.
+
+Adding a check means:
+  1. one ``Check`` in ``CHECKS`` below; its position is its place in the suite, the Data Docs and the report;
+  2. an existing category, which gives its default severity. A new category also needs its knob: a
+     ``CheckParams`` field in ``ValidationChecks`` (fineflow/config.py) and its entry under
+     ``validate.checks`` in params.yaml;
+  3. its test in tests/test_validation.py: a row that fails it, its reason text, its report entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+from fineflow.config import CheckParams, ValidateParams, ValidationChecks
+from fineflow.data.formats import REQUIRED, Row, example_text
+from fineflow.data.overlap import LeakIndex, normalize
+from fineflow.data.pii import find_pii
+
+if TYPE_CHECKING:  # validation imports this module; the token view is only needed for its type here
+    from fineflow.data.validation import TokenView
+
+Expectation = Any  # a great_expectations Expectation; GX is imported only when a suite is built (slow import)
+
+SCHEMA = "schema"  # the schema checks' category: no knob, a required column missing from the file always blocks
+SCHEMA_KNOBS = CheckParams(severity="error", max_share=0.0)
+TRUNCATION = "truncation"  # the category whose share the report also shows as truncation_rate
+
+
+@dataclass
+class CheckContext:
+    """What checks see besides the rows' own columns: the gate's settings and the optional views."""
+
+    rows: list[Row]  # parsed rows only (data is not None)
+    cfg: ValidateParams
+    leak_index: LeakIndex | None = None  # train rows only: n-grams of the eval split
+    tokens: TokenView | None = None  # with a base model: rows as the tokenize stage will see them
+
+    @cached_property
+    def columns_in_rows(self) -> set[str]:
+        return {key for row in self.rows for key in row.data}
+
+    @cached_property
+    def texts(self) -> list[str]:
+        return [example_text(row.data) for row in self.rows]
+
+    @cached_property
+    def measured(self) -> list[tuple[int | None, int | None, str | None]]:
+        """TokenView.measure of every row, once: three token columns come from the same measurement."""
+        return [self.tokens.measure(row.data) for row in self.rows]
+
+
+@dataclass(frozen=True, eq=False)  # never compared: it holds the whole frame
+class FailedRow:
+    """The frame row a check failed on, as its reason detail reads it: ``row["column"]``."""
+
+    frame: Any  # the pandas frame the suite ran on, indexed by source line
+    line: int
+    first_line: int | None = None  # checks that keep the first copy: the line of that kept copy
+
+    def __getitem__(self, column: str) -> Any:
+        return self.frame.at[self.line, column]
+
+
+def always(ctx: CheckContext) -> bool:
+    return True
+
+
+def rows_have(column: str) -> Callable[[CheckContext], bool]:
+    """Applies only when some row has the column (a column absent everywhere is column_exists' failure)."""
+    return lambda ctx: column in ctx.columns_in_rows
+
+
+def with_tokens(ctx: CheckContext) -> bool:
+    return ctx.tokens is not None
+
+
+def with_leak_index(ctx: CheckContext) -> bool:
+    return ctx.leak_index is not None
+
+
+def pii_quarantined(ctx: CheckContext) -> bool:
+    """With ``pii: redact`` the spans are already replaced before the checks run: scanning finds nothing."""
+    return ctx.cfg.pii == "quarantine"
+
+
+def no_detail(row: FailedRow) -> str:
+    return ""
+
+
+@dataclass(frozen=True)
+class Check:
+    """One validation check: what it checks, how, when, and how it acts and reads when it fails."""
+
+    name: str  # as reports and reasons show it, e.g. "unique(row)"; also the GX suite's key for the check
+    category: str  # the validate.checks.<category> knob: severity and max_share (SCHEMA: fixed, always blocks)
+    column: str  # the frame column the expectation runs on
+    expect: Callable[[str, CheckContext], Expectation]  # (column, context) -> the GX expectation
+    derive: Callable[[CheckContext], list] | None = None  # the column's values, one per row; None: read from rows
+    applies: Callable[[CheckContext], bool] = always  # whether the check runs on this file
+    keeps_first: bool = False  # duplicates: the first copy passes, only later copies fail
+    detail: Callable[[FailedRow], str] = no_detail  # appended to "file:line: failed <name>"
+
+    def knobs(self, checks: ValidationChecks) -> CheckParams:
+        return SCHEMA_KNOBS if self.category == SCHEMA else getattr(checks, self.category)
+
+
+def _gxe():
+    """great_expectations.expectations, imported when a suite is built, not when this module is."""
+    import great_expectations.expectations as gxe
+
+    return gxe
+
+
+# Derived columns. Checks that share a column share its derivation; the frame computes it once.
+
+def _texts(ctx: CheckContext) -> list[str]:
+    return ctx.texts
+
+
+def _normalized_texts(ctx: CheckContext) -> list[str]:
+    return [normalize(text) for text in ctx.texts]
+
+
+def _pii_kinds(ctx: CheckContext) -> list[str | None]:
+    """The PII kinds found in each row, comma-joined; None when the row is clean."""
+    return [",".join(sorted({span.kind for span in find_pii(text)})) or None for text in ctx.texts]
+
+
+def _token_counts(ctx: CheckContext) -> list[int | None]:
+    return [n_tokens for n_tokens, _, _ in ctx.measured]
+
+
+def _trained_token_counts(ctx: CheckContext) -> list[int | None]:
+    return [trained for _, trained, _ in ctx.measured]
+
+
+def _render_errors(ctx: CheckContext) -> list[str | None]:
+    return [error for _, _, error in ctx.measured]
+
+
+def _eval_overlaps(ctx: CheckContext) -> list[float]:
+    """The share of each row's word n-grams that the eval data already contains."""
+    return [ctx.leak_index.overlap(text) for text in ctx.texts]
+
+
+def _expect_str(column: str, ctx: CheckContext) -> Expectation:
+    return _gxe().ExpectColumnValuesToBeOfType(column=column, type_="str")
+
+
+def schema_checks(columns: tuple[str, ...]) -> list[Check]:
+    """The schema of the required columns: every column exists, then per column not_null and type_str."""
+    exists = [Check(f"column_exists({column})", SCHEMA, column,
+                    lambda col, ctx: _gxe().ExpectColumnToExist(column=col)) for column in columns]
+    values = []
+    for column in columns:
+        values += [Check(f"not_null({column})", "non_null", column,
+                         lambda col, ctx: _gxe().ExpectColumnValuesToNotBeNull(column=col), applies=rows_have(column)),
+                   Check(f"type_str({column})", "types", column, _expect_str, applies=rows_have(column))]
+    return exists + values
+
+
+CHECKS: list[Check] = [
+    *schema_checks(REQUIRED),
+    Check("non_empty(output)", "non_empty", "output",
+          lambda col, ctx: _gxe().ExpectColumnValueLengthsToBeBetween(column=col, min_value=1),
+          applies=rows_have("output")),
+    Check("type_str(input)", "types", "input", _expect_str),  # the frame always has input ("" where absent)
+    Check("length_chars(text)", "length_chars", "text",
+          lambda col, ctx: _gxe().ExpectColumnValueLengthsToBeBetween(
+              column=col, min_value=ctx.cfg.min_chars, max_value=ctx.cfg.max_chars),
+          derive=_texts),
+    Check("unique(row)", "duplicate", "text",
+          lambda col, ctx: _gxe().ExpectColumnValuesToBeUnique(column=col),
+          derive=_texts, keeps_first=True,
+          detail=lambda row: f" (first seen at line {row.first_line})"),
+    Check("near_unique(normalized)", "near_duplicate", "norm_key",
+          lambda col, ctx: _gxe().ExpectColumnValuesToBeUnique(column=col),
+          derive=_normalized_texts, keeps_first=True,
+          detail=lambda row: f" (same as line {row.first_line} up to case/punctuation)"),
+    Check("no_pii(text)", "pii", "pii_kinds",
+          lambda col, ctx: _gxe().ExpectColumnValuesToBeNull(column=col),
+          derive=_pii_kinds, applies=pii_quarantined,
+          detail=lambda row: f" ({row['pii_kinds']})"),
+    Check("fits_seq_len(tokens)", TRUNCATION, "n_tokens",
+          lambda col, ctx: _gxe().ExpectColumnValuesToBeBetween(column=col, max_value=ctx.tokens.seq_len),
+          derive=_token_counts, applies=with_tokens,
+          detail=lambda row: f" ({row['n_tokens']} tokens, truncated to tokenize.seq_len)"),
+    Check("label_coverage(tokens)", "label_coverage", "trained_tokens",
+          lambda col, ctx: _gxe().ExpectColumnValuesToBeBetween(column=col, min_value=1),
+          derive=_trained_token_counts, applies=with_tokens,
+          detail=lambda row: " (no response token left to train on after truncation)"),
+    Check("chat_template_renders(row)", "chat_template", "render_error",
+          lambda col, ctx: _gxe().ExpectColumnValuesToBeNull(column=col),
+          derive=_render_errors, applies=with_tokens,
+          detail=lambda row: f" ({row['render_error']})"),
+    Check("no_leakage(eval)", "leakage", "eval_overlap",
+          lambda col, ctx: _gxe().ExpectColumnValuesToBeBetween(column=col, max_value=ctx.cfg.leakage_max_overlap),
+          derive=_eval_overlaps, applies=with_leak_index,
+          detail=lambda row: f" ({row['eval_overlap']:.0%} of its word n-grams are in the eval data)"),
+]
