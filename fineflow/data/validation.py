@@ -23,7 +23,7 @@ from pathlib import Path
 from fineflow.config import ValidateParams
 from fineflow.data import checks
 from fineflow.data.checks import SCHEMA, TRUNCATION, Check, CheckContext, Expectation, FailedRow
-from fineflow.data.formats import OPTIONAL, REQUIRED, Row, example_text
+from fineflow.data.formats import OPTIONAL, REQUIRED, Row, apply_mapping, example_text, read_rows
 from fineflow.data.overlap import LeakIndex
 from fineflow.data.pii import find_pii, redact
 from fineflow.errors import DataError
@@ -276,3 +276,20 @@ def clean_text(row: Row) -> str:
 def quarantine_record(row: Row, split: str) -> dict:
     return {"split": split, "line": row.line, "reasons": row.reasons, "warnings": row.warnings,
             **({"row": row.data} if row.data is not None else {"raw": row.raw})}
+
+
+def validate_splits(paths: dict[str, Path], data_cfg, cfg: ValidateParams, tokens: TokenView | None = None,
+                    docs_dir: Path | None = None) -> dict[str, ValidationOutcome]:
+    """Read, map and validate the eval split, then the train split against it: train rows are checked for
+    leakage against what evaluation will score, so a leaked eval row is caught here."""
+
+    def load(path: Path) -> list:
+        return apply_mapping(read_rows(path, data_cfg.format), data_cfg.mapping, str(path))
+
+    eval_path, train_path = Path(paths["eval"]), Path(paths["train"])
+    outcomes = {"eval": validate_rows(load(eval_path), str(eval_path), cfg,
+                                      docs_dir=docs_dir / "eval" if docs_dir else None, tokens=tokens)}
+    leak_index = LeakIndex((clean_text(row) for row in outcomes["eval"].kept), cfg.leakage_ngram)
+    outcomes["train"] = validate_rows(load(train_path), str(train_path), cfg, leak_index,
+                                      docs_dir=docs_dir / "train" if docs_dir else None, tokens=tokens)
+    return outcomes

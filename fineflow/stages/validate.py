@@ -19,16 +19,7 @@ import shutil
 from pathlib import Path
 
 from fineflow.config import Params
-from fineflow.data.formats import apply_mapping, read_rows
-from fineflow.data.overlap import LeakIndex
-from fineflow.data.validation import (
-    TokenView,
-    clean_record,
-    clean_text,
-    quarantine_record,
-    raise_if_blocked,
-    validate_rows,
-)
+from fineflow.data.validation import TokenView, clean_record, quarantine_record, raise_if_blocked, validate_splits
 from fineflow.errors import DataError
 from fineflow.reports import write_json_atomic, write_jsonl
 from fineflow.stages._entry import log, run_entry, stage_parser
@@ -45,16 +36,7 @@ def run(params: Params, train_path: Path, eval_path: Path, out_dir: Path, report
         tokens = TokenView(load_tokenizer(resolve_base_model(params.model, base_dir)), params.tokenize.seq_len)
     if docs_dir is not None:
         shutil.rmtree(docs_dir, ignore_errors=True)  # one run's docs, not an accumulation of old ones
-
-    def load(path: Path) -> list:
-        return apply_mapping(read_rows(path, params.data.format), params.data.mapping, str(path))
-
-    outcomes = {"eval": validate_rows(load(eval_path), str(eval_path), cfg,
-                                      docs_dir=docs_dir / "eval" if docs_dir else None, tokens=tokens)}
-    # Train rows are checked against what evaluation will score, so a leaked eval row is caught here.
-    leak_index = LeakIndex((clean_text(row) for row in outcomes["eval"].kept), cfg.leakage_ngram)
-    outcomes["train"] = validate_rows(load(train_path), str(train_path), cfg, leak_index,
-                                      docs_dir=docs_dir / "train" if docs_dir else None, tokens=tokens)
+    outcomes = validate_splits({"eval": eval_path, "train": train_path}, params.data, cfg, tokens, docs_dir)
     for split, outcome in outcomes.items():
         write_jsonl(out_dir / f"{split}.jsonl", (clean_record(row) for row in outcome.kept))
         log(f"{split}: {outcome.rows_in} rows in, {len(outcome.kept)} kept, "
