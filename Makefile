@@ -1,6 +1,6 @@
 # fineflow — the two commands of the quickstart:
 #   make run    bootstrap .venv, install, run the whole Prefect flow on the embedded default
-#   make test   bootstrap .venv (with dev extras), run the test suite
+#   make test   bootstrap .venv (with dev extras), lint (make lint), then run the test suite
 # Also: make repro (plain `dvc repro`, no Prefect), make serve (the scheduled deployment), make clean.
 
 PYTHON ?= python3
@@ -22,7 +22,7 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: run test repro serve venv clean
+.PHONY: run lint test repro serve venv clean
 
 venv: $(STAMP)
 
@@ -37,7 +37,13 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/python -m flows.pipeline
 
-test: $(STAMP)
+# ruff's settings are in pyproject.toml; it skips .venv and what .gitignore ignores.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+# Lint first: a style or import error fails in seconds, before the minutes of tests.
+test: $(STAMP) lint
 	$(BIN)/python -m pytest
 
 repro: $(STAMP)

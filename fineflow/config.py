@@ -4,6 +4,10 @@ Unknown keys are rejected and every problem is reported at once, each as ``param
 so a user fixes their file in one go. Paths are not here: they live in ``dvc.yaml`` and reach stages as
 arguments (the one exception is ``data.train_path``/``data.eval_path``, which ``dvc.yaml`` interpolates so
 that a user can point the pipeline at their own files by editing params alone).
+
+The field defaults below are the values the project ships: ``params.yaml`` states every one of them (with the
+trade-offs in its comments) and tests/test_config.py fails on any key where the two differ. Library code
+takes these values from the models instead of repeating them as defaults of its own: a second copy drifts.
 """
 
 from __future__ import annotations
@@ -27,11 +31,11 @@ class ModelParams(_Section):
     """The base model. ``embedded`` builds a tiny local Llama in the ``base`` stage."""
 
     base: str = EMBEDDED_BASE
-    hidden_size: int = Field(192, gt=0)
-    intermediate_size: int = Field(512, gt=0)
+    hidden_size: int = Field(128, gt=0)
+    intermediate_size: int = Field(384, gt=0)
     num_layers: int = Field(4, gt=0)
     num_heads: int = Field(4, gt=0)
-    vocab_size: int = Field(2048, ge=300)  # must hold the 256 byte symbols plus specials
+    vocab_size: int = Field(1024, ge=300)  # must hold the 256 byte symbols plus specials
     max_position_embeddings: int = Field(512, gt=0)
 
     @model_validator(mode="after")
@@ -49,8 +53,8 @@ class BaseParams(_Section):
     """Brief pretraining of the embedded base so that LoRA has a model that has learned something."""
 
     corpus_docs: int = Field(20000, gt=0)
-    steps: int = Field(400, ge=0)
-    batch_size: int = Field(32, gt=0)
+    steps: int = Field(1200, ge=0)
+    batch_size: int = Field(16, gt=0)
     seq_len: int = Field(128, gt=8)
     lr: float = Field(3e-3, gt=0)
     warmup_steps: int = Field(20, ge=0)
@@ -91,8 +95,6 @@ class CheckParams(_Section):
 
     severity: Literal["error", "warn"] = "error"
     max_share: float = Field(0.10, ge=0, le=1)
-
-
 
 
 class ValidationChecks(_Section):
@@ -155,17 +157,17 @@ class TrainParams(_Section):
     num_machines: int = Field(1, gt=0)  # >1: launch once per machine with --machine-rank/--main-process-ip
     auto_fit: bool = False  # plan exceeds device memory: adapt (checkpointing, smaller micro-batch) or refuse
     device_memory_gib: float | None = Field(None, gt=0)  # per device; null = detect (GPU memory, or RAM/ranks)
-    steps: int = Field(300, gt=0)  # optimizer steps
-    micro_batch_size: int = Field(8, gt=0)  # packed rows per process per micro-step
+    steps: int = Field(800, gt=0)  # optimizer steps
+    micro_batch_size: int = Field(2, gt=0)  # packed rows per process per micro-step
     grad_accum: int = Field(1, gt=0)
-    lr: float = Field(2e-3, gt=0)
+    lr: float = Field(3e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(20, ge=0)
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     max_grad_norm: float = Field(1.0, gt=0)
     eval_every: int = Field(100, gt=0)  # validation loss on the eval shard every N steps (and at the end)
     resume: Literal["auto", "never"] = "auto"  # auto: continue from the newest valid checkpoint of this config
-    log_every: int = Field(10, gt=0)
+    log_every: int = Field(50, gt=0)
     prefetch: int = Field(2, ge=0)  # optimizer steps of batches prepared ahead on a background thread
     tracker: Literal["tensorboard", "mlflow", "none"] = "tensorboard"  # accelerate tracker (logs/<tracker>)
     lora: LoraParams = LoraParams()
@@ -174,7 +176,7 @@ class TrainParams(_Section):
 class CheckpointSettings(_Section):
     """When and how the train stage checkpoints (fineflow.checkpoint)."""
 
-    every_steps: int = Field(100, gt=0)
+    every_steps: int = Field(200, gt=0)
     every_minutes: float | None = Field(None, gt=0)  # also save when this long has passed since the last save
     keep_last: int = Field(2, ge=1)
     keep_best: int = Field(1, ge=0)  # by validation loss; never deleted, nor the one resumed from

@@ -1,4 +1,4 @@
-"""The fineflow Prefect flow: base -> data -> validate -> tokenize -> train -> evaluate -> promote.
+"""The fineflow Prefect flow: the stages of ``dvc.yaml``, in the order that file lists them.
 
     python -m flows.pipeline            # one run now (what `make run` does)
     python -m flows.deploy              # serve it on a schedule (see flows/deploy.py)
@@ -14,17 +14,17 @@ from pathlib import Path
 
 from prefect import flow
 
+from fineflow.dag import stage_names
 from tasks.stages import run_stage
 
-STAGES = ["base", "data", "validate", "tokenize", "train", "evaluate", "promote"]
 RETRIES = {"train": 2}  # a crashed train stage resumes from its last valid checkpoint
 
 
 @flow(name="fineflow", log_prints=True)
 def fineflow_pipeline(project_dir: str = ".") -> dict[str, dict]:
-    """Run every stage in order; returns {stage: {"stage", "ran", "report"}}."""
+    """Run every stage of the project's dvc.yaml in order; returns {stage: {"stage", "ran", "report"}}."""
     results = {}
-    for stage in STAGES:
+    for stage in stage_names(project_dir):
         task = run_stage.with_options(retries=RETRIES.get(stage, 0), retry_delay_seconds=5)
         results[stage] = task(stage, project_dir)
     return results

@@ -42,3 +42,36 @@ def test_yaml_syntax_error_names_line(tmp_path):
 def test_missing_file_is_clear(tmp_path):
     with pytest.raises(ConfigError, match="cannot read parameters"):
         load_params(tmp_path / "nope.yaml")
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict[str, object]:
+    """Flatten nested sections into {dotted.key: value}; a section is walked, any other value is a leaf."""
+    flat = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(_leaves(value, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def test_params_yaml_states_exactly_the_config_defaults():
+    """One source of defaults: the shipped params.yaml and config.py's field defaults agree on every key.
+
+    Each differing or missing key is named at once, so a drift is fixed in one go."""
+    import yaml
+
+    from fineflow.config import Params
+    from tests.conftest import ROOT
+
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text(encoding="utf-8"))
+    shipped = _leaves(parse_params(raw).model_dump(by_alias=True))
+    defaults = _leaves(Params().model_dump(by_alias=True))
+    stated = _leaves(raw)
+    differing = [key for key in defaults if shipped.get(key) != defaults[key]]
+    unstated = [key for key in defaults if key not in stated]
+    problems = [f"{key}: params.yaml {shipped[key]!r} != config.py default {defaults[key]!r}" for key in differing]
+    problems += [f"{key}: in config.py (default {defaults[key]!r}) but not stated in params.yaml" for key in unstated]
+    assert not problems, "params.yaml and fineflow/config.py disagree:\n  " + "\n  ".join(problems)
+    assert parse_params(raw) == Params()

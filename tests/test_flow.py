@@ -2,7 +2,8 @@
 
 Shows: every stage runs and reports; a second flow run skips every stage; changing only train.* re-runs
 train -> evaluate -> promote and nothing upstream; a plain `dvc repro` in a fresh copy leaves the same
-dvc.lock as the flow.
+dvc.lock as the flow. And dvc.yaml is the one list of stages: the stage entries, the flow's order and
+lineage's stage reports all follow it.
 """
 
 import subprocess
@@ -11,9 +12,9 @@ import sys
 import pytest
 import yaml
 
-from tests.conftest import copy_project, venv_env
+from tests.conftest import ROOT, copy_project, venv_env
 
-STAGES = ["base", "data", "validate", "tokenize", "train", "evaluate", "promote"]
+STAGES = list(yaml.safe_load((ROOT / "dvc.yaml").read_text(encoding="utf-8"))["stages"])  # in the file's order
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +83,54 @@ def test_a_stage_counts_as_run_even_when_its_output_pushes_dvcs_line_out_of_the_
     lines = []
     assert stages.repro_single("evaluate", tmp_path, lines.append) is True
     assert len(lines) == 201
+
+
+class _RecordingTask:
+    """Stands in for the Prefect task run_stage: records the stages the flow asks for, runs nothing."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int]] = []
+
+    def with_options(self, *, retries: int, **_):
+        def run(stage: str, project_dir: str) -> dict:
+            self.calls.append((stage, retries))
+            return {"stage": stage, "ran": False, "report": {}}
+
+        return run
+
+
+def _stages_the_flow_runs(project_dir, monkeypatch) -> list[tuple[str, int]]:
+    """The flow's body without Prefect (``.fn``), with a recorder in place of the task."""
+    import flows.pipeline as pipeline
+
+    recorder = _RecordingTask()
+    monkeypatch.setattr(pipeline, "run_stage", recorder)
+    pipeline.fineflow_pipeline.fn(str(project_dir))
+    return recorder.calls
+
+
+def test_stage_entries_are_exactly_dvc_yamls_stages():
+    entries = sorted(p.stem for p in (ROOT / "fineflow/stages").glob("*.py") if not p.stem.startswith("_"))
+    assert entries == sorted(STAGES)
+    for stage, spec in yaml.safe_load((ROOT / "dvc.yaml").read_text(encoding="utf-8"))["stages"].items():
+        assert f"python -m fineflow.stages.{stage} " in spec["cmd"] + " ", f"stage {stage} runs another entry"
+
+
+def test_the_flow_runs_dvc_yamls_stages_in_its_order(monkeypatch):
+    from flows.pipeline import RETRIES
+
+    calls = _stages_the_flow_runs(ROOT, monkeypatch)
+    assert [stage for stage, _ in calls] == STAGES
+    assert dict(calls)["train"] == RETRIES["train"] and set(RETRIES) <= set(STAGES)
+
+
+def test_the_flow_follows_an_edited_dvc_yaml(tmp_path, monkeypatch):
+    """The order is read from the project's dvc.yaml, not written down a second time."""
+    (tmp_path / "dvc.yaml").write_text("stages:\n  data: {cmd: x}\n  base: {cmd: y}\n", encoding="utf-8")
+    assert [stage for stage, _ in _stages_the_flow_runs(tmp_path, monkeypatch)] == ["data", "base"]
+
+
+def test_lineage_times_the_run_from_every_stage_before_promote():
+    from fineflow.registry.lineage import report_stages
+
+    assert report_stages(ROOT / "reports") == STAGES[:-1] and STAGES[-1] == "promote"

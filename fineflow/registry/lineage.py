@@ -12,7 +12,7 @@ checkpoints on disk) and ``dvc_lock`` (hashes of every stage's deps and outs as 
 ran), is written only to ``reports/lineage/<candidate id>.json``, which is not a DVC output;
 ``fineflow lineage`` joins the two when both are there.
 
-Pure functions plus small readers; the promote stage builds and writes the manifest.
+Pure functions plus small readers; fineflow.registry.champion.promote builds and writes the manifest.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import yaml
 
+from fineflow.dag import DVC_FILE, stage_names
 from fineflow.reports import sha256_file
 
 FORMAT = 1
@@ -40,7 +41,18 @@ PACKAGES = ("torch", "transformers", "peft", "accelerate", "lm-eval", "datasets"
 REQUIRED = ("params", "packages.torch", "packages.transformers", "packages.peft", "data.tokenizer_hash",
             "data.template_hash", "artefacts.adapter.sha256", "eval.scores_sha256", "eval.eval_data_sha256",
             "run.git.commit")
-REPORT_STAGES = ("base", "data", "validate", "tokenize", "train", "evaluate")
+MANIFEST_STAGE = "promote"  # builds the manifest while it runs: its own report is not part of this run yet
+
+
+def report_stages(reports_dir: Path) -> list[str]:
+    """The stages whose reports time the run: those of the project's dvc.yaml (the folder that holds
+    reports_dir) but the manifest's own; outside a DVC project, whichever stage reports reports_dir holds."""
+    project = reports_dir.parent
+    if (project / DVC_FILE).is_file():
+        stages = stage_names(project)
+    else:
+        stages = sorted(path.stem for path in reports_dir.glob("*.json"))
+    return [stage for stage in stages if stage != MANIFEST_STAGE]
 
 
 def file_hashes(directory: Path, exclude: tuple[str, ...] = ()) -> dict[str, str]:
@@ -123,7 +135,7 @@ def _iso(ts: float) -> str:
 def run_times(reports_dir: Path, now: float | None = None) -> dict:
     """Start and end of the run: each stage report's mtime is its end, minus its wall_s its start."""
     starts, ends = [], []
-    for stage in REPORT_STAGES:
+    for stage in report_stages(reports_dir):
         path = reports_dir / f"{stage}.json"
         try:
             end = path.stat().st_mtime
@@ -166,7 +178,7 @@ def build_manifest(*, params: dict, adapter_dir: Path, scores_path: Path, eval_d
 
 
 def directory_digest(files: dict[str, str]) -> str:
-    """The content id of a set of files from {relative path: sha256} (same as promotion.directory_hash)."""
+    """The content id of a set of files from {relative path: sha256} (same as store.directory_hash)."""
     digest = hashlib.sha256()
     for name, sha in sorted(files.items()):
         digest.update(name.encode() + b"\0")
