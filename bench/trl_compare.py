@@ -36,7 +36,7 @@ TRL packed    the same with packing=True and TRL 1.16's default packing_strategy
               per_device_train_batch_size = micro_batch_size packed rows (TRL's rows of <= max_length).
 
 Both TRL runs use the same base model and LoRA config (params.train.lora), an AdamW with fineflow's lr and
-weight decay, fineflow's own schedule (fineflow.train.loop.lr_multiplier: linear warmup, cosine/linear decay
+weight decay, fineflow's own schedule (fineflow.train.schedule.lr_multiplier: linear warmup, cosine/linear decay
 to 10%), max_grad_norm, no gradient checkpointing (SFTConfig's default is on), fp32, no eval, no saving,
 no logging, dataloader_num_workers 0. TRL's time is its training loop (on_train_begin -> last on_step_end,
 so it includes fetching/collating every batch, like fineflow's loop includes its data wait); real tokens are
@@ -236,7 +236,7 @@ def build_trl(params, base_dir: Path, rows_dir: Path, out_dir: Path, packing: bo
     from trl import SFTConfig, SFTTrainer
 
     from fineflow.model_ref import resolve_base_model
-    from fineflow.train.loop import lr_multiplier
+    from fineflow.train.schedule import lr_multiplier
 
     cfg = params.train
     reference = resolve_base_model(params.model, base_dir)
