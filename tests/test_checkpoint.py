@@ -1,6 +1,9 @@
 """Checkpoint library (fineflow/checkpoint/): exact round trips, corruption, disk full, torn writes
 (SIGKILL at random moments), retention and fingerprints. Fast: small tensors, real files, real kills.
 
+Faults are injected by replacing ``fineflow.checkpoint.write.write_all`` (every checkpoint byte goes through
+it): with pytest's monkeypatch in this process, with tests/faults/sitecustomize.py in a spawned writer.
+
     .venv/bin/python -m pytest tests/test_checkpoint.py -q -s     # -s shows the torn-write counts
 """
 
@@ -12,6 +15,8 @@ import json
 import os
 import random
 import re
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -20,12 +25,15 @@ import numpy as np
 import pytest
 import torch
 
+import fineflow.checkpoint.write as write_module  # faults replace write_module.write_all, where it is looked up
 from fineflow import checkpoint
 from fineflow.checkpoint import (CheckpointError, CheckpointManager, CheckpointWarning, capture_rng, from_tree,
                                  latest_valid, load_checkpoint, restore_rng, to_tree, verify_checkpoint)
 from fineflow.errors import FineflowError
+from tests.faults import FAULTS_DIR, INJECTED, fault_env
 
 ROOT = Path(__file__).resolve().parent.parent
+REAL_WRITE_ALL = write_module.write_all  # taken before any test replaces it: a fault wraps the real write
 
 
 def small_state(step: int, fingerprint=None) -> dict:
@@ -85,7 +93,9 @@ def test_files_are_safetensors_and_json_only(tmp_path):
         json.loads((path / name).read_text())
     manifest = verify_checkpoint(path, deep=True)
     assert set(manifest["files"]) == set(step_names(path)) - {"COMPLETE", "manifest.json"}
-    source = (ROOT / "fineflow/checkpoint/").read_text()
+    sources = sorted((ROOT / "fineflow/checkpoint").glob("*.py"))
+    assert len(sources) > 1  # the whole package, not just its __init__
+    source = "".join(path.read_text() for path in sources)
     assert "import pickle" not in source and "torch.load(" not in source
 
 
@@ -249,20 +259,24 @@ def test_a_failed_verification_is_loud_and_publishes_nothing(tmp_path):
 # disk full
 # ---------------------------------------------------------------------------------------------------------
 
-def enospc(when: str, times: int = 10**9):
-    """A write hook that fails with ENOSPC on files whose path contains `when`, `times` times."""
+def enospc(monkeypatch, when: str, times: int = 10**9) -> dict:
+    """Make every checkpoint write to a file whose path contains `when` fail with ENOSPC, `times` times
+    (then write normally); returns the failure count. The writer thread sees it too: it looks write_all up
+    in the write module at each call."""
     calls = {"n": 0}
 
-    def hook(path: str, nbytes: int) -> None:
+    def write_all(fd: int, data: memoryview, path: str) -> None:
         if when in path and calls["n"] < times:
             calls["n"] += 1
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    return hook, calls
+        REAL_WRITE_ALL(fd, data, path)
+    monkeypatch.setattr(write_module, "write_all", write_all)
+    return calls
 
 
-def test_disk_full_stops_with_a_clear_error_and_the_previous_checkpoint_intact(tmp_path):
-    hook, _ = enospc("step-0000002/optimizer.safetensors")
-    manager = CheckpointManager(tmp_path, mode="async", write_hook=hook)
+def test_disk_full_stops_with_a_clear_error_and_the_previous_checkpoint_intact(tmp_path, monkeypatch):
+    enospc(monkeypatch, "step-0000002/optimizer.safetensors")
+    manager = CheckpointManager(tmp_path, mode="async")
     save_small(manager, 1)
     save_small(manager, 2)  # returns: the failure happens in the background ...
     with pytest.raises(CheckpointError, match=r"disk full while writing \S+/\.tmp-step-0000002/optimizer\.safetensors "
@@ -270,7 +284,7 @@ def test_disk_full_stops_with_a_clear_error_and_the_previous_checkpoint_intact(t
         manager.wait()  # ... and surfaces here (or from the next save())
     assert step_names(tmp_path) == ["step-0000001"]  # no temp dir left behind
     assert load_checkpoint(latest_valid(tmp_path)).step == 1
-    save_small(manager, 2)  # the hook keeps failing step 2: the next save() raises too
+    save_small(manager, 2)  # the fault keeps failing step 2: the next save() raises too
     with pytest.raises(CheckpointError, match="disk full"):
         save_small(manager, 3)
     manager.close()
@@ -280,30 +294,28 @@ def test_disk_full_stops_with_a_clear_error_and_the_previous_checkpoint_intact(t
 def test_disk_full_by_monkeypatching_the_low_level_write(tmp_path, monkeypatch):
     with CheckpointManager(tmp_path, mode="sync") as manager:
         save_small(manager, 1)
-        real = checkpoint.write_all
 
-        def full_after_a_few(fd, data, path, write_hook=None):
+        def full_after_a_few(fd, data, path):
             if "step-0000002" in path and path.endswith("manifest.json"):
                 raise OSError(errno.ENOSPC, "No space left on device")
-            real(fd, data, path, write_hook)
-        monkeypatch.setattr(checkpoint, "write_all", full_after_a_few)
+            REAL_WRITE_ALL(fd, data, path)
+        monkeypatch.setattr(write_module, "write_all", full_after_a_few)
         with pytest.raises(CheckpointError, match=r"disk full while writing .*manifest\.json .*step-0000001 is intact"):
             save_small(manager, 2)
     assert step_names(tmp_path) == ["step-0000001"]
 
 
-def test_disk_full_retry_succeeds_when_transient_and_gives_up_otherwise(tmp_path):
-    hook, calls = enospc("model.safetensors", times=2)
-    with CheckpointManager(tmp_path / "a", mode="async", on_write_error="retry", retries=3, retry_backoff_s=0.01,
-                           write_hook=hook) as manager:
+def test_disk_full_retry_succeeds_when_transient_and_gives_up_otherwise(tmp_path, monkeypatch):
+    calls = enospc(monkeypatch, "model.safetensors", times=2)
+    with CheckpointManager(tmp_path / "a", mode="async", on_write_error="retry", retries=3, retry_backoff_s=0.01) \
+            as manager:
         with warnings.catch_warnings():  # retry warnings come from the writer thread: checked below, in sync mode
             warnings.simplefilter("ignore", CheckpointWarning)
             save_small(manager, 1)
             assert manager.wait() == tmp_path / "a" / "step-0000001"
         assert manager.last_result["attempts"] == 3 and calls["n"] == 2
-    hook, calls = enospc("model.safetensors")
-    manager = CheckpointManager(tmp_path / "b", mode="sync", on_write_error="retry", retries=2, retry_backoff_s=0.01,
-                                write_hook=hook)
+    calls = enospc(monkeypatch, "model.safetensors")
+    manager = CheckpointManager(tmp_path / "b", mode="sync", on_write_error="retry", retries=2, retry_backoff_s=0.01)
     with pytest.raises(CheckpointError, match=r"disk full .* after 3 attempts; there is no previous checkpoint"), \
             pytest.warns(CheckpointWarning) as retried:
         save_small(manager, 1)
@@ -313,15 +325,39 @@ def test_disk_full_retry_succeeds_when_transient_and_gives_up_otherwise(tmp_path
     assert calls["n"] == 3 and step_names(tmp_path / "b") == []
 
 
+def test_disk_full_reaches_the_spawned_writer_process(tmp_path, monkeypatch, capfd):
+    """The process backend's writer is a fresh interpreter that monkeypatch cannot reach; the test-only
+    sitecustomize (tests/faults, on the inherited PYTHONPATH) does. This process keeps the real write_all."""
+    env = fault_env(dict(os.environ), disk_full_at_step=2)
+    monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
+    monkeypatch.setenv("FINEFLOW_TEST_DISK_FULL_AT_STEP", "2")
+    monkeypatch.delenv("FINEFLOW_TEST_WRITE_DELAY_S", raising=False)
+    manager = CheckpointManager(tmp_path, mode="async", async_backend="process")
+    try:
+        save_small(manager, 1)
+        assert manager.wait() == tmp_path / "step-0000001"
+        save_small(manager, 2)
+        with pytest.raises(CheckpointError, match=r"disk full while writing \S+/\.tmp-step-0000002/\S+ \(checkpoint "
+                                                  r"step 2\); the previous checkpoint \S+step-0000001 is intact"):
+            manager.wait()
+    finally:
+        manager.close()
+    assert step_names(tmp_path) == ["step-0000001"]
+    assert write_module.write_all is REAL_WRITE_ALL
+    assert f"disk full at step 2 {INJECTED}" in capfd.readouterr().err  # said by the writer process itself
+
+
 # ---------------------------------------------------------------------------------------------------------
 # async behaviour, atomic replace, startup cleanup
 # ---------------------------------------------------------------------------------------------------------
 
-def test_at_most_one_save_in_flight(tmp_path):
-    def slow(path: str, nbytes: int) -> None:
+def test_at_most_one_save_in_flight(tmp_path, monkeypatch):
+    def slow(fd: int, data: memoryview, path: str) -> None:
         if path.endswith("model.safetensors"):
             time.sleep(0.3)
-    with CheckpointManager(tmp_path, mode="async", write_hook=slow) as manager:
+        REAL_WRITE_ALL(fd, data, path)
+    monkeypatch.setattr(write_module, "write_all", slow)
+    with CheckpointManager(tmp_path, mode="async") as manager:
         started = time.perf_counter()
         save_small(manager, 1)
         assert time.perf_counter() - started < 0.25  # blocked only for the snapshot
@@ -398,12 +434,69 @@ def test_fingerprint_mismatch_is_refused_with_a_clear_message(tmp_path):
 # torn writes: SIGKILL at random moments
 # ---------------------------------------------------------------------------------------------------------
 
-def test_torn_writes_never_picked(tmp_path):
-    """30 seeded kills here (bench/torn_writes.py runs 200+): after each, every step dir verifies and
-    latest_valid() loads the newest published step with exactly its content."""
+def torn_writes_harness():
     spec = importlib.util.spec_from_file_location("torn_writes", ROOT / "bench" / "torn_writes.py")
     harness = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(harness)
-    counts = harness.run_trials(tmp_path / "checkpoints", trials=30, seed=0)
+    return harness
+
+
+def test_torn_writes_never_picked(tmp_path):
+    """30 seeded kills here (bench/torn_writes.py runs 200+): after each, every step dir verifies and
+    latest_valid() loads the newest published step with exactly its content."""
+    counts = torn_writes_harness().run_trials(tmp_path / "checkpoints", trials=30, seed=0)
     assert counts["trials"] == 30 and counts["torn_picked"] == 0
     assert counts["kills_during_a_save"] >= 3 and counts["saves_published"] >= 5  # timing-dependent: loose
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fault injection is test-only
+# ---------------------------------------------------------------------------------------------------------
+
+def test_production_code_has_no_fault_switches():
+    """Faults live in tests/ (monkeypatch, tests/faults/sitecustomize.py); fineflow/ reads no fault variable
+    and passes no hook."""
+    offenders = [f"{path.relative_to(ROOT)}: {word}" for path in sorted((ROOT / "fineflow").rglob("*.py"))
+                 for word in ("write_hook", "FINEFLOW_FAULT", "FINEFLOW_TEST_")
+                 if word in path.read_text(encoding="utf-8")]
+    assert not offenders, offenders
+
+
+def _python(code: str, env: dict) -> str:
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+def test_fault_sitecustomize_is_inert_without_its_variables_and_lazy_with_them(tmp_path):
+    """Ours is the only sitecustomize (the interpreter has none that it would shadow); without its variables
+    it installs nothing; with them it imports neither fineflow nor torch until the write module is imported,
+    and then patches exactly that module (so dvc or git hooks in a test's environment stay untouched)."""
+    bare = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("FINEFLOW_TEST_")}
+    shadowed = subprocess.run([sys.executable, "-c", "import sitecustomize"], env=bare, capture_output=True)
+    assert shadowed.returncode != 0, "the interpreter has a sitecustomize of its own: tests/faults would shadow it"
+    probe = ("import sys, sitecustomize; print(sitecustomize.__file__); print('hooks', len(sys.meta_path)); "
+             "print('heavy', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'fineflow'}))")
+    plain = _python(probe, fault_env(bare))
+    assert str(FAULTS_DIR / "sitecustomize.py") in plain and "heavy []" in plain
+    armed = _python(probe + "; import fineflow.checkpoint.write as w; print('patched', w.write_all.__qualname__)",
+                    fault_env(bare, write_delay_s=0.5))
+    hooks = int(re.search(r"hooks (\d+)", plain).group(1))
+    assert f"hooks {hooks + 1}" in armed and "heavy []" in armed  # one finder, nothing heavy imported yet
+    assert "patched slow_writes.<locals>.write_all" in armed
+    assert re.search(rf"write delay 0.5s {INJECTED} \(pid \d+, rank 0\)", armed)
+
+
+def test_the_harness_counts_a_torn_pick(tmp_path):
+    """torn_picked is measured: the harness's check rejects a checkpoint with flipped bytes or with
+    another step's content, and accepts an intact one."""
+    harness = torn_writes_harness()
+    data = harness.payload(3)
+    with CheckpointManager(tmp_path, mode="sync") as manager:
+        manager.save(3, data["model_tensors"], data["optimizer_state_dict"], data["scheduler_state_dict"],
+                     data["state_json"], [capture_rng()], metric=data["metric"])
+    path = tmp_path / "step-0000003"
+    assert harness.torn(path, 3) is None
+    assert harness.torn(path, 4).startswith("AssertionError")  # step 3's content where step 4's belongs
+    _flip(path / "optimizer.safetensors")
+    assert "sha256 mismatch" in harness.torn(path, 3)

@@ -1,9 +1,14 @@
 """Exact resume after kill -9: the train stage is SIGKILLed at several points (mid-step, mid-checkpoint-
 write), re-run until done, and must end with adapter tensors torch.equal to an uninterrupted run's and the
-same sequence of rows trained on. Also: a corrupted newest checkpoint, disk full, a changed config."""
+same sequence of rows trained on. Also: a corrupted newest checkpoint, disk full, a changed config.
+
+Faults reach the stage's processes (the ranks under accelerate launch included) through the test-only
+tests/faults/sitecustomize.py: every run slows each checkpoint write a little, so kills land mid-write; the
+disk-full test fails step 4's writes. Each process that got a fault says so, and the tests check that."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import free_port, venv_env, write_params
+from tests.faults import INJECTED, fault_env
 
 STEPS = 12
 TRAIN = [sys.executable, "-m", "fineflow.stages.train", "--shards", "data/shards", "--base-dir", "models/base",
@@ -31,8 +37,9 @@ def _project(built, path, overrides=None):
     return path
 
 
-def _env(ranks, extra=None):
-    env = {**venv_env(), "FINEFLOW_FAULT_WRITE_DELAY_S": "0.03", **(extra or {})}  # widen the write window
+def _env(ranks, disk_full_at_step=None):
+    # the write delay widens the window in which a kill lands mid-write; disk full, when asked, takes over
+    env = fault_env(venv_env(), write_delay_s=0.03, disk_full_at_step=disk_full_at_step)
     if ranks == 1:
         env["FINEFLOW_TRAIN_WORKER"] = "1"  # run the rank directly, no launcher in between
     return env
@@ -89,6 +96,13 @@ def _adapter(project):
     return load_file(project / "models/candidate/adapter_model.safetensors")
 
 
+def _assert_faults_reached(output, ranks, fault="write delay 0.03s"):
+    """Every rank (RANK under accelerate launch; 0 for a rank run directly) installed the fault: without
+    it, kills mid-write would be luck, and a disk-full test would test nothing."""
+    for rank in range(ranks):
+        assert re.search(rf"{re.escape(fault)} {INJECTED} \(pid \d+, rank {rank}\)", output), (rank, output[-3000:])
+
+
 def _assert_same_training(resumed, reference):
     assert [json.loads(x)["step"] for x in (resumed / "reports/train_steps.jsonl").read_text().splitlines()] \
         == list(range(1, STEPS + 1))  # no step logged twice, none missing
@@ -117,6 +131,7 @@ def test_sigkill_at_many_points_then_resume_is_bit_exact(built, tmp_path, ranks)
     for _, condition in KILL_POINTS:
         kills += _kill_when(resumed, ranks, condition)
     output = _finish(resumed, ranks)
+    _assert_faults_reached(output, ranks)
     assert kills >= 5, f"only {kills} kills landed before the run finished"
     assert "resuming from" in output
     _assert_same_training(resumed, reference)
@@ -150,10 +165,12 @@ def test_disk_full_stops_with_a_clear_error_and_keeps_the_previous_checkpoint(bu
     from fineflow.checkpoint import latest_valid, load_checkpoint
 
     project = _project(built, tmp_path)
-    proc = _start(project, 1, env=_env(1, {"FINEFLOW_FAULT_DISK_FULL_AT_STEP": "4"}))
+    proc = _start(project, 1, env=_env(1, disk_full_at_step=4))
     output = proc.communicate(timeout=600)[0]
+    _assert_faults_reached(output, 1, fault="disk full at step 4")  # the rank got it; without it the run passes
     assert proc.returncode == 2 and "Traceback" not in output, output[-3000:]
     assert "disk full" in output.lower() and "step-0000002" in output
+    assert "(checkpoint step 4)" in output  # the injected step failed, not some other write
     [run_dir] = (project / "checkpoints").iterdir()
     assert latest_valid(run_dir).name == "step-0000002" and load_checkpoint(run_dir / "step-0000002").step == 2
     assert not list(run_dir.glob(".tmp-*"))

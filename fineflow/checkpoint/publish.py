@@ -1,0 +1,122 @@
+"""One save, end to end, as the background writer runs it: temp dir -> files -> manifest -> marker ->
+fsync -> verify -> atomic rename -> fsync parent, then retention; OSErrors become a clear CheckpointError
+(or retries). Every backend (sync, thread, process) runs ``run_job``."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+from fineflow.checkpoint.format import (FORMAT, FORMAT_VERSION, MANIFEST, MARKER, CheckpointError, CheckpointWarning,
+                                        _json_bytes, _step_dirs, step_dir_name)
+from fineflow.checkpoint.read import verify_checkpoint
+from fineflow.checkpoint.retention import apply_retention
+from fineflow.checkpoint.snapshot import SaveJob
+from fineflow.checkpoint.write import _write_file, fsync_dir
+
+
+def _write_checkpoint(job: SaveJob) -> tuple[Path, dict]:
+    """Returns the published path and how long writing (with fsync) and verifying took."""
+    started = time.perf_counter()
+    root = Path(job.root)
+    final, tmp = root / step_dir_name(job.step), root / f".tmp-{step_dir_name(job.step)}"
+    if tmp.exists():
+        shutil.rmtree(tmp)  # left by a failed attempt of the same step
+    tmp.mkdir(parents=True)
+    data = job.arena.numpy()
+    files: dict[str, dict] = {}
+    for spec in job.tensor_files:
+        files[spec.name] = _write_file(tmp / spec.name, [spec.header, data[spec.offset:spec.offset + spec.nbytes]])
+    for name, payload in job.json_files.items():
+        files[name] = _write_file(tmp / name, [payload])
+    # no timestamp: the same state must give the same bytes (DVC hashes checkpoints/ into dvc.lock, and
+    # the Prefect flow and `dvc repro` must leave the same lock); the directory's mtime says when
+    manifest = {"format": FORMAT, "version": FORMAT_VERSION, "step": job.step, "metric": job.metric,
+                "files": files}
+    manifest_bytes = _json_bytes(manifest)
+    _write_file(tmp / MANIFEST, [manifest_bytes])
+    # the marker names the manifest's hash: a marker next to any other manifest is not a complete save
+    _write_file(tmp / MARKER, [f"sha256 {hashlib.sha256(manifest_bytes).hexdigest()}\n".encode()])
+    fsync_dir(tmp)
+    written = time.perf_counter()
+    verify_checkpoint(tmp, deep=True)  # only a verified checkpoint is ever published
+    verified = time.perf_counter()
+    _publish(tmp, final)
+    return final, {"files_s": written - started, "verify_s": verified - written}
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename tmp to final atomically. Re-saving an existing step moves the old one aside first, so the
+    rename never meets 'Directory not empty'; a crash between the renames is undone by clean_stale()."""
+    aside = final.with_name(f".old-{final.name}")
+    if final.exists():
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    if aside.exists():
+        shutil.rmtree(aside)
+
+
+def newest_complete(root: Path, exclude: Path | None = None) -> Path | None:
+    """The newest step directory carrying a marker (no hashing: for messages and retention)."""
+    for _, path in sorted(_step_dirs(root), reverse=True):
+        if path != exclude and (path / MARKER).exists():
+            return path
+    return None
+
+
+def _write_error(job: SaveJob, exc: OSError, attempts: int) -> CheckpointError:
+    root = Path(job.root)
+    previous = newest_complete(root, exclude=root / step_dir_name(job.step))
+    intact = (f"the previous checkpoint {previous} is intact" if previous is not None
+              else "there is no previous checkpoint")
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    what = "disk full" if full else f"I/O error ({exc.strerror or exc})"
+    advice = (f"Free space under {root} or lower checkpoint.keep_last." if full
+              else f"Check the disk or mount that holds {root}.")
+    tries = f" after {attempts} attempts" if attempts > 1 else ""
+    return CheckpointError(f"{what} while writing {exc.filename or root} (checkpoint step {job.step}){tries}; "
+                           f"{intact}. {advice}")
+
+
+def run_job(job: SaveJob) -> dict:
+    """Write, verify and publish one checkpoint, then apply retention; every backend runs this.
+
+    An OSError (ENOSPC, EIO) removes the temp dir and, with on_write_error="retry", is retried with
+    exponential backoff up to job.retries times; the previous checkpoint is never touched.
+    """
+    root = Path(job.root)
+    tmp = root / f".tmp-{step_dir_name(job.step)}"
+    started, attempt = time.perf_counter(), 0
+    while True:
+        try:
+            path, timings = _write_checkpoint(job)
+            break
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if job.on_write_error == "retry" and attempt < job.retries:
+                delay = job.retry_backoff_s * 2**attempt
+                warnings.warn(f"{exc.filename}: {exc.strerror or exc} while saving step {job.step}; retrying in "
+                              f"{delay:g}s ({attempt + 1} of {job.retries})", CheckpointWarning)
+                time.sleep(delay)
+                attempt += 1
+                continue
+            raise _write_error(job, exc, attempt + 1) from exc
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    write_s = time.perf_counter() - started
+    try:
+        deleted = apply_retention(root, job.keep_last, job.keep_best, job.protected)
+    except OSError as exc:  # the new checkpoint is published and valid: a failed cleanup must not undo that
+        warnings.warn(f"{root}: retention failed ({exc}); old checkpoints were kept", CheckpointWarning)
+        deleted = []
+    return {"path": str(path), "step": job.step, "write_s": write_s, **timings, "attempts": attempt + 1,
+            "bytes": sum(s.nbytes for s in job.tensor_files), "deleted": [str(p) for p in deleted]}

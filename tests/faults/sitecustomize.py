@@ -1,0 +1,116 @@
+"""Test-only fault injection into checkpoint writes, for the processes a test starts. Production code has no
+fault switch: this file is the switch, and it exists only in tests/.
+
+A test puts this directory first on PYTHONPATH for a subprocess (``tests.faults.fault_env``). Python
+imports ``sitecustomize`` at startup, so this module runs in that process and in every Python process
+started from it with the same environment: the train stage's launcher, ``accelerate launch`` and each
+rank it starts, and the checkpoint writer process of the process backend (spawned: a fresh interpreter).
+
+When one of these variables is set, ``fineflow.checkpoint.write.write_all`` (the one function every
+checkpoint byte goes through) is replaced right after that module executes, whenever the process imports
+it; with neither set, this module does nothing at all:
+
+    FINEFLOW_TEST_WRITE_DELAY_S=<seconds>   every write sleeps this long first: checkpoint writes take long
+                                            enough that a test's SIGKILL can land in the middle of one
+    FINEFLOW_TEST_DISK_FULL_AT_STEP=<N>     every write of step N's checkpoint files fails with ENOSPC (the
+                                            message says "injected"); takes precedence over the delay
+
+Each process that installs a fault says so on stderr, with its pid and rank (RANK, as accelerate and
+torchrun set it; 0 when unset), so a test can prove that the fault reached the processes it meant.
+
+Nothing here imports fineflow or torch: the patch waits, as an import hook (a ``sys.meta_path`` finder
+whose loader patches after the module has executed), until the process imports the write module itself.
+Any other Python process with these variables set (dvc, git hooks) pays only for the hook.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import time
+
+TARGET = "fineflow.checkpoint.write"
+DELAY_VAR, DISK_FULL_VAR = "FINEFLOW_TEST_WRITE_DELAY_S", "FINEFLOW_TEST_DISK_FULL_AT_STEP"
+MESSAGE = "injected into fineflow.checkpoint.write.write_all"  # tests look for this in a stage's output
+
+
+def slow_writes(real, delay_s: float):
+    """write_all that sleeps before every write, as the old in-stage fault hook did."""
+
+    def write_all(fd, data, path):
+        time.sleep(delay_s)
+        real(fd, data, path)
+
+    return write_all
+
+
+def disk_full_at(real, step: int):
+    """write_all that fails every write to step `step`'s files (its .tmp- directory) with ENOSPC."""
+    victim = f"step-{step:07d}"
+
+    def write_all(fd, data, path):
+        if victim in path:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
+        real(fd, data, path)
+
+    return write_all
+
+
+def fault_from_env():
+    """(description, wrapper factory) for the fault the environment asks for, or None."""
+    if os.environ.get(DISK_FULL_VAR):
+        step = int(os.environ[DISK_FULL_VAR])
+        return f"disk full at step {step}", lambda real: disk_full_at(real, step)
+    if os.environ.get(DELAY_VAR):
+        delay_s = float(os.environ[DELAY_VAR])
+        return f"write delay {delay_s:g}s", lambda real: slow_writes(real, delay_s)
+    return None
+
+
+class _PatchingLoader:
+    """Wraps the write module's real loader: executes the module, then replaces its write_all. Everything
+    else (get_source for tracebacks, is_package, ...) is the real loader's."""
+
+    def __init__(self, inner, description: str, wrap):
+        self.inner, self.description, self.wrap = inner, description, wrap
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.inner.exec_module(module)
+        module.write_all = self.wrap(module.write_all)
+        print(f"tests/faults: {self.description} {MESSAGE} (pid {os.getpid()}, rank {os.environ.get('RANK', '0')})",
+              file=sys.stderr, flush=True)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class _PatchWriteModule:
+    """A sys.meta_path finder that answers only for the write module: it asks the other finders for the
+    real spec and hands it back with a patching loader."""
+
+    def __init__(self, description: str, wrap):
+        self.description, self.wrap = description, wrap
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != TARGET:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if finder is not self and find is not None else None
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchingLoader(spec.loader, self.description, self.wrap)
+                return spec
+        return None
+
+
+def install() -> None:
+    fault = fault_from_env()
+    if fault is not None:
+        sys.meta_path.insert(0, _PatchWriteModule(*fault))
+
+
+install()
