@@ -25,8 +25,15 @@ import torch
 
 from fineflow.checkpoint import CheckpointManager, capture_rng, restore_rng
 
-CONFIG = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8, "num_attention_heads": 8,
-          "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 512}
+CONFIG = {
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "max_position_embeddings": 512,
+}
 BATCH, SEQ = 2, 64
 
 
@@ -55,9 +62,15 @@ def train_step(model, optimizer, scheduler, batch) -> tuple[float, float]:
 def checkpoint(manager, step, model, optimizer, scheduler) -> float:
     """Blocked time of one save, including building the state dicts the loop hands over."""
     started = time.perf_counter()
-    manager.save(step, model.state_dict(), optimizer.state_dict(), scheduler.state_dict(),
-                 {"step": step, "fingerprint": {"model": "llama-58m", "method": "full"}}, [capture_rng()],
-                 metric=1.0 / step)
+    manager.save(
+        step,
+        model.state_dict(),
+        optimizer.state_dict(),
+        scheduler.state_dict(),
+        {"step": step, "fingerprint": {"model": "llama-58m", "method": "full"}},
+        [capture_rng()],
+        metric=1.0 / step,
+    )
     return time.perf_counter() - started
 
 
@@ -77,10 +90,17 @@ def measure(managers: dict, model, optimizer, scheduler, batch, rounds: int = 2)
             after, losses = zip(*(train_step(model, optimizer, scheduler, batch) for _ in range(5)))
             started = time.perf_counter()
             manager.wait()
-            results[name]["saves"].append({"blocked": blocked, "after": list(after), "left": time.perf_counter() - started,
-                                           "write": manager.last_result["write_s"], "first_loss": losses[0],
-                                           "files": manager.last_result["files_s"],
-                                           "verify": manager.last_result["verify_s"]})
+            results[name]["saves"].append(
+                {
+                    "blocked": blocked,
+                    "after": list(after),
+                    "left": time.perf_counter() - started,
+                    "write": manager.last_result["write_s"],
+                    "first_loss": losses[0],
+                    "files": manager.last_result["files_s"],
+                    "verify": manager.last_result["verify_s"],
+                }
+            )
             results[name]["bytes"], results[name]["path"] = manager.last_result["bytes"], manager.last_result["path"]
             step += 5
     return results
@@ -108,10 +128,18 @@ def restore_cost(path: str, batch, expected_loss: float) -> dict:
     restore_rng(ckpt.rng_snapshots[0])
     restored = time.perf_counter()
     resume_step_s, loss = train_step(model, optimizer, scheduler, batch)
-    return {"build": build_s, "fresh_first_step": fresh_step_s, "fresh_total": build_s + fresh_step_s,
-            "resume_build": built - started, "latest_valid": verified - built, "load": loaded - verified,
-            "load_state_dict": restored - loaded, "resume_first_step": resume_step_s,
-            "resume_total": time.perf_counter() - started, "loss_matches": loss == expected_loss}
+    return {
+        "build": build_s,
+        "fresh_first_step": fresh_step_s,
+        "fresh_total": build_s + fresh_step_s,
+        "resume_build": built - started,
+        "latest_valid": verified - built,
+        "load": loaded - verified,
+        "load_state_dict": restored - loaded,
+        "resume_first_step": resume_step_s,
+        "resume_total": time.perf_counter() - started,
+        "loss_matches": loss == expected_loss,
+    }
 
 
 def main() -> int:
@@ -119,8 +147,10 @@ def main() -> int:
     started = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="fineflow-stall-", dir=os.environ.get("STALL_DIR")))
     # the process backend's writer starts now, so its start overlaps building the model (as in training)
-    managers = {name: CheckpointManager(root / name, keep_last=1, keep_best=0, mode=mode, async_backend=backend)
-                for name, mode, backend in BACKENDS}
+    managers = {
+        name: CheckpointManager(root / name, keep_last=1, keep_best=0, mode=mode, async_backend=backend)
+        for name, mode, backend in BACKENDS
+    }
     model, optimizer, scheduler = build()
     batch = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     train_step(model, optimizer, scheduler, batch)  # AdamW state exists from here on
@@ -137,35 +167,57 @@ def main() -> int:
     results = [{"name": name, **measured[name]} for name, _, _ in BACKENDS]
 
     state_mb = results[0]["bytes"] / 1e6
-    print(f"state: {params / 1e6:.1f}M parameters, fp32, model + AdamW = {state_mb:.0f} MB per checkpoint; "
-          f"batch {BATCH}x{SEQ}; torch threads {torch.get_num_threads()}; load avg {load_before:.1f} at start")
-    print(f"{'backend':14s} {'blocked 1st':>11s} {'blocked 2nd':>11s} {'bg write':>9s} {'step no save':>12s} "
-          f"{'5 steps after':>13s} {'slowdown':>8s} {'wait left':>9s}")
+    print(
+        f"state: {params / 1e6:.1f}M parameters, fp32, model + AdamW = {state_mb:.0f} MB per checkpoint; "
+        f"batch {BATCH}x{SEQ}; torch threads {torch.get_num_threads()}; load avg {load_before:.1f} at start"
+    )
+    print(
+        f"{'backend':14s} {'blocked 1st':>11s} {'blocked 2nd':>11s} {'bg write':>9s} {'step no save':>12s} "
+        f"{'5 steps after':>13s} {'slowdown':>8s} {'wait left':>9s}"
+    )
     sync_blocked = statistics.mean(s["blocked"] for s in results[0]["saves"])
     for r in results:
         base = statistics.median(r["baseline"])  # 6 steps, 3 right before each save
         after = statistics.mean(t for s in r["saves"] for t in s["after"])
-        print(f"{r['name']:14s} {r['saves'][0]['blocked']:10.3f}s {r['saves'][1]['blocked']:10.3f}s "
-              f"{statistics.mean(s['write'] for s in r['saves']):8.2f}s {base:11.3f}s {after:12.3f}s "
-              f"{(after / base - 1) * 100:+7.1f}% {max(s['left'] for s in r['saves']):8.3f}s")
-    print("background save (mean of 2): " + "; ".join(
-        f"{r['name']} write+fsync {statistics.mean(s['files'] for s in r['saves']):.2f}s, verify (re-hash, "
-        f"load, finite) {statistics.mean(s['verify'] for s in r['saves']):.2f}s" for r in results))
+        print(
+            f"{r['name']:14s} {r['saves'][0]['blocked']:10.3f}s {r['saves'][1]['blocked']:10.3f}s "
+            f"{statistics.mean(s['write'] for s in r['saves']):8.2f}s {base:11.3f}s {after:12.3f}s "
+            f"{(after / base - 1) * 100:+7.1f}% {max(s['left'] for s in r['saves']):8.3f}s"
+        )
+    print(
+        "background save (mean of 2): "
+        + "; ".join(
+            f"{r['name']} write+fsync {statistics.mean(s['files'] for s in r['saves']):.2f}s, verify (re-hash, "
+            f"load, finite) {statistics.mean(s['verify'] for s in r['saves']):.2f}s"
+            for r in results
+        )
+    )
     for r in results[1:]:
         blocked = [s["blocked"] for s in r["saves"]]
-        print(f"blocked ratio {r['name']} / sync: first save {blocked[0] / results[0]['saves'][0]['blocked']:.3f}, "
-              f"steady {blocked[1] / results[0]['saves'][1]['blocked']:.3f}, mean {statistics.mean(blocked) / sync_blocked:.3f}")
+        print(
+            f"blocked ratio {r['name']} / sync: first save {blocked[0] / results[0]['saves'][0]['blocked']:.3f}, "
+            f"steady {blocked[1] / results[0]['saves'][1]['blocked']:.3f}, "
+            f"mean {statistics.mean(blocked) / sync_blocked:.3f}"
+        )
     for r in results[1:]:
         per_step = [statistics.mean(s["after"][i] for s in r["saves"]) for i in range(5)]
-        print(f"{r['name']} step times after a save (mean of 2 saves): "
-              + " ".join(f"{t:.3f}" for t in per_step) + f" s vs {statistics.median(r['baseline']):.3f} s without")
-    print("losses of the steps right after each save: "
-          + ", ".join(f"{r['name']} {[round(s['first_loss'], 4) for s in r['saves']]}" for r in results))
-    print(f"restore: fresh start {restore['fresh_total']:.2f}s (build {restore['build']:.2f}s + first step "
-          f"{restore['fresh_first_step']:.2f}s); resume {restore['resume_total']:.2f}s (build {restore['resume_build']:.2f}s "
-          f"+ latest_valid/hash {restore['latest_valid']:.2f}s + load/verify {restore['load']:.2f}s + "
-          f"load_state_dict/rng {restore['load_state_dict']:.2f}s + first step {restore['resume_first_step']:.2f}s); "
-          f"overhead {restore['resume_total'] - restore['fresh_total']:+.2f}s")
+        print(
+            f"{r['name']} step times after a save (mean of 2 saves): "
+            + " ".join(f"{t:.3f}" for t in per_step)
+            + f" s vs {statistics.median(r['baseline']):.3f} s without"
+        )
+    print(
+        "losses of the steps right after each save: "
+        + ", ".join(f"{r['name']} {[round(s['first_loss'], 4) for s in r['saves']]}" for r in results)
+    )
+    print(
+        f"restore: fresh start {restore['fresh_total']:.2f}s (build {restore['build']:.2f}s + first step "
+        f"{restore['fresh_first_step']:.2f}s); resume {restore['resume_total']:.2f}s "
+        f"(build {restore['resume_build']:.2f}s "
+        f"+ latest_valid/hash {restore['latest_valid']:.2f}s + load/verify {restore['load']:.2f}s + "
+        f"load_state_dict/rng {restore['load_state_dict']:.2f}s + first step {restore['resume_first_step']:.2f}s); "
+        f"overhead {restore['resume_total'] - restore['fresh_total']:+.2f}s"
+    )
     print(f"resumed first-step loss == uninterrupted run's: {restore['loss_matches']}")
     print(f"total {time.perf_counter() - started:.0f}s, load avg {os.getloadavg()[0]:.1f} at end")
     return 0

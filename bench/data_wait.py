@@ -58,9 +58,9 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from fineflow.train.loader import BatchLoader
     from fineflow.tokenize.shards import PackedShard, RowSampler
     from fineflow.tokenize.template import encode_batch
+    from fineflow.train.loader import BatchLoader
 
     tokenizer = AutoTokenizer.from_pretrained(ROOT / "models/base")
     rows = [json.loads(line) for line in (ROOT / "data/validated/train.jsonl").read_text().splitlines()]
@@ -77,8 +77,9 @@ def main() -> None:
         encoded = [batch.example(k) for k in range(len(batch))]
         longest = max(len(ids) for ids, _ in encoded)
         ids = torch.tensor([ids + [tokenizer.pad_token_id] * (longest - len(ids)) for ids, _ in encoded])
-        labels = torch.tensor([[t if m else -100 for t, m in zip(ids_, mask)] + [-100] * (longest - len(ids_))
-                               for ids_, mask in encoded])
+        labels = torch.tensor(
+            [[t if m else -100 for t, m in zip(ids_, mask)] + [-100] * (longest - len(ids_)) for ids_, mask in encoded]
+        )
         return ids, labels
 
     def shard_loader(prefetch: int):
@@ -86,13 +87,20 @@ def main() -> None:
         return lambda: next(loader)
 
     compute_s = args.compute_ms / 1000
-    print(f"{args.steps} steps, fake compute {args.compute_ms:g} ms/step, {args.batch} packed rows of "
-          f"{shard.meta['seq_len']} = {n_examples} examples per step")
-    for label, fake_compute in (("GIL released (torch kernels, GPU wait)", gpu_like_compute),
-                                ("GIL held (busy Python step)", busy_compute)):
+    print(
+        f"{args.steps} steps, fake compute {args.compute_ms:g} ms/step, {args.batch} packed rows of "
+        f"{shard.meta['seq_len']} = {n_examples} examples per step"
+    )
+    for label, fake_compute in (
+        ("GIL released (torch kernels, GPU wait)", gpu_like_compute),
+        ("GIL held (busy Python step)", busy_compute),
+    ):
         print(f" fake step: {label}")
-        for name, loader in (("on-the-fly tokenization", lambda: on_the_fly), ("shard loader, inline", lambda: shard_loader(0)),
-                             ("shard loader, prefetch 2", lambda: shard_loader(2))):
+        for name, loader in (
+            ("on-the-fly tokenization", lambda: on_the_fly),
+            ("shard loader, inline", lambda: shard_loader(0)),
+            ("shard loader, prefetch 2", lambda: shard_loader(2)),
+        ):
             wait, total = measure(loader(), args.steps, compute_s, fake_compute)
             print(f"  {name:26}: data wait {wait / args.steps * 1000:7.3f} ms/step = {wait / total:6.2%} of step time")
 

@@ -42,8 +42,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 # dense (no 2:4 sparsity) bf16 tensor-core peaks, TFLOPS; first match on torch.cuda.get_device_name wins
-PEAK_BF16_TFLOPS = [("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0),
-                    ("L40", 181.0), ("L4", 121.0)]
+PEAK_BF16_TFLOPS = [
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("L40", 181.0),
+    ("L4", 121.0),
+]
 FULL = dict(hidden=2048, layers=16, heads=16, kv_heads=8, intermediate=5632, vocab=32000, seq_len=2048)
 SMOKE = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512, seq_len=128)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -70,18 +77,25 @@ def build_model(shape: dict, device, lora_r: int, grad_checkpointing: bool, atte
     from fineflow.train.attention import register
 
     implementation = register() if attention == "varlen" else attention  # train.attention's choices
-    config = LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"],
-                         intermediate_size=shape["intermediate"], num_hidden_layers=shape["layers"],
-                         num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
-                         max_position_embeddings=shape["seq_len"], tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        max_position_embeddings=shape["seq_len"],
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=implementation)
     if grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-    lora = LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.0, target_modules=LORA_TARGETS,
-                      task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"
+    )
     return get_peft_model(model, lora).to(device)
 
 
@@ -123,9 +137,9 @@ def write_random_shard(out_dir: Path, rows: int, seq_len: int, vocab: int, seed:
             if seq_len - start < 8:
                 break  # a sliver stays padding, as in real packed rows
             n = min(int(rng.integers(max(2, seq_len // 16), max(3, seq_len * 3 // 4))), seq_len - start)
-            tokens[r, start:start + n] = rng.integers(4, vocab, size=n)
-            mask[r, start + n // 3:start + n] = 1
-            positions[r, start:start + n] = np.arange(n)
+            tokens[r, start : start + n] = rng.integers(4, vocab, size=n)
+            mask[r, start + n // 3 : start + n] = 1
+            positions[r, start : start + n] = np.arange(n)
             examples.append((r, start, n))
             start += n
         positions[r, start:] = np.arange(seq_len - start)  # padding is its own segment, never trained
@@ -142,8 +156,8 @@ def to_tensors(batch: dict) -> dict:
 def run(shape: dict, args, device) -> dict:
     import torch
 
-    from fineflow.train.attention import layout_kwargs, packed_layout
     from fineflow.tokenize.shards import PackedShard, RowSampler
+    from fineflow.train.attention import layout_kwargs, packed_layout
     from fineflow.train.loop import token_loss_sum
 
     cuda = device.type == "cuda"
@@ -179,8 +193,9 @@ def run(shape: dict, args, device) -> dict:
             t3 = time.perf_counter()
             return t1 - t0, t2 - t1, t3 - t2, real, loss
 
-        micro = args.micro_batch or (1 if not cuda else
-                                     16 if torch.cuda.get_device_properties(device).total_memory > 100e9 else 8)
+        micro = args.micro_batch or (
+            1 if not cuda else 16 if torch.cuda.get_device_properties(device).total_memory > 100e9 else 8
+        )
         # warm-up: kernel selection and allocator growth; halve the micro-batch on out-of-memory
         while True:
             try:
@@ -211,30 +226,47 @@ def run(shape: dict, args, device) -> dict:
             if (args.steps and steps >= args.steps) or (not args.steps and elapsed >= args.seconds):
                 break
     tokens = steps * micro * shape["seq_len"]  # computed tokens, padding included: what the GPU did
-    flops_token = model_flops_per_token(params["n_base_matmul"], params["n_lora"], shape["layers"],
-                                        shape["hidden"], shape["seq_len"])
+    flops_token = model_flops_per_token(
+        params["n_base_matmul"], params["n_lora"], shape["layers"], shape["hidden"], shape["seq_len"]
+    )
     achieved_tflops = flops_token * tokens / elapsed / 1e12
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     peak = args.peak_tflops or (peak_tflops_for(name) if cuda else None)
-    peak_mem = (torch.cuda.max_memory_allocated(device) if cuda
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
+    peak_mem = (
+        torch.cuda.max_memory_allocated(device) if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )  # Linux: KiB
     return {
-        "bench": "gpu_lora", "device": name, "smoke": args.smoke, "shape": shape, "attention": args.attention,
-        "params_total": params["total"], "params_trainable": params["trainable"],
-        "n_base_matmul": params["n_base_matmul"], "n_lora": params["n_lora"], "lora_r": args.lora_r,
-        "micro_batch": micro, "seq_len": shape["seq_len"], "grad_checkpointing": args.grad_checkpointing,
-        "steps": steps, "measured_s": round(elapsed, 3), "setup_s": round(setup_s, 3),
-        "tokens_per_s": round(tokens / elapsed, 1), "real_tokens_per_s": round(real_tokens / elapsed, 1),
+        "bench": "gpu_lora",
+        "device": name,
+        "smoke": args.smoke,
+        "shape": shape,
+        "attention": args.attention,
+        "params_total": params["total"],
+        "params_trainable": params["trainable"],
+        "n_base_matmul": params["n_base_matmul"],
+        "n_lora": params["n_lora"],
+        "lora_r": args.lora_r,
+        "micro_batch": micro,
+        "seq_len": shape["seq_len"],
+        "grad_checkpointing": args.grad_checkpointing,
+        "steps": steps,
+        "measured_s": round(elapsed, 3),
+        "setup_s": round(setup_s, 3),
+        "tokens_per_s": round(tokens / elapsed, 1),
+        "real_tokens_per_s": round(real_tokens / elapsed, 1),
         "real_token_share": round(real_tokens / max(1, tokens), 4),
-        "flops_per_token": flops_token, "achieved_tflops": round(achieved_tflops, 2),
-        "peak_bf16_tflops": peak, "mfu": round(achieved_tflops / peak, 4) if peak else None,
+        "flops_per_token": flops_token,
+        "achieved_tflops": round(achieved_tflops, 2),
+        "peak_bf16_tflops": peak,
+        "mfu": round(achieved_tflops / peak, 4) if peak else None,
         "peak_memory_gib": round(peak_mem / 2**30, 3),
         "peak_memory_kind": "torch.cuda.max_memory_allocated" if cuda else "process max RSS",
         "data_wait_share": round(totals["data_wait_s"] / elapsed, 5),
         "compute_share": round(totals["compute_s"] / elapsed, 4),
         "optimizer_share": round(totals["optimizer_s"] / elapsed, 4),
         "step_s_mean": round(elapsed / steps, 4),
-        "loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4),
+        "loss_first": round(losses[0], 4),
+        "loss_last": round(losses[-1], 4),
         "finite_loss": all(math.isfinite(x) for x in losses),
     }
 
@@ -242,24 +274,27 @@ def run(shape: dict, args, device) -> dict:
 def report(r: dict) -> str:
     mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a (unknown chip: pass --peak-tflops)"
     peak = f"{r['peak_bf16_tflops']:g} TFLOPS bf16" if r["peak_bf16_tflops"] else "unknown"
-    return "\n".join([
-        f"fineflow GPU benchmark{' (SMOKE: tiny config, not a measurement)' if r['smoke'] else ''}",
-        f"  device            {r['device']}  (peak {peak})",
-        f"  model             Llama {r['params_total'] / 1e6:,.1f}M params, LoRA r={r['lora_r']}: "
-        f"{r['params_trainable']:,} trainable",
-        f"  batch             {r['micro_batch']} x {r['seq_len']} packed tokens"
-        f"{', gradient checkpointing' if r['grad_checkpointing'] else ''}",
-        f"  measured          {r['steps']} steps in {r['measured_s']:.1f} s ({r['step_s_mean'] * 1000:.1f} ms/step; "
-        f"setup {r['setup_s']:.1f} s)",
-        f"  tokens/s          {r['tokens_per_s']:,.0f} computed, {r['real_tokens_per_s']:,.0f} real (non-pad, "
-        f"{100 * r['real_token_share']:.1f}%)",
-        f"  MFU               {mfu}  ({r['achieved_tflops']:.1f} TFLOPS achieved, "
-        f"{r['flops_per_token'] / 1e9:.2f} GFLOP/token)",
-        f"  peak memory       {r['peak_memory_gib']:.2f} GiB ({r['peak_memory_kind']})",
-        f"  data wait         {100 * r['data_wait_share']:.2f}% of step time "
-        f"(compute {100 * r['compute_share']:.1f}%, optimizer {100 * r['optimizer_share']:.1f}%)",
-        f"  loss              {r['loss_first']:.3f} -> {r['loss_last']:.3f} (random tokens: ~ln(vocab))",
-    ])
+    return "\n".join(
+        [
+            f"fineflow GPU benchmark{' (SMOKE: tiny config, not a measurement)' if r['smoke'] else ''}",
+            f"  device            {r['device']}  (peak {peak})",
+            f"  model             Llama {r['params_total'] / 1e6:,.1f}M params, LoRA r={r['lora_r']}: "
+            f"{r['params_trainable']:,} trainable",
+            f"  batch             {r['micro_batch']} x {r['seq_len']} packed tokens"
+            f"{', gradient checkpointing' if r['grad_checkpointing'] else ''}",
+            f"  measured          {r['steps']} steps in {r['measured_s']:.1f} s "
+            f"({r['step_s_mean'] * 1000:.1f} ms/step; "
+            f"setup {r['setup_s']:.1f} s)",
+            f"  tokens/s          {r['tokens_per_s']:,.0f} computed, {r['real_tokens_per_s']:,.0f} real (non-pad, "
+            f"{100 * r['real_token_share']:.1f}%)",
+            f"  MFU               {mfu}  ({r['achieved_tflops']:.1f} TFLOPS achieved, "
+            f"{r['flops_per_token'] / 1e9:.2f} GFLOP/token)",
+            f"  peak memory       {r['peak_memory_gib']:.2f} GiB ({r['peak_memory_kind']})",
+            f"  data wait         {100 * r['data_wait_share']:.2f}% of step time "
+            f"(compute {100 * r['compute_share']:.1f}%, optimizer {100 * r['optimizer_share']:.1f}%)",
+            f"  loss              {r['loss_first']:.3f} -> {r['loss_last']:.3f} (random tokens: ~ln(vocab))",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,14 +302,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=120.0, help="measured training time (after warm-up)")
     parser.add_argument("--steps", type=int, default=0, help="measure exactly this many steps instead")
     parser.add_argument("--warmup-steps", type=int, default=3)
-    parser.add_argument("--micro-batch", type=int, default=0,
-                        help="packed rows per step (default: 16 above 100 GB of GPU memory, else 8; halved on OOM)")
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=0,
+        help="packed rows per step (default: 16 above 100 GB of GPU memory, else 8; halved on OOM)",
+    )
     parser.add_argument("--seq-len", type=int, default=0, help="packed row length (default 2048)")
     parser.add_argument("--lora-r", type=int, default=16)
     parser.add_argument("--pool-rows", type=int, default=0, help="rows in the random shard (cycled by epoch)")
     parser.add_argument("--grad-checkpointing", action="store_true")
-    parser.add_argument("--attention", choices=("varlen", "sdpa", "flash_attention_2"), default="varlen",
-                        help="as train.attention (varlen: per-example attention, fineflow.train.attention)")
+    parser.add_argument(
+        "--attention",
+        choices=("varlen", "sdpa", "flash_attention_2"),
+        default="varlen",
+        help="as train.attention (varlen: per-example attention, fineflow.train.attention)",
+    )
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="override the chip's dense bf16 peak")
     parser.add_argument("--smoke", action="store_true", help="tiny config, a few steps, CPU allowed")
     args = parser.parse_args(argv)

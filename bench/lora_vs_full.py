@@ -28,12 +28,24 @@ def child(method: str, steps: int, out: str) -> None:
 
     raw = load_params(ROOT / "params.yaml").model_dump(by_alias=True)
     raw["checkpoint"]["every_steps"] = steps
-    raw["train"].update(method=method, steps=steps, eval_every=steps, tracker="none",
-                        lr=raw["train"]["lr"] if method == "lora" else 3e-4)
+    raw["train"].update(
+        method=method,
+        steps=steps,
+        eval_every=steps,
+        tracker="none",
+        lr=raw["train"]["lr"] if method == "lora" else 3e-4,
+    )
     from fineflow.config import parse_params
 
-    report = recipe.train_rank(parse_params(raw), ROOT / "data/shards", ROOT / "models/base", Path(out) / "ck",
-                          Path(out) / "model", Path(out) / "steps.jsonl", Path(out) / "logs")
+    report = recipe.train_rank(
+        parse_params(raw),
+        ROOT / "data/shards",
+        ROOT / "models/base",
+        Path(out) / "ck",
+        Path(out) / "model",
+        Path(out) / "steps.jsonl",
+        Path(out) / "logs",
+    )
     print(json.dumps(report))
 
 
@@ -49,19 +61,33 @@ def main() -> None:
     results = {}
     for method in ("lora", "full"):
         with tempfile.TemporaryDirectory() as tmp:
-            out = subprocess.run([sys.executable, __file__, "--child", method, str(args.steps), tmp],
-                                 capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+            out = (
+                subprocess.run(
+                    [sys.executable, __file__, "--child", method, str(args.steps), tmp],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+                .stdout.strip()
+                .splitlines()[-1]
+            )
             results[method] = json.loads(out)
     print(f"{args.steps} steps each, same batches (seeded sampler), CPU")
-    print(f"{'method':8} {'trainable params':>17} {'real tok/s':>11} {'fwd+bwd s':>10} {'optimizer s':>12} "
-          f"{'peak RSS MiB':>13} {'planned GiB':>12}")
+    print(
+        f"{'method':8} {'trainable params':>17} {'real tok/s':>11} {'fwd+bwd s':>10} {'optimizer s':>12} "
+        f"{'peak RSS MiB':>13} {'planned GiB':>12}"
+    )
     for method, r in results.items():
-        print(f"{method:8} {r['trainable_parameters']:17,} {r['tokens_per_s']:11,.0f} {r['compute_s']:10.2f} "
-              f"{r['optimizer_s']:12.2f} {r['peak_mem_mb']:13.1f} {r['plan']['gib']['total']:12.3f}")
+        print(
+            f"{method:8} {r['trainable_parameters']:17,} {r['tokens_per_s']:11,.0f} {r['compute_s']:10.2f} "
+            f"{r['optimizer_s']:12.2f} {r['peak_mem_mb']:13.1f} {r['plan']['gib']['total']:12.3f}"
+        )
     lora, full = results["lora"], results["full"]
-    print(f"lora / full: tokens/s {lora['tokens_per_s'] / full['tokens_per_s']:.2f}x, "
-          f"peak RSS {lora['peak_mem_mb'] / full['peak_mem_mb']:.2f}x, "
-          f"trainable params {lora['trainable_parameters'] / full['trainable_parameters']:.3f}x")
+    print(
+        f"lora / full: tokens/s {lora['tokens_per_s'] / full['tokens_per_s']:.2f}x, "
+        f"peak RSS {lora['peak_mem_mb'] / full['peak_mem_mb']:.2f}x, "
+        f"trainable params {lora['trainable_parameters'] / full['trainable_parameters']:.3f}x"
+    )
 
 
 if __name__ == "__main__":

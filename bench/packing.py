@@ -31,11 +31,17 @@ def shares(lengths: list[int], seq_len: int, batch: int) -> dict[str, float]:
     truncated = sum(n > seq_len for n in lengths) / len(lengths)
     lengths = [min(n, seq_len) for n in lengths]
     real = sum(lengths)
-    pad_to_longest = sum(max(lengths[i:i + batch]) * len(lengths[i:i + batch]) for i in range(0, len(lengths), batch))
+    pad_to_longest = sum(
+        max(lengths[i : i + batch]) * len(lengths[i : i + batch]) for i in range(0, len(lengths), batch)
+    )
     best_fit, packed = pack_best_fit(lengths, seq_len), pack_rows(lengths, seq_len)
-    return {"pad-to-max": real / (len(lengths) * seq_len), "pad-to-longest": real / pad_to_longest,
-            "best-fit": real / (len(best_fit) * seq_len), "packed": real / (len(packed) * seq_len),
-            "truncated": truncated}
+    return {
+        "pad-to-max": real / (len(lengths) * seq_len),
+        "pad-to-longest": real / pad_to_longest,
+        "best-fit": real / (len(best_fit) * seq_len),
+        "packed": real / (len(packed) * seq_len),
+        "truncated": truncated,
+    }
 
 
 def bundled_lengths(rows_path: Path, base_dir: Path) -> list[int]:
@@ -64,13 +70,17 @@ def main() -> None:
         datasets = {"bundled train split": bundled_lengths(args.rows, args.base_dir), **datasets}
     else:
         print(f"(no {args.rows} / {args.base_dir}: run `make run` first for the bundled data)")
-    print(f"{'data':32} {'seq_len':>7} {'pad-to-max':>11} {'pad-to-longest':>15} {'best-fit':>9} {'packed':>8} "
-          f"{'truncated':>10}")
+    print(
+        f"{'data':32} {'seq_len':>7} {'pad-to-max':>11} {'pad-to-longest':>15} {'best-fit':>9} {'packed':>8} "
+        f"{'truncated':>10}"
+    )
     for name, lengths in datasets.items():
         for seq_len in (256, 512, 1024, 2048):
             s = shares(lengths, seq_len, args.batch)
-            print(f"{name:32} {seq_len:7d} {s['pad-to-max']:11.1%} {s['pad-to-longest']:15.1%} {s['best-fit']:9.1%} "
-                  f"{s['packed']:8.1%} {s['truncated']:10.1%}")
+            print(
+                f"{name:32} {seq_len:7d} {s['pad-to-max']:11.1%} {s['pad-to-longest']:15.1%} {s['best-fit']:9.1%} "
+                f"{s['packed']:8.1%} {s['truncated']:10.1%}"
+            )
 
 
 if __name__ == "__main__":

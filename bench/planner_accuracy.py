@@ -38,10 +38,24 @@ sys.path.insert(0, str(ROOT))
 
 MiB = 1024**2
 # fineflow's embedded default (tied embeddings) at the brief's tiny size, and a ~50M Llama-2-like model.
-TINY = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 4, "vocab_size": 1024, "tie_word_embeddings": True}
-FIFTY_M = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8, "num_attention_heads": 8,
-           "num_key_value_heads": 8, "vocab_size": 32000, "tie_word_embeddings": False}
+TINY = {
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 1024,
+    "tie_word_embeddings": True,
+}
+FIFTY_M = {
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "tie_word_embeddings": False,
+}
 # (label, config, method, micro-batch, seq_len, gradient checkpointing, attention, packed rows)
 CASES = [
     ("tiny", TINY, "full", 4, 128, False, "sdpa", False),
@@ -89,8 +103,7 @@ def _loss(model, ids, positions):
     import torch.nn.functional as F
 
     logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), ids[:, 1:].reshape(-1),
-                           reduction="sum")
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), ids[:, 1:].reshape(-1), reduction="sum")
 
 
 def _batch(vocab: int, batch: int, seq_len: int, packed: bool, seed: int):
@@ -116,19 +129,25 @@ def child(case: dict, threads: int) -> dict:
     config = case["config"]
 
     def build():
-        model = LlamaForCausalLM(LlamaConfig(**config, max_position_embeddings=4096,
-                                             attn_implementation=case["attention"]))
+        model = LlamaForCausalLM(
+            LlamaConfig(**config, max_position_embeddings=4096, attn_implementation=case["attention"])
+        )
         if case["method"] == "lora":
             from peft import LoraConfig, get_peft_model
 
             from fineflow.train.planner import LINEARS
 
-            model = get_peft_model(model, LoraConfig(r=LORA_R, lora_alpha=32, lora_dropout=0.0,
-                                                     target_modules=list(LINEARS), task_type="CAUSAL_LM"))
+            model = get_peft_model(
+                model,
+                LoraConfig(
+                    r=LORA_R, lora_alpha=32, lora_dropout=0.0, target_modules=list(LINEARS), task_type="CAUSAL_LM"
+                ),
+            )
         return model
 
-    throwaway = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                             num_attention_heads=2, vocab_size=64))
+    throwaway = LlamaForCausalLM(
+        LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64)
+    )
     del throwaway
     if case["method"] == "lora":
         import peft  # noqa: F401  (import cost is not weight memory)
@@ -152,17 +171,35 @@ def child(case: dict, threads: int) -> dict:
     _loss(model, ids, positions).backward()
     step_s = time.perf_counter() - started
     activations = _peak(counter) - base
-    return {"weights": weights, "activations": activations, "step_s": round(step_s, 2), "counter": counter,
-            "params": sum(p.numel() for p in model.parameters()),
-            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    return {
+        "weights": weights,
+        "activations": activations,
+        "step_s": round(step_s, 2),
+        "counter": counter,
+        "params": sum(p.numel() for p in model.parameters()),
+        "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
 
 
 def measure(case: dict, threads: int) -> dict:
     """Run child() in a fresh interpreter with malloc returning freed blocks to the OS at once."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024), "OMP_NUM_THREADS": str(threads),
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(case), "--threads", str(threads)],
-                          env=env, capture_output=True, text=True, cwd=ROOT, check=False)
+    env = {
+        **os.environ,
+        "MALLOC_MMAP_THRESHOLD_": str(64 * 1024),
+        "OMP_NUM_THREADS": str(threads),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "DO_NOT_TRACK": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(case), "--threads", str(threads)],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"case {case} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -173,9 +210,17 @@ def predict(case: dict):
     from fineflow.train.planner import LINEARS, Setup, plan, shape_from_config
 
     shape = shape_from_config(case["config"], name=case["label"])
-    setup = Setup(method=case["method"], precision="fp32", micro_batch_size=case["batch"], seq_len=case["seq_len"],
-                  gradient_checkpointing=case["checkpointing"], attention=case["attention"], lora_r=LORA_R,
-                  lora_targets=LINEARS, packed=case["packed"])
+    setup = Setup(
+        method=case["method"],
+        precision="fp32",
+        micro_batch_size=case["batch"],
+        seq_len=case["seq_len"],
+        gradient_checkpointing=case["checkpointing"],
+        attention=case["attention"],
+        lora_r=LORA_R,
+        lora_targets=LINEARS,
+        packed=case["packed"],
+    )
     return shape, plan(shape, setup)
 
 
@@ -193,32 +238,52 @@ def main() -> int:
         return 0
 
     started = time.perf_counter()
-    print(f"planner vs measured on CPU: fp32, fresh process per row, {args.threads} threads; MiB; "
-          "err = (predicted - measured) / measured")
-    print(f"{'model':<6}{'method':<7}{'b x s':>10}  {'ckpt':<5}{'attn':<6}{'rows':<7}"
-          f"{'weights: pred':>14}{'meas':>8}{'err':>8}   {'activations: pred':>18}{'meas':>9}{'err':>8}{'step s':>8}")
+    print(
+        f"planner vs measured on CPU: fp32, fresh process per row, {args.threads} threads; MiB; "
+        "err = (predicted - measured) / measured"
+    )
+    print(
+        f"{'model':<6}{'method':<7}{'b x s':>10}  {'ckpt':<5}{'attn':<6}{'rows':<7}"
+        f"{'weights: pred':>14}{'meas':>8}{'err':>8}   {'activations: pred':>18}{'meas':>9}{'err':>8}{'step s':>8}"
+    )
     worst = {"weights": 0.0, "activations": 0.0}
     for label, config, method, batch, seq_len, checkpointing, attention, packed in CASES:
-        case = {"label": label, "config": config, "method": method, "batch": batch, "seq_len": seq_len,
-                "checkpointing": checkpointing, "attention": attention, "packed": packed}
+        case = {
+            "label": label,
+            "config": config,
+            "method": method,
+            "batch": batch,
+            "seq_len": seq_len,
+            "checkpointing": checkpointing,
+            "attention": attention,
+            "packed": packed,
+        }
         shape, predicted = predict(case)
         measured = measure(case, args.threads)
         params = shape.params + (predicted.trainable_params if method == "lora" else 0)  # peft adds adapters
         if measured["params"] != params or measured["trainable"] != predicted.trainable_params:
-            print(f"  ! parameter counts differ: measured {measured['params']:,} / {measured['trainable']:,} "
-                  f"trainable, planner {params:,} / {predicted.trainable_params:,}")
+            print(
+                f"  ! parameter counts differ: measured {measured['params']:,} / {measured['trainable']:,} "
+                f"trainable, planner {params:,} / {predicted.trainable_params:,}"
+            )
         for term in ("weights", "activations"):
             worst[term] = max(worst[term], abs(getattr(predicted, term) - measured[term]) / measured[term])
-        print(f"{label:<6}{method:<7}{f'{batch} x {seq_len}':>10}  {'yes' if checkpointing else 'no':<5}"
-              f"{attention:<6}{'packed' if packed else 'plain':<7}"
-              f"{predicted.weights / MiB:>14.1f}{measured['weights'] / MiB:>8.1f}"
-              f"{_err(predicted.weights, measured['weights']):>8}   "
-              f"{predicted.activations / MiB:>18.1f}{measured['activations'] / MiB:>9.1f}"
-              f"{_err(predicted.activations, measured['activations']):>8}{measured['step_s']:>8.2f}")
-    print(f"parameter counts: planner == model.parameters() for every row (else flagged above); peak counter: "
-          f"{measured['counter']}")
-    print(f"largest |err|: weights {worst['weights']:.1%}, activations {worst['activations']:.1%}; "
-          f"total {time.perf_counter() - started:.0f} s")
+        print(
+            f"{label:<6}{method:<7}{f'{batch} x {seq_len}':>10}  {'yes' if checkpointing else 'no':<5}"
+            f"{attention:<6}{'packed' if packed else 'plain':<7}"
+            f"{predicted.weights / MiB:>14.1f}{measured['weights'] / MiB:>8.1f}"
+            f"{_err(predicted.weights, measured['weights']):>8}   "
+            f"{predicted.activations / MiB:>18.1f}{measured['activations'] / MiB:>9.1f}"
+            f"{_err(predicted.activations, measured['activations']):>8}{measured['step_s']:>8.2f}"
+        )
+    print(
+        f"parameter counts: planner == model.parameters() for every row (else flagged above); peak counter: "
+        f"{measured['counter']}"
+    )
+    print(
+        f"largest |err|: weights {worst['weights']:.1%}, activations {worst['activations']:.1%}; "
+        f"total {time.perf_counter() - started:.0f} s"
+    )
     return 0
 
 

@@ -52,6 +52,7 @@ def throughput(base_dir: str, n: int) -> None:
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     rows = list(synthetic_rows(n))
     texts = [render_prompt(r["instruction"], r["input"]) for r in rows] + [RESPONSE_PREFIX + r["output"] for r in rows]
+
     def best_of_3(fn):  # the machines are noisy: the best of three runs of each, interleaved
         return min(fn() for _ in range(3))
 
@@ -70,16 +71,21 @@ def throughput(base_dir: str, n: int) -> None:
     raw_tokens = sum(len(e.ids) for e in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False))
     tokens = raw_tokens + len(rows)  # fineflow also appends one EOS per example
     raw_s = best_of_3(raw_run)
-    runs = {"fineflow, 1 worker, parsed rows": best_of_3(lambda: fineflow_run(1, rows)),
-            "fineflow, 1 worker, JSON lines": best_of_3(lambda: fineflow_run(1, lines)),
-            "fineflow, 2 workers, JSON lines": best_of_3(lambda: fineflow_run(2, lines))}
+    runs = {
+        "fineflow, 1 worker, parsed rows": best_of_3(lambda: fineflow_run(1, rows)),
+        "fineflow, 1 worker, JSON lines": best_of_3(lambda: fineflow_run(1, lines)),
+        "fineflow, 2 workers, JSON lines": best_of_3(lambda: fineflow_run(2, lines)),
+    }
     print(f"throughput on {n:,} rows ({raw_tokens:,} tokens), TOKENIZERS_PARALLELISM=false:")
     print(f"  {'raw tokenizers encode_batch':34}: {raw_tokens / raw_s:12,.0f} tokens/s   1.00x")
     for name, seconds in runs.items():
         rate = tokens / seconds
         note = " (incl. starting the worker processes)" if "2 workers" in name else ""
         print(f"  {name:34}: {rate:12,.0f} tokens/s   {rate / (raw_tokens / raw_s):.2f}x{note}")
-    print(f"  2 workers vs 1 (JSON lines): {runs['fineflow, 1 worker, JSON lines'] / runs['fineflow, 2 workers, JSON lines']:.2f}x")
+    print(
+        f"  2 workers vs 1 (JSON lines): "
+        f"{runs['fineflow, 1 worker, JSON lines'] / runs['fineflow, 2 workers, JSON lines']:.2f}x"
+    )
 
 
 def worker_scaling(base_dir: str, n: int) -> None:
@@ -95,8 +101,10 @@ def worker_scaling(base_dir: str, n: int) -> None:
         t0 = time.perf_counter()
         tokens = sum(int(b.lengths.sum()) for b in encode_stream(iter(lines), tokenizer, base_dir, workers))
         seconds[workers] = time.perf_counter() - t0
-    print(f"workers on {n:,} rows ({tokens:,} tokens, JSON lines): 1 worker {seconds[1]:.1f} s, "
-          f"2 workers {seconds[2]:.1f} s -> {seconds[1] / seconds[2]:.2f}x")
+    print(
+        f"workers on {n:,} rows ({tokens:,} tokens, JSON lines): 1 worker {seconds[1]:.1f} s, "
+        f"2 workers {seconds[2]:.1f} s -> {seconds[1] / seconds[2]:.2f}x"
+    )
 
 
 def child_tokenize(base_dir: str, rows_path: str, out_dir: str) -> None:
@@ -108,10 +116,18 @@ def child_tokenize(base_dir: str, rows_path: str, out_dir: str) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     t0 = time.perf_counter()
-    meta = tokenize_to_shard(read_lines(Path(rows_path)), tokenizer, base_dir, Path(out_dir), 512,
-                             np.dtype(np.uint16), 1, 20000, {})
-    print(json.dumps({"rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                      "seconds": time.perf_counter() - t0, "examples": meta["examples"]}))
+    meta = tokenize_to_shard(
+        read_lines(Path(rows_path)), tokenizer, base_dir, Path(out_dir), 512, np.dtype(np.uint16), 1, 20000, {}
+    )
+    print(
+        json.dumps(
+            {
+                "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "seconds": time.perf_counter() - t0,
+                "examples": meta["examples"],
+            }
+        )
+    )
 
 
 def peak_rss(base_dir: str, sizes: list[int]) -> None:
@@ -121,8 +137,16 @@ def peak_rss(base_dir: str, sizes: list[int]) -> None:
         for n in sizes:
             rows_path = Path(tmp) / f"rows{n}.jsonl"
             write_rows(rows_path, n)
-            out = subprocess.run([sys.executable, __file__, "--child", base_dir, str(rows_path), f"{tmp}/s{n}"],
-                                 capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+            out = (
+                subprocess.run(
+                    [sys.executable, __file__, "--child", base_dir, str(rows_path), f"{tmp}/s{n}"],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+                .stdout.strip()
+                .splitlines()[-1]
+            )
             figures[n] = json.loads(out)
             print(f"  {n:>9,} rows: {figures[n]['rss_mib']:8.1f} MiB peak, {figures[n]['seconds']:7.1f} s")
     small, large = figures[sizes[0]], figures[sizes[-1]]

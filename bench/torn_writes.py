@@ -38,8 +38,15 @@ from pathlib import Path
 
 import torch
 
-from fineflow.checkpoint import (STEP_DIR, CheckpointManager, CorruptCheckpoint, capture_rng, latest_valid,
-                                 load_checkpoint, verify_checkpoint)
+from fineflow.checkpoint import (
+    STEP_DIR,
+    CheckpointManager,
+    CorruptCheckpoint,
+    capture_rng,
+    latest_valid,
+    load_checkpoint,
+    verify_checkpoint,
+)
 
 MODEL_FLOATS = 64 * 1024  # 256 KiB of model + 512 KiB of optimizer state: big enough to be mid-write often
 
@@ -49,9 +56,12 @@ def payload(step: int) -> dict:
     base = torch.arange(MODEL_FLOATS, dtype=torch.float32)
     return {
         "model_tensors": {"w": base + step, "b": torch.full((16,), float(step))},
-        "optimizer_state_dict": {"state": {0: {"step": torch.tensor(float(step)), "exp_avg": base * 0.5 + step,
-                                               "exp_avg_sq": base * 0.25 + step}},
-                                 "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0]}]},
+        "optimizer_state_dict": {
+            "state": {
+                0: {"step": torch.tensor(float(step)), "exp_avg": base * 0.5 + step, "exp_avg_sq": base * 0.25 + step}
+            },
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0]}],
+        },
         "scheduler_state_dict": {"last_epoch": step, "_last_lr": [1e-3]},
         "state_json": {"step": step, "sampler": {"epoch": step // 10, "position": step % 10}},
         "metric": float((step * 7919) % 13),  # jumps around, so keep_best keeps some old step
@@ -91,8 +101,15 @@ def child(root: Path, mode: str, resave: bool, report: int) -> None:
     os.write(report, b"ready\n")
     while True:
         data = payload(step)
-        manager.save(step, data["model_tensors"], data["optimizer_state_dict"], data["scheduler_state_dict"],
-                     data["state_json"], [capture_rng()], metric=data["metric"])
+        manager.save(
+            step,
+            data["model_tensors"],
+            data["optimizer_state_dict"],
+            data["scheduler_state_dict"],
+            data["state_json"],
+            [capture_rng()],
+            metric=data["metric"],
+        )
         manager.wait()
         os.write(report, f"{step}\n".encode())
         step += 1
@@ -117,8 +134,15 @@ def save_seconds(scratch: Path, saves: int = 3) -> float:
     for step in range(1, saves + 1):
         data = payload(step)
         started = time.perf_counter()
-        manager.save(step, data["model_tensors"], data["optimizer_state_dict"], data["scheduler_state_dict"],
-                     data["state_json"], [capture_rng()], metric=data["metric"])
+        manager.save(
+            step,
+            data["model_tensors"],
+            data["optimizer_state_dict"],
+            data["scheduler_state_dict"],
+            data["state_json"],
+            [capture_rng()],
+            metric=data["metric"],
+        )
         times.append(time.perf_counter() - started)
     return sorted(times)[len(times) // 2]
 
@@ -164,9 +188,15 @@ def run_trials(root: Path, trials: int, seed: int = 0, max_delay_s: float | None
             counts[f"mode_{mode}"] += 1
 
             names = [p.name for p in root.iterdir()]
-            interrupted = ("mid_write" if any(n.startswith(".tmp-") for n in names) else
-                           "mid_publish" if any(n.startswith(".old-") for n in names) else
-                           "mid_delete" if any(n.startswith(".trash-") for n in names) else "between_saves")
+            interrupted = (
+                "mid_write"
+                if any(n.startswith(".tmp-") for n in names)
+                else "mid_publish"
+                if any(n.startswith(".old-") for n in names)
+                else "mid_delete"
+                if any(n.startswith(".trash-") for n in names)
+                else "between_saves"
+            )
             counts[interrupted] += 1
 
             with warnings.catch_warnings(record=True) as caught:

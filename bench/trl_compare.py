@@ -78,14 +78,20 @@ def fail(message: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- inputs
 
+
 def locate_inputs(params, tmp: Path) -> tuple[Path, Path, Path, str]:
     """(base_dir, rows_dir, shards_dir, note); exits 2 with instructions when the pipeline has not run."""
     base_dir, rows_dir, shards_dir = ROOT / "models/base", ROOT / "data/validated", ROOT / "data/shards"
-    missing = [str(p.relative_to(ROOT)) for p in (base_dir / "config.json", rows_dir / "train.jsonl",
-                                                 rows_dir / "eval.jsonl") if not p.exists()]
+    missing = [
+        str(p.relative_to(ROOT))
+        for p in (base_dir / "config.json", rows_dir / "train.jsonl", rows_dir / "eval.jsonl")
+        if not p.exists()
+    ]
     if missing:
-        fail(f"missing {', '.join(missing)}: run `make run` (or `make repro`) first to build the base model and "
-             "the validated rows")
+        fail(
+            f"missing {', '.join(missing)}: run `make run` (or `make repro`) first to build the base model and "
+            "the validated rows"
+        )
     from fineflow.model_ref import resolve_base_model
     from fineflow.stages import tokenize
 
@@ -95,9 +101,16 @@ def locate_inputs(params, tmp: Path) -> tuple[Path, Path, Path, str]:
     built = tmp / "shards"
     started = time.perf_counter()
     tokenize.run(params, rows_dir, base_dir, built)
-    return base_dir, rows_dir, built, (f"rebuilt in a temp dir ({time.perf_counter() - started:.1f} s): "
-                                       f"{shards_dir.relative_to(ROOT)} is missing or stale for the current "
-                                       "params/rows")
+    return (
+        base_dir,
+        rows_dir,
+        built,
+        (
+            f"rebuilt in a temp dir ({time.perf_counter() - started:.1f} s): "
+            f"{shards_dir.relative_to(ROOT)} is missing or stale for the current "
+            "params/rows"
+        ),
+    )
 
 
 def shards_current(params, reference: str, rows_dir: Path, shards_dir: Path) -> bool:
@@ -111,15 +124,16 @@ def shards_current(params, reference: str, rows_dir: Path, shards_dir: Path) -> 
             return False
         return meta.get("seq_len") == params.tokenize.seq_len and (shards_dir / "eval/meta.json").exists()
     tokenizer = load_tokenizer(reference)
-    return all(shard_key_matches(shards_dir / split, content_key(rows_dir / f"{split}.jsonl", tokenizer,
-                                                                 params.tokenize)) is not None
-               for split in ("train", "eval"))
+    return all(
+        shard_key_matches(shards_dir / split, content_key(rows_dir / f"{split}.jsonl", tokenizer, params.tokenize))
+        is not None
+        for split in ("train", "eval")
+    )
 
 
 def with_steps(params, steps: int):
     """params with train.steps reduced and checkpointing effectively off (frozen pydantic models)."""
-    train = params.train.model_copy(update={"steps": steps, "log_every": steps, "eval_every": steps,
-                                            "tracker": "none"})
+    train = params.train.model_copy(update={"steps": steps, "log_every": steps, "eval_every": steps, "tracker": "none"})
     checkpoint = params.checkpoint.model_copy(update={"every_steps": steps})
     return params.model_copy(update={"train": train, "checkpoint": checkpoint})
 
@@ -130,15 +144,18 @@ def long_tailed_rows(rows_dir: Path, out_dir: Path, reference: str, seq_len: int
     side truncates a response. Returns the new rows dir."""
     import numpy as np
 
-    from fineflow.tokenize.tokenization import load_tokenizer
     from fineflow.tokenize.template import encode_batch
+    from fineflow.tokenize.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer(reference)
     rng = np.random.default_rng(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     for split in ("train", "eval"):
-        rows = [json.loads(line) for line in (rows_dir / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()
-                if line.strip()]
+        rows = [
+            json.loads(line)
+            for line in (rows_dir / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()
+            if line.strip()
+        ]
         pool = " ".join(r.get("input") or r["instruction"] for r in rows).split()
         words = np.minimum(rng.lognormal(mean=3.7, sigma=0.9, size=len(rows)).astype(int), 2000)
         longer = []
@@ -160,6 +177,7 @@ def median(values: list[float]) -> float:
 
 
 # -------------------------------------------------------------------------------------------- fineflow
+
 
 def run_fineflow(params, base_dir: Path, shards_dir: Path, tmp: Path, threads: int) -> dict:
     import torch
@@ -184,13 +202,22 @@ def run_fineflow(params, base_dir: Path, shards_dir: Path, tmp: Path, threads: i
     # exact examples/step when replaying the seeded sampler gives exactly the tokens the report counted
     exact = drawn is not None and drawn[1] == int(report["tokens"])
     examples_per_step = drawn[0] / steps if exact else rows_per_step * shard.meta["examples"] / len(shard)
-    return {"name": "fineflow train stage (packed shards)", "steps": steps,
-            "examples_per_step": examples_per_step, "examples_exact": exact,
-            "tokens": int(report["tokens"]), "cells": cells, "loop_s": loop_s,
-            "threads": torch.get_num_threads(), "total_s": total_s,
-            "note": (f"report: tokens_per_s {report['tokens_per_s']} over loop_s {report['loop_s']} incl. the final "
-                     f"eval+save {eval_save_s:.2f} s (taken out here); final_loss {report.get('final_loss')}; "
-                     f"{rows_per_step} packed rows of {seq_len}/step")}
+    return {
+        "name": "fineflow train stage (packed shards)",
+        "steps": steps,
+        "examples_per_step": examples_per_step,
+        "examples_exact": exact,
+        "tokens": int(report["tokens"]),
+        "cells": cells,
+        "loop_s": loop_s,
+        "threads": torch.get_num_threads(),
+        "total_s": total_s,
+        "note": (
+            f"report: tokens_per_s {report['tokens_per_s']} over loop_s {report['loop_s']} incl. the final "
+            f"eval+save {eval_save_s:.2f} s (taken out here); final_loss {report.get('final_loss')}; "
+            f"{rows_per_step} packed rows of {seq_len}/step"
+        ),
+    }
 
 
 def rows_drawn(params, shard, shard_dir: Path) -> tuple[int, int] | None:
@@ -204,14 +231,16 @@ def rows_drawn(params, shard, shard_dir: Path) -> tuple[int, int] | None:
     try:
         sampler = RowSampler(len(shard), params.seed, 0, 1, row_tokens=shard.real_per_row)
         rows = [r for _ in range(cfg.steps * cfg.grad_accum) for r in sampler.next_indices(cfg.micro_batch_size)]
-        per_row = np.bincount(np.fromfile(shard_dir / "examples.idx", dtype=np.int64).reshape(-1, 3)[:, 0],
-                              minlength=len(shard))
+        per_row = np.bincount(
+            np.fromfile(shard_dir / "examples.idx", dtype=np.int64).reshape(-1, 3)[:, 0], minlength=len(shard)
+        )
         return int(per_row[rows].sum()), shard.real_tokens(rows)
     except Exception:  # noqa: BLE001 - informational only
         return None
 
 
 # ------------------------------------------------------------------------------------------------- TRL
+
 
 def trl_rows(rows_path: Path, eos: str) -> list[dict]:
     from fineflow.tokenize.template import RESPONSE_PREFIX, render_prompt
@@ -223,8 +252,12 @@ def trl_rows(rows_path: Path, eos: str) -> list[dict]:
         row = json.loads(line)
         if row.get("messages"):  # chat rows (not in the bundled data) go through the chat template in fineflow
             fail(f"{rows_path}:{len(out) + 1}: chat rows are not supported by this bench (bundled data only)")
-        out.append({"prompt": render_prompt(row["instruction"], row.get("input") or ""),
-                    "completion": RESPONSE_PREFIX + row["output"] + eos})
+        out.append(
+            {
+                "prompt": render_prompt(row["instruction"], row.get("input") or ""),
+                "completion": RESPONSE_PREFIX + row["output"] + eos,
+            }
+        )
     return out
 
 
@@ -247,25 +280,56 @@ def build_trl(params, base_dir: Path, rows_dir: Path, out_dir: Path, packing: bo
     torch.manual_seed(params.seed)
     model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
     lora = cfg.lora
-    model = get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                             target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                                  weight_decay=cfg.weight_decay)
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=list(lora.target_modules),
+            task_type="CAUSAL_LM",
+        ),
+    )
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_multiplier(s, cfg.warmup_steps, cfg.steps, cfg.schedule))
+        optimizer, lambda s: lr_multiplier(s, cfg.warmup_steps, cfg.steps, cfg.schedule)
+    )
 
     args = SFTConfig(
-        output_dir=str(out_dir), max_steps=cfg.steps, per_device_train_batch_size=batch_size,
-        gradient_accumulation_steps=cfg.grad_accum, learning_rate=cfg.lr, weight_decay=cfg.weight_decay,
-        warmup_steps=cfg.warmup_steps, max_grad_norm=cfg.max_grad_norm,
-        max_length=params.tokenize.seq_len, packing=packing, padding_free=False, completion_only_loss=True,
-        bf16=False, fp16=False,
-        use_cpu=True, report_to="none", logging_strategy="no", save_strategy="no", eval_strategy="no",
-        dataloader_num_workers=0, dataloader_pin_memory=False, disable_tqdm=True, seed=params.seed,
+        output_dir=str(out_dir),
+        max_steps=cfg.steps,
+        per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=cfg.grad_accum,
+        learning_rate=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        warmup_steps=cfg.warmup_steps,
+        max_grad_norm=cfg.max_grad_norm,
+        max_length=params.tokenize.seq_len,
+        packing=packing,
+        padding_free=False,
+        completion_only_loss=True,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        report_to="none",
+        logging_strategy="no",
+        save_strategy="no",
+        eval_strategy="no",
+        dataloader_num_workers=0,
+        dataloader_pin_memory=False,
+        disable_tqdm=True,
+        seed=params.seed,
         # TRL's configs default gradient checkpointing to ON; transformers 5.23 renamed it activation_checkpointing
         # (the old name is a deprecated alias). fineflow's loop does not checkpoint activations: off here too.
-        **{("activation_checkpointing" if "activation_checkpointing" in SFTConfig.__dataclass_fields__
-            else "gradient_checkpointing"): bool(getattr(cfg, "gradient_checkpointing", False))},
+        **{
+            (
+                "activation_checkpointing"
+                if "activation_checkpointing" in SFTConfig.__dataclass_fields__
+                else "gradient_checkpointing"
+            ): bool(getattr(cfg, "gradient_checkpointing", False))
+        },
     )
 
     class Clock(TrainerCallback):
@@ -290,8 +354,11 @@ def build_trl(params, base_dir: Path, rows_dir: Path, out_dir: Path, packing: bo
                 real, examples = int(inputs["attention_mask"].sum()), ids.shape[0]
             else:  # padding-free: one flattened sequence (pad_to_multiple_of is None off Neuron: no padding)
                 real = ids.numel()
-                examples = (int(inputs["cu_seq_lens_q"].numel()) - 1 if "cu_seq_lens_q" in inputs
-                            else int((inputs["position_ids"] == 0).sum()))
+                examples = (
+                    int(inputs["cu_seq_lens_q"].numel()) - 1
+                    if "cu_seq_lens_q" in inputs
+                    else int((inputs["position_ids"] == 0).sum())
+                )
             t = self.tally
             t["tokens"] += real
             t["cells"] += ids.numel()
@@ -301,8 +368,14 @@ def build_trl(params, base_dir: Path, rows_dir: Path, out_dir: Path, packing: bo
             return super().training_step(model, inputs, *args, **kwargs)
 
     clock = Clock()
-    trainer = CountingSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                                 callbacks=[clock], optimizers=(optimizer, scheduler))
+    trainer = CountingSFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[clock],
+        optimizers=(optimizer, scheduler),
+    )
     return trainer, clock
 
 
@@ -349,16 +422,21 @@ def run_trl(params, base_dir: Path, rows_dir: Path, tmp: Path, threads: int, pac
 
     torch.set_num_threads(threads)
     setup_start = time.perf_counter()
-    trainer, clock = build_trl(params, base_dir, rows_dir, tmp / ("trl-packed" if packing else "trl"), packing,
-                               batch_size)
+    trainer, clock = build_trl(
+        params, base_dir, rows_dir, tmp / ("trl-packed" if packing else "trl"), packing, batch_size
+    )
     setup_s = time.perf_counter() - setup_start
     data = trainer.train_dataset
     if packing:
-        data_note = (f"{len(data)} packed rows of <= {trainer.args.max_length}, "
-                     f"{sum(len(s) for s in data['seq_lengths'])} examples, {sum(len(x) for x in data['input_ids'])} tokens")
+        data_note = (
+            f"{len(data)} packed rows of <= {trainer.args.max_length}, "
+            f"{sum(len(s) for s in data['seq_lengths'])} examples, {sum(len(x) for x in data['input_ids'])} tokens"
+        )
     else:
-        data_note = (f"{len(data)} examples, {sum(len(x) for x in data['input_ids'])} tokens; "
-                     f"{same_encoding(trainer, rows_dir / 'train.jsonl')}")
+        data_note = (
+            f"{len(data)} examples, {sum(len(x) for x in data['input_ids'])} tokens; "
+            f"{same_encoding(trainer, rows_dir / 'train.jsonl')}"
+        )
     torch.set_num_threads(threads)
     started = time.perf_counter()
     trainer.train()
@@ -366,14 +444,27 @@ def run_trl(params, base_dir: Path, rows_dir: Path, tmp: Path, threads: int, pac
     t = trainer.tally
     steps = trainer.state.global_step
     mode = trainer.args.packing_strategy if packing else None
-    name = (f"TRL SFTTrainer, packing={mode}" + (" (padding-free)" if trainer.padding_free else "")
-            if packing else "TRL SFTTrainer, no packing (pad to longest)")
-    note = (f"setup {setup_s:.1f} s; trainer.train() {train_s:.1f} s; dataset: {data_note}; "
-            f"per_device_train_batch_size {trainer.args.per_device_train_batch_size} x grad_accum "
-            f"{trainer.args.gradient_accumulation_steps}")
-    result = {"name": name, "steps": steps, "examples_per_step": t["examples"] / max(1, steps),
-              "examples_exact": True, "tokens": t["tokens"], "cells": t["cells"], "loop_s": clock.end - clock.start,
-              "threads": t["threads"], "note": note}
+    name = (
+        f"TRL SFTTrainer, packing={mode}" + (" (padding-free)" if trainer.padding_free else "")
+        if packing
+        else "TRL SFTTrainer, no packing (pad to longest)"
+    )
+    note = (
+        f"setup {setup_s:.1f} s; trainer.train() {train_s:.1f} s; dataset: {data_note}; "
+        f"per_device_train_batch_size {trainer.args.per_device_train_batch_size} x grad_accum "
+        f"{trainer.args.gradient_accumulation_steps}"
+    )
+    result = {
+        "name": name,
+        "steps": steps,
+        "examples_per_step": t["examples"] / max(1, steps),
+        "examples_exact": True,
+        "tokens": t["tokens"],
+        "cells": t["cells"],
+        "loop_s": clock.end - clock.start,
+        "threads": t["threads"],
+        "note": note,
+    }
     if packing and trainer.padding_free:
         result["cross_attention_max_logit_diff"] = packed_attention_check(trainer)
     return result
@@ -381,17 +472,37 @@ def run_trl(params, base_dir: Path, rows_dir: Path, tmp: Path, threads: int, pac
 
 # ------------------------------------------------------------------------------------------------ main
 
-def run_isolated(mode: str, args, base_dir: Path, rows_dir: Path, shards_dir: Path, run_tmp: Path,
-                 batch: int) -> dict:
+
+def run_isolated(mode: str, args, base_dir: Path, rows_dir: Path, shards_dir: Path, run_tmp: Path, batch: int) -> dict:
     """One method's run in a fresh interpreter, so no method inherits another's threads, allocator state
     or imports (measured: fineflow ran 11% slower in-process after a TRL run than alone)."""
     import subprocess
 
     out = run_tmp / "result.json"
-    command = [sys.executable, __file__, "--worker", mode, "--steps", str(args.steps), "--threads",
-               str(args.threads), "--params", str(args.params), "--base-dir", str(base_dir), "--rows-dir",
-               str(rows_dir), "--shards-dir", str(shards_dir), "--tmp", str(run_tmp), "--batch", str(batch),
-               "--out", str(out)]
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        mode,
+        "--steps",
+        str(args.steps),
+        "--threads",
+        str(args.threads),
+        "--params",
+        str(args.params),
+        "--base-dir",
+        str(base_dir),
+        "--rows-dir",
+        str(rows_dir),
+        "--shards-dir",
+        str(shards_dir),
+        "--tmp",
+        str(run_tmp),
+        "--batch",
+        str(batch),
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0 or not out.exists():
         fail(f"{mode} run failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -419,20 +530,28 @@ def worker_main(args) -> None:
     elif args.worker == "fineflow":
         result = run_fineflow(params, args.base_dir, args.shards_dir, args.tmp, args.threads)
     else:
-        result = run_trl(params, args.base_dir, args.rows_dir, args.tmp, args.threads,
-                         args.worker == "trl-packed", args.batch)
+        result = run_trl(
+            params, args.base_dir, args.rows_dir, args.tmp, args.threads, args.worker == "trl-packed", args.batch
+        )
     args.out.write_text(json.dumps({**result, "mode": args.worker}))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=150, help="optimizer steps for every method (default 150)")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
-                        help="torch.set_num_threads for every method (default: the CPUs this process may use)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="torch.set_num_threads for every method (default: the CPUs this process may use)",
+    )
     parser.add_argument("--params", type=Path, default=ROOT / "params.yaml")
-    parser.add_argument("--only", default=",".join(MODES[:3]),
-                        help=f"comma-separated subset of {','.join(MODES)} (default: the first three); "
-                             "fineflow-dense = fineflow with train.attention sdpa and fused_lora false (ablation)")
+    parser.add_argument(
+        "--only",
+        default=",".join(MODES[:3]),
+        help=f"comma-separated subset of {','.join(MODES)} (default: the first three); "
+        "fineflow-dense = fineflow with train.attention sdpa and fused_lora false (ablation)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians reported (default 3)")
     parser.add_argument("--data", choices=("bundled", "long-tailed"), default="bundled")
     # internal: one method in a fresh process (run_isolated)
@@ -467,8 +586,13 @@ def main() -> None:
             from fineflow.model_ref import resolve_base_model
             from fineflow.stages import tokenize
 
-            rows_dir = long_tailed_rows(rows_dir, tmp / "long-tailed", resolve_base_model(params.model, base_dir),
-                                        params.tokenize.seq_len, params.seed)
+            rows_dir = long_tailed_rows(
+                rows_dir,
+                tmp / "long-tailed",
+                resolve_base_model(params.model, base_dir),
+                params.tokenize.seq_len,
+                params.seed,
+            )
             shards_dir = tmp / "long-tailed-shards"
             tokenize.run(params, rows_dir, base_dir, shards_dir)
             shard_note = "built in a temp dir from the long-tailed rows"
@@ -476,15 +600,21 @@ def main() -> None:
         per_row = shard.meta["examples"] / len(shard)
         ff_examples = cfg.micro_batch_size * cfg.grad_accum * per_row
         trl_batch = max(1, round(cfg.micro_batch_size * per_row))  # x grad_accum: TRL examples/step = fineflow's
-        print(f"trl {trl.__version__}, transformers {transformers.__version__}, torch {torch.__version__}; "
-              f"torch.set_num_threads({args.threads}) before every method; {args.steps} optimizer steps each; "
-              f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
-        print(f"data ({args.data}): {rows_dir}/train.jsonl, {shard.meta['examples']} examples; fineflow "
-              f"shards: {shard_note}; {len(shard)} rows of {shard.meta['seq_len']}, {per_row:.2f} examples/row, "
-              f"{shard.meta.get('real_tokens'):,} real tokens (share {shard.meta.get('real_token_share')})")
-        print(f"model: {base_dir.relative_to(ROOT)}; LoRA r={cfg.lora.r} alpha={cfg.lora.alpha} "
-              f"dropout={cfg.lora.dropout} on {','.join(cfg.lora.target_modules)}; lr {cfg.lr} {cfg.schedule}, "
-              f"warmup {cfg.warmup_steps}, max_grad_norm {cfg.max_grad_norm}, weight_decay {cfg.weight_decay}")
+        print(
+            f"trl {trl.__version__}, transformers {transformers.__version__}, torch {torch.__version__}; "
+            f"torch.set_num_threads({args.threads}) before every method; {args.steps} optimizer steps each; "
+            f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
+        )
+        print(
+            f"data ({args.data}): {rows_dir}/train.jsonl, {shard.meta['examples']} examples; fineflow "
+            f"shards: {shard_note}; {len(shard)} rows of {shard.meta['seq_len']}, {per_row:.2f} examples/row, "
+            f"{shard.meta.get('real_tokens'):,} real tokens (share {shard.meta.get('real_token_share')})"
+        )
+        print(
+            f"model: {base_dir.relative_to(ROOT)}; LoRA r={cfg.lora.r} alpha={cfg.lora.alpha} "
+            f"dropout={cfg.lora.dropout} on {','.join(cfg.lora.target_modules)}; lr {cfg.lr} {cfg.schedule}, "
+            f"warmup {cfg.warmup_steps}, max_grad_norm {cfg.max_grad_norm}, weight_decay {cfg.weight_decay}"
+        )
         if cfg.num_processes != 1:
             print(f"note: params train.num_processes={cfg.num_processes}; this bench runs every method on 1 process")
         print(flush=True)
@@ -501,10 +631,14 @@ def main() -> None:
             rounds.append(results)
 
     print(f"\nload average after: {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} CPUs")
-    print(f"fineflow examples/step = {cfg.micro_batch_size} rows x {cfg.grad_accum} accum x {per_row:.2f} "
-          f"examples/row = {ff_examples:.1f}; TRL no packing: batch {trl_batch} x {cfg.grad_accum} accum")
-    header = (f"{'method':48} {'steps':>5} {'ex/step':>7} {'real tokens':>11} {'pad share':>9} {'threads':>7} "
-              f"{'loop s':>7} {'eff tok/s':>9} {'fineflow/x':>10}")
+    print(
+        f"fineflow examples/step = {cfg.micro_batch_size} rows x {cfg.grad_accum} accum x {per_row:.2f} "
+        f"examples/row = {ff_examples:.1f}; TRL no packing: batch {trl_batch} x {cfg.grad_accum} accum"
+    )
+    header = (
+        f"{'method':48} {'steps':>5} {'ex/step':>7} {'real tokens':>11} {'pad share':>9} {'threads':>7} "
+        f"{'loop s':>7} {'eff tok/s':>9} {'fineflow/x':>10}"
+    )
     print(header)
     print("-" * len(header))
     # the table: the last round's counts (identical every round: seeded) with each method's median loop time
@@ -515,8 +649,10 @@ def main() -> None:
         rate = r["tokens"] / r["loop_s"]
         ratio = f"{ff_rate / rate:9.2f}x" if ff_rate else f"{'-':>10}"
         examples = f"{r['examples_per_step']:7.1f}" if r["examples_exact"] else f"~{r['examples_per_step']:6.1f}"
-        print(f"{r['name']:48} {r['steps']:5d} {examples} {r['tokens']:11,d} {1 - r['tokens'] / r['cells']:9.1%} "
-              f"{r['threads']!s:>7} {r['loop_s']:7.2f} {rate:9.0f} {ratio}")
+        print(
+            f"{r['name']:48} {r['steps']:5d} {examples} {r['tokens']:11,d} {1 - r['tokens'] / r['cells']:9.1%} "
+            f"{r['threads']!s:>7} {r['loop_s']:7.2f} {rate:9.0f} {ratio}"
+        )
     print(f"(loop s = median of {len(rounds)} interleaved rounds)")
     if ff is not None and len(rounds) > 1:
         ff_index = results.index(ff)
@@ -526,19 +662,25 @@ def main() -> None:
             per_round = [(rnd[i]["tokens"] / rnd[i]["loop_s"]) for rnd in rounds]
             ff_round = [(rnd[ff_index]["tokens"] / rnd[ff_index]["loop_s"]) for rnd in rounds]
             ratios = [a / b for a, b in zip(ff_round, per_round)]
-            print(f"  fineflow / {r['name']}: per round {', '.join(f'{x:.2f}x' for x in ratios)} "
-                  f"(rates: fineflow {', '.join(f'{x:.0f}' for x in ff_round)}; "
-                  f"this {', '.join(f'{x:.0f}' for x in per_round)} tok/s)")
+            print(
+                f"  fineflow / {r['name']}: per round {', '.join(f'{x:.2f}x' for x in ratios)} "
+                f"(rates: fineflow {', '.join(f'{x:.0f}' for x in ff_round)}; "
+                f"this {', '.join(f'{x:.0f}' for x in per_round)} tok/s)"
+            )
     print()
     for r in results:
         print(f"{r['name']}: {r['note']}")
         if "cross_attention_max_logit_diff" in r:
             diff = r["cross_attention_max_logit_diff"]
-            print(f"  padding-free packed batch vs. its examples alone (CPU, sdpa): max |logit diff| {diff:.2e} -> "
-                  f"attention/positions {'do not cross' if diff < 1e-3 else 'CROSS'} packed examples")
-    print("pad share = padded share of the token positions each method computed on (fineflow: packed rows of "
-          "seq_len; TRL padded: batch x longest; TRL padding-free: the flattened rows, no padding). "
-          "eff tok/s = real (non-pad) tokens / training-loop seconds.")
+            print(
+                f"  padding-free packed batch vs. its examples alone (CPU, sdpa): max |logit diff| {diff:.2e} -> "
+                f"attention/positions {'do not cross' if diff < 1e-3 else 'CROSS'} packed examples"
+            )
+    print(
+        "pad share = padded share of the token positions each method computed on (fineflow: packed rows of "
+        "seq_len; TRL padded: batch x longest; TRL padding-free: the flattened rows, no padding). "
+        "eff tok/s = real (non-pad) tokens / training-loop seconds."
+    )
 
 
 if __name__ == "__main__":

@@ -35,12 +35,18 @@ def _plan_parser(sub) -> None:
         SHARDINGS,
     )
 
-    p = sub.add_parser("plan", help="predict peak GPU memory per device before launching a run",
-                       description="Predict peak GPU memory per device: weights, gradients, optimizer "
-                                   "states, activations, overhead (conventions: fineflow/train/planner.py).")
-    p.add_argument("--model", default="7B",
-                   help=f"a known size ({', '.join(KNOWN_SHAPES)}), a parameter count, a config.json or a "
-                        "model directory (default: 7B)")
+    p = sub.add_parser(
+        "plan",
+        help="predict peak GPU memory per device before launching a run",
+        description="Predict peak GPU memory per device: weights, gradients, optimizer "
+        "states, activations, overhead (conventions: fineflow/train/planner.py).",
+    )
+    p.add_argument(
+        "--model",
+        default="7B",
+        help=f"a known size ({', '.join(KNOWN_SHAPES)}), a parameter count, a config.json or a "
+        "model directory (default: 7B)",
+    )
     p.add_argument("--method", choices=METHODS, default="lora")
     p.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
@@ -49,17 +55,31 @@ def _plan_parser(sub) -> None:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--gpus", type=int, default=1, help="data-parallel ranks (default: 1)")
-    p.add_argument("--sharding", choices=SHARDINGS, default="none",
-                   help="none: DDP; zero2: gradients+optimizer sharded; fsdp/zero3: everything sharded")
+    p.add_argument(
+        "--sharding",
+        choices=SHARDINGS,
+        default="none",
+        help="none: DDP; zero2: gradients+optimizer sharded; fsdp/zero3: everything sharded",
+    )
     p.add_argument("--lora-r", type=int, default=16)
-    p.add_argument("--lora-targets", default="all-linear",
-                   help="comma-separated linears (q_proj,v_proj,...) or all-linear (default)")
+    p.add_argument(
+        "--lora-targets",
+        default="all-linear",
+        help="comma-separated linears (q_proj,v_proj,...) or all-linear (default)",
+    )
     p.add_argument("--attention", choices=ATTENTIONS, default="sdpa")
-    p.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True,
-                   help="rows hold several examples behind an attention mask, as fineflow packs them (default)")
+    p.add_argument(
+        "--packed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="rows hold several examples behind an attention mask, as fineflow packs them (default)",
+    )
     p.add_argument("--device-gib", type=float, help="device memory in GiB: say whether the plan fits")
-    p.add_argument("--auto-fit", action="store_true",
-                   help="with --device-gib: enable gradient checkpointing, then lower the micro-batch, until it fits")
+    p.add_argument(
+        "--auto-fit",
+        action="store_true",
+        help="with --device-gib: enable gradient checkpointing, then lower the micro-batch, until it fits",
+    )
     p.add_argument("--table", action="store_true", help="print full/lora/qlora for every known size")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=_run_plan)
@@ -68,18 +88,34 @@ def _plan_parser(sub) -> None:
 def _setup_from_args(args):
     from fineflow.train.planner import LINEARS, Setup
 
-    targets = LINEARS if args.lora_targets == "all-linear" else tuple(
-        t.strip() for t in args.lora_targets.split(",") if t.strip())
-    return Setup(method=args.method, precision=args.precision, optimizer=args.optimizer,
-                 micro_batch_size=args.micro_batch, seq_len=args.seq_len, grad_accum=args.grad_accum,
-                 gradient_checkpointing=args.gradient_checkpointing, num_gpus=args.gpus, sharding=args.sharding,
-                 lora_r=args.lora_r, lora_targets=targets, attention=args.attention, packed=args.packed)
+    targets = (
+        LINEARS
+        if args.lora_targets == "all-linear"
+        else tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    )
+    return Setup(
+        method=args.method,
+        precision=args.precision,
+        optimizer=args.optimizer,
+        micro_batch_size=args.micro_batch,
+        seq_len=args.seq_len,
+        grad_accum=args.grad_accum,
+        gradient_checkpointing=args.gradient_checkpointing,
+        num_gpus=args.gpus,
+        sharding=args.sharding,
+        lora_r=args.lora_r,
+        lora_targets=targets,
+        attention=args.attention,
+        packed=args.packed,
+    )
 
 
 def _describe_setup(setup) -> str:
-    return (f"{setup.precision}, {setup.optimizer}, micro-batch {setup.micro_batch_size} x seq {setup.seq_len}, "
-            f"gradient checkpointing {'on' if setup.gradient_checkpointing else 'off'}, {setup.num_gpus} GPU(s), "
-            f"sharding {setup.sharding}, attention {setup.attention}, {'packed' if setup.packed else 'plain'} rows")
+    return (
+        f"{setup.precision}, {setup.optimizer}, micro-batch {setup.micro_batch_size} x seq {setup.seq_len}, "
+        f"gradient checkpointing {'on' if setup.gradient_checkpointing else 'off'}, {setup.num_gpus} GPU(s), "
+        f"sharding {setup.sharding}, attention {setup.attention}, {'packed' if setup.packed else 'plain'} rows"
+    )
 
 
 def format_plan(result, device_bytes: float | None = None) -> str:
@@ -88,14 +124,22 @@ def format_plan(result, device_bytes: float | None = None) -> str:
 
     s = result.setup
     method = s.method if s.method == "full" else f"{s.method} r={s.lora_r} on {len(s.lora_targets)} module(s)"
-    lines = [(f"{result.model}: {result.params / 1e9:.2f}B parameters, {method}, "
-              f"{result.trainable_params:,} trainable"),
-             _describe_setup(s), ""]
-    rows = [("weights", result.weights, ""), ("gradients", result.gradients, ""),
-            ("optimizer states", result.optimizer_states,
-             "incl. fp32 master weights" if s.method == "full" and s.precision != "fp32" else ""),
-            ("activations", result.activations, f"of which loss over the vocabulary {result.logits / GiB:.2f} GiB"),
-            ("overhead", result.overhead, f"CUDA context/NCCL + {FRAGMENTATION:.0%} fragmentation")]
+    lines = [
+        (f"{result.model}: {result.params / 1e9:.2f}B parameters, {method}, {result.trainable_params:,} trainable"),
+        _describe_setup(s),
+        "",
+    ]
+    rows = [
+        ("weights", result.weights, ""),
+        ("gradients", result.gradients, ""),
+        (
+            "optimizer states",
+            result.optimizer_states,
+            "incl. fp32 master weights" if s.method == "full" and s.precision != "fp32" else "",
+        ),
+        ("activations", result.activations, f"of which loss over the vocabulary {result.logits / GiB:.2f} GiB"),
+        ("overhead", result.overhead, f"CUDA context/NCCL + {FRAGMENTATION:.0%} fragmentation"),
+    ]
     if result.optimizer_step > result.activations:
         rows.append(("optimizer step", result.optimizer_step, "temporaries in step(), larger than activations"))
     lines += [f"  {name:<17}{value / GiB:>9.2f} GiB   {note}".rstrip() for name, value, note in rows]
@@ -112,18 +156,25 @@ def format_table(setup, device_bytes: float | None = None) -> str:
 
     from fineflow.train.planner import KNOWN_SHAPES, METHODS, GiB, plan
 
-    header = (f"{'model':<14}{'params':>8}  {'method':<6}{'weights':>9}{'grads':>8}{'optim':>8}{'activ':>8}"
-              f"{'opt.step':>10}{'overhead':>10}{'total':>9}")
+    header = (
+        f"{'model':<14}{'params':>8}  {'method':<6}{'weights':>9}{'grads':>8}{'optim':>8}{'activ':>8}"
+        f"{'opt.step':>10}{'overhead':>10}{'total':>9}"
+    )
     fits_col = f"  fits {device_bytes / GiB:g} GiB" if device_bytes is not None else ""
-    lines = [(f"GiB per device; {_describe_setup(setup)}; LoRA r={setup.lora_r} on {len(setup.lora_targets)} "
-              "module(s)"), "total = weights + grads + optim + max(activ, opt.step) + overhead",
-             header + fits_col, "-" * len(header + fits_col)]
+    lines = [
+        (f"GiB per device; {_describe_setup(setup)}; LoRA r={setup.lora_r} on {len(setup.lora_targets)} module(s)"),
+        "total = weights + grads + optim + max(activ, opt.step) + overhead",
+        header + fits_col,
+        "-" * len(header + fits_col),
+    ]
     for shape in KNOWN_SHAPES.values():
         for method in METHODS:
             r = plan(shape, replace(setup, method=method))
-            row = (f"{shape.name:<14}{shape.params / 1e9:>7.2f}B  {method:<6}{r.weights / GiB:>9.1f}"
-                   f"{r.gradients / GiB:>8.1f}{r.optimizer_states / GiB:>8.1f}{r.activations / GiB:>8.1f}"
-                   f"{r.optimizer_step / GiB:>10.1f}{r.overhead / GiB:>10.1f}{r.total / GiB:>9.1f}")
+            row = (
+                f"{shape.name:<14}{shape.params / 1e9:>7.2f}B  {method:<6}{r.weights / GiB:>9.1f}"
+                f"{r.gradients / GiB:>8.1f}{r.optimizer_states / GiB:>8.1f}{r.activations / GiB:>8.1f}"
+                f"{r.optimizer_step / GiB:>10.1f}{r.overhead / GiB:>10.1f}{r.total / GiB:>9.1f}"
+            )
             lines.append(row + (f"  {'yes' if r.fits(device_bytes) else 'no'}" if fits_col else ""))
     return "\n".join(lines)
 
@@ -154,8 +205,11 @@ def _run_plan(args) -> int:
             return 1
         result, changes = fitted.plan, fitted.changes
     if args.json:
-        print(json.dumps({**result.as_dict(), "changes": changes,
-                          "fits": result.fits(device) if device else None}, indent=2))
+        print(
+            json.dumps(
+                {**result.as_dict(), "changes": changes, "fits": result.fits(device) if device else None}, indent=2
+            )
+        )
     else:
         print(format_plan(result, device))
         for change in changes:
@@ -171,8 +225,9 @@ def _registry_parser(sub) -> None:
     verify = actions.add_parser("verify", help="check the promotion log's hash chain and the stored candidates")
     rollback = actions.add_parser("rollback", help="reinstall an earlier champion (logged)")
     rollback.add_argument("--to", help="candidate id (or a unique prefix); default: the champion before the current")
-    rollback.add_argument("--champion", default="models/champion",
-                          help="installed champion dir (default: models/champion)")
+    rollback.add_argument(
+        "--champion", default="models/champion", help="installed champion dir (default: models/champion)"
+    )
     rollback.add_argument("--base-dir", help="base model to merge into (default: the one recorded at promotion)")
     listing = actions.add_parser("list", help="candidates, their decisions and the champion")
     for q in (verify, rollback, listing):
@@ -221,13 +276,19 @@ def _run_list(args) -> int:
 
 
 def _lineage_parser(sub) -> None:
-    p = sub.add_parser("lineage", help="print where a model came from, as a tree",
-                       description="Print a lineage manifest: a model dir (models/champion, a registry "
-                                   "candidate), a candidate id, or a lineage JSON file.")
+    p = sub.add_parser(
+        "lineage",
+        help="print where a model came from, as a tree",
+        description="Print a lineage manifest: a model dir (models/champion, a registry "
+        "candidate), a candidate id, or a lineage JSON file.",
+    )
     p.add_argument("target", help="model dir, candidate id, or lineage .json")
     p.add_argument("--registry", default="models/registry", help="where candidate ids are looked up")
-    p.add_argument("--runs", default="reports/lineage",
-                   help="full per-run manifests (git, times, user, host) by candidate id (default: reports/lineage)")
+    p.add_argument(
+        "--runs",
+        default="reports/lineage",
+        help="full per-run manifests (git, times, user, host) by candidate id (default: reports/lineage)",
+    )
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     p.set_defaults(run=_run_lineage)
 

@@ -39,7 +39,7 @@ class ModelParams(_Section):
     max_position_embeddings: int = Field(512, gt=0)
 
     @model_validator(mode="after")
-    def _heads_divide_hidden(self) -> "ModelParams":
+    def _heads_divide_hidden(self) -> ModelParams:
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
         return self
@@ -69,7 +69,7 @@ class DataParams(_Section):
     n_eval: int = Field(200, gt=0)
     bad_row_share: float = Field(0.03, ge=0, lt=0.5)  # deliberately bad rows so validation has work
     format: Literal["auto", "jsonl", "csv", "parquet"] = "auto"  # auto: by file extension
-    mapping: "FieldMapping" = Field(default_factory=lambda: FieldMapping())
+    mapping: FieldMapping = Field(default_factory=lambda: FieldMapping())
 
 
 class FieldMapping(_Section):
@@ -229,8 +229,12 @@ def _describe(error: dict) -> str:
     if kind == "missing":
         return f"{key} is required"
     ctx = error.get("ctx") or {}
-    bounds = {"greater_than": "> {gt}", "greater_than_equal": ">= {ge}", "less_than": "< {lt}",
-              "less_than_equal": "<= {le}"}
+    bounds = {
+        "greater_than": "> {gt}",
+        "greater_than_equal": ">= {ge}",
+        "less_than": "< {lt}",
+        "less_than_equal": "<= {le}",
+    }
     if kind in bounds:
         limits = {k: f"{v:g}" if isinstance(v, (int, float)) else v for k, v in ctx.items()}
         return f"{key} must be {bounds[kind].format(**limits)} (got {error['input']!r})"

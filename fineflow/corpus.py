@@ -8,24 +8,118 @@ re-run the base stage's pretraining: ``dvc.yaml`` lists only this module for the
 from __future__ import annotations
 
 import random
-from typing import Iterator
+from collections.abc import Iterator
 
-NAMES = ["Alice", "Bruno", "Chen", "Dalia", "Emeka", "Farah", "Goran", "Hana", "Ivan", "Jia", "Kofi", "Lena",
-         "Mateo", "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tariq", "Uma", "Viktor", "Wen", "Ximena",
-         "Yusuf", "Zara", "Arjun", "Beatriz", "Cyril", "Dmitri", "Elif", "Finn"]
-CITIES = ["Paris", "Lagos", "Tokyo", "Lima", "Oslo", "Cairo", "Quito", "Hanoi", "Dublin", "Accra", "Seoul",
-          "Porto", "Riga", "Kyoto", "Perth", "Tunis", "Bern", "Delhi", "Minsk", "Sofia", "Turin", "Nairobi",
-          "Austin", "Havana"]
-JOBS = ["baker", "pilot", "nurse", "chemist", "farmer", "lawyer", "painter", "tailor", "editor", "welder",
-        "dentist", "teacher"]
-WORDS = ["red", "blue", "green", "stone", "river", "cloud", "apple", "tiger", "lamp", "bread", "glass", "wolf",
-         "moon", "sand", "rope", "salt", "fern", "iron", "milk", "owl", "pearl", "reed", "snow", "vine"]
+NAMES = [
+    "Alice",
+    "Bruno",
+    "Chen",
+    "Dalia",
+    "Emeka",
+    "Farah",
+    "Goran",
+    "Hana",
+    "Ivan",
+    "Jia",
+    "Kofi",
+    "Lena",
+    "Mateo",
+    "Nadia",
+    "Omar",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sven",
+    "Tariq",
+    "Uma",
+    "Viktor",
+    "Wen",
+    "Ximena",
+    "Yusuf",
+    "Zara",
+    "Arjun",
+    "Beatriz",
+    "Cyril",
+    "Dmitri",
+    "Elif",
+    "Finn",
+]
+CITIES = [
+    "Paris",
+    "Lagos",
+    "Tokyo",
+    "Lima",
+    "Oslo",
+    "Cairo",
+    "Quito",
+    "Hanoi",
+    "Dublin",
+    "Accra",
+    "Seoul",
+    "Porto",
+    "Riga",
+    "Kyoto",
+    "Perth",
+    "Tunis",
+    "Bern",
+    "Delhi",
+    "Minsk",
+    "Sofia",
+    "Turin",
+    "Nairobi",
+    "Austin",
+    "Havana",
+]
+JOBS = [
+    "baker",
+    "pilot",
+    "nurse",
+    "chemist",
+    "farmer",
+    "lawyer",
+    "painter",
+    "tailor",
+    "editor",
+    "welder",
+    "dentist",
+    "teacher",
+]
+WORDS = [
+    "red",
+    "blue",
+    "green",
+    "stone",
+    "river",
+    "cloud",
+    "apple",
+    "tiger",
+    "lamp",
+    "bread",
+    "glass",
+    "wolf",
+    "moon",
+    "sand",
+    "rope",
+    "salt",
+    "fern",
+    "iron",
+    "milk",
+    "owl",
+    "pearl",
+    "reed",
+    "snow",
+    "vine",
+]
 FIELDS = ["name", "city", "age", "job"]
 
 
 def record(rng: random.Random) -> dict[str, str]:
-    return {"name": rng.choice(NAMES), "city": rng.choice(CITIES), "age": str(rng.randint(18, 90)),
-            "job": rng.choice(JOBS)}
+    return {
+        "name": rng.choice(NAMES),
+        "city": rng.choice(CITIES),
+        "age": str(rng.randint(18, 90)),
+        "job": rng.choice(JOBS),
+    }
 
 
 def record_text(rec: dict[str, str], rng: random.Random) -> str:

@@ -6,8 +6,8 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 
 def write_json_atomic(path: str | Path, payload: dict) -> None:

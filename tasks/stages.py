@@ -40,8 +40,15 @@ def repro_single(stage: str, project_dir: Path, log) -> bool:
     command = [sys.executable, "-m", "dvc", "repro", "--single-item", stage]
     tail: deque[str] = deque(maxlen=60)
     ran = False  # seen DVC's "Running stage" line (a chatty stage pushes it out of the tail)
-    with subprocess.Popen(command, cwd=project_dir, env=stage_environment(), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+    with subprocess.Popen(
+        command,
+        cwd=project_dir,
+        env=stage_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    ) as proc:
         for line in proc.stdout:
             line = line.rstrip()
             if line:
@@ -78,7 +85,9 @@ def run_stage(stage: str, project_dir: str = ".") -> dict:
     ran = repro_single(stage, project, logger.info)
     report_path = project / "reports" / f"{stage}.json"
     report = json.loads(report_path.read_text(encoding="utf-8")) if report_path.exists() else {}
-    create_markdown_artifact(key=f"fineflow-{stage}", markdown=_report_markdown(stage, report),
-                             description=f"reports/{stage}.json after the {stage} stage"
-                             + ("" if ran else " (unchanged, skipped by DVC)"))
+    create_markdown_artifact(
+        key=f"fineflow-{stage}",
+        markdown=_report_markdown(stage, report),
+        description=f"reports/{stage}.json after the {stage} stage" + ("" if ran else " (unchanged, skipped by DVC)"),
+    )
     return {"stage": stage, "ran": ran, "report": report}

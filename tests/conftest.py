@@ -14,25 +14,39 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 _STATE = Path(tempfile.mkdtemp(prefix="fineflow-tests-"))
-os.environ.update({
-    "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-    "HF_HOME": str(_STATE / "hf"), "HF_HUB_DISABLE_TELEMETRY": "1", "DO_NOT_TRACK": "1",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DVC_NO_ANALYTICS": "1", "PREFECT_HOME": str(_STATE / "prefect"),
-    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120", "TOKENIZERS_PARALLELISM": "false",
-    "PREFECT_LOGGING_LEVEL": "WARNING",
-})
+os.environ.update(
+    {
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_HOME": str(_STATE / "hf"),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DVC_NO_ANALYTICS": "1",
+        "PREFECT_HOME": str(_STATE / "prefect"),
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+    }
+)
 
 # Overrides that shrink the repo's params.yaml until every stage runs in seconds on 2 cores.
 TINY_OVERRIDES = {
     "seed": 7,
-    "model": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2, "vocab_size": 400,
-              "max_position_embeddings": 256},
+    "model": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_layers": 2,
+        "num_heads": 2,
+        "vocab_size": 400,
+        "max_position_embeddings": 256,
+    },
     "base": {"corpus_docs": 600, "steps": 4, "batch_size": 4, "seq_len": 64, "warmup_steps": 1},
     "data": {"n_train": 160, "n_eval": 16},
     "tokenize": {"seq_len": 128},
     "checkpoint": {"every_steps": 2},
-    "train": {"steps": 4, "micro_batch_size": 2, "warmup_steps": 1, "log_every": 1,
-              "lora": {"r": 4, "alpha": 8}},
+    "train": {"steps": 4, "micro_batch_size": 2, "warmup_steps": 1, "log_every": 1, "lora": {"r": 4, "alpha": 8}},
     "evaluate": {"batch_size": 8, "max_gen_toks": 8, "limit": 6},
     "promote": {"min_delta": 0.0},
 }
@@ -79,9 +93,15 @@ def built(tmp_path_factory):
     params = parse_params(TINY_PARAMS)
     base.run(params, root / "models/base")
     data.run(params, root / "data/raw/train.jsonl", root / "data/raw/eval.jsonl")
-    report = validate.run(params, root / "data/raw/train.jsonl", root / "data/raw/eval.jsonl",
-                          root / "data/validated", root / "reports/validate.json", root / "reports/data_docs",
-                          root / "models/base")
+    report = validate.run(
+        params,
+        root / "data/raw/train.jsonl",
+        root / "data/raw/eval.jsonl",
+        root / "data/validated",
+        root / "reports/validate.json",
+        root / "reports/data_docs",
+        root / "models/base",
+    )
     write_json_atomic(root / "reports/validate.json", report)
     tokenize.run(params, root / "data/validated", root / "models/base", root / "data/shards")
     return root
@@ -89,8 +109,9 @@ def built(tmp_path_factory):
 
 def copy_project(dest: Path, overrides: dict | None = None) -> Path:
     """A fresh git+DVC checkout of this project's tracked files at dest, with tiny params."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
-                           text=True, check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
     for rel in files:
         src = ROOT / rel
         if src.is_file():

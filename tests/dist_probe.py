@@ -27,10 +27,16 @@ def main(argv: list[str]) -> int:
     if state.num_processes > 1:
         torch.distributed.all_reduce(value)  # sum of 1..W: proves one group, not W separate jobs
     backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "none"
-    record = {"rank": state.process_index, "world_size": state.num_processes, "sum": float(value[0]),
-              "backend": backend, "distributed_type": str(state.distributed_type)}
-    print(f"probe rank={record['rank']} world={record['world_size']} sum={record['sum']:g} backend={backend}",
-          flush=True)
+    record = {
+        "rank": state.process_index,
+        "world_size": state.num_processes,
+        "sum": float(value[0]),
+        "backend": backend,
+        "distributed_type": str(state.distributed_type),
+    }
+    print(
+        f"probe rank={record['rank']} world={record['world_size']} sum={record['sum']:g} backend={backend}", flush=True
+    )
     state.wait_for_everyone()
     if state.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -71,8 +71,15 @@ def _model(kv_heads: int = 4, impl: str = "sdpa"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=128)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=128,
+    )
     config._attn_implementation = impl
     return LlamaForCausalLM(config)
 
@@ -82,8 +89,11 @@ def _batch(positions: np.ndarray) -> dict:
     ids = rng.integers(1, 64, size=positions.shape)
     labels = np.where(rng.random(positions.shape) < 0.6, ids, -100)
     labels[positions == 0] = -100
-    return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
-            "position_ids": torch.from_numpy(positions)}
+    return {
+        "input_ids": torch.from_numpy(ids),
+        "labels": torch.from_numpy(labels),
+        "position_ids": torch.from_numpy(positions),
+    }
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])  # multi-head and grouped-query attention

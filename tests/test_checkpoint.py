@@ -27,8 +27,18 @@ import torch
 
 import fineflow.checkpoint.write as write_module  # faults replace write_module.write_all, where it is looked up
 from fineflow import checkpoint
-from fineflow.checkpoint import (CheckpointError, CheckpointManager, CheckpointWarning, capture_rng, from_tree,
-                                 latest_valid, load_checkpoint, restore_rng, to_tree, verify_checkpoint)
+from fineflow.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    CheckpointWarning,
+    capture_rng,
+    from_tree,
+    latest_valid,
+    load_checkpoint,
+    restore_rng,
+    to_tree,
+    verify_checkpoint,
+)
 from fineflow.errors import FineflowError
 from tests.faults import FAULTS_DIR, INJECTED, fault_env
 
@@ -38,12 +48,16 @@ REAL_WRITE_ALL = write_module.write_all  # taken before any test replaces it: a 
 
 def small_state(step: int, fingerprint=None) -> dict:
     """A tiny, step-dependent state for tests that are about files, not about optimizers."""
-    return {"model_tensors": {"lora_A": torch.full((4, 8), float(step)), "lora_B": torch.arange(8.0) + step},
-            "optimizer_state_dict": {"state": {0: {"step": torch.tensor(float(step)), "exp_avg": torch.ones(3)}},
-                                     "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0]}]},
-            "scheduler_state_dict": {"last_epoch": step, "lr_lambdas": [None]},
-            "state_json": {"step": step, "fingerprint": fingerprint or {"model": "m", "method": "lora", "data": "d"}},
-            "rng_snapshots": [capture_rng()]}
+    return {
+        "model_tensors": {"lora_A": torch.full((4, 8), float(step)), "lora_B": torch.arange(8.0) + step},
+        "optimizer_state_dict": {
+            "state": {0: {"step": torch.tensor(float(step)), "exp_avg": torch.ones(3)}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0]}],
+        },
+        "scheduler_state_dict": {"last_epoch": step, "lr_lambdas": [None]},
+        "state_json": {"step": step, "fingerprint": fingerprint or {"model": "m", "method": "lora", "data": "d"}},
+        "rng_snapshots": [capture_rng()],
+    }
 
 
 def save_small(manager: CheckpointManager, step: int, metric=None, fingerprint=None) -> None:
@@ -58,10 +72,19 @@ def step_names(root: Path) -> list[str]:
 # format
 # ---------------------------------------------------------------------------------------------------------
 
+
 def test_tree_keeps_types_json_would_lose():
-    value = {"state": {0: {"step": torch.tensor(3.0)}, 7: {}}, "betas": (0.9, 0.999), "nan": float("nan"),
-             "inf": float("-inf"), "np": np.arange(5, dtype=np.uint32), "none": None, "flag": True,
-             "nested": [{"__dunder": 1}, (1, (2, 3))], "npfloat": np.float64(0.5)}
+    value = {
+        "state": {0: {"step": torch.tensor(3.0)}, 7: {}},
+        "betas": (0.9, 0.999),
+        "nan": float("nan"),
+        "inf": float("-inf"),
+        "np": np.arange(5, dtype=np.uint32),
+        "none": None,
+        "flag": True,
+        "nested": [{"__dunder": 1}, (1, (2, 3))],
+        "npfloat": np.float64(0.5),
+    }
     tensors: dict = {}
     tree = json.loads(json.dumps(to_tree(value, tensors)))  # through real JSON text
     back = from_tree(tree, tensors)
@@ -78,14 +101,30 @@ def test_tree_keeps_types_json_would_lose():
 def test_files_are_safetensors_and_json_only(tmp_path):
     from safetensors.torch import load_file
 
-    tensors = {"bf16": torch.randn(3, 5).to(torch.bfloat16), "i64": torch.arange(7), "flag": torch.tensor([True, False]),
-               "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4), "f16": torch.randn(9).half(),
-               "strided": torch.randn(6, 4).t()}
+    tensors = {
+        "bf16": torch.randn(3, 5).to(torch.bfloat16),
+        "i64": torch.arange(7),
+        "flag": torch.tensor([True, False]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+        "f16": torch.randn(9).half(),
+        "strided": torch.randn(6, 4).t(),
+    }
     with CheckpointManager(tmp_path, mode="sync") as manager:
         manager.save(1, tensors, {"state": {}, "param_groups": []}, {}, {"step": 1}, [capture_rng()])
     path = tmp_path / "step-0000001"
-    assert step_names(path) == sorted(["COMPLETE", "manifest.json", "model.safetensors", "optimizer.json",
-                                       "rng.json", "rng.safetensors", "scheduler.json", "state.json"])
+    assert step_names(path) == sorted(
+        [
+            "COMPLETE",
+            "manifest.json",
+            "model.safetensors",
+            "optimizer.json",
+            "rng.json",
+            "rng.safetensors",
+            "scheduler.json",
+            "state.json",
+        ]
+    )
     loaded = load_file(str(path / "model.safetensors"))  # the reference reader accepts our writer's files
     for name, tensor in tensors.items():
         assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
@@ -103,11 +142,12 @@ def test_files_are_safetensors_and_json_only(tmp_path):
 # exact resume
 # ---------------------------------------------------------------------------------------------------------
 
+
 def build(seed: int):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3) * 0.9 ** s)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3) * 0.9**s)
     return model, optimizer, scheduler
 
 
@@ -135,8 +175,14 @@ def test_resume_is_bit_exact(tmp_path, mode):
     for _ in range(3):
         train_step(model, optimizer, scheduler)
     manager = CheckpointManager(tmp_path, mode=mode)
-    manager.save(3, model.state_dict(), optimizer.state_dict(), scheduler.state_dict(),
-                 {"step": 3, "sampler": {"epoch": 0, "position": 12}}, [capture_rng()])
+    manager.save(
+        3,
+        model.state_dict(),
+        optimizer.state_dict(),
+        scheduler.state_dict(),
+        {"step": 3, "sampler": {"epoch": 0, "position": 12}},
+        [capture_rng()],
+    )
     for _ in range(3):  # the uninterrupted run goes on while the async save is still being written
         train_step(model, optimizer, scheduler)
     manager.close()
@@ -199,20 +245,27 @@ def test_process_backend_round_trip_and_error(tmp_path):
 # corruption and verification
 # ---------------------------------------------------------------------------------------------------------
 
+
 def _flip(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda p: _flip(p / "model.safetensors"), r"step-0000002/model\.safetensors: sha256 mismatch"),
-    (lambda p: (p / "optimizer.safetensors").write_bytes((p / "optimizer.safetensors").read_bytes()[:40]),
-     r"step-0000002/optimizer\.safetensors: truncated or resized: 40 bytes"),
-    (lambda p: (p / "COMPLETE").unlink(), r"step-0000002/COMPLETE: missing \(the save did not finish\)"),
-    (lambda p: (p / "manifest.json").write_text("{}"), r"step-0000002/manifest\.json: sha256 does not match"),
-    (lambda p: (p / "state.json").unlink(), r"step-0000002/state\.json: missing"),
-], ids=["flipped-byte", "truncated", "no-marker", "manifest", "missing-file"])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda p: _flip(p / "model.safetensors"), r"step-0000002/model\.safetensors: sha256 mismatch"),
+        (
+            lambda p: (p / "optimizer.safetensors").write_bytes((p / "optimizer.safetensors").read_bytes()[:40]),
+            r"step-0000002/optimizer\.safetensors: truncated or resized: 40 bytes",
+        ),
+        (lambda p: (p / "COMPLETE").unlink(), r"step-0000002/COMPLETE: missing \(the save did not finish\)"),
+        (lambda p: (p / "manifest.json").write_text("{}"), r"step-0000002/manifest\.json: sha256 does not match"),
+        (lambda p: (p / "state.json").unlink(), r"step-0000002/state\.json: missing"),
+    ],
+    ids=["flipped-byte", "truncated", "no-marker", "manifest", "missing-file"],
+)
 def test_corrupt_newest_falls_back_with_a_warning_naming_the_file(tmp_path, damage, message):
     with CheckpointManager(tmp_path, keep_last=5, mode="sync") as manager:
         save_small(manager, 1)
@@ -246,8 +299,11 @@ def test_a_failed_verification_is_loud_and_publishes_nothing(tmp_path):
     manager = CheckpointManager(tmp_path, mode="sync")
     bad = small_state(1)
     bad["optimizer_state_dict"]["state"][0]["exp_avg"][1] = float("inf")
-    with pytest.raises(CheckpointError, match=r"\.tmp-step-0000001/optimizer\.safetensors: tensor "
-                                              r"'state\.0\.exp_avg' has NaN or inf"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"\.tmp-step-0000001/optimizer\.safetensors: tensor "
+        r"'state\.0\.exp_avg' has NaN or inf",
+    ):
         manager.save(1, **bad)
     with pytest.raises(CheckpointError, match="model_tensors is empty"):
         manager.save(2, **{**small_state(2), "model_tensors": {}})
@@ -258,6 +314,7 @@ def test_a_failed_verification_is_loud_and_publishes_nothing(tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 # disk full
 # ---------------------------------------------------------------------------------------------------------
+
 
 def enospc(monkeypatch, when: str, times: int = 10**9) -> dict:
     """Make every checkpoint write to a file whose path contains `when` fail with ENOSPC, `times` times
@@ -270,6 +327,7 @@ def enospc(monkeypatch, when: str, times: int = 10**9) -> dict:
             calls["n"] += 1
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         REAL_WRITE_ALL(fd, data, path)
+
     monkeypatch.setattr(write_module, "write_all", write_all)
     return calls
 
@@ -279,8 +337,11 @@ def test_disk_full_stops_with_a_clear_error_and_the_previous_checkpoint_intact(t
     manager = CheckpointManager(tmp_path, mode="async")
     save_small(manager, 1)
     save_small(manager, 2)  # returns: the failure happens in the background ...
-    with pytest.raises(CheckpointError, match=r"disk full while writing \S+/\.tmp-step-0000002/optimizer\.safetensors "
-                                              r"\(checkpoint step 2\); the previous checkpoint \S+step-0000001 is intact"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"disk full while writing \S+/\.tmp-step-0000002/optimizer\.safetensors "
+        r"\(checkpoint step 2\); the previous checkpoint \S+step-0000001 is intact",
+    ):
         manager.wait()  # ... and surfaces here (or from the next save())
     assert step_names(tmp_path) == ["step-0000001"]  # no temp dir left behind
     assert load_checkpoint(latest_valid(tmp_path)).step == 1
@@ -299,6 +360,7 @@ def test_disk_full_by_monkeypatching_the_low_level_write(tmp_path, monkeypatch):
             if "step-0000002" in path and path.endswith("manifest.json"):
                 raise OSError(errno.ENOSPC, "No space left on device")
             REAL_WRITE_ALL(fd, data, path)
+
         monkeypatch.setattr(write_module, "write_all", full_after_a_few)
         with pytest.raises(CheckpointError, match=r"disk full while writing .*manifest\.json .*step-0000001 is intact"):
             save_small(manager, 2)
@@ -307,8 +369,9 @@ def test_disk_full_by_monkeypatching_the_low_level_write(tmp_path, monkeypatch):
 
 def test_disk_full_retry_succeeds_when_transient_and_gives_up_otherwise(tmp_path, monkeypatch):
     calls = enospc(monkeypatch, "model.safetensors", times=2)
-    with CheckpointManager(tmp_path / "a", mode="async", on_write_error="retry", retries=3, retry_backoff_s=0.01) \
-            as manager:
+    with CheckpointManager(
+        tmp_path / "a", mode="async", on_write_error="retry", retries=3, retry_backoff_s=0.01
+    ) as manager:
         with warnings.catch_warnings():  # retry warnings come from the writer thread: checked below, in sync mode
             warnings.simplefilter("ignore", CheckpointWarning)
             save_small(manager, 1)
@@ -316,12 +379,15 @@ def test_disk_full_retry_succeeds_when_transient_and_gives_up_otherwise(tmp_path
         assert manager.last_result["attempts"] == 3 and calls["n"] == 2
     calls = enospc(monkeypatch, "model.safetensors")
     manager = CheckpointManager(tmp_path / "b", mode="sync", on_write_error="retry", retries=2, retry_backoff_s=0.01)
-    with pytest.raises(CheckpointError, match=r"disk full .* after 3 attempts; there is no previous checkpoint"), \
-            pytest.warns(CheckpointWarning) as retried:
+    with (
+        pytest.raises(CheckpointError, match=r"disk full .* after 3 attempts; there is no previous checkpoint"),
+        pytest.warns(CheckpointWarning) as retried,
+    ):
         save_small(manager, 1)
     assert [re.sub(r"^.*/", "", str(w.message)) for w in retried] == [
         f"model.safetensors: No space left on device while saving step 1; retrying in {d}s ({i} of 2)"
-        for i, d in ((1, "0.01"), (2, "0.02"))]
+        for i, d in ((1, "0.01"), (2, "0.02"))
+    ]
     assert calls["n"] == 3 and step_names(tmp_path / "b") == []
 
 
@@ -337,8 +403,11 @@ def test_disk_full_reaches_the_spawned_writer_process(tmp_path, monkeypatch, cap
         save_small(manager, 1)
         assert manager.wait() == tmp_path / "step-0000001"
         save_small(manager, 2)
-        with pytest.raises(CheckpointError, match=r"disk full while writing \S+/\.tmp-step-0000002/\S+ \(checkpoint "
-                                                  r"step 2\); the previous checkpoint \S+step-0000001 is intact"):
+        with pytest.raises(
+            CheckpointError,
+            match=r"disk full while writing \S+/\.tmp-step-0000002/\S+ \(checkpoint "
+            r"step 2\); the previous checkpoint \S+step-0000001 is intact",
+        ):
             manager.wait()
     finally:
         manager.close()
@@ -351,11 +420,13 @@ def test_disk_full_reaches_the_spawned_writer_process(tmp_path, monkeypatch, cap
 # async behaviour, atomic replace, startup cleanup
 # ---------------------------------------------------------------------------------------------------------
 
+
 def test_at_most_one_save_in_flight(tmp_path, monkeypatch):
     def slow(fd: int, data: memoryview, path: str) -> None:
         if path.endswith("model.safetensors"):
             time.sleep(0.3)
         REAL_WRITE_ALL(fd, data, path)
+
     monkeypatch.setattr(write_module, "write_all", slow)
     with CheckpointManager(tmp_path, mode="async") as manager:
         started = time.perf_counter()
@@ -395,6 +466,7 @@ def test_startup_cleans_what_a_crash_left(tmp_path):
 # retention and fingerprints
 # ---------------------------------------------------------------------------------------------------------
 
+
 def test_retention_keeps_last_best_and_protected(tmp_path):
     manager = CheckpointManager(tmp_path, keep_last=2, keep_best=2, mode="async")
     for step, metric in zip(range(1, 8), [5.0, 1.0, 2.0, 3.0, 6.0, 7.0, 8.0]):
@@ -423,8 +495,11 @@ def test_fingerprint_mismatch_is_refused_with_a_clear_message(tmp_path):
     with pytest.raises(CheckpointError) as error:
         latest_valid(tmp_path, expected_fingerprint=changed)
     message = str(error.value)
-    assert re.search(r"step-0000001: this checkpoint was made by a different configuration \(data: 'sha256:111' "
-                     r"in the checkpoint, 'sha256:222' now; method: 'lora' in the checkpoint, 'full' now\)", message)
+    assert re.search(
+        r"step-0000001: this checkpoint was made by a different configuration \(data: 'sha256:111' "
+        r"in the checkpoint, 'sha256:222' now; method: 'lora' in the checkpoint, 'full' now\)",
+        message,
+    )
     assert "train.resume: never" in message and "model:" not in message
     with pytest.warns(CheckpointWarning, match="using it anyway"):
         assert latest_valid(tmp_path, changed, on_mismatch="ignore") == tmp_path / "step-0000001"
@@ -433,6 +508,7 @@ def test_fingerprint_mismatch_is_refused_with_a_clear_message(tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 # torn writes: SIGKILL at random moments
 # ---------------------------------------------------------------------------------------------------------
+
 
 def torn_writes_harness():
     spec = importlib.util.spec_from_file_location("torn_writes", ROOT / "bench" / "torn_writes.py")
@@ -453,12 +529,16 @@ def test_torn_writes_never_picked(tmp_path):
 # fault injection is test-only
 # ---------------------------------------------------------------------------------------------------------
 
+
 def test_production_code_has_no_fault_switches():
     """Faults live in tests/ (monkeypatch, tests/faults/sitecustomize.py); fineflow/ reads no fault variable
     and passes no hook."""
-    offenders = [f"{path.relative_to(ROOT)}: {word}" for path in sorted((ROOT / "fineflow").rglob("*.py"))
-                 for word in ("write_hook", "FINEFLOW_FAULT", "FINEFLOW_TEST_")
-                 if word in path.read_text(encoding="utf-8")]
+    offenders = [
+        f"{path.relative_to(ROOT)}: {word}"
+        for path in sorted((ROOT / "fineflow").rglob("*.py"))
+        for word in ("write_hook", "FINEFLOW_FAULT", "FINEFLOW_TEST_")
+        if word in path.read_text(encoding="utf-8")
+    ]
     assert not offenders, offenders
 
 
@@ -475,12 +555,16 @@ def test_fault_sitecustomize_is_inert_without_its_variables_and_lazy_with_them(t
     bare = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("FINEFLOW_TEST_")}
     shadowed = subprocess.run([sys.executable, "-c", "import sitecustomize"], env=bare, capture_output=True)
     assert shadowed.returncode != 0, "the interpreter has a sitecustomize of its own: tests/faults would shadow it"
-    probe = ("import sys, sitecustomize; print(sitecustomize.__file__); print('hooks', len(sys.meta_path)); "
-             "print('heavy', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'fineflow'}))")
+    probe = (
+        "import sys, sitecustomize; print(sitecustomize.__file__); print('hooks', len(sys.meta_path)); "
+        "print('heavy', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'fineflow'}))"
+    )
     plain = _python(probe, fault_env(bare))
     assert str(FAULTS_DIR / "sitecustomize.py") in plain and "heavy []" in plain
-    armed = _python(probe + "; import fineflow.checkpoint.write as w; print('patched', w.write_all.__qualname__)",
-                    fault_env(bare, write_delay_s=0.5))
+    armed = _python(
+        probe + "; import fineflow.checkpoint.write as w; print('patched', w.write_all.__qualname__)",
+        fault_env(bare, write_delay_s=0.5),
+    )
     hooks = int(re.search(r"hooks (\d+)", plain).group(1))
     assert f"hooks {hooks + 1}" in armed and "heavy []" in armed  # one finder, nothing heavy imported yet
     assert "patched slow_writes.<locals>.write_all" in armed
@@ -493,8 +577,15 @@ def test_the_harness_counts_a_torn_pick(tmp_path):
     harness = torn_writes_harness()
     data = harness.payload(3)
     with CheckpointManager(tmp_path, mode="sync") as manager:
-        manager.save(3, data["model_tensors"], data["optimizer_state_dict"], data["scheduler_state_dict"],
-                     data["state_json"], [capture_rng()], metric=data["metric"])
+        manager.save(
+            3,
+            data["model_tensors"],
+            data["optimizer_state_dict"],
+            data["scheduler_state_dict"],
+            data["state_json"],
+            [capture_rng()],
+            metric=data["metric"],
+        )
     path = tmp_path / "step-0000003"
     assert harness.torn(path, 3) is None
     assert harness.torn(path, 4).startswith("AssertionError")  # step 3's content where step 4's belongs

@@ -14,9 +14,23 @@ import yaml
 
 from tests.conftest import free_port, venv_env, write_params
 
-TRAIN = [sys.executable, "-m", "fineflow.stages.train", "--shards", "data/shards", "--base-dir", "models/base",
-         "--checkpoints", "checkpoints", "--out", "models/candidate", "--steps-log", "reports/train_steps.jsonl",
-         "--logs-dir", "logs"]
+TRAIN = [
+    sys.executable,
+    "-m",
+    "fineflow.stages.train",
+    "--shards",
+    "data/shards",
+    "--base-dir",
+    "models/base",
+    "--checkpoints",
+    "checkpoints",
+    "--out",
+    "models/candidate",
+    "--steps-log",
+    "reports/train_steps.jsonl",
+    "--logs-dir",
+    "logs",
+]
 
 
 def _project(built, path, overrides):
@@ -40,8 +54,10 @@ def expected_lrs(params: dict) -> list[float]:
 
     train = params["train"]
     # the logged lr is the one the next step will use: after step s the scheduler has stepped s times
-    return [train["lr"] * lr_multiplier(s, train["warmup_steps"], train["steps"], train["schedule"])
-            for s in range(1, train["steps"] + 1)]
+    return [
+        train["lr"] * lr_multiplier(s, train["warmup_steps"], train["steps"], train["schedule"])
+        for s in range(1, train["steps"] + 1)
+    ]
 
 
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch(built, tmp_path):
@@ -71,18 +87,26 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(built, t
 def test_two_machines_on_loopback_train_one_adapter(built, tmp_path):
     """num_machines 2, one process each, one rendezvous on 127.0.0.1: two launches of the same stage. It trains
     exactly what one process with the same global batch trains (same lr, loss and grad norm per step)."""
-    project = _project(built, tmp_path, {"train.num_processes": 2, "train.num_machines": 2,
-                                         "train.micro_batch_size": 2})
+    project = _project(
+        built, tmp_path, {"train.num_processes": 2, "train.num_machines": 2, "train.micro_batch_size": 2}
+    )
     one_steps = _train(_project(built, tmp_path / "one", {"train.num_processes": 1, "train.micro_batch_size": 4}))
     port = str(free_port())
     procs = []
     try:
         for rank in (0, 1):
             log = (tmp_path / f"machine{rank}.log").open("w")
-            procs.append(subprocess.Popen(TRAIN + ["--machine-rank", str(rank), "--main-process-ip", "127.0.0.1",
-                                                   "--main-process-port", port],
-                                          cwd=project, env=venv_env(), stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    TRAIN
+                    + ["--machine-rank", str(rank), "--main-process-ip", "127.0.0.1", "--main-process-port", port],
+                    cwd=project,
+                    env=venv_env(),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         codes = [proc.wait(timeout=600) for proc in procs]
     finally:
         for proc in procs:
@@ -95,7 +119,8 @@ def test_two_machines_on_loopback_train_one_adapter(built, tmp_path):
     assert (project / "models/candidate/adapter_model.safetensors").exists()
     steps = [json.loads(line) for line in (project / "reports/train_steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == list(range(1, report["steps"] + 1))  # machine 1's rank wrote nothing
-    assert [s["lr"] for s in steps] == pytest.approx(expected_lrs(yaml.safe_load((project / "params.yaml").read_text())),
-                                                     rel=1e-9)
+    assert [s["lr"] for s in steps] == pytest.approx(
+        expected_lrs(yaml.safe_load((project / "params.yaml").read_text())), rel=1e-9
+    )
     for key in ("loss", "grad_norm"):
         assert [s[key] for s in steps] == pytest.approx([s[key] for s in one_steps], rel=1e-4), key

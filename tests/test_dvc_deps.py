@@ -40,7 +40,8 @@ def module_file(name: str) -> Path | None:
 
 
 def modules_on_import(module: str) -> set[str]:
-    code = f"import json, sys, {module}; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'fineflow')))"
+    listing = "sorted(m for m in sys.modules if m.split('.')[0] == 'fineflow')"
+    code = f"import json, sys, {module}; print(json.dumps({listing}))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     return set(json.loads(out.stdout.strip().splitlines()[-1]))
 
@@ -83,8 +84,9 @@ def test_stage_deps_cover_every_module_the_stage_runs(stage):
     deps = [d if isinstance(d, str) else next(iter(d)) for d in DVC_STAGES[stage]["deps"]]
     loaded, reachable = modules_on_import(entry), modules_reachable(entry)
     assert entry in loaded and entry in reachable
-    missing = sorted({module_file(m).relative_to(ROOT).as_posix() for m in loaded | reachable
-                      if not covered(module_file(m), deps)})
+    missing = sorted(
+        {module_file(m).relative_to(ROOT).as_posix() for m in loaded | reachable if not covered(module_file(m), deps)}
+    )
     assert not missing, f"dvc.yaml stage {stage} does not list code it runs: {missing}"
 
 

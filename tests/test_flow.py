@@ -26,8 +26,9 @@ def prefect_harness():
 
 
 def _dvc(project, *args):
-    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=project, env=venv_env(), capture_output=True,
-                          text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "dvc", *args], cwd=project, env=venv_env(), capture_output=True, text=True, timeout=900
+    )
 
 
 def _ran_stages(output: str) -> list[str]:

@@ -28,14 +28,21 @@ def test_every_format_maps_to_the_same_records(tmp_path):
         rows = apply_mapping(read_rows(path), PROMPT_COMPLETION, str(path))
         outcome = validate_rows(rows, str(path), ValidateParams())
         results.append([row.data for row in outcome.kept])
-    assert results[0] == results[1] == results[2] == [
-        {"instruction": "Say hi.", "output": "hi"}, {"instruction": "Say bye.", "output": "bye"}]
+    assert (
+        results[0]
+        == results[1]
+        == results[2]
+        == [{"instruction": "Say hi.", "output": "hi"}, {"instruction": "Say bye.", "output": "bye"}]
+    )
 
 
 def test_wrong_mapping_is_a_clear_error(tmp_path):
     path = write_all_formats(tmp_path)[1]
-    with pytest.raises(DataError, match=r"data.mapping.output is 'answer', but no row has that column "
-                                        r"\(columns found: \['completion', 'prompt'\]\)"):
+    with pytest.raises(
+        DataError,
+        match=r"data.mapping.output is 'answer', but no row has that column "
+        r"\(columns found: \['completion', 'prompt'\]\)",
+    ):
         apply_mapping(read_rows(path), FieldMapping(instruction="prompt", input=None, output="answer"), str(path))
 
 
@@ -71,28 +78,51 @@ CHAT = FieldMapping(messages="messages")
 
 def test_chat_messages_become_instruction_and_response(tmp_path):
     rows = [
-        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."},
-                      {"role": "assistant", "content": "hi"}]},
-        {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
-                      {"role": "user", "content": "times 3?"}, {"role": "assistant", "content": "12"}]},
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Say hi."},
+                {"role": "assistant", "content": "hi"},
+            ]
+        },
+        {
+            "messages": [
+                {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4"},
+                {"role": "user", "content": "times 3?"},
+                {"role": "assistant", "content": "12"},
+            ]
+        },
     ]
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     mapped = apply_mapping(read_rows(path), CHAT, str(path))
     assert {k: v for k, v in mapped[0].data.items() if k != "messages"} == {
-        "instruction": "Be brief.\nSay hi.", "input": "", "output": "hi"}
+        "instruction": "Be brief.\nSay hi.",
+        "input": "",
+        "output": "hi",
+    }
     assert {k: v for k, v in mapped[1].data.items() if k != "messages"} == {
-        "instruction": "User: 2+2?\nAssistant: 4\nUser: times 3?", "input": "", "output": "12"}
+        "instruction": "User: 2+2?\nAssistant: 4\nUser: times 3?",
+        "input": "",
+        "output": "12",
+    }
     assert mapped[1].data["messages"] == rows[1]["messages"]  # kept for the tokenizer's chat template
 
 
-@pytest.mark.parametrize("messages, problem", [
-    ("hello", "messages must be a non-empty list"),
-    ([{"role": "robot", "content": "x"}], "messages[0].role must be one of"),
-    ([{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}], "messages[0].content must be a string"),
-    ([{"role": "user", "content": "hi"}], "the last message must be the assistant's response"),
-    ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "x"}], "no user message"),
-])
+@pytest.mark.parametrize(
+    "messages, problem",
+    [
+        ("hello", "messages must be a non-empty list"),
+        ([{"role": "robot", "content": "x"}], "messages[0].role must be one of"),
+        (
+            [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}],
+            "messages[0].content must be a string",
+        ),
+        ([{"role": "user", "content": "hi"}], "the last message must be the assistant's response"),
+        ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "x"}], "no user message"),
+    ],
+)
 def test_malformed_chat_rows_are_quarantined_with_the_reason(tmp_path, messages, problem):
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     path = tmp_path / "chat.jsonl"
@@ -118,7 +148,8 @@ STRICT_CHAT_TEMPLATE = (
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
     "{% elif m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
     "{% else %} {{ m['content'] }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{% endif %}")
+    "{% if add_generation_prompt %}{% endif %}"
+)
 
 
 def _chat_tokenizer(built, tmp_path):
@@ -133,8 +164,11 @@ def test_chat_rows_render_through_the_tokenizers_chat_template(built, tmp_path):
     from fineflow.tokenize.template import encode_batch, render_pair
 
     tokenizer = _chat_tokenizer(built, tmp_path)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."},
-                {"role": "assistant", "content": "hi"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Say hi."},
+        {"role": "assistant", "content": "hi"},
+    ]
     [row] = apply_mapping([Row(1, {"messages": messages})], CHAT, "chat.jsonl")
     prompt, response = render_pair(tokenizer, row.data)
     assert prompt == "<<SYS>>Be brief.<</SYS>>[INST] Say hi. [/INST]" and response == " hi"
@@ -147,20 +181,26 @@ def test_chat_template_check_quarantines_conversations_the_template_rejects(buil
     from fineflow.data.validation import TokenView
 
     good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
-    bad = [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"},
-           {"role": "assistant", "content": "hello"}]  # valid OpenAI messages, but not alternating
+    bad = [
+        {"role": "user", "content": "hi"},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "hello"},
+    ]  # valid OpenAI messages, but not alternating
     path = tmp_path / "chat.jsonl"
     third = good[:1] + [good[1] | {"content": "hey"}]
     path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (good, bad, third)))
     tokens = TokenView(_chat_tokenizer(built, tmp_path), 128)
-    outcome = validate_rows(apply_mapping(read_rows(path), CHAT, str(path)), str(path), ValidateParams(),
-                            tokens=tokens)
+    outcome = validate_rows(apply_mapping(read_rows(path), CHAT, str(path)), str(path), ValidateParams(), tokens=tokens)
     assert [row.line for row in outcome.kept] == [1, 3]
     [reason] = outcome.quarantined[0].reasons
     assert reason.startswith(f"{path}:2: failed chat_template_renders(row)") and "must alternate" in reason
     check = next(c for c in outcome.checks if c.category == "chat_template")
     assert check.failed_lines == [2] and check.severity == "error"
     # the embedded tokenizer has no chat template: chat rows render through the fineflow template
-    plain = validate_rows(apply_mapping(read_rows(path), CHAT, str(path)), str(path), ValidateParams(),
-                          tokens=TokenView(tokens.tokenizer.__class__.from_pretrained(built / "models/base"), 128))
+    plain = validate_rows(
+        apply_mapping(read_rows(path), CHAT, str(path)),
+        str(path),
+        ValidateParams(),
+        tokens=TokenView(tokens.tokenizer.__class__.from_pretrained(built / "models/base"), 128),
+    )
     assert len(plain.kept) == 3

@@ -4,7 +4,7 @@ wherever it is not the plain case, and leaves saved adapters loadable by stock p
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from fineflow.train.fused_lora import FusedLoraLinear, fuse_lora_layers, fusable
+from fineflow.train.fused_lora import FusedLoraLinear, fusable, fuse_lora_layers
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -15,8 +15,9 @@ def test_fused_op_gradients_match_finite_differences():
     weight, bias = torch.randn(7, 6, dtype=torch.float64), torch.randn(7, dtype=torch.float64)
     lora_a = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
     lora_b = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x, a, b: FusedLoraLinear.apply(x, weight, bias, a, b, 1.7),
-                                    (x, lora_a, lora_b))
+    assert torch.autograd.gradcheck(
+        lambda x, a, b: FusedLoraLinear.apply(x, weight, bias, a, b, 1.7), (x, lora_a, lora_b)
+    )
     expected = torch.nn.functional.linear(x, weight, bias) + 1.7 * (x @ lora_a.t()) @ lora_b.t()
     torch.testing.assert_close(FusedLoraLinear.apply(x, weight, bias, lora_a, lora_b, 1.7), expected)
 
@@ -25,10 +26,20 @@ def _lora_model(dropout: float = 0.0, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=TARGETS,
-                                            task_type="CAUSAL_LM"))
+    base = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    )
+    model = get_peft_model(
+        base, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=TARGETS, task_type="CAUSAL_LM")
+    )
     for name, param in model.named_parameters():
         if "lora_B" in name:  # peft starts B at zero, which would hide any error in A's gradient
             torch.nn.init.normal_(param, std=0.1)
@@ -115,5 +126,14 @@ def _fresh_base():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    )

@@ -17,16 +17,30 @@ from pathlib import Path
 import pytest
 
 from fineflow.errors import FineflowError
-from fineflow.train.launch import (PROFILE_DIR, WORKER_ENV, accelerate_command, profile_names, read_profile,
-                             resolve_profile)
+from fineflow.train.launch import (
+    PROFILE_DIR,
+    WORKER_ENV,
+    accelerate_command,
+    profile_names,
+    read_profile,
+    resolve_profile,
+)
 from tests.conftest import ROOT, free_port, venv_env
 
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
-SHIPPED = {"cpu_ddp_2proc", "single_gpu", "multi_gpu_ddp", "fsdp_lora", "deepspeed_zero2", "deepspeed_zero3",
-           "multi_node"}
+SHIPPED = {
+    "cpu_ddp_2proc",
+    "single_gpu",
+    "multi_gpu_ddp",
+    "fsdp_lora",
+    "deepspeed_zero2",
+    "deepspeed_zero3",
+    "multi_node",
+}
 
 
 # --- profile names -------------------------------------------------------------------------------------
+
 
 def test_every_profile_is_shipped_and_resolves():
     assert set(profile_names()) == SHIPPED
@@ -54,12 +68,22 @@ def test_each_profile_opens_with_the_command_that_uses_it():
 
 # --- flags, no profile (the train stage's behaviour since the walking skeleton) ----------------------
 
+
 def test_auto_flags_unchanged():
     base = LAUNCH + ["--num_machines", "1"]
     tail = ["--dynamo_backend", "no", "--mixed_precision", "no"]
     argv, env = accelerate_command(2, False, "m", ["--x"], main_process_port=1234)
-    assert argv == base + ["--num_processes", "2", *tail, "--multi_gpu", "--main_process_port", "1234",
-                           "-m", "m", "--x"]
+    assert argv == base + [
+        "--num_processes",
+        "2",
+        *tail,
+        "--multi_gpu",
+        "--main_process_port",
+        "1234",
+        "-m",
+        "m",
+        "--x",
+    ]
     assert env == {WORKER_ENV: "1", "ACCELERATE_USE_CPU": "1"}
     argv, env = accelerate_command(1, False, "m", [])
     assert argv == base + ["--num_processes", "1", *tail, "--cpu", "-m", "m"] and env == {WORKER_ENV: "1"}
@@ -68,8 +92,7 @@ def test_auto_flags_unchanged():
 
 
 def test_multi_node_flags():
-    argv, _ = accelerate_command(4, True, "m", [], 29500, num_machines=2, machine_rank=1,
-                                   main_process_ip="10.0.0.1")
+    argv, _ = accelerate_command(4, True, "m", [], 29500, num_machines=2, machine_rank=1, main_process_ip="10.0.0.1")
     joined = " ".join(argv)
     assert "--num_machines 2 --num_processes 4" in joined and "--multi_gpu" in argv
     assert "--machine_rank 1 --main_process_ip 10.0.0.1 --main_process_port 29500" in joined
@@ -82,6 +105,7 @@ def test_multi_node_flags():
 
 
 # --- profiles ------------------------------------------------------------------------------------------
+
 
 def test_profile_decides_and_is_not_overridden():
     argv, env = accelerate_command(None, False, "m", ["--x"], config_file=resolve_profile("cpu_ddp_2proc"))
@@ -114,24 +138,45 @@ def test_multi_node_profile_needs_placement_per_launch():
     profile = resolve_profile("multi_node")
     with pytest.raises(FineflowError, match="machine_rank.*main_process_ip"):
         accelerate_command(None, True, "m", [], config_file=profile)
-    argv, _ = accelerate_command(None, True, "m", [], 29501, config_file=profile, machine_rank=1,
-                                 main_process_ip="10.0.0.1")
+    argv, _ = accelerate_command(
+        None, True, "m", [], 29501, config_file=profile, machine_rank=1, main_process_ip="10.0.0.1"
+    )
     assert " ".join(argv).endswith("--machine_rank 1 --main_process_ip 10.0.0.1 --main_process_port 29501 -m m")
 
 
 # accelerate's own reading of each file (its private validator: the same code `accelerate launch` runs)
 EXPECTED = {
     "cpu_ddp_2proc": dict(multi_gpu=True, use_cpu=True, num_processes=2, num_machines=1, mixed_precision="no"),
-    "single_gpu": dict(multi_gpu=False, use_fsdp=False, use_deepspeed=False, use_cpu=False, num_processes=1,
-                       mixed_precision="bf16", gpu_ids="0"),
+    "single_gpu": dict(
+        multi_gpu=False,
+        use_fsdp=False,
+        use_deepspeed=False,
+        use_cpu=False,
+        num_processes=1,
+        mixed_precision="bf16",
+        gpu_ids="0",
+    ),
     "multi_gpu_ddp": dict(multi_gpu=True, use_cpu=False, num_processes=8, mixed_precision="bf16"),
-    "fsdp_lora": dict(use_fsdp=True, num_processes=8, mixed_precision="bf16", fsdp_version=1,
-                      fsdp_use_orig_params=True, fsdp_auto_wrap_policy="TRANSFORMER_BASED_WRAP",
-                      fsdp_transformer_layer_cls_to_wrap="LlamaDecoderLayer", fsdp_sharding_strategy="FULL_SHARD"),
+    "fsdp_lora": dict(
+        use_fsdp=True,
+        num_processes=8,
+        mixed_precision="bf16",
+        fsdp_version=1,
+        fsdp_use_orig_params=True,
+        fsdp_auto_wrap_policy="TRANSFORMER_BASED_WRAP",
+        fsdp_transformer_layer_cls_to_wrap="LlamaDecoderLayer",
+        fsdp_sharding_strategy="FULL_SHARD",
+    ),
     "deepspeed_zero2": dict(use_deepspeed=True, zero_stage=2, num_processes=8, mixed_precision="bf16"),
     "deepspeed_zero3": dict(use_deepspeed=True, zero_stage=3, zero3_init_flag=True, num_processes=8),
-    "multi_node": dict(multi_gpu=True, num_machines=2, num_processes=16, machine_rank=1,
-                       main_process_ip="10.9.8.7", main_process_port=29500),
+    "multi_node": dict(
+        multi_gpu=True,
+        num_machines=2,
+        num_processes=16,
+        machine_rank=1,
+        main_process_ip="10.9.8.7",
+        main_process_port=29500,
+    ),
 }
 
 
@@ -140,8 +185,7 @@ def test_accelerate_reads_each_profile_as_intended(name):
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
     extra = ["--machine_rank", "1", "--main_process_ip", "10.9.8.7"] if name == "multi_node" else []
-    args = launch_command_parser().parse_args(["--config_file", str(PROFILE_DIR / f"{name}.yaml"), *extra,
-                                               "-m", "m"])
+    args = launch_command_parser().parse_args(["--config_file", str(PROFILE_DIR / f"{name}.yaml"), *extra, "-m", "m"])
     args, _, _ = _validate_launch_command(args)
     got = {key: getattr(args, key, None) for key in EXPECTED[name]}
     assert got == EXPECTED[name]
@@ -162,14 +206,23 @@ def test_fsdp_profile_reaches_the_ranks_environment():
 
 # --- real launches on loopback -------------------------------------------------------------------------
 
+
 def _run_all(commands: list[tuple[list[str], dict[str, str]]], logs: list[Path], timeout: float) -> list[int]:
     """Start every launch at once (each its own process group), wait for all; kill them all on timeout."""
     procs = []
     try:
         for (argv, env), log in zip(commands, logs):
             with log.open("w") as fh:
-                procs.append(subprocess.Popen(argv, cwd=ROOT, env={**venv_env(), **env}, stdout=fh,
-                                              stderr=subprocess.STDOUT, start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        argv,
+                        cwd=ROOT,
+                        env={**venv_env(), **env},
+                        stdout=fh,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
         deadline = time.monotonic() + timeout
         for proc in procs:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -186,14 +239,27 @@ def test_real_launch_forms_one_group(layout, tmp_path):
     """Every rank sees world size 2 and the all-reduced sum 1+2; rank 0 alone writes probe.json."""
     if layout == "cpu_ddp_2proc profile":
         outs = [tmp_path / "out"]
-        commands = [accelerate_command(None, False, "tests.dist_probe", [str(outs[0])],
-                                       config_file=resolve_profile("cpu_ddp_2proc"))]
+        commands = [
+            accelerate_command(
+                None, False, "tests.dist_probe", [str(outs[0])], config_file=resolve_profile("cpu_ddp_2proc")
+            )
+        ]
     else:
         port = free_port()
         outs = [tmp_path / f"machine{rank}" for rank in (0, 1)]
-        commands = [accelerate_command(2, False, "tests.dist_probe", [str(out)], port, num_machines=2,
-                                       machine_rank=rank, main_process_ip="127.0.0.1")
-                    for rank, out in enumerate(outs)]
+        commands = [
+            accelerate_command(
+                2,
+                False,
+                "tests.dist_probe",
+                [str(out)],
+                port,
+                num_machines=2,
+                machine_rank=rank,
+                main_process_ip="127.0.0.1",
+            )
+            for rank, out in enumerate(outs)
+        ]
     logs = [tmp_path / f"launch{i}.log" for i in range(len(commands))]
     codes = _run_all(commands, logs, timeout=240)
     text = "".join(log.read_text() for log in logs)
@@ -204,4 +270,3 @@ def test_real_launch_forms_one_group(layout, tmp_path):
     assert written == [outs[0] / "probe.json"]
     record = json.loads(written[0].read_text())
     assert record["world_size"] == 2 and record["rank"] == 0
-

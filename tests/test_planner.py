@@ -37,20 +37,37 @@ from fineflow.train.planner import (
 SEVEN_B = KNOWN_SHAPES["7B"]
 # The bench's tiny model (bench/planner_accuracy.py): LlamaConfig(hidden 128, intermediate 384, 4 layers, 4 heads,
 # vocab 1024, untied); transformers counts 1,115,264 parameters.
-TINY = ModelShape("tiny", hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=4,
-                  vocab_size=1024)
+TINY = ModelShape(
+    "tiny", hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=4, vocab_size=1024
+)
 LLAMA_3_8B_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "vocab_size": 128256, "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
 }
 
 
 # ---------------------------------------------------------------- shapes and parameter counts
 
 
-@pytest.mark.parametrize("size, count", [("1B", 1_235_814_400), ("7B", 6_738_415_616), ("8B", 8_030_261_248),
-                                         ("13B", 13_015_864_320), ("70B", 70_553_706_496)])
+@pytest.mark.parametrize(
+    "size, count",
+    [
+        ("1B", 1_235_814_400),
+        ("7B", 6_738_415_616),
+        ("8B", 8_030_261_248),
+        ("13B", 13_015_864_320),
+        ("70B", 70_553_706_496),
+    ],
+)
 def test_known_shapes_have_the_published_parameter_counts(size, count):
     assert KNOWN_SHAPES[size].params == count
 
@@ -88,8 +105,10 @@ def test_full_fp32_has_no_master_copy():
 
 
 def test_optimizers_order_by_state_size():
-    states = {opt: plan(SEVEN_B, Setup(method="full", optimizer=opt)).optimizer_states
-              for opt in ("adamw", "adamw_8bit", "sgd")}
+    states = {
+        opt: plan(SEVEN_B, Setup(method="full", optimizer=opt)).optimizer_states
+        for opt in ("adamw", "adamw_8bit", "sgd")
+    }
     p = SEVEN_B.params
     assert states["sgd"] == (4 + 4) * p  # momentum + master weights
     assert 6 * p < states["adamw_8bit"] < 6.1 * p  # two 1-byte states + block constants + master weights
@@ -170,8 +189,9 @@ def test_lora_on_a_16bit_base_keeps_a_copy_of_the_input_per_adapter():
     q_only = replace(qkv, lora_targets=("q_proj",))
     assert layer_activation_bytes(SEVEN_B, qkv) - layer_activation_bytes(SEVEN_B, q_only) == 2 * 2 * SEVEN_B.hidden_size
     # in fp32 there is no cast: the three share the norm's output
-    assert (layer_activation_bytes(SEVEN_B, replace(qkv, precision="fp32"))
-            == layer_activation_bytes(SEVEN_B, replace(q_only, precision="fp32")))
+    assert layer_activation_bytes(SEVEN_B, replace(qkv, precision="fp32")) == layer_activation_bytes(
+        SEVEN_B, replace(q_only, precision="fp32")
+    )
 
 
 # ---------------------------------------------------------------- sharding
@@ -208,8 +228,9 @@ def test_ddp_replicates_and_adds_gradient_buckets():
 def test_fits_compares_the_total():
     result = plan(SEVEN_B, Setup())
     assert result.fits(result.total) and not result.fits(result.total - 1)
-    assert result.total == pytest.approx(result.weights + result.gradients + result.optimizer_states
-                                         + result.activations + result.overhead)
+    assert result.total == pytest.approx(
+        result.weights + result.gradients + result.optimizer_states + result.activations + result.overhead
+    )
 
 
 def test_auto_fit_leaves_a_fitting_run_alone():
@@ -235,8 +256,11 @@ def test_auto_fit_then_halves_the_micro_batch_keeping_the_global_batch():
     fitted = auto_fit(shape, setup, (two + four) / 2)
     assert (fitted.setup.gradient_checkpointing, fitted.setup.micro_batch_size, fitted.setup.grad_accum) == (True, 2, 4)
     assert fitted.setup.global_batch == setup.global_batch
-    assert [c.split(":")[0] for c in fitted.changes] == ["train.gradient_checkpointing", "train.micro_batch_size",
-                                                         "train.micro_batch_size"]
+    assert [c.split(":")[0] for c in fitted.changes] == [
+        "train.gradient_checkpointing",
+        "train.micro_batch_size",
+        "train.micro_batch_size",
+    ]
     assert "8 -> 4" in fitted.changes[1] and "4 -> 2" in fitted.changes[2]
 
 
@@ -260,8 +284,10 @@ def test_refusal_names_the_largest_micro_batch_that_fits():
     two, three = (plan(shape, replace(setup, micro_batch_size=m)).total for m in (2, 3))
     budget = (two + three) / 2
     message = refusal(shape, setup, budget)
-    assert message.startswith(f"Llama-3.2-1B (lora) needs {plan(shape, setup).total / GiB:.1f} GiB per device, "
-                              f"device has {budget / GiB:.1f} GiB: ")
+    assert message.startswith(
+        f"Llama-3.2-1B (lora) needs {plan(shape, setup).total / GiB:.1f} GiB per device, "
+        f"device has {budget / GiB:.1f} GiB: "
+    )
     assert "set train.micro_batch_size <= 2 " in message and "set train.gradient_checkpointing: true" in message
 
 
@@ -301,10 +327,13 @@ def test_config_reads_text_config_head_dim_and_defaults():
     assert shape_from_config(bare).num_kv_heads == 32 and not shape_from_config(bare).tie_word_embeddings
 
 
-@pytest.mark.parametrize("config, fragment", [
-    ({"n_embd": 768, "n_layer": 12}, "missing hidden_size, intermediate_size"),
-    ({**LLAMA_3_8B_CONFIG, "num_local_experts": 8}, "mixture-of-experts"),
-])
+@pytest.mark.parametrize(
+    "config, fragment",
+    [
+        ({"n_embd": 768, "n_layer": 12}, "missing hidden_size, intermediate_size"),
+        ({**LLAMA_3_8B_CONFIG, "num_local_experts": 8}, "mixture-of-experts"),
+    ],
+)
 def test_unsupported_configs_are_refused_clearly(config, fragment):
     with pytest.raises(FineflowError, match=fragment):
         shape_from_config(config)
@@ -320,8 +349,16 @@ def test_unreadable_model_references_are_clear(tmp_path):
         load_shape("3B")
 
 
-@pytest.mark.parametrize("reference, name", [("7b", "Llama-2-7B"), ("6.7e9", "Llama-2-7B"), ("8B", "Llama-3-8B"),
-                                             ("1500M", "Llama-3.2-1B"), ("70B", "Llama-3-70B")])
+@pytest.mark.parametrize(
+    "reference, name",
+    [
+        ("7b", "Llama-2-7B"),
+        ("6.7e9", "Llama-2-7B"),
+        ("8B", "Llama-3-8B"),
+        ("1500M", "Llama-3.2-1B"),
+        ("70B", "Llama-3-70B"),
+    ],
+)
 def test_sizes_and_counts_resolve_to_known_shapes(reference, name):
     assert load_shape(reference).name == name
 
@@ -387,7 +424,9 @@ def test_console_script_is_declared():
 
 
 def test_planner_and_cli_import_nothing_heavy():
-    code = ("import sys, fineflow.cli, fineflow.train.planner; "
-            "print(sorted({'torch', 'transformers', 'pydantic'} & set(sys.modules)))")
+    code = (
+        "import sys, fineflow.cli, fineflow.train.planner; "
+        "print(sorted({'torch', 'transformers', 'pydantic'} & set(sys.modules)))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

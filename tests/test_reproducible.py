@@ -14,8 +14,15 @@ def _train(built, workdir, params) -> tuple[str, bytes]:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
-        recipe.train_rank(params, built / "data/shards", built / "models/base", workdir / "checkpoints",
-                     workdir / "candidate", workdir / "train_steps.jsonl", workdir / "logs")
+        recipe.train_rank(
+            params,
+            built / "data/shards",
+            built / "models/base",
+            workdir / "checkpoints",
+            workdir / "candidate",
+            workdir / "train_steps.jsonl",
+            workdir / "logs",
+        )
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
     adapter = workdir / "candidate/adapter_model.safetensors"

@@ -23,11 +23,31 @@ from tests.conftest import free_port, venv_env, write_params
 from tests.faults import INJECTED, fault_env
 
 STEPS = 12
-TRAIN = [sys.executable, "-m", "fineflow.stages.train", "--shards", "data/shards", "--base-dir", "models/base",
-         "--checkpoints", "checkpoints", "--out", "models/candidate", "--steps-log", "reports/train_steps.jsonl",
-         "--logs-dir", "logs"]
-OVERRIDES = {"train.steps": STEPS, "train.eval_every": 4, "train.tracker": "none", "train.warmup_steps": 2,
-             "checkpoint.every_steps": 2, "checkpoint.keep_last": 2}
+TRAIN = [
+    sys.executable,
+    "-m",
+    "fineflow.stages.train",
+    "--shards",
+    "data/shards",
+    "--base-dir",
+    "models/base",
+    "--checkpoints",
+    "checkpoints",
+    "--out",
+    "models/candidate",
+    "--steps-log",
+    "reports/train_steps.jsonl",
+    "--logs-dir",
+    "logs",
+]
+OVERRIDES = {
+    "train.steps": STEPS,
+    "train.eval_every": 4,
+    "train.tracker": "none",
+    "train.warmup_steps": 2,
+    "checkpoint.every_steps": 2,
+    "checkpoint.keep_last": 2,
+}
 
 
 def _project(built, path, overrides=None):
@@ -61,8 +81,15 @@ def _start(project, ranks, extra_args=(), env=None):
     args = list(extra_args)
     if ranks > 1:
         args += ["--main-process-port", str(free_port())]
-    return subprocess.Popen(TRAIN + args, cwd=project, env=env or _env(ranks), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        TRAIN + args,
+        cwd=project,
+        env=env or _env(ranks),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _kill_when(project, ranks, condition, timeout=240) -> bool:
@@ -104,8 +131,9 @@ def _assert_faults_reached(output, ranks, fault="write delay 0.03s"):
 
 
 def _assert_same_training(resumed, reference):
-    assert [json.loads(x)["step"] for x in (resumed / "reports/train_steps.jsonl").read_text().splitlines()] \
-        == list(range(1, STEPS + 1))  # no step logged twice, none missing
+    assert [json.loads(x)["step"] for x in (resumed / "reports/train_steps.jsonl").read_text().splitlines()] == list(
+        range(1, STEPS + 1)
+    )  # no step logged twice, none missing
     assert _rows(resumed) == _rows(reference)  # the same rows, in the same order: nothing skipped or replayed
     a, b = _adapter(resumed), _adapter(reference)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-exact

@@ -45,8 +45,15 @@ def test_validate_catches_every_injected_bad_row(built):
     assert len(raw) - 160 == len(BAD_KINDS) and len(quarantined) == len(BAD_KINDS) - 1
     assert report["rows_warned"] == 1 and len(kept) == 161
     failed = {name for name, check in report["checks"].items() if check["failed_rows"]}
-    assert {"no_pii(text)", "no_leakage(eval)", "unique(row)", "near_unique(normalized)", "non_empty(output)",
-            "length_chars(text)", "not_null(output)"} <= failed
+    assert {
+        "no_pii(text)",
+        "no_leakage(eval)",
+        "unique(row)",
+        "near_unique(normalized)",
+        "non_empty(output)",
+        "length_chars(text)",
+        "not_null(output)",
+    } <= failed
 
 
 def test_validate_renders_data_docs_of_the_suite(built):
@@ -73,9 +80,15 @@ def trained(built):
     from fineflow.train import recipe
     from tests.conftest import TINY_PARAMS
 
-    report = recipe.train_rank(parse_params(TINY_PARAMS), built / "data/shards", built / "models/base",
-                          built / "checkpoints", built / "models/candidate", built / "reports/train_steps.jsonl",
-                          built / "logs")
+    report = recipe.train_rank(
+        parse_params(TINY_PARAMS),
+        built / "data/shards",
+        built / "models/base",
+        built / "checkpoints",
+        built / "models/candidate",
+        built / "reports/train_steps.jsonl",
+        built / "logs",
+    )
     return built, report
 
 
@@ -105,15 +118,27 @@ def test_evaluate_then_promote(trained, tiny_params):
     from fineflow.stages import evaluate, promote
 
     built, _ = trained
-    report = evaluate.run(tiny_params, built / "models/base", built / "models/candidate",
-                          built / "data/validated/eval.jsonl", built / "eval", built / "reports/lm_eval")
+    report = evaluate.run(
+        tiny_params,
+        built / "models/base",
+        built / "models/candidate",
+        built / "data/validated/eval.jsonl",
+        built / "eval",
+        built / "reports/lm_eval",
+    )
     assert set(report["base"]) == {"fineflow_synth/exact_match", "fineflow_synth_mc/acc"} == set(report["candidate"])
     scores = json.loads((built / "eval/scores.json").read_text())
     assert len(scores["candidate"]["samples"]["fineflow_synth"]) == 6  # evaluate.limit
     # the shards and a git checkout complete the lineage, so the gate gets to compare the evaluations
-    decision = promote.run(tiny_params, built / "eval/scores.json", built / "models/candidate",
-                           built / "models/champion", built / "models/registry", shards_dir=built / "data/shards",
-                           root=ROOT)
+    decision = promote.run(
+        tiny_params,
+        built / "eval/scores.json",
+        built / "models/candidate",
+        built / "models/champion",
+        built / "models/registry",
+        shards_dir=built / "data/shards",
+        root=ROOT,
+    )
     # 4 LoRA steps on a tiny random model, 6 docs: no gain the paired bootstrap's CI could put above 0
     assert decision["decision"] == "refused" and decision["reference"] == "base model", decision
     assert decision["candidate_value"] is not None and decision["reference_value"] is not None
@@ -123,8 +148,9 @@ def test_evaluate_then_promote(trained, tiny_params):
 
 
 def _run_stage_cli(module, args, cwd):
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=venv_env(), capture_output=True,
-                          text=True)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=cwd, env=venv_env(), capture_output=True, text=True
+    )
 
 
 def test_stage_cli_reports_bad_params_without_traceback(tmp_path):
@@ -135,17 +161,23 @@ def test_stage_cli_reports_bad_params_without_traceback(tmp_path):
     assert "params.yaml: train.colour is not a known key" in result.stderr
 
 
-@pytest.mark.parametrize("content, expected", [
-    (b"", "the file is empty"),
-    (b'{"instruction": "a", "output": "b"}\n{"instruction": "a",\n', "raw/train.jsonl:2: malformed JSON"),
-    (b'{"instruction": "a", "answer": "b"}\n', 'required field "output" is missing from every row'),
-])
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (b"", "the file is empty"),
+        (b'{"instruction": "a", "output": "b"}\n{"instruction": "a",\n', "raw/train.jsonl:2: malformed JSON"),
+        (b'{"instruction": "a", "answer": "b"}\n', 'required field "output" is missing from every row'),
+    ],
+)
 def test_validate_cli_bad_input_gives_one_clear_error(tmp_path, content, expected):
     write_params(tmp_path / "params.yaml", {"validate.max_bad_share": 0.1})
     (tmp_path / "raw").mkdir()
     (tmp_path / "raw/train.jsonl").write_bytes(content)
     (tmp_path / "raw/eval.jsonl").write_text('{"instruction": "a", "output": "b"}\n')
-    result = _run_stage_cli("fineflow.stages.validate", ["--train", "raw/train.jsonl", "--eval", "raw/eval.jsonl",
-                                                         "--out", "validated"], tmp_path)
+    result = _run_stage_cli(
+        "fineflow.stages.validate",
+        ["--train", "raw/train.jsonl", "--eval", "raw/eval.jsonl", "--out", "validated"],
+        tmp_path,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert expected in result.stderr

@@ -35,25 +35,36 @@ def test_good_rows_pass(tmp_path):
 
 
 def test_each_bad_row_is_quarantined_with_file_line_and_check(tmp_path):
-    path = write(tmp_path / "t.jsonl", [
-        json.dumps(GOOD),                                            # 1 ok
-        '{"instruction": "x", "output": ',                          # 2 malformed JSON
-        json.dumps({"instruction": "x"}),                            # 3 missing output
-        json.dumps({**GOOD, "output": ""}),                          # 4 empty output
-        json.dumps({**GOOD, "input": "w " * 400}),                   # 5 over-long
-        json.dumps(GOOD),                                            # 6 duplicate of 1
-        json.dumps({**GOOD, "input": "mail bob@example.com now"}),   # 7 PII
-        json.dumps({**GOOD, "output": 42}),                          # 8 wrong type
-        b'{"instruction": "\xff\xfe", "output": "x"}',               # 9 not UTF-8
-        json.dumps(["a", "list"]),                                   # 10 not an object
-    ])
+    path = write(
+        tmp_path / "t.jsonl",
+        [
+            json.dumps(GOOD),  # 1 ok
+            '{"instruction": "x", "output": ',  # 2 malformed JSON
+            json.dumps({"instruction": "x"}),  # 3 missing output
+            json.dumps({**GOOD, "output": ""}),  # 4 empty output
+            json.dumps({**GOOD, "input": "w " * 400}),  # 5 over-long
+            json.dumps(GOOD),  # 6 duplicate of 1
+            json.dumps({**GOOD, "input": "mail bob@example.com now"}),  # 7 PII
+            json.dumps({**GOOD, "output": 42}),  # 8 wrong type
+            b'{"instruction": "\xff\xfe", "output": "x"}',  # 9 not UTF-8
+            json.dumps(["a", "list"]),  # 10 not an object
+        ],
+    )
     outcome = outcome_for(path)
     got = reasons(outcome)
     assert outcome.rows_in == 10 == len(outcome.kept) + len(outcome.quarantined)
     assert [row.line for row in outcome.kept] == [1]
-    expected = {2: "malformed JSON", 3: 'field "output" is missing', 4: "non_empty(output)",
-                5: "length_chars(text)", 6: "unique(row) (first seen at line 1)", 7: "no_pii(text) (email)",
-                8: "type_str(output)", 9: "not UTF-8", 10: "expected a JSON object"}
+    expected = {
+        2: "malformed JSON",
+        3: 'field "output" is missing',
+        4: "non_empty(output)",
+        5: "length_chars(text)",
+        6: "unique(row) (first seen at line 1)",
+        7: "no_pii(text) (email)",
+        8: "type_str(output)",
+        9: "not UTF-8",
+        10: "expected a JSON object",
+    }
     for line, fragment in expected.items():
         assert f"{path}:{line}:" in got[line] and fragment in got[line], (line, got.get(line))
 
@@ -70,8 +81,9 @@ def test_too_many_bad_rows_fail_with_file_line_and_check(tmp_path):
 
 def test_required_field_missing_everywhere_is_a_schema_error(tmp_path):
     path = write(tmp_path / "t.jsonl", [json.dumps({"instruction": "a", "response": "b"})] * 2)
-    with pytest.raises(DataError,
-                       match=r'required field "output" is missing from every row \(column_exists\(output\)\)'):
+    with pytest.raises(
+        DataError, match=r'required field "output" is missing from every row \(column_exists\(output\)\)'
+    ):
         raise_if_blocked(outcome_for(path), CFG)
 
 
@@ -103,16 +115,18 @@ def test_near_duplicates_warn_by_default_and_keep_the_row(tmp_path):
     path = write(tmp_path / "t.jsonl", [json.dumps(GOOD), json.dumps({**GOOD, "instruction": "  SAY hi!! "})])
     outcome = outcome_for(path)
     assert len(outcome.kept) == 2 and not outcome.quarantined
-    assert outcome.kept[1].warnings == [f"{path}:2: failed near_unique(normalized) (same as line 1 up to "
-                                        f"case/punctuation)"]
+    assert outcome.kept[1].warnings == [
+        f"{path}:2: failed near_unique(normalized) (same as line 1 up to case/punctuation)"
+    ]
     assert outcome.report()["rows_warned"] == 1
 
 
 def test_near_duplicates_quarantined_when_severity_is_error(tmp_path):
     from fineflow.config import parse_params
 
-    cfg = parse_params({"validate": {"max_bad_share": 1.0, "checks": {"near_duplicate": {
-        "severity": "error", "max_share": 1.0}}}}).validate_
+    cfg = parse_params(
+        {"validate": {"max_bad_share": 1.0, "checks": {"near_duplicate": {"severity": "error", "max_share": 1.0}}}}
+    ).validate_
     path = write(tmp_path / "t.jsonl", [json.dumps(GOOD), json.dumps({**GOOD, "output": "HI"})])
     outcome = validate_rows(read_jsonl(path), str(path), cfg)
     assert [row.line for row in outcome.quarantined] == [2]
@@ -126,8 +140,11 @@ def test_error_check_above_its_max_share_blocks_the_flow(tmp_path):
     rows.append(json.dumps({**GOOD, "input": "call +1 415 555 0100"}))
     path = write(tmp_path / "t.jsonl", rows)
     outcome = validate_rows(read_jsonl(path), str(path), cfg)
-    with pytest.raises(DataError, match=r"check no_pii\(text\) failed on 1 of 4 rows \(25.0%\), above "
-                                        r"validate.checks.pii.max_share=0.2; first lines: \[4\]"):
+    with pytest.raises(
+        DataError,
+        match=r"check no_pii\(text\) failed on 1 of 4 rows \(25.0%\), above "
+        r"validate.checks.pii.max_share=0.2; first lines: \[4\]",
+    ):
         raise_if_blocked(outcome, cfg)
 
 
@@ -147,11 +164,14 @@ def test_train_rows_leaking_the_eval_split_are_quarantined(tmp_path):
     long_text = "the quick brown fox jumps over the lazy dog near the river bank today"
     eval_rows = [{"instruction": "Summarize.", "input": long_text, "output": "fox"}]
     index = LeakIndex(["\n".join([r["instruction"], r["input"], r["output"]]) for r in eval_rows], n=8)
-    path = write(tmp_path / "t.jsonl", [
-        json.dumps(GOOD),
-        json.dumps({"instruction": "summarize", "input": long_text.upper(), "output": "FOX."}),  # exact, normalized
-        json.dumps({"instruction": "Retell.", "input": long_text + " and more", "output": "x"}),  # n-gram overlap
-    ])
+    path = write(
+        tmp_path / "t.jsonl",
+        [
+            json.dumps(GOOD),
+            json.dumps({"instruction": "summarize", "input": long_text.upper(), "output": "FOX."}),  # exact, normalized
+            json.dumps({"instruction": "Retell.", "input": long_text + " and more", "output": "x"}),  # n-gram overlap
+        ],
+    )
     outcome = validate_rows(read_jsonl(path), str(path), CFG, index)
     got = reasons(outcome)
     assert sorted(got) == [2, 3]
@@ -181,14 +201,18 @@ def test_token_checks_flag_truncation_and_quarantine_rows_with_nothing_to_train(
     from fineflow.base.model import train_tokenizer
     from fineflow.data.validation import TokenView
 
-    tokenizer = train_tokenizer(["say hi and bye to everyone in the room " * 3] * 50, vocab_size=300,
-                                model_max_length=128)
+    tokenizer = train_tokenizer(
+        ["say hi and bye to everyone in the room " * 3] * 50, vocab_size=300, model_max_length=128
+    )
     words = "say hi and bye to everyone in the room"
-    path = write(tmp_path / "t.jsonl", [
-        json.dumps(GOOD),
-        json.dumps({"instruction": "Say hi.", "input": "", "output": words * 4}),  # response cut short
-        json.dumps({"instruction": words * 6, "input": "", "output": "hi"}),  # prompt alone fills the row
-    ])
+    path = write(
+        tmp_path / "t.jsonl",
+        [
+            json.dumps(GOOD),
+            json.dumps({"instruction": "Say hi.", "input": "", "output": words * 4}),  # response cut short
+            json.dumps({"instruction": words * 6, "input": "", "output": "hi"}),  # prompt alone fills the row
+        ],
+    )
     outcome = validate_rows(read_jsonl(path), str(path), CFG, tokens=TokenView(tokenizer, seq_len=40))
     assert [row.line for row in outcome.quarantined] == [3]
     assert "label_coverage(tokens) (no response token left to train on" in outcome.quarantined[0].reasons[0]
@@ -197,6 +221,7 @@ def test_token_checks_flag_truncation_and_quarantine_rows_with_nothing_to_train(
 
 
 # The check declarations (fineflow.data.checks) are the single source of what the gate runs and reports.
+
 
 def _tiny_tokenizer():
     from fineflow.base.model import train_tokenizer
@@ -209,8 +234,13 @@ def test_every_reported_check_is_declared_once_in_suite_order(tmp_path):
     from fineflow.data.validation import TokenView
 
     path = write(tmp_path / "t.jsonl", [json.dumps(GOOD), json.dumps({**GOOD, "output": "bye"})])
-    outcome = validate_rows(read_jsonl(path), str(path), CFG, LeakIndex(["an eval row"], n=8),
-                            tokens=TokenView(_tiny_tokenizer(), seq_len=40))
+    outcome = validate_rows(
+        read_jsonl(path),
+        str(path),
+        CFG,
+        LeakIndex(["an eval row"], n=8),
+        tokens=TokenView(_tiny_tokenizer(), seq_len=40),
+    )
     report = outcome.report()["checks"]
     names = [check.name for check in checks.CHECKS]
     assert len(names) == len(set(names))
@@ -218,8 +248,11 @@ def test_every_reported_check_is_declared_once_in_suite_order(tmp_path):
     for check in checks.CHECKS:
         entry = report[check.name]
         knobs = check.knobs(CFG.checks)
-        assert (entry["category"], entry["severity"], entry["max_share"]) == (check.category, knobs.severity,
-                                                                                knobs.max_share)
+        assert (entry["category"], entry["severity"], entry["max_share"]) == (
+            check.category,
+            knobs.severity,
+            knobs.max_share,
+        )
 
 
 def test_every_declared_category_has_its_knob_in_config():
@@ -239,10 +272,13 @@ def test_a_new_declaration_alone_runs_reports_and_explains_itself(tmp_path, monk
     from fineflow.config import parse_params
 
     short_output = checks.Check(
-        "min_output_chars(output)", "non_empty", "output_chars",
+        "min_output_chars(output)",
+        "non_empty",
+        "output_chars",
         lambda col, ctx: checks._gxe().ExpectColumnValuesToBeBetween(column=col, min_value=3),
         derive=lambda ctx: [len(str(row.data.get("output") or "")) for row in ctx.rows],
-        detail=lambda row: f" ({row['output_chars']} characters)")
+        detail=lambda row: f" ({row['output_chars']} characters)",
+    )
     monkeypatch.setattr(checks, "CHECKS", [*checks.CHECKS, short_output])
     path = write(tmp_path / "t.jsonl", [json.dumps({**GOOD, "output": "hello"}), json.dumps(GOOD)])
     outcome = outcome_for(path)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from fineflow.config import BaseParams, ModelParams
 
@@ -30,11 +30,21 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length: int
     tok = Tokenizer(models.BPE(unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, BOS, EOS, UNK],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, BOS, EOS, UNK],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=model_max_length, pad_token=PAD,
-                                   bos_token=BOS, eos_token=EOS, unk_token=UNK)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        model_max_length=model_max_length,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -46,10 +56,16 @@ def build_model(cfg: ModelParams, tokenizer, seed: int):
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
-        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
     return LlamaForCausalLM(config)
@@ -99,13 +115,16 @@ def pretrain(model, tokenizer, texts: list[str], cfg: BaseParams, seed: int, log
     elapsed = time.perf_counter() - start
     model.eval()
     tokens = cfg.steps * cfg.batch_size * cfg.seq_len
-    return {"pretrain_steps": cfg.steps, "pretrain_final_loss": losses[-1] if losses else None,
-            "pretrain_tokens": tokens, "pretrain_s": round(elapsed, 3),
-            "pretrain_tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None}
+    return {
+        "pretrain_steps": cfg.steps,
+        "pretrain_final_loss": losses[-1] if losses else None,
+        "pretrain_tokens": tokens,
+        "pretrain_s": round(elapsed, 3),
+        "pretrain_tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
+    }
 
 
-def build_embedded_base(model_cfg: ModelParams, base_cfg: BaseParams, seed: int, out_dir: Path,
-                        log=print) -> dict:
+def build_embedded_base(model_cfg: ModelParams, base_cfg: BaseParams, seed: int, out_dir: Path, log=print) -> dict:
     """Tokenizer + tiny Llama, pretrained on the bundled corpus and saved as a HF model directory."""
     import torch
 

@@ -53,20 +53,58 @@ This module re-exports the public names. Names with a leading underscore are pri
 replace it where it is looked up, ``fineflow.checkpoint.write.write_all``.
 """
 
-from fineflow.checkpoint.format import (FORMAT, FORMAT_VERSION, MANIFEST, MARKER, REQUIRED_FILES, STEP_DIR,
-                                        CheckpointError, CheckpointWarning, CorruptCheckpoint, from_tree,
-                                        step_dir_name, to_tree)
+from fineflow.checkpoint.format import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    MARKER,
+    REQUIRED_FILES,
+    STEP_DIR,
+    CheckpointError,
+    CheckpointWarning,
+    CorruptCheckpoint,
+    from_tree,
+    step_dir_name,
+    to_tree,
+)
 from fineflow.checkpoint.manager import CheckpointManager
 from fineflow.checkpoint.publish import newest_complete, run_job
-from fineflow.checkpoint.read import (LoadedCheckpoint, all_finite, latest_valid, load_checkpoint, read_manifest,
-                                      verify_checkpoint)
+from fineflow.checkpoint.read import (
+    LoadedCheckpoint,
+    all_finite,
+    latest_valid,
+    load_checkpoint,
+    read_manifest,
+    verify_checkpoint,
+)
 from fineflow.checkpoint.retention import apply_retention, clean_stale, select_retained
 from fineflow.checkpoint.rng import capture_rng, restore_rng
 
 __all__ = [
-    "FORMAT", "FORMAT_VERSION", "MANIFEST", "MARKER", "REQUIRED_FILES", "STEP_DIR",
-    "CheckpointError", "CheckpointWarning", "CorruptCheckpoint", "from_tree", "step_dir_name", "to_tree",
-    "CheckpointManager", "newest_complete", "run_job",
-    "LoadedCheckpoint", "all_finite", "latest_valid", "load_checkpoint", "read_manifest", "verify_checkpoint",
-    "apply_retention", "clean_stale", "select_retained", "capture_rng", "restore_rng",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "MARKER",
+    "REQUIRED_FILES",
+    "STEP_DIR",
+    "CheckpointError",
+    "CheckpointWarning",
+    "CorruptCheckpoint",
+    "from_tree",
+    "step_dir_name",
+    "to_tree",
+    "CheckpointManager",
+    "newest_complete",
+    "run_job",
+    "LoadedCheckpoint",
+    "all_finite",
+    "latest_valid",
+    "load_checkpoint",
+    "read_manifest",
+    "verify_checkpoint",
+    "apply_retention",
+    "clean_stale",
+    "select_retained",
+    "capture_rng",
+    "restore_rng",
 ]

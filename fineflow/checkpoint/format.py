@@ -28,10 +28,21 @@ CHUNK = 8 * 2**20  # write/hash granularity: large enough to be fast, small enou
 TENSOR, TUPLE, DICT, FLOAT, NDARRAY = "__tensor__", "__tuple__", "__dict__", "__float__", "__ndarray__"
 
 SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 
 
@@ -90,10 +101,16 @@ def to_tree(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
     if isinstance(obj, dict):
         if all(isinstance(k, str) and not k.startswith("__") for k in obj):
             return {k: to_tree(v, tensors, f"{path}.{k}".lstrip(".")) for k, v in obj.items()}
-        return {DICT: [[to_tree(k, tensors, f"{path}.key"), to_tree(v, tensors, f"{path}.{k}".lstrip("."))]
-                       for k, v in obj.items()]}
-    raise CheckpointError(f"cannot checkpoint {type(obj).__name__} at '{path or '<root>'}': only tensors, "
-                          "numbers, strings, None, lists, tuples, dicts and numpy arrays are stored (no pickle)")
+        return {
+            DICT: [
+                [to_tree(k, tensors, f"{path}.key"), to_tree(v, tensors, f"{path}.{k}".lstrip("."))]
+                for k, v in obj.items()
+            ]
+        }
+    raise CheckpointError(
+        f"cannot checkpoint {type(obj).__name__} at '{path or '<root>'}': only tensors, "
+        "numbers, strings, None, lists, tuples, dicts and numpy arrays are stored (no pickle)"
+    )
 
 
 def from_tree(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
@@ -103,7 +120,7 @@ def from_tree(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if not isinstance(tree, dict):
         return tree
     if len(tree) == 1:
-        (tag, value), = tree.items()
+        ((tag, value),) = tree.items()
         if tag == TENSOR:
             return tensors[value]
         if tag == TUPLE:
@@ -135,15 +152,19 @@ def _safetensors_layout(tensors: dict[str, torch.Tensor]) -> tuple[list[tuple[st
     return entries, offset
 
 
-def _safetensors_header(tensors: dict[str, torch.Tensor], entries: list[tuple[str, int, int]],
-                        metadata: dict[str, str] | None) -> bytes:
+def _safetensors_header(
+    tensors: dict[str, torch.Tensor], entries: list[tuple[str, int, int]], metadata: dict[str, str] | None
+) -> bytes:
     """The 8-byte little-endian length plus JSON header of a safetensors file, padded to 8 bytes so the
     data section is aligned for memory-mapped readers."""
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     for name, begin, nbytes in entries:
         tensor = tensors[name]
-        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [begin, begin + nbytes]}
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [begin, begin + nbytes],
+        }
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw

@@ -61,8 +61,13 @@ def _worker_main(jobs, results, parent: int) -> None:
         except CheckpointError as exc:
             results.put(("error", str(exc)))
         except BaseException as exc:
-            results.put(("error", f"checkpoint writer failed on step {job.step}: {type(exc).__name__}: {exc}\n"
-                                  + traceback.format_exc()))
+            results.put(
+                (
+                    "error",
+                    f"checkpoint writer failed on step {job.step}: {type(exc).__name__}: {exc}\n"
+                    + traceback.format_exc(),
+                )
+            )
         del job  # release the shared arena before waiting for the next one
 
 
@@ -139,25 +144,44 @@ class CheckpointManager:
 
     # -- saving --------------------------------------------------------------------------------------
 
-    def save(self, step: int, model_tensors: dict[str, torch.Tensor], optimizer_state_dict: dict,
-             scheduler_state_dict: dict, state_json: dict, rng_snapshots: list[dict], metric: float | None = None,
-             grad_scaler_state: dict | None = None) -> None:
+    def save(
+        self,
+        step: int,
+        model_tensors: dict[str, torch.Tensor],
+        optimizer_state_dict: dict,
+        scheduler_state_dict: dict,
+        state_json: dict,
+        rng_snapshots: list[dict],
+        metric: float | None = None,
+        grad_scaler_state: dict | None = None,
+    ) -> None:
         """Snapshot the state and write it as step-<step>. Waits for the previous save first and raises
         its error; in async mode returns once the snapshot is in host memory."""
         self.wait()
         if not model_tensors:
-            raise CheckpointError(f"nothing to checkpoint at step {step}: model_tensors is empty (pass the "
-                                  "trainable tensors: for LoRA, the adapter's state dict)")
+            raise CheckpointError(
+                f"nothing to checkpoint at step {step}: model_tensors is empty (pass the "
+                "trainable tensors: for LoRA, the adapter's state dict)"
+            )
         if metric is not None and not math.isfinite(float(metric)):
             metric = None  # a NaN metric would win or lose every comparison; it ranks nowhere
-        job = self._snapshot(step, model_tensors, optimizer_state_dict, scheduler_state_dict, state_json,
-                             rng_snapshots, None if metric is None else float(metric), grad_scaler_state)
+        job = self._snapshot(
+            step,
+            model_tensors,
+            optimizer_state_dict,
+            scheduler_state_dict,
+            state_json,
+            rng_snapshots,
+            None if metric is None else float(metric),
+            grad_scaler_state,
+        )
         if self.mode == "sync":
             self.last_result = run_job(job)
         elif self.async_backend == "thread":
             flight = _InFlight(step)
-            flight.thread = threading.Thread(target=self._run_in_thread, args=(flight, job),
-                                             name=f"fineflow-checkpoint-{step}")
+            flight.thread = threading.Thread(
+                target=self._run_in_thread, args=(flight, job), name=f"fineflow-checkpoint-{step}"
+            )
             self._in_flight = flight
             flight.thread.start()
         else:
@@ -201,12 +225,25 @@ class CheckpointManager:
 
     # -- internals -----------------------------------------------------------------------------------
 
-    def _snapshot(self, step, model_tensors, optimizer_state_dict, scheduler_state_dict, state_json,
-                  rng_snapshots, metric, grad_scaler_state) -> SaveJob:
+    def _snapshot(
+        self,
+        step,
+        model_tensors,
+        optimizer_state_dict,
+        scheduler_state_dict,
+        state_json,
+        rng_snapshots,
+        metric,
+        grad_scaler_state,
+    ) -> SaveJob:
         """Serialize the JSON parts and copy every tensor into the host arena: after this returns, the
         caller may change its model and optimizer freely. The only part of an async save the loop waits for."""
-        parts = {"optimizer": optimizer_state_dict, "scheduler": scheduler_state_dict, "state": state_json,
-                 "rng": list(rng_snapshots)}
+        parts = {
+            "optimizer": optimizer_state_dict,
+            "scheduler": scheduler_state_dict,
+            "state": state_json,
+            "rng": list(rng_snapshots),
+        }
         if grad_scaler_state is not None:
             parts["grad_scaler"] = grad_scaler_state
         tensor_sets, json_files = split_parts(model_tensors, parts)
@@ -220,10 +257,20 @@ class CheckpointManager:
                 _copy_into(arena, arena_bytes, spec.offset + begin, tensors[name], non_blocking=self._pinned)
         if on_gpu:
             torch.cuda.synchronize()  # the non-blocking device-to-host copies must land before we return
-        return SaveJob(root=str(self.root), step=step, metric=metric, json_files=json_files,
-                       tensor_files=[spec for spec, _, _ in planned], arena=arena, keep_last=self.keep_last,
-                       keep_best=self.keep_best, protected=sorted(self._protected),
-                       on_write_error=self.on_write_error, retries=self.retries, retry_backoff_s=self.retry_backoff_s)
+        return SaveJob(
+            root=str(self.root),
+            step=step,
+            metric=metric,
+            json_files=json_files,
+            tensor_files=[spec for spec, _, _ in planned],
+            arena=arena,
+            keep_last=self.keep_last,
+            keep_best=self.keep_best,
+            protected=sorted(self._protected),
+            on_write_error=self.on_write_error,
+            retries=self.retries,
+            retry_backoff_s=self.retry_backoff_s,
+        )
 
     def _arena_for(self, nbytes: int) -> torch.Tensor:
         """The host buffer, reused across saves (no allocation or page faults after the first): safe
@@ -239,7 +286,7 @@ class CheckpointManager:
             else:
                 self._pinned = torch.cuda.is_available() and torch.cuda.is_initialized()  # async D2H copies
                 self._arena = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=self._pinned)
-        return self._arena[:max(nbytes, 1)] if nbytes else self._arena[:0]
+        return self._arena[: max(nbytes, 1)] if nbytes else self._arena[:0]
 
     def _run_in_thread(self, flight: _InFlight, job: SaveJob) -> None:
         lower_priority()
@@ -253,8 +300,12 @@ class CheckpointManager:
 
         context = mp.get_context("spawn")  # never fork a process that may hold CUDA or OpenMP state
         self._jobs, self._results = context.Queue(), context.Queue()
-        self._process = context.Process(target=_worker_main, name="fineflow-checkpoint-writer", daemon=True,
-                                        args=(self._jobs, self._results, os.getpid()))
+        self._process = context.Process(
+            target=_worker_main,
+            name="fineflow-checkpoint-writer",
+            daemon=True,
+            args=(self._jobs, self._results, os.getpid()),
+        )
         self._process.start()
 
     def _await_process(self, flight: _InFlight) -> None:
@@ -269,10 +320,15 @@ class CheckpointManager:
                     code = self._process.exitcode
                     self._process = None
                     previous = newest_complete(Path(self.root))
-                    intact = (f"the previous checkpoint {previous} is intact" if previous is not None
-                              else "there is no previous checkpoint")
-                    flight.error = CheckpointError(f"the checkpoint writer process died (exit code {code}) while "
-                                                   f"saving step {flight.step}; {intact}")
+                    intact = (
+                        f"the previous checkpoint {previous} is intact"
+                        if previous is not None
+                        else "there is no previous checkpoint"
+                    )
+                    flight.error = CheckpointError(
+                        f"the checkpoint writer process died (exit code {code}) while "
+                        f"saving step {flight.step}; {intact}"
+                    )
                     return
         if status == "ok":
             flight.result = payload

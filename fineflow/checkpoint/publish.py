@@ -12,8 +12,17 @@ import time
 import warnings
 from pathlib import Path
 
-from fineflow.checkpoint.format import (FORMAT, FORMAT_VERSION, MANIFEST, MARKER, CheckpointError, CheckpointWarning,
-                                        _json_bytes, _step_dirs, step_dir_name)
+from fineflow.checkpoint.format import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    MARKER,
+    CheckpointError,
+    CheckpointWarning,
+    _json_bytes,
+    _step_dirs,
+    step_dir_name,
+)
 from fineflow.checkpoint.read import verify_checkpoint
 from fineflow.checkpoint.retention import apply_retention
 from fineflow.checkpoint.snapshot import SaveJob
@@ -31,13 +40,12 @@ def _write_checkpoint(job: SaveJob) -> tuple[Path, dict]:
     data = job.arena.numpy()
     files: dict[str, dict] = {}
     for spec in job.tensor_files:
-        files[spec.name] = _write_file(tmp / spec.name, [spec.header, data[spec.offset:spec.offset + spec.nbytes]])
+        files[spec.name] = _write_file(tmp / spec.name, [spec.header, data[spec.offset : spec.offset + spec.nbytes]])
     for name, payload in job.json_files.items():
         files[name] = _write_file(tmp / name, [payload])
     # no timestamp: the same state must give the same bytes (DVC hashes checkpoints/ into dvc.lock, and
     # the Prefect flow and `dvc repro` must leave the same lock); the directory's mtime says when
-    manifest = {"format": FORMAT, "version": FORMAT_VERSION, "step": job.step, "metric": job.metric,
-                "files": files}
+    manifest = {"format": FORMAT, "version": FORMAT_VERSION, "step": job.step, "metric": job.metric, "files": files}
     manifest_bytes = _json_bytes(manifest)
     _write_file(tmp / MANIFEST, [manifest_bytes])
     # the marker names the manifest's hash: a marker next to any other manifest is not a complete save
@@ -75,15 +83,20 @@ def newest_complete(root: Path, exclude: Path | None = None) -> Path | None:
 def _write_error(job: SaveJob, exc: OSError, attempts: int) -> CheckpointError:
     root = Path(job.root)
     previous = newest_complete(root, exclude=root / step_dir_name(job.step))
-    intact = (f"the previous checkpoint {previous} is intact" if previous is not None
-              else "there is no previous checkpoint")
+    intact = (
+        f"the previous checkpoint {previous} is intact" if previous is not None else "there is no previous checkpoint"
+    )
     full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
     what = "disk full" if full else f"I/O error ({exc.strerror or exc})"
-    advice = (f"Free space under {root} or lower checkpoint.keep_last." if full
-              else f"Check the disk or mount that holds {root}.")
+    advice = (
+        f"Free space under {root} or lower checkpoint.keep_last."
+        if full
+        else f"Check the disk or mount that holds {root}."
+    )
     tries = f" after {attempts} attempts" if attempts > 1 else ""
-    return CheckpointError(f"{what} while writing {exc.filename or root} (checkpoint step {job.step}){tries}; "
-                           f"{intact}. {advice}")
+    return CheckpointError(
+        f"{what} while writing {exc.filename or root} (checkpoint step {job.step}){tries}; {intact}. {advice}"
+    )
 
 
 def run_job(job: SaveJob) -> dict:
@@ -103,8 +116,12 @@ def run_job(job: SaveJob) -> dict:
             shutil.rmtree(tmp, ignore_errors=True)
             if job.on_write_error == "retry" and attempt < job.retries:
                 delay = job.retry_backoff_s * 2**attempt
-                warnings.warn(f"{exc.filename}: {exc.strerror or exc} while saving step {job.step}; retrying in "
-                              f"{delay:g}s ({attempt + 1} of {job.retries})", CheckpointWarning)
+                warnings.warn(
+                    f"{exc.filename}: {exc.strerror or exc} while saving step {job.step}; retrying in "
+                    f"{delay:g}s ({attempt + 1} of {job.retries})",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
                 time.sleep(delay)
                 attempt += 1
                 continue
@@ -116,7 +133,14 @@ def run_job(job: SaveJob) -> dict:
     try:
         deleted = apply_retention(root, job.keep_last, job.keep_best, job.protected)
     except OSError as exc:  # the new checkpoint is published and valid: a failed cleanup must not undo that
-        warnings.warn(f"{root}: retention failed ({exc}); old checkpoints were kept", CheckpointWarning)
+        warnings.warn(f"{root}: retention failed ({exc}); old checkpoints were kept", CheckpointWarning, stacklevel=2)
         deleted = []
-    return {"path": str(path), "step": job.step, "write_s": write_s, **timings, "attempts": attempt + 1,
-            "bytes": sum(s.nbytes for s in job.tensor_files), "deleted": [str(p) for p in deleted]}
+    return {
+        "path": str(path),
+        "step": job.step,
+        "write_s": write_s,
+        **timings,
+        "attempts": attempt + 1,
+        "bytes": sum(s.nbytes for s in job.tensor_files),
+        "deleted": [str(p) for p in deleted],
+    }

@@ -15,8 +15,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from fineflow.checkpoint.format import (CHUNK, FORMAT, FORMAT_VERSION, MANIFEST, MARKER, REQUIRED_FILES, STEP_DIR,
-                                        CheckpointError, CheckpointWarning, CorruptCheckpoint, _step_dirs, from_tree)
+from fineflow.checkpoint.format import (
+    CHUNK,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    MARKER,
+    REQUIRED_FILES,
+    STEP_DIR,
+    CheckpointError,
+    CheckpointWarning,
+    CorruptCheckpoint,
+    _step_dirs,
+    from_tree,
+)
 
 
 def _candidates(root: Path) -> list[tuple[int, Path]]:
@@ -25,7 +37,7 @@ def _candidates(root: Path) -> list[tuple[int, Path]]:
     found = dict(_step_dirs(root))
     if root.is_dir():
         for path in root.iterdir():
-            match = STEP_DIR.match(path.name[len(".old-"):]) if path.name.startswith(".old-") else None
+            match = STEP_DIR.match(path.name[len(".old-") :]) if path.name.startswith(".old-") else None
             if match and int(match.group(1)) not in found:
                 found[int(match.group(1))] = path
     return sorted(found.items(), reverse=True)
@@ -63,8 +75,11 @@ def read_manifest(path: Path) -> dict:
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpoint(path / MANIFEST, f"unreadable ({exc})") from None
     if version > FORMAT_VERSION:
-        raise CorruptCheckpoint(path / MANIFEST, f"format version {manifest['version']} is newer than this "
-                                                 f"fineflow reads ({FORMAT_VERSION}); upgrade fineflow")
+        raise CorruptCheckpoint(
+            path / MANIFEST,
+            f"format version {manifest['version']} is newer than this "
+            f"fineflow reads ({FORMAT_VERSION}); upgrade fineflow",
+        )
     return manifest
 
 
@@ -132,8 +147,11 @@ def all_finite(tensor: torch.Tensor) -> bool:
 def _describe_fingerprint_change(found: Any, expected: Any) -> str:
     if isinstance(found, dict) and isinstance(expected, dict):
         keys = sorted(set(found) | set(expected))
-        return "; ".join(f"{k}: {found.get(k)!r} in the checkpoint, {expected.get(k)!r} now"
-                         for k in keys if found.get(k) != expected.get(k))
+        return "; ".join(
+            f"{k}: {found.get(k)!r} in the checkpoint, {expected.get(k)!r} now"
+            for k in keys
+            if found.get(k) != expected.get(k)
+        )
     return f"{found!r} in the checkpoint, {expected!r} now"
 
 
@@ -172,8 +190,10 @@ def _check_fingerprint(path: Path, manifest: dict, expected: Any, on_mismatch: s
     if found == expected:
         return
     change = _describe_fingerprint_change(found, expected)
-    message = (f"{path}: this checkpoint was made by a different configuration ({change}); resuming from it "
-               f"would mix incompatible model, optimizer or data state")
+    message = (
+        f"{path}: this checkpoint was made by a different configuration ({change}); resuming from it "
+        f"would mix incompatible model, optimizer or data state"
+    )
     if on_mismatch == "ignore":
         warnings.warn(message + "; using it anyway (on_mismatch='ignore')", CheckpointWarning, stacklevel=3)
         return
@@ -210,10 +230,13 @@ def load_checkpoint(path: str | Path, verify: bool = True) -> LoadedCheckpoint:
     manifest = verify_checkpoint(path) if verify else read_manifest(path)
     files = manifest["files"]
     return LoadedCheckpoint(
-        path=path, step=int(manifest["step"]), metric=manifest.get("metric"),
+        path=path,
+        step=int(manifest["step"]),
+        metric=manifest.get("metric"),
         model_tensors=load_file(str(path / "model.safetensors")),
         optimizer_state_dict=_read_part(path, "optimizer", files),
         scheduler_state_dict=_read_part(path, "scheduler", files),
         state=_read_part(path, "state", files),
         rng_snapshots=_read_part(path, "rng", files),
-        grad_scaler_state=_read_part(path, "grad_scaler", files) if "grad_scaler.json" in files else None)
+        grad_scaler_state=_read_part(path, "grad_scaler", files) if "grad_scaler.json" in files else None,
+    )

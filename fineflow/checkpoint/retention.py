@@ -22,14 +22,15 @@ def _remove(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def select_retained(entries: list[tuple[int, Path, float | None]], keep_last: int, keep_best: int,
-                    protected: Iterable[str]) -> set[Path]:
+def select_retained(
+    entries: list[tuple[int, Path, float | None]], keep_last: int, keep_best: int, protected: Iterable[str]
+) -> set[Path]:
     """Which complete checkpoints to keep: the last keep_last by step, the best keep_best by metric
     (lower is better; the single best is always kept when any has a metric) and every protected one."""
     by_step = sorted(entries, key=lambda e: e[0], reverse=True)
     keep = {path for _, path, _ in by_step[:keep_last]}
     scored = sorted((e for e in entries if e[2] is not None), key=lambda e: (e[2], -e[0]))
-    keep |= {path for _, path, _ in scored[:max(1, keep_best)]}
+    keep |= {path for _, path, _ in scored[: max(1, keep_best)]}
     protected = {Path(p).resolve() for p in protected}
     keep |= {path for _, path, _ in entries if path.resolve() in protected}
     return keep
@@ -52,7 +53,7 @@ def apply_retention(root: Path, keep_last: int, keep_best: int, protected: Itera
                 _remove(path)
                 deleted.append(path)
             except OSError as exc:
-                warnings.warn(f"{path}: could not delete an old checkpoint ({exc})", CheckpointWarning)
+                warnings.warn(f"{path}: could not delete an old checkpoint ({exc})", CheckpointWarning, stacklevel=2)
     return deleted
 
 
@@ -68,7 +69,7 @@ def clean_stale(root: Path) -> list[str]:
         if path.name.startswith((".tmp-", ".trash-")):
             shutil.rmtree(path, ignore_errors=True)
         elif path.name.startswith(".old-"):
-            final = path.with_name(path.name[len(".old-"):])
+            final = path.with_name(path.name[len(".old-") :])
             if final.exists():
                 shutil.rmtree(path, ignore_errors=True)
             else:

@@ -30,5 +30,9 @@ def restore_rng(snapshot: dict) -> None:
         if torch.cuda.is_available():
             torch.cuda.set_rng_state_all(snapshot["torch_cuda"])
         else:
-            warnings.warn("the checkpoint holds CUDA RNG states but CUDA is not available here; CUDA "
-                          "random draws (dropout on a GPU) will not continue the saved sequence", CheckpointWarning)
+            warnings.warn(
+                "the checkpoint holds CUDA RNG states but CUDA is not available here; CUDA "
+                "random draws (dropout on a GPU) will not continue the saved sequence",
+                CheckpointWarning,
+                stacklevel=2,
+            )

@@ -45,14 +45,16 @@ def plan_files(tensor_sets: dict) -> tuple[list[tuple[TensorFile, dict, list]], 
     planned, offset = [], 0
     for name, (tensors, metadata) in tensor_sets.items():
         entries, nbytes = _safetensors_layout(tensors)
-        planned.append((TensorFile(name, _safetensors_header(tensors, entries, metadata), offset, nbytes),
-                        tensors, entries))
+        planned.append(
+            (TensorFile(name, _safetensors_header(tensors, entries, metadata), offset, nbytes), tensors, entries)
+        )
         offset += -(-nbytes // 64) * 64
     return planned, offset
 
 
-def _copy_into(arena: torch.Tensor, arena_bytes: np.ndarray, begin: int, tensor: torch.Tensor,
-               non_blocking: bool) -> None:
+def _copy_into(
+    arena: torch.Tensor, arena_bytes: np.ndarray, begin: int, tensor: torch.Tensor, non_blocking: bool
+) -> None:
     """Copy one tensor's bytes to arena[begin:], in the file's byte order."""
     nbytes = tensor.numel() * tensor.element_size()
     source = tensor.detach()
@@ -61,7 +63,7 @@ def _copy_into(arena: torch.Tensor, arena_bytes: np.ndarray, begin: int, tensor:
         # a busy machine each split waits for a descheduled thread: 700 MB took 1.4 s that way on 2 shared
         # cores, 0.07 s like this.
         source = source if source.is_contiguous() else source.contiguous()
-        np.copyto(arena_bytes[begin:begin + nbytes], source.reshape(-1).view(torch.uint8).numpy())
+        np.copyto(arena_bytes[begin : begin + nbytes], source.reshape(-1).view(torch.uint8).numpy())
     else:  # device-to-host: a DMA into the (pinned) arena, synchronized once after all copies
-        target = arena[begin:begin + nbytes].view(tensor.dtype).view(tensor.shape)
+        target = arena[begin : begin + nbytes].view(tensor.dtype).view(tensor.shape)
         target.copy_(source, non_blocking=non_blocking)

@@ -36,7 +36,7 @@ def _write_file(path: Path, chunks: Iterable) -> dict:
             for chunk in chunks:
                 view = memoryview(chunk).cast("B")
                 for start in range(0, len(view), CHUNK):
-                    piece = view[start:start + CHUNK]
+                    piece = view[start : start + CHUNK]
                     write_all(fd, piece, str(path))
                     digest.update(piece)
                     size += len(piece)

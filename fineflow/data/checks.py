@@ -123,6 +123,7 @@ def _gxe():
 
 # Derived columns. Checks that share a column share its derivation; the frame computes it once.
 
+
 def _texts(ctx: CheckContext) -> list[str]:
     return ctx.texts
 
@@ -159,52 +160,105 @@ def _expect_str(column: str, ctx: CheckContext) -> Expectation:
 
 def schema_checks(columns: tuple[str, ...]) -> list[Check]:
     """The schema of the required columns: every column exists, then per column not_null and type_str."""
-    exists = [Check(f"column_exists({column})", SCHEMA, column,
-                    lambda col, ctx: _gxe().ExpectColumnToExist(column=col)) for column in columns]
+    exists = [
+        Check(f"column_exists({column})", SCHEMA, column, lambda col, ctx: _gxe().ExpectColumnToExist(column=col))
+        for column in columns
+    ]
     values = []
     for column in columns:
-        values += [Check(f"not_null({column})", "non_null", column,
-                         lambda col, ctx: _gxe().ExpectColumnValuesToNotBeNull(column=col), applies=rows_have(column)),
-                   Check(f"type_str({column})", "types", column, _expect_str, applies=rows_have(column))]
+        values += [
+            Check(
+                f"not_null({column})",
+                "non_null",
+                column,
+                lambda col, ctx: _gxe().ExpectColumnValuesToNotBeNull(column=col),
+                applies=rows_have(column),
+            ),
+            Check(f"type_str({column})", "types", column, _expect_str, applies=rows_have(column)),
+        ]
     return exists + values
 
 
 CHECKS: list[Check] = [
     *schema_checks(REQUIRED),
-    Check("non_empty(output)", "non_empty", "output",
-          lambda col, ctx: _gxe().ExpectColumnValueLengthsToBeBetween(column=col, min_value=1),
-          applies=rows_have("output")),
+    Check(
+        "non_empty(output)",
+        "non_empty",
+        "output",
+        lambda col, ctx: _gxe().ExpectColumnValueLengthsToBeBetween(column=col, min_value=1),
+        applies=rows_have("output"),
+    ),
     Check("type_str(input)", "types", "input", _expect_str),  # the frame always has input ("" where absent)
-    Check("length_chars(text)", "length_chars", "text",
-          lambda col, ctx: _gxe().ExpectColumnValueLengthsToBeBetween(
-              column=col, min_value=ctx.cfg.min_chars, max_value=ctx.cfg.max_chars),
-          derive=_texts),
-    Check("unique(row)", "duplicate", "text",
-          lambda col, ctx: _gxe().ExpectColumnValuesToBeUnique(column=col),
-          derive=_texts, keeps_first=True,
-          detail=lambda row: f" (first seen at line {row.first_line})"),
-    Check("near_unique(normalized)", "near_duplicate", "norm_key",
-          lambda col, ctx: _gxe().ExpectColumnValuesToBeUnique(column=col),
-          derive=_normalized_texts, keeps_first=True,
-          detail=lambda row: f" (same as line {row.first_line} up to case/punctuation)"),
-    Check("no_pii(text)", "pii", "pii_kinds",
-          lambda col, ctx: _gxe().ExpectColumnValuesToBeNull(column=col),
-          derive=_pii_kinds, applies=pii_quarantined,
-          detail=lambda row: f" ({row['pii_kinds']})"),
-    Check("fits_seq_len(tokens)", TRUNCATION, "n_tokens",
-          lambda col, ctx: _gxe().ExpectColumnValuesToBeBetween(column=col, max_value=ctx.tokens.seq_len),
-          derive=_token_counts, applies=with_tokens,
-          detail=lambda row: f" ({row['n_tokens']} tokens, truncated to tokenize.seq_len)"),
-    Check("label_coverage(tokens)", "label_coverage", "trained_tokens",
-          lambda col, ctx: _gxe().ExpectColumnValuesToBeBetween(column=col, min_value=1),
-          derive=_trained_token_counts, applies=with_tokens,
-          detail=lambda row: " (no response token left to train on after truncation)"),
-    Check("chat_template_renders(row)", "chat_template", "render_error",
-          lambda col, ctx: _gxe().ExpectColumnValuesToBeNull(column=col),
-          derive=_render_errors, applies=with_tokens,
-          detail=lambda row: f" ({row['render_error']})"),
-    Check("no_leakage(eval)", "leakage", "eval_overlap",
-          lambda col, ctx: _gxe().ExpectColumnValuesToBeBetween(column=col, max_value=ctx.cfg.leakage_max_overlap),
-          derive=_eval_overlaps, applies=with_leak_index,
-          detail=lambda row: f" ({row['eval_overlap']:.0%} of its word n-grams are in the eval data)"),
+    Check(
+        "length_chars(text)",
+        "length_chars",
+        "text",
+        lambda col, ctx: _gxe().ExpectColumnValueLengthsToBeBetween(
+            column=col, min_value=ctx.cfg.min_chars, max_value=ctx.cfg.max_chars
+        ),
+        derive=_texts,
+    ),
+    Check(
+        "unique(row)",
+        "duplicate",
+        "text",
+        lambda col, ctx: _gxe().ExpectColumnValuesToBeUnique(column=col),
+        derive=_texts,
+        keeps_first=True,
+        detail=lambda row: f" (first seen at line {row.first_line})",
+    ),
+    Check(
+        "near_unique(normalized)",
+        "near_duplicate",
+        "norm_key",
+        lambda col, ctx: _gxe().ExpectColumnValuesToBeUnique(column=col),
+        derive=_normalized_texts,
+        keeps_first=True,
+        detail=lambda row: f" (same as line {row.first_line} up to case/punctuation)",
+    ),
+    Check(
+        "no_pii(text)",
+        "pii",
+        "pii_kinds",
+        lambda col, ctx: _gxe().ExpectColumnValuesToBeNull(column=col),
+        derive=_pii_kinds,
+        applies=pii_quarantined,
+        detail=lambda row: f" ({row['pii_kinds']})",
+    ),
+    Check(
+        "fits_seq_len(tokens)",
+        TRUNCATION,
+        "n_tokens",
+        lambda col, ctx: _gxe().ExpectColumnValuesToBeBetween(column=col, max_value=ctx.tokens.seq_len),
+        derive=_token_counts,
+        applies=with_tokens,
+        detail=lambda row: f" ({row['n_tokens']} tokens, truncated to tokenize.seq_len)",
+    ),
+    Check(
+        "label_coverage(tokens)",
+        "label_coverage",
+        "trained_tokens",
+        lambda col, ctx: _gxe().ExpectColumnValuesToBeBetween(column=col, min_value=1),
+        derive=_trained_token_counts,
+        applies=with_tokens,
+        detail=lambda row: " (no response token left to train on after truncation)",
+    ),
+    Check(
+        "chat_template_renders(row)",
+        "chat_template",
+        "render_error",
+        lambda col, ctx: _gxe().ExpectColumnValuesToBeNull(column=col),
+        derive=_render_errors,
+        applies=with_tokens,
+        detail=lambda row: f" ({row['render_error']})",
+    ),
+    Check(
+        "no_leakage(eval)",
+        "leakage",
+        "eval_overlap",
+        lambda col, ctx: _gxe().ExpectColumnValuesToBeBetween(column=col, max_value=ctx.cfg.leakage_max_overlap),
+        derive=_eval_overlaps,
+        applies=with_leak_index,
+        detail=lambda row: f" ({row['eval_overlap']:.0%} of its word n-grams are in the eval data)",
+    ),
 ]

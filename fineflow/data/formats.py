@@ -52,23 +52,39 @@ def read_jsonl(path: str | Path) -> list[Row]:
         try:
             text = raw_line.decode("utf-8")
         except UnicodeDecodeError as exc:
-            rows.append(Row(number, raw=raw_line.decode("utf-8", "replace"),
-                            reasons=[f"{path}:{number}: not UTF-8 (byte {exc.start})"]))
+            rows.append(
+                Row(
+                    number,
+                    raw=raw_line.decode("utf-8", "replace"),
+                    reasons=[f"{path}:{number}: not UTF-8 (byte {exc.start})"],
+                )
+            )
             continue
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
-            rows.append(Row(number, raw=text[:1000], reasons=[f"{path}:{number}: malformed JSON ({exc.msg} "
-                                                              f"at column {exc.colno})"]))
+            rows.append(
+                Row(
+                    number,
+                    raw=text[:1000],
+                    reasons=[f"{path}:{number}: malformed JSON ({exc.msg} at column {exc.colno})"],
+                )
+            )
             continue
         if not isinstance(obj, dict):
-            rows.append(Row(number, raw=text[:1000],
-                            reasons=[f"{path}:{number}: expected a JSON object, got {type(obj).__name__}"]))
+            rows.append(
+                Row(
+                    number,
+                    raw=text[:1000],
+                    reasons=[f"{path}:{number}: expected a JSON object, got {type(obj).__name__}"],
+                )
+            )
             continue
         rows.append(Row(number, data=obj))
     if not rows:
-        raise DataError(f"{path}: the file is empty (no rows); point data.train_path at a JSONL file with "
-                        f"one object per line")
+        raise DataError(
+            f"{path}: the file is empty (no rows); point data.train_path at a JSONL file with one object per line"
+        )
     return rows
 
 
@@ -82,15 +98,20 @@ def read_csv(path: str | Path) -> list[Row]:
     except OSError as exc:
         raise DataError(f"{path}: cannot read the file ({exc.strerror})") from None
     except UnicodeDecodeError as exc:
-        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
         raise DataError(f"{path}:{line}: not UTF-8 (byte {exc.start}); re-encode the file as UTF-8") from None
     reader = csv.DictReader(text.splitlines(keepends=True))
     rows: list[Row] = []
     try:
         for record in reader:
             if None in record:  # more cells than header columns
-                rows.append(Row(reader.line_num, raw=str(record)[:1000],
-                                reasons=[f"{path}:{reader.line_num}: more cells than the header has columns"]))
+                rows.append(
+                    Row(
+                        reader.line_num,
+                        raw=str(record)[:1000],
+                        reasons=[f"{path}:{reader.line_num}: more cells than the header has columns"],
+                    )
+                )
             else:
                 rows.append(Row(reader.line_num, data={k: v for k, v in record.items() if v is not None}))
     except csv.Error as exc:
@@ -110,16 +131,24 @@ def read_parquet(path: str | Path) -> list[Row]:
         table = pq.read_table(path)
     except (OSError, pa.ArrowException) as exc:
         raise DataError(f"{path}: cannot read the file as Parquet ({exc})") from None
-    rows = [Row(i, data={k: v for k, v in record.items() if v is not None})
-            for i, record in enumerate(table.to_pylist(), start=1)]
+    rows = [
+        Row(i, data={k: v for k, v in record.items() if v is not None})
+        for i, record in enumerate(table.to_pylist(), start=1)
+    ]
     if not rows:
         raise DataError(f"{path}: the file is empty (no rows)")
     return rows
 
 
 READERS = {"jsonl": read_jsonl, "csv": read_csv, "parquet": read_parquet}
-EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet",
-              ".pq": "parquet"}
+EXTENSIONS = {
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".ndjson": "jsonl",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+}
 
 
 def read_rows(path: str | Path, fmt: str = "auto") -> list[Row]:
@@ -128,8 +157,10 @@ def read_rows(path: str | Path, fmt: str = "auto") -> list[Row]:
     if fmt == "auto":
         fmt = EXTENSIONS.get(path.suffix.lower())
         if fmt is None:
-            raise DataError(f"{path}: cannot tell the format from the extension {path.suffix!r}; set "
-                            f"data.format in params.yaml to jsonl, csv or parquet")
+            raise DataError(
+                f"{path}: cannot tell the format from the extension {path.suffix!r}; set "
+                f"data.format in params.yaml to jsonl, csv or parquet"
+            )
     return READERS[fmt](path)
 
 
@@ -160,8 +191,12 @@ def chat_to_record(messages: object) -> tuple[dict | None, str | None]:
     else:
         instruction = "\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in prompt)
     # the conversation itself travels on: the tokenizer's chat template (when it has one) renders it
-    return {"instruction": instruction, "input": "", "output": messages[-1]["content"],
-            "messages": [{"role": m["role"], "content": m["content"]} for m in messages]}, None
+    return {
+        "instruction": instruction,
+        "input": "",
+        "output": messages[-1]["content"],
+        "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+    }, None
 
 
 def apply_mapping(rows: list[Row], mapping, source: str) -> list[Row]:
@@ -176,16 +211,25 @@ def apply_mapping(rows: list[Row], mapping, source: str) -> list[Row]:
         wanted = {"instruction": mapping.instruction, "input": mapping.input, "output": mapping.output}
     present = {key for row in rows if row.data is not None for key in row.data}
     for field_name, column in wanted.items():
-        if column is not None and (column != field_name or field_name == "messages") and present \
-                and column not in present:
-            raise DataError(f"{source}: params.yaml data.mapping.{field_name} is {column!r}, but no row has that "
-                            f"column (columns found: {sorted(present)})")
+        if (
+            column is not None
+            and (column != field_name or field_name == "messages")
+            and present
+            and column not in present
+        ):
+            raise DataError(
+                f"{source}: params.yaml data.mapping.{field_name} is {column!r}, but no row has that "
+                f"column (columns found: {sorted(present)})"
+            )
     for row in rows:
         if row.data is None:
             continue
         if mapping.messages is None:
-            row.data = {field_name: row.data[column] for field_name, column in wanted.items()
-                        if column is not None and column in row.data}
+            row.data = {
+                field_name: row.data[column]
+                for field_name, column in wanted.items()
+                if column is not None and column in row.data
+            }
             continue
         record, problem = chat_to_record(row.data.get(mapping.messages))
         if problem:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections import Counter
-from typing import Iterable
+from collections.abc import Iterable
 
 _NON_WORD = re.compile(r"[\W_]+", re.UNICODE)
 
@@ -20,7 +20,7 @@ def normalize(text: str) -> str:
 
 def word_ngrams(normalized: str, n: int) -> set[tuple[str, ...]]:
     words = normalized.split()
-    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
 class LeakIndex:

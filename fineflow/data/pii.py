@@ -20,13 +20,18 @@ PATTERNS: dict[str, re.Pattern] = {
         r"|\bgh[pousr]_[A-Za-z0-9]{30,}\b"  # GitHub tokens
         r"|\bxox[abpr]-[A-Za-z0-9-]{10,}\b"  # Slack tokens
         r"|-----BEGIN [A-Z ]*PRIVATE KEY-----"
-        r"|(?i:\b(?:api[_-]?key|secret|token|passw(?:or)?d)\b\s*[:=]\s*['\"]?[^\s'\"]{8,})"),
+        r"|(?i:\b(?:api[_-]?key|secret|token|passw(?:or)?d)\b\s*[:=]\s*['\"]?[^\s'\"]{8,})"
+    ),
     "credit_card": re.compile(r"(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d-])"),
     "ssn": re.compile(r"(?<![\d-])\d{3}-\d{2}-\d{4}(?![\d-])"),
-    "ipv4": re.compile(r"(?<![\d.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?![\d.])"),
+    "ipv4": re.compile(
+        r"(?<![\d.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?![\d.])"
+    ),
     # a phone is a whole group of digits: not the middle of a longer run such as an order number
-    "phone": re.compile(r"(?<![\w+])(?<!\d[ .-])(?:\+\d{1,3}[ .-]?)?(?:\(\d{2,4}\)[ .-]?|\d{2,4}[ .-])"
-                        r"\d{3,4}[ .-]?\d{3,4}(?![ .-]?\d)(?!\w)"),
+    "phone": re.compile(
+        r"(?<![\w+])(?<!\d[ .-])(?:\+\d{1,3}[ .-]?)?(?:\(\d{2,4}\)[ .-]?|\d{2,4}[ .-])"
+        r"\d{3,4}[ .-]?\d{3,4}(?![ .-]?\d)(?!\w)"
+    ),
 }
 PLACEHOLDER = {kind: f"[{kind.upper()}]" for kind in PATTERNS}
 
@@ -66,7 +71,7 @@ def redact(text: str, spans: list[Span]) -> str:
     """Replace each span with its typed placeholder, e.g. ``[EMAIL]``."""
     out, last = [], 0
     for span in spans:
-        out.append(text[last:span.start])
+        out.append(text[last : span.start])
         out.append(PLACEHOLDER[span.kind])
         last = span.end
     out.append(text[last:])

@@ -12,8 +12,8 @@ Everything is a pure function of a seed: the same seed gives byte-identical file
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from fineflow.corpus import FIELDS, NAMES, WORDS, date_parts, record, record_text
 
@@ -33,8 +33,7 @@ def extract_field(rng: random.Random) -> Example:
 
 def format_date(rng: random.Random) -> Example:
     y, m, d = date_parts(rng)
-    return Example("Rewrite the date as DD/MM/YYYY.", f"{y:04d}-{m:02d}-{d:02d}", f"{d:02d}/{m:02d}/{y:04d}",
-                   "date")
+    return Example("Rewrite the date as DD/MM/YYYY.", f"{y:04d}-{m:02d}-{d:02d}", f"{d:02d}/{m:02d}/{y:04d}", "date")
 
 
 def larger_number(rng: random.Random) -> Example:
@@ -75,8 +74,17 @@ def split_train_eval(n_train: int, n_eval: int, seed: int) -> tuple[list[dict], 
     return unique[:n_train], unique[n_train:]
 
 
-BAD_KINDS = ("missing_field", "empty_output", "over_long", "duplicate", "email", "phone", "card",
-             "near_duplicate", "eval_leak")
+BAD_KINDS = (
+    "missing_field",
+    "empty_output",
+    "over_long",
+    "duplicate",
+    "email",
+    "phone",
+    "card",
+    "near_duplicate",
+    "eval_leak",
+)
 
 
 def inject_bad_rows(rows: list[dict], share: float, seed: int, eval_rows: list[dict] | None = None) -> list[dict]:

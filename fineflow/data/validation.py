@@ -68,13 +68,25 @@ class ValidationOutcome:
                 redacted[kind] = redacted.get(kind, 0) + 1
         truncation = next((c.share for c in self.checks if c.category == TRUNCATION), None)
         return {
-            "rows_in": self.rows_in, "rows_kept": len(self.kept), "rows_quarantined": len(self.quarantined),
+            "rows_in": self.rows_in,
+            "rows_kept": len(self.kept),
+            "rows_quarantined": len(self.quarantined),
             "truncation_rate": round(truncation, 5) if truncation is not None else None,
-            "rows_warned": sum(1 for row in self.kept if row.warnings), "pii_redacted": redacted,
-            "checks": {c.name: {"category": c.category, "expectation": c.expectation, "severity": c.severity,
-                                "failed_rows": len(c.failed_lines), "share": round(c.share, 5),
-                                "max_share": c.max_share, "passed": c.passed,
-                                "first_failed_lines": c.failed_lines[:20]} for c in self.checks},
+            "rows_warned": sum(1 for row in self.kept if row.warnings),
+            "pii_redacted": redacted,
+            "checks": {
+                c.name: {
+                    "category": c.category,
+                    "expectation": c.expectation,
+                    "severity": c.severity,
+                    "failed_rows": len(c.failed_lines),
+                    "share": round(c.share, 5),
+                    "max_share": c.max_share,
+                    "passed": c.passed,
+                    "first_failed_lines": c.failed_lines[:20],
+                }
+                for c in self.checks
+            },
             "schema_problems": self.schema_problems,
         }
 
@@ -105,7 +117,7 @@ class TokenView:
         except RenderError as exc:
             return None, None, str(exc)  # only the render check fails; token checks skip (null) the row
         ids, mask = encode_pair(self.tokenizer, prompt, response)
-        return len(ids), sum(mask[:self.seq_len]), None
+        return len(ids), sum(mask[: self.seq_len]), None
 
 
 def _frame(ctx: CheckContext, suite: list[Check]):
@@ -114,8 +126,11 @@ def _frame(ctx: CheckContext, suite: list[Check]):
     import pandas as pd
 
     columns = [c for c in (*REQUIRED, *OPTIONAL) if c in ctx.columns_in_rows]
-    frame = pd.DataFrame([{c: row.data.get(c) for c in columns} for row in ctx.rows],
-                         index=[row.line for row in ctx.rows], columns=columns)
+    frame = pd.DataFrame(
+        [{c: row.data.get(c) for c in columns} for row in ctx.rows],
+        index=[row.line for row in ctx.rows],
+        columns=columns,
+    )
     if "input" not in frame:  # input is optional: absent or null means empty, so type_str(input) can check it
         frame["input"] = ""
     frame["input"] = frame["input"].where(frame["input"].notna(), "")
@@ -134,14 +149,15 @@ def _names_by_expectation(suite: list[tuple[Check, Expectation]]) -> dict[tuple[
     for check, expectation in suite:
         key = (expectation.expectation_type, expectation.column)
         if key in names:
-            raise ValueError(f"checks {names[key]} and {check.name} both run {key[0]} on column {key[1]!r}: "
-                             f"GX results could not tell them apart")
+            raise ValueError(
+                f"checks {names[key]} and {check.name} both run {key[0]} on column {key[1]!r}: "
+                f"GX results could not tell them apart"
+            )
         names[key] = check.name
     return names
 
 
-def _run_gx(frame, suite: list[tuple[Check, Expectation]], docs_dir: Path | None = None
-            ) -> dict[str, list[int] | None]:
+def _run_gx(frame, suite: list[tuple[Check, Expectation]], docs_dir: Path | None = None) -> dict[str, list[int] | None]:
     """Run the suite on the frame; return the failing index values (source line numbers) per check.
 
     A table-level check that fails (a column absent from the file) maps to None: no single row is at fault.
@@ -158,21 +174,37 @@ def _run_gx(frame, suite: list[tuple[Check, Expectation]], docs_dir: Path | None
     context.variables.progress_bars = {"globally": False}
     actions = []
     if docs_dir is not None:
-        context.add_data_docs_site("fineflow", {
-            "class_name": "SiteBuilder", "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
-            "store_backend": {"class_name": "TupleFilesystemStoreBackend",
-                              "base_directory": str(Path(docs_dir).resolve())}})
+        context.add_data_docs_site(
+            "fineflow",
+            {
+                "class_name": "SiteBuilder",
+                "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
+                "store_backend": {
+                    "class_name": "TupleFilesystemStoreBackend",
+                    "base_directory": str(Path(docs_dir).resolve()),
+                },
+            },
+        )
         actions.append(UpdateDataDocsAction(name="data_docs", site_names=["fineflow"]))
-    batch_def = (context.data_sources.add_pandas("fineflow").add_dataframe_asset("rows")
-                 .add_batch_definition_whole_dataframe("all"))
+    batch_def = (
+        context.data_sources.add_pandas("fineflow")
+        .add_dataframe_asset("rows")
+        .add_batch_definition_whole_dataframe("all")
+    )
     gx_suite = context.suites.add(gx.ExpectationSuite(name="fineflow_rows"))
     for _, expectation in suite:
         gx_suite.add_expectation(expectation)
-    definition = context.validation_definitions.add(gx.ValidationDefinition(name="rows", data=batch_def,
-                                                                            suite=gx_suite))
-    checkpoint = context.checkpoints.add(gx.Checkpoint(name="fineflow", validation_definitions=[definition],
-                                                       actions=actions,
-                                                       result_format={"result_format": "COMPLETE"}))
+    definition = context.validation_definitions.add(
+        gx.ValidationDefinition(name="rows", data=batch_def, suite=gx_suite)
+    )
+    checkpoint = context.checkpoints.add(
+        gx.Checkpoint(
+            name="fineflow",
+            validation_definitions=[definition],
+            actions=actions,
+            result_format={"result_format": "COMPLETE"},
+        )
+    )
     [result] = checkpoint.run(batch_parameters={"dataframe": frame}).run_results.values()
     failing: dict[str, list[int] | None] = {check.name: [] for check, _ in suite}
     for res in result.results:
@@ -197,8 +229,14 @@ def _failures(check: Check, lines: list[int], frame) -> list[FailedRow]:
     return [row for row in copies if row.line != row.first_line]
 
 
-def validate_rows(rows: list[Row], source: str, cfg: ValidateParams, leak_index: LeakIndex | None = None,
-                  docs_dir: Path | None = None, tokens: TokenView | None = None) -> ValidationOutcome:
+def validate_rows(
+    rows: list[Row],
+    source: str,
+    cfg: ValidateParams,
+    leak_index: LeakIndex | None = None,
+    docs_dir: Path | None = None,
+    tokens: TokenView | None = None,
+) -> ValidationOutcome:
     """Run every applying check on rows; quarantine (error) or flag (warn) failing rows with file:line reasons."""
     parsed = [row for row in rows if row.data is not None]
     schema_problems: list[str] = []
@@ -218,23 +256,42 @@ def validate_rows(rows: list[Row], source: str, cfg: ValidateParams, leak_index:
             knobs = check.knobs(cfg.checks)
             lines = failing[check.name]
             if lines is None:  # table-level failure: the column is absent from the whole file
-                schema_problems.append(f"{source}: required field \"{check.column}\" is missing from every row "
-                                       f"({check.name})")
-                results.append(CheckResult(check.name, check.category, expectation.expectation_type,
-                                           [row.line for row in parsed], len(parsed), knobs.severity, knobs.max_share))
+                schema_problems.append(
+                    f'{source}: required field "{check.column}" is missing from every row ({check.name})'
+                )
+                results.append(
+                    CheckResult(
+                        check.name,
+                        check.category,
+                        expectation.expectation_type,
+                        [row.line for row in parsed],
+                        len(parsed),
+                        knobs.severity,
+                        knobs.max_share,
+                    )
+                )
                 continue
             failures = _failures(check, lines, frame)
-            results.append(CheckResult(check.name, check.category, expectation.expectation_type,
-                                       [failed.line for failed in failures], len(parsed), knobs.severity,
-                                       knobs.max_share))
+            results.append(
+                CheckResult(
+                    check.name,
+                    check.category,
+                    expectation.expectation_type,
+                    [failed.line for failed in failures],
+                    len(parsed),
+                    knobs.severity,
+                    knobs.max_share,
+                )
+            )
             for failed in failures:
                 row = by_line[failed.line]
                 (row.reasons if knobs.severity == "error" else row.warnings).append(
-                    f"{source}:{failed.line}: failed {check.name}{check.detail(failed)}")
+                    f"{source}:{failed.line}: failed {check.name}{check.detail(failed)}"
+                )
         for row in parsed:
             for col in REQUIRED:
                 if col not in row.data:
-                    row.reasons.append(f"{source}:{row.line}: field \"{col}\" is missing")
+                    row.reasons.append(f'{source}:{row.line}: field "{col}" is missing')
     kept = [row for row in rows if not row.reasons]
     quarantined = [row for row in rows if row.reasons]
     return ValidationOutcome(source, kept, quarantined, results, schema_problems)
@@ -245,15 +302,19 @@ def raise_if_blocked(outcome: ValidationOutcome, cfg: ValidateParams) -> None:
     problems = list(outcome.schema_problems)
     for check in outcome.checks:
         if check.severity == "error" and check.category != SCHEMA and not check.passed:  # schema: above
-            problems.append(f"{outcome.source}: check {check.name} failed on {len(check.failed_lines)} of "
-                            f"{check.rows} rows ({check.share:.1%}), above validate.checks.{check.category}"
-                            f".max_share={check.max_share:g}; first lines: {check.failed_lines[:5]}")
+            problems.append(
+                f"{outcome.source}: check {check.name} failed on {len(check.failed_lines)} of "
+                f"{check.rows} rows ({check.share:.1%}), above validate.checks.{check.category}"
+                f".max_share={check.max_share:g}; first lines: {check.failed_lines[:5]}"
+            )
     share = len(outcome.quarantined) / outcome.rows_in
     if not outcome.kept:
         problems.append(f"{outcome.source}: every one of the {outcome.rows_in} rows failed validation")
     elif share > cfg.max_bad_share:
-        problems.append(f"{outcome.source}: {len(outcome.quarantined)} of {outcome.rows_in} rows "
-                        f"({share:.1%}) failed validation, above validate.max_bad_share={cfg.max_bad_share:.0%}")
+        problems.append(
+            f"{outcome.source}: {len(outcome.quarantined)} of {outcome.rows_in} rows "
+            f"({share:.1%}) failed validation, above validate.max_bad_share={cfg.max_bad_share:.0%}"
+        )
     if problems:
         first = [reason for row in outcome.quarantined[:5] for reason in row.reasons[:2]]
         detail = "\n  ".join(problems + (["first failing rows:"] + first if first else []))
@@ -262,8 +323,11 @@ def raise_if_blocked(outcome: ValidationOutcome, cfg: ValidateParams) -> None:
 
 def clean_record(row: Row) -> dict:
     """The normalized record a kept row becomes: instruction, input (may be empty), output."""
-    record = {"instruction": row.data["instruction"], "input": row.data.get("input") or "",
-              "output": row.data["output"]}
+    record = {
+        "instruction": row.data["instruction"],
+        "input": row.data.get("input") or "",
+        "output": row.data["output"],
+    }
     if row.data.get("messages"):
         record["messages"] = row.data["messages"]
     return record
@@ -274,12 +338,18 @@ def clean_text(row: Row) -> str:
 
 
 def quarantine_record(row: Row, split: str) -> dict:
-    return {"split": split, "line": row.line, "reasons": row.reasons, "warnings": row.warnings,
-            **({"row": row.data} if row.data is not None else {"raw": row.raw})}
+    return {
+        "split": split,
+        "line": row.line,
+        "reasons": row.reasons,
+        "warnings": row.warnings,
+        **({"row": row.data} if row.data is not None else {"raw": row.raw}),
+    }
 
 
-def validate_splits(paths: dict[str, Path], data_cfg, cfg: ValidateParams, tokens: TokenView | None = None,
-                    docs_dir: Path | None = None) -> dict[str, ValidationOutcome]:
+def validate_splits(
+    paths: dict[str, Path], data_cfg, cfg: ValidateParams, tokens: TokenView | None = None, docs_dir: Path | None = None
+) -> dict[str, ValidationOutcome]:
     """Read, map and validate the eval split, then the train split against it: train rows are checked for
     leakage against what evaluation will score, so a leaked eval row is caught here."""
 
@@ -287,9 +357,18 @@ def validate_splits(paths: dict[str, Path], data_cfg, cfg: ValidateParams, token
         return apply_mapping(read_rows(path, data_cfg.format), data_cfg.mapping, str(path))
 
     eval_path, train_path = Path(paths["eval"]), Path(paths["train"])
-    outcomes = {"eval": validate_rows(load(eval_path), str(eval_path), cfg,
-                                      docs_dir=docs_dir / "eval" if docs_dir else None, tokens=tokens)}
+    outcomes = {
+        "eval": validate_rows(
+            load(eval_path), str(eval_path), cfg, docs_dir=docs_dir / "eval" if docs_dir else None, tokens=tokens
+        )
+    }
     leak_index = LeakIndex((clean_text(row) for row in outcomes["eval"].kept), cfg.leakage_ngram)
-    outcomes["train"] = validate_rows(load(train_path), str(train_path), cfg, leak_index,
-                                      docs_dir=docs_dir / "train" if docs_dir else None, tokens=tokens)
+    outcomes["train"] = validate_rows(
+        load(train_path),
+        str(train_path),
+        cfg,
+        leak_index,
+        docs_dir=docs_dir / "train" if docs_dir else None,
+        tokens=tokens,
+    )
     return outcomes

@@ -33,6 +33,7 @@ CHAMPION_RECORD = "champion.json"
 
 # ---------------------------------------------------------------- tasks
 
+
 def prepare_task_dir(work_dir: Path, eval_file: Path, max_gen_toks: int) -> Path:
     """Copy the bundled task YAMLs into work_dir with the eval file's absolute path substituted."""
     shutil.rmtree(work_dir, ignore_errors=True)
@@ -72,8 +73,10 @@ def resolve_tasks(tasks: list[str], bundled_dir: Path, task_dirs: list[str]):
 
     missing = [d for d in task_dirs if not Path(d).is_dir()]
     if missing:
-        raise FineflowError(f"params.yaml: evaluate.task_dirs names folder(s) that do not exist: {missing} "
-                            f"(relative paths are read from {Path.cwd()})")
+        raise FineflowError(
+            f"params.yaml: evaluate.task_dirs names folder(s) that do not exist: {missing} "
+            f"(relative paths are read from {Path.cwd()})"
+        )
     paths = [str(bundled_dir), *(str(Path(d).resolve()) for d in task_dirs)]  # later paths win on a clash
     local = TaskManager(include_path=paths, include_defaults=False)
     outside = [t for t in tasks if t not in local.all_tasks]
@@ -83,17 +86,24 @@ def resolve_tasks(tasks: list[str], bundled_dir: Path, task_dirs: list[str]):
     manager = TaskManager(include_path=paths, include_defaults=True) if maybe_registry else local
     unknown = [t for t in outside if t not in manager.all_tasks]
     if unknown:
-        hint = (" (a YAML lm-eval cannot parse is skipped silently: check the files under evaluate.task_dirs)"
-                if task_dirs else "")
-        raise FineflowError(f"params.yaml: evaluate.tasks names unknown task(s) {unknown}: neither bundled, nor "
-                            f"in evaluate.task_dirs {task_dirs}, nor in lm-eval's registry{hint}; available "
-                            f"locally: {sorted(local.all_tasks)}")
+        hint = (
+            " (a YAML lm-eval cannot parse is skipped silently: check the files under evaluate.task_dirs)"
+            if task_dirs
+            else ""
+        )
+        raise FineflowError(
+            f"params.yaml: evaluate.tasks names unknown task(s) {unknown}: neither bundled, nor "
+            f"in evaluate.task_dirs {task_dirs}, nor in lm-eval's registry{hint}; available "
+            f"locally: {sorted(local.all_tasks)}"
+        )
     return manager, outside
 
 
 def _offline() -> bool:
-    return any(os.environ.get(key, "0").strip().lower() not in ("", "0", "false", "no", "off")
-               for key in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+    return any(
+        os.environ.get(key, "0").strip().lower() not in ("", "0", "false", "no", "off")
+        for key in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+    )
 
 
 def _build_error(manager, name: str, from_registry: bool, exc: Exception) -> str:
@@ -106,9 +116,11 @@ def _build_error(manager, name: str, from_registry: bool, exc: Exception) -> str
     dataset = ((entry.cfg if entry is not None else None) or {}).get("dataset_path")
     needs = f"lm-eval registry task {name!r} needs its dataset" + (f" ({dataset})" if dataset else "")
     if _offline():
-        return (f"params.yaml: evaluate.tasks: {needs}, which is not in the local datasets cache, and "
-                f"HF_DATASETS_OFFLINE is set, so it cannot be downloaded. Fetch it once with network access "
-                f"(HF_DATASETS_OFFLINE=0 HF_HUB_OFFLINE=0), or remove {name!r} from evaluate.tasks. ({detail})")
+        return (
+            f"params.yaml: evaluate.tasks: {needs}, which is not in the local datasets cache, and "
+            f"HF_DATASETS_OFFLINE is set, so it cannot be downloaded. Fetch it once with network access "
+            f"(HF_DATASETS_OFFLINE=0 HF_HUB_OFFLINE=0), or remove {name!r} from evaluate.tasks. ({detail})"
+        )
     return f"params.yaml: evaluate.tasks: {needs}, which could not be loaded: {detail}"
 
 
@@ -124,14 +136,18 @@ def check_tasks(manager, tasks: list[str], registry_tasks: list[str]) -> None:
 
 # ---------------------------------------------------------------- models
 
+
 def find_model(path: Path | None) -> tuple[str, Path] | None:
     """("adapter" | "full", directory) for a PEFT adapter or a whole HF model at path (or in its adapter/ or
     merged/ subfolder), or None when there is nothing to evaluate there."""
     if path is None:
         return None
-    for kind, folder, marker in (("adapter", path, "adapter_config.json"), ("adapter", path / "adapter",
-                                 "adapter_config.json"), ("full", path, "config.json"),
-                                 ("full", path / "merged", "config.json")):
+    for kind, folder, marker in (
+        ("adapter", path, "adapter_config.json"),
+        ("adapter", path / "adapter", "adapter_config.json"),
+        ("full", path, "config.json"),
+        ("full", path / "merged", "config.json"),
+    ):
         if (folder / marker).is_file():
             return kind, folder
     return None
@@ -199,8 +215,7 @@ class ModelScorer:
             self._free()
 
     def _timed(self, model, load_s: float) -> tuple[dict, float, float]:
-        results, score_s = evaluate_model(model, self.tokenizer, self.tasks, self.manager, self.batch_size,
-                                          self.limit)
+        results, score_s = evaluate_model(model, self.tokenizer, self.tasks, self.manager, self.batch_size, self.limit)
         return results, load_s, score_s
 
     def _restore_base(self) -> None:
@@ -220,8 +235,9 @@ class ModelScorer:
             torch.cuda.empty_cache()
 
 
-def evaluate_model(model, tokenizer, tasks: list[str], manager, batch_size: int,
-                   limit: int | None) -> tuple[dict, float]:
+def evaluate_model(
+    model, tokenizer, tasks: list[str], manager, batch_size: int, limit: int | None
+) -> tuple[dict, float]:
     """Run lm-eval on an in-memory model; returns (results dict, seconds spent scoring).
 
     Memory stays flat in the number of docs: HFLM runs ``batch_size`` requests at a time and keeps of each
@@ -234,12 +250,22 @@ def evaluate_model(model, tokenizer, tasks: list[str], manager, batch_size: int,
 
     started = time.perf_counter()
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=True,
-                              bootstrap_iters=0, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
+    results = simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        task_manager=manager,
+        limit=limit,
+        log_samples=True,
+        bootstrap_iters=0,
+        random_seed=0,
+        numpy_random_seed=0,
+        torch_random_seed=0,
+    )
     return results, time.perf_counter() - started
 
 
 # ---------------------------------------------------------------- results
+
 
 def _sample(row: dict, config: dict, metric_names: dict) -> dict:
     """One doc's scores: doc_id, target and prediction as text, and each metric's value for this doc."""
@@ -251,8 +277,11 @@ def _sample(row: dict, config: dict, metric_names: dict) -> dict:
         lls = [float(r[0]) for r in resps]
         best = max(range(len(lls)), key=lls.__getitem__) if lls else None
         target = row["target"]
-        out.update(target=options[target] if isinstance(target, int) and 0 <= target < len(options) else target,
-                   prediction=options[best] if best is not None else None, loglikelihoods=lls)
+        out.update(
+            target=options[target] if isinstance(target, int) and 0 <= target < len(options) else target,
+            prediction=options[best] if best is not None else None,
+            loglikelihoods=lls,
+        )
     return {**out, **{m: row[m] for m in metric_names if m in row}}
 
 
@@ -260,11 +289,16 @@ def summarize(results: dict) -> tuple[dict, dict]:
     """(metrics per task, per-sample scores per task) from an lm-eval results dict."""
     metrics: dict[str, dict[str, float]] = {}
     for task, values in results["results"].items():
-        metrics[task] = {key.split(",")[0]: float(v) for key, v in values.items()
-                         if "," in key and "_stderr" not in key and isinstance(v, (int, float))}
+        metrics[task] = {
+            key.split(",")[0]: float(v)
+            for key, v in values.items()
+            if "," in key and "_stderr" not in key and isinstance(v, (int, float))
+        }
     configs = results.get("configs") or {}
-    samples = {task: [_sample(r, configs.get(task) or {}, metrics.get(task, {})) for r in rows]
-               for task, rows in (results.get("samples") or {}).items()}
+    samples = {
+        task: [_sample(r, configs.get(task) or {}, metrics.get(task, {})) for r in rows]
+        for task, rows in (results.get("samples") or {}).items()
+    }
     return metrics, samples
 
 

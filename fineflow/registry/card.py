@@ -11,8 +11,19 @@ import yaml
 
 LICENSE_PLACEHOLDER = "apache-2.0"  # fineflow's own license; replace with your base model's and data's terms
 TRAIN_FIGURES = ("wall_s", "tokens_per_s", "steps", "tokens", "final_loss", "eval_loss", "world_size")
-TRAIN_PARAMS = ("method", "precision", "steps", "lr", "schedule", "warmup_steps", "micro_batch_size", "grad_accum",
-                "weight_decay", "max_grad_norm", "num_processes")
+TRAIN_PARAMS = (
+    "method",
+    "precision",
+    "steps",
+    "lr",
+    "schedule",
+    "warmup_steps",
+    "micro_batch_size",
+    "grad_accum",
+    "weight_decay",
+    "max_grad_norm",
+    "num_processes",
+)
 
 
 def train_figures(train_report: Path | None, log=print) -> dict | None:
@@ -32,12 +43,20 @@ def model_card(record: dict, base_ref: str, train: dict | None, is_adapter: bool
     """A Hugging Face model card: YAML front matter (base_model, license, library_name, datasets by hash,
     tags, model-index) and the evaluation table with bootstrap CIs, training params and figures."""
     cid = record["candidate_id"]
-    lines = ["---", yaml.safe_dump(front_matter(record, base_ref, is_adapter), sort_keys=False).rstrip(), "---", "",
-             f"# fineflow champion {cid}", "",
-             f"A {'LoRA adapter' if is_adapter else 'fine-tuned model'} of `{base_ref}` trained and promoted by "
-             "fineflow. Candidate id = first 16 hex of the sha256 over its adapter files.", "",
-             f"**License:** `{LICENSE_PLACEHOLDER}` is a placeholder written by fineflow; set the terms of your "
-             "base model and training data before publishing.", ""]
+    lines = [
+        "---",
+        yaml.safe_dump(front_matter(record, base_ref, is_adapter), sort_keys=False).rstrip(),
+        "---",
+        "",
+        f"# fineflow champion {cid}",
+        "",
+        f"A {'LoRA adapter' if is_adapter else 'fine-tuned model'} of `{base_ref}` trained and promoted by "
+        "fineflow. Candidate id = first 16 hex of the sha256 over its adapter files.",
+        "",
+        f"**License:** `{LICENSE_PLACEHOLDER}` is a placeholder written by fineflow; set the terms of your "
+        "base model and training data before publishing.",
+        "",
+    ]
     lines += _usage(base_ref, is_adapter) + [""]
     lines += _evaluation(record)
     lines += _training(record, train)
@@ -62,22 +81,35 @@ def front_matter(record: dict, base_ref: str, is_adapter: bool) -> dict:
         "license": LICENSE_PLACEHOLDER,
         "library_name": "peft" if is_adapter else "transformers",
         "pipeline_tag": "text-generation",
-        "tags": ["fineflow", (params.get("train") or {}).get("method", "lora"), "peft" if is_adapter else "full",
-                 f"base_model:adapter:{base_ref}" if is_adapter else f"base_model:finetune:{base_ref}"],
+        "tags": [
+            "fineflow",
+            (params.get("train") or {}).get("method", "lora"),
+            "peft" if is_adapter else "full",
+            f"base_model:adapter:{base_ref}" if is_adapter else f"base_model:finetune:{base_ref}",
+        ],
         "datasets": datasets,
-        "model-index": [{"name": f"fineflow-{cid}", "results": [
-            {"task": {"type": "text-generation"}, "dataset": {"name": task, "type": task}, "metrics": rows}
-            for task, rows in by_task.items()]}],
+        "model-index": [
+            {
+                "name": f"fineflow-{cid}",
+                "results": [
+                    {"task": {"type": "text-generation"}, "dataset": {"name": task, "type": task}, "metrics": rows}
+                    for task, rows in by_task.items()
+                ],
+            }
+        ],
     }
 
 
 def _usage(base_ref: str, is_adapter: bool) -> list[str]:
     lines = ["## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer"]
     if is_adapter:
-        lines += ["from peft import PeftModel", "",
-                  f"base = AutoModelForCausalLM.from_pretrained({base_ref!r})",
-                  "model = PeftModel.from_pretrained(base, 'models/champion')       # the adapter",
-                  "merged = AutoModelForCausalLM.from_pretrained('models/champion/merged')  # or the merged model"]
+        lines += [
+            "from peft import PeftModel",
+            "",
+            f"base = AutoModelForCausalLM.from_pretrained({base_ref!r})",
+            "model = PeftModel.from_pretrained(base, 'models/champion')       # the adapter",
+            "merged = AutoModelForCausalLM.from_pretrained('models/champion/merged')  # or the merged model",
+        ]
     else:
         lines += ["model = AutoModelForCausalLM.from_pretrained('models/champion')"]
     return lines + ["tokenizer = AutoTokenizer.from_pretrained('models/champion')", "```"]
@@ -88,17 +120,24 @@ def _evaluation(record: dict) -> list[str]:
     own reason when a bootstrap decided it."""
     metrics = record.get("metrics") or {}
     vs_base, base_metrics = record.get("vs_base") or {}, record.get("base_metrics") or {}
-    lines = ["## Evaluation", "",
-             "Per-sample paired bootstrap versus the base model (seeded; percentile CI; p = share of resampled "
-             "deltas <= 0).", "",
-             "| task | metric | value | base | delta | CI | p |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "## Evaluation",
+        "",
+        "Per-sample paired bootstrap versus the base model (seeded; percentile CI; p = share of resampled "
+        "deltas <= 0).",
+        "",
+        "| task | metric | value | base | delta | CI | p |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for key, value in sorted(metrics.items()):
         task, _, metric = key.partition("/")
         s = vs_base.get(key)
         ci = f"[{s['ci_low']:+.4f}, {s['ci_high']:+.4f}] ({s['confidence']:.0%})" if s else "—"
         base_value = f"{base_metrics[key]:.4f}" if key in base_metrics else "—"
-        lines.append(f"| {task} | {metric} | {value:.4f} | {base_value} | "
-                     + (f"{s['delta']:+.4f} | {ci} | {s['p_value']:.3f} |" if s else "— | — | — |"))
+        lines.append(
+            f"| {task} | {metric} | {value:.4f} | {base_value} | "
+            + (f"{s['delta']:+.4f} | {ci} | {s['p_value']:.3f} |" if s else "— | — | — |")
+        )
     if record.get("stats"):
         lines += ["", f"Promotion gate: {record.get('reason', '')}"]
     return lines
@@ -120,7 +159,12 @@ def _training(record: dict, train: dict | None) -> list[str]:
 
 def _lineage(record: dict) -> list[str]:
     data = ((record.get("lineage") or {}).get("data")) or {}
-    return ["", "## Lineage", "",
-            f"Data: tokenizer {data.get('tokenizer_hash')}, template {data.get('template_hash')}, "
-            f"eval rows sha256 {record.get('eval_data_sha256')}.",
-            "`fineflow lineage models/champion` prints the full manifest (params, packages, dvc.lock hashes).", ""]
+    return [
+        "",
+        "## Lineage",
+        "",
+        f"Data: tokenizer {data.get('tokenizer_hash')}, template {data.get('template_hash')}, "
+        f"eval rows sha256 {record.get('eval_data_sha256')}.",
+        "`fineflow lineage models/champion` prints the full manifest (params, packages, dvc.lock hashes).",
+        "",
+    ]

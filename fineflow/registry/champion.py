@@ -40,9 +40,19 @@ from fineflow.registry.store import (
 from fineflow.reports import sha256_file, write_json_atomic
 
 
-def promote(params: Params, scores_path: Path, adapter_dir: Path, champion_dir: Path, registry_dir: Path,
-            base_dir: Path | None = None, train_report: Path | None = None, lineage_dir: Path | None = None,
-            shards_dir: Path = Path("data/shards"), root: Path = Path("."), log=print) -> dict:
+def promote(
+    params: Params,
+    scores_path: Path,
+    adapter_dir: Path,
+    champion_dir: Path,
+    registry_dir: Path,
+    base_dir: Path | None = None,
+    train_report: Path | None = None,
+    lineage_dir: Path | None = None,
+    shards_dir: Path = Path("data/shards"),
+    root: Path = Path("."),
+    log=print,
+) -> dict:
     """Judge the candidate at adapter_dir against the champion (or the base) on the evaluate stage's scores,
     record the decision in the registry, install the candidate as champion if it passed; the stage's report.
 
@@ -51,8 +61,14 @@ def promote(params: Params, scores_path: Path, adapter_dir: Path, champion_dir: 
     scores, unreadable = read_scores(scores_path)
     eval_hash = eval_data_hash(scores)
     cid = candidate_id(adapter_dir)
-    manifest = build_manifest(params=params.model_dump(mode="json", by_alias=True), adapter_dir=adapter_dir,
-                              scores_path=scores_path, eval_data_sha256=eval_hash, shards_dir=shards_dir, root=root)
+    manifest = build_manifest(
+        params=params.model_dump(mode="json", by_alias=True),
+        adapter_dir=adapter_dir,
+        scores_path=scores_path,
+        eval_data_sha256=eval_hash,
+        shards_dir=shards_dir,
+        root=root,
+    )
     manifest["candidate_id"] = cid
     champion = current_champion(registry_dir, champion_dir)
     if unreadable:
@@ -66,8 +82,9 @@ def promote(params: Params, scores_path: Path, adapter_dir: Path, champion_dir: 
     if decision.promote:  # the slow, failure-prone part happens before anything is logged or replaced
         if not record["base_model"]:
             raise FineflowError(f"{adapter_dir}: cannot tell the base model to merge into; pass --base-dir")
-        staging = build_champion(staging_dir(champion_dir), stored, record["base_model"], record,
-                                 train_figures(train_report, log))
+        staging = build_champion(
+            staging_dir(champion_dir), stored, record["base_model"], record, train_figures(train_report, log)
+        )
     entry = append_log(registry_dir, log_entry(params, record, decision, champion))
     if staging is not None:
         install_built(staging, champion_dir, registry_dir, cid, record, entry["seq"])
@@ -92,18 +109,29 @@ def rollback(registry_dir: Path, champion_dir: Path, to: str | None = None, base
     if not base_ref:
         raise FineflowError(f"{source}: the record names no base model; pass --base-dir")
     staging = build_champion(staging_dir(champion_dir), source, base_ref, record, None)
-    entry = append_log(registry_dir, {"candidate_id": cid, "decision": "rollback", "promote": True,
-                                      "reason": f"rollback from {current} to {cid}", "champion_before": current,
-                                      "metrics": record.get("metrics"),
-                                      "eval_data_sha256": record.get("eval_data_sha256")})
+    entry = append_log(
+        registry_dir,
+        {
+            "candidate_id": cid,
+            "decision": "rollback",
+            "promote": True,
+            "reason": f"rollback from {current} to {cid}",
+            "champion_before": current,
+            "metrics": record.get("metrics"),
+            "eval_data_sha256": record.get("eval_data_sha256"),
+        },
+    )
     install_built(staging, champion_dir, registry_dir, cid, record, entry["seq"])
     return {"from": current, "to": cid, "log_seq": entry["seq"]}
 
 
 def _previous_champion(registry_dir: Path, current: str | None) -> str:
     """The latest champion in the log other than the current one whose files the registry still holds."""
-    earlier = [c for c in reversed(champion_history(registry_dir)) if c != current
-               and (registry_dir / "candidates" / c).is_dir()]
+    earlier = [
+        c
+        for c in reversed(champion_history(registry_dir))
+        if c != current and (registry_dir / "candidates" / c).is_dir()
+    ]
     if not earlier:
         raise FineflowError(f"{registry_dir}: no earlier champion stored in the registry to roll back to")
     return earlier[0]
@@ -128,13 +156,23 @@ def eval_data_hash(scores: dict) -> str | None:
     return sha256_file(rows) if scores.get("eval_rows") and rows.is_file() else None
 
 
-def judge(params: Params, scores: dict, champion: dict | None, lineage_missing: list[str] | None,
-          eval_hash: str | None) -> Decision:
+def judge(
+    params: Params, scores: dict, champion: dict | None, lineage_missing: list[str] | None, eval_hash: str | None
+) -> Decision:
     """The gate with the promote params and the run's seed."""
     cfg = params.promote
-    return promotion_decision(scores, champion, lineage_missing, primary=cfg.primary_metric, min_delta=cfg.min_delta,
-                              max_regression=cfg.max_regression, bootstrap_samples=cfg.bootstrap_samples,
-                              confidence=cfg.confidence, seed=params.seed, eval_data_sha256=eval_hash)
+    return promotion_decision(
+        scores,
+        champion,
+        lineage_missing,
+        primary=cfg.primary_metric,
+        min_delta=cfg.min_delta,
+        max_regression=cfg.max_regression,
+        bootstrap_samples=cfg.bootstrap_samples,
+        confidence=cfg.confidence,
+        seed=params.seed,
+        eval_data_sha256=eval_hash,
+    )
 
 
 def base_reference(params: Params, base_dir: Path | None, adapter_dir: Path) -> str:
@@ -160,8 +198,16 @@ def _base_or_none(params: Params, base_dir: Path | None, adapter_dir: Path) -> s
 # ---- what the registry records -----------------------------------------------------------------------
 
 
-def candidate_record(params: Params, scores: dict, cid: str, adapter_dir: Path, base_dir: Path | None,
-                     eval_hash: str | None, manifest: dict, decision: Decision) -> dict:
+def candidate_record(
+    params: Params,
+    scores: dict,
+    cid: str,
+    adapter_dir: Path,
+    base_dir: Path | None,
+    eval_hash: str | None,
+    manifest: dict,
+    decision: Decision,
+) -> dict:
     """candidates/<id>/record.json: metrics, per-sample scores, the bootstrap versus the base for every metric
     (the model card's table), the decision and the deterministic lineage. Base figures only when both the
     base's and the candidate's evaluations succeeded."""
@@ -169,15 +215,23 @@ def candidate_record(params: Params, scores: dict, cid: str, adapter_dir: Path, 
     candidate = scores.get("candidate") or {}
     base = scores.get("base") or {}
     base_ok = base.get("status", "ok") == "ok" and candidate.get("status", "ok") == "ok"
-    return {"candidate_id": cid, "adapter_sha256": directory_hash(adapter_dir),
-            "metrics": flatten(candidate.get("metrics") or {}), "samples": candidate.get("samples"),
-            "base_metrics": flatten(base.get("metrics") or {}) if base_ok else {},
-            "vs_base": bootstrap_per_metric(candidate, base, cfg.bootstrap_samples, cfg.confidence, params.seed)
-            if base_ok and candidate else {},
-            "eval_data_sha256": eval_hash, "scores_sha256": manifest["eval"]["scores_sha256"],
-            "decision": verdict(decision), "reason": decision.reason, "stats": decision.stats,
-            "base_model": _base_or_none(params, base_dir, adapter_dir),
-            "lineage": deterministic(manifest)}
+    return {
+        "candidate_id": cid,
+        "adapter_sha256": directory_hash(adapter_dir),
+        "metrics": flatten(candidate.get("metrics") or {}),
+        "samples": candidate.get("samples"),
+        "base_metrics": flatten(base.get("metrics") or {}) if base_ok else {},
+        "vs_base": bootstrap_per_metric(candidate, base, cfg.bootstrap_samples, cfg.confidence, params.seed)
+        if base_ok and candidate
+        else {},
+        "eval_data_sha256": eval_hash,
+        "scores_sha256": manifest["eval"]["scores_sha256"],
+        "decision": verdict(decision),
+        "reason": decision.reason,
+        "stats": decision.stats,
+        "base_model": _base_or_none(params, base_dir, adapter_dir),
+        "lineage": deterministic(manifest),
+    }
 
 
 def verdict(decision: Decision) -> str:
@@ -186,13 +240,18 @@ def verdict(decision: Decision) -> str:
 
 def log_entry(params: Params, record: dict, decision: Decision, champion: dict | None) -> dict:
     """The promotion log's entry for this decision: the evidence, and digests of what it was computed from."""
-    return {"candidate_id": record["candidate_id"], "adapter_sha256": record["adapter_sha256"],
-            "decision": verdict(decision), **decision_record(decision),
-            "metrics": record["metrics"], "eval_data_sha256": record["eval_data_sha256"],
-            "scores_sha256": record["scores_sha256"],
-            "lineage_sha256": json_digest(record["lineage"]),
-            "champion_before": champion["id"] if champion else None,
-            "params": params.model_dump(mode="json", by_alias=True)}
+    return {
+        "candidate_id": record["candidate_id"],
+        "adapter_sha256": record["adapter_sha256"],
+        "decision": verdict(decision),
+        **decision_record(decision),
+        "metrics": record["metrics"],
+        "eval_data_sha256": record["eval_data_sha256"],
+        "scores_sha256": record["scores_sha256"],
+        "lineage_sha256": json_digest(record["lineage"]),
+        "champion_before": champion["id"] if champion else None,
+        "params": params.model_dump(mode="json", by_alias=True),
+    }
 
 
 def json_digest(payload: dict) -> str:
@@ -201,12 +260,21 @@ def json_digest(payload: dict) -> str:
 
 def stage_report(decision: Decision, cid: str, log_seq: int, lineage_path: Path | None) -> dict:
     stats = decision.stats or {}
-    return {"decision": verdict(decision), "reason": decision.reason, "candidate_id": cid,
-            "primary_metric": decision.primary, "candidate_value": decision.candidate,
-            "reference_value": decision.reference, "reference": decision.reference_name,
-            "delta": stats.get("delta"), "ci_low": stats.get("ci_low"), "ci_high": stats.get("ci_high"),
-            "p_value": stats.get("p_value"), "log_seq": log_seq,
-            "lineage": str(lineage_path) if lineage_path else None}
+    return {
+        "decision": verdict(decision),
+        "reason": decision.reason,
+        "candidate_id": cid,
+        "primary_metric": decision.primary,
+        "candidate_value": decision.candidate,
+        "reference_value": decision.reference,
+        "reference": decision.reference_name,
+        "delta": stats.get("delta"),
+        "ci_low": stats.get("ci_low"),
+        "ci_high": stats.get("ci_high"),
+        "p_value": stats.get("p_value"),
+        "log_seq": log_seq,
+        "lineage": str(lineage_path) if lineage_path else None,
+    }
 
 
 # ---- the champion directory --------------------------------------------------------------------------
@@ -246,6 +314,11 @@ def install_built(staging: Path, champion_dir: Path, registry_dir: Path, cid: st
 
 def champion_json(record: dict, seq: int) -> dict:
     """models/champion/champion.json: which candidate is installed, by which log entry, and its evidence."""
-    return {"candidate_id": record["candidate_id"], "metrics": record.get("metrics"), "promotion_seq": seq,
-            "eval_data_sha256": record.get("eval_data_sha256"), "base_model": record.get("base_model"),
-            "stats": record.get("stats")}
+    return {
+        "candidate_id": record["candidate_id"],
+        "metrics": record.get("metrics"),
+        "promotion_seq": seq,
+        "eval_data_sha256": record.get("eval_data_sha256"),
+        "base_model": record.get("base_model"),
+        "stats": record.get("stats"),
+    }

@@ -33,8 +33,10 @@ class Bootstrap:
     seed: int
 
     def describe(self) -> str:
-        return (f"{self.delta:+.4f}, {self.confidence:.0%} CI [{self.ci_low:+.4f}, {self.ci_high:+.4f}], "
-                f"p={self.p_value:.3f}, n={self.n}")
+        return (
+            f"{self.delta:+.4f}, {self.confidence:.0%} CI [{self.ci_low:+.4f}, {self.ci_high:+.4f}], "
+            f"p={self.p_value:.3f}, n={self.n}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,11 +54,24 @@ class Decision:
     stats: dict | None = None  # the Bootstrap as a dict, when it was computed
 
 
-def refusal(reason: str, primary: str, reference_name: str = "reference", candidate: float | None = None,
-            reference: float | None = None) -> Decision:
+def refusal(
+    reason: str,
+    primary: str,
+    reference_name: str = "reference",
+    candidate: float | None = None,
+    reference: float | None = None,
+) -> Decision:
     """A refusal for want of evidence: no regressions measured, no bootstrap run."""
-    return Decision(promote=False, reason=reason, primary=primary, candidate=candidate, reference=reference,
-                    reference_name=reference_name, regressions={}, stats=None)
+    return Decision(
+        promote=False,
+        reason=reason,
+        primary=primary,
+        candidate=candidate,
+        reference=reference,
+        reference_name=reference_name,
+        regressions={},
+        stats=None,
+    )
 
 
 def decision_record(decision: Decision) -> dict:
@@ -69,8 +84,9 @@ def flatten(metrics: dict[str, dict[str, float]]) -> dict[str, float]:
     return {f"{task}/{name}": value for task, values in metrics.items() for name, value in values.items()}
 
 
-def paired_bootstrap(candidate: Sequence[float], reference: Sequence[float], samples: int = 2000,
-                     confidence: float = 0.95, seed: int = 0) -> Bootstrap:
+def paired_bootstrap(
+    candidate: Sequence[float], reference: Sequence[float], samples: int = 2000, confidence: float = 0.95, seed: int = 0
+) -> Bootstrap:
     """Resample the paired differences with replacement ``samples`` times (numpy, seeded): mean delta,
     percentile CI and the one-sided p-value. Memory stays bounded for long eval sets (chunks of rows)."""
     import numpy as np
@@ -84,12 +100,19 @@ def paired_bootstrap(candidate: Sequence[float], reference: Sequence[float], sam
     chunk = max(1, (1 << 22) // n)
     for start in range(0, samples, chunk):
         k = min(chunk, samples - start)
-        means[start:start + k] = diffs[rng.integers(0, n, size=(k, n))].mean(axis=1)
+        means[start : start + k] = diffs[rng.integers(0, n, size=(k, n))].mean(axis=1)
     alpha = (1.0 - confidence) / 2
     low, high = np.quantile(means, [alpha, 1.0 - alpha])
-    return Bootstrap(delta=round(float(diffs.mean()), 6), ci_low=round(float(low), 6), ci_high=round(float(high), 6),
-                     p_value=round(float((means <= 0).mean()), 6), n=n, confidence=confidence, samples=samples,
-                     seed=seed)
+    return Bootstrap(
+        delta=round(float(diffs.mean()), 6),
+        ci_low=round(float(low), 6),
+        ci_high=round(float(high), 6),
+        p_value=round(float((means <= 0).mean()), 6),
+        n=n,
+        confidence=confidence,
+        samples=samples,
+        seed=seed,
+    )
 
 
 def bootstrap_per_metric(candidate: dict, reference: dict, samples: int, confidence: float, seed: int) -> dict:
@@ -101,48 +124,87 @@ def bootstrap_per_metric(candidate: dict, reference: dict, samples: int, confide
         ref_rows = {r["doc_id"]: r for r in (reference.get("samples") or {}).get(task) or []}
         docs = sorted(set(cand_rows) & set(ref_rows))
         for metric in metrics:
-            pairs = [(cand_rows[d][metric], ref_rows[d][metric]) for d in docs
-                     if isinstance(cand_rows[d].get(metric), (int, float))
-                     and isinstance(ref_rows[d].get(metric), (int, float))]
+            pairs = [
+                (cand_rows[d][metric], ref_rows[d][metric])
+                for d in docs
+                if isinstance(cand_rows[d].get(metric), (int, float))
+                and isinstance(ref_rows[d].get(metric), (int, float))
+            ]
             if pairs and len(pairs) == len(cand_rows) == len(ref_rows):
                 b = paired_bootstrap([c for c, _ in pairs], [r for _, r in pairs], samples, confidence, seed)
-                out[f"{task}/{metric}"] = {"delta": b.delta, "ci_low": b.ci_low, "ci_high": b.ci_high,
-                                           "p_value": b.p_value, "n": b.n, "confidence": confidence}
+                out[f"{task}/{metric}"] = {
+                    "delta": b.delta,
+                    "ci_low": b.ci_low,
+                    "ci_high": b.ci_high,
+                    "p_value": b.p_value,
+                    "n": b.n,
+                    "confidence": confidence,
+                }
     return out
 
 
-def decide(candidate: dict[str, float], reference: dict[str, float], reference_name: str, primary: str,
-           min_delta: float, max_regression: float, stats: Bootstrap | None = None) -> Decision:
+def decide(
+    candidate: dict[str, float],
+    reference: dict[str, float],
+    reference_name: str,
+    primary: str,
+    min_delta: float,
+    max_regression: float,
+    stats: Bootstrap | None = None,
+) -> Decision:
     """The gate on numbers. Metrics are flat {"task/metric": value}, higher is better. With stats (the
     paired bootstrap of the primary metric) the delta is the paired mean and its CI must exclude 0."""
     cand, ref = candidate.get(primary), reference.get(primary)
     st = asdict(stats) if stats else None
 
     def verdict(promote: bool, reason: str, regressions: dict | None = None) -> Decision:
-        return Decision(promote=promote, reason=reason, primary=primary, candidate=cand, reference=ref,
-                        reference_name=reference_name, regressions=regressions or {}, stats=st)
+        return Decision(
+            promote=promote,
+            reason=reason,
+            primary=primary,
+            candidate=cand,
+            reference=ref,
+            reference_name=reference_name,
+            regressions=regressions or {},
+            stats=st,
+        )
 
     if cand is None:
         return verdict(False, f"the candidate has no value for the primary metric {primary}")
     if ref is None:
         return verdict(False, f"the {reference_name} has no value for the primary metric {primary}")
-    regressions = {key: round(reference[key] - value, 6) for key, value in candidate.items()
-                   if key != primary and key in reference and reference[key] - value > max_regression}
+    regressions = {
+        key: round(reference[key] - value, 6)
+        for key, value in candidate.items()
+        if key != primary and key in reference and reference[key] - value > max_regression
+    }
     if regressions:
-        return verdict(False, f"regressed beyond promote.max_regression={max_regression} on {sorted(regressions)} "
-                              f"versus the {reference_name}: "
-                              + ", ".join(f"{k} -{v:.4f}" for k, v in sorted(regressions.items())), regressions)
+        return verdict(
+            False,
+            f"regressed beyond promote.max_regression={max_regression} on {sorted(regressions)} "
+            f"versus the {reference_name}: " + ", ".join(f"{k} -{v:.4f}" for k, v in sorted(regressions.items())),
+            regressions,
+        )
     delta = stats.delta if stats else cand - ref
     evidence = f" ({stats.describe()})" if stats else ""
     if delta < min_delta:
-        return verdict(False, f"{primary} {cand:.4f} does not beat the {reference_name}'s {ref:.4f} by "
-                              f"promote.min_delta={min_delta}: delta {delta:+.4f}{evidence}")
+        return verdict(
+            False,
+            f"{primary} {cand:.4f} does not beat the {reference_name}'s {ref:.4f} by "
+            f"promote.min_delta={min_delta}: delta {delta:+.4f}{evidence}",
+        )
     if stats and stats.ci_low <= 0:
-        return verdict(False, f"{primary} delta {delta:+.4f} over the {reference_name} is within noise: the "
-                              f"{stats.confidence:.0%} CI [{stats.ci_low:+.4f}, {stats.ci_high:+.4f}] includes 0 "
-                              f"(p={stats.p_value:.3f}, n={stats.n})")
-    return verdict(True, f"{primary} {cand:.4f} beats the {reference_name}'s {ref:.4f} by {delta:+.4f} "
-                         f"(>= {min_delta}){evidence} with no regression")
+        return verdict(
+            False,
+            f"{primary} delta {delta:+.4f} over the {reference_name} is within noise: the "
+            f"{stats.confidence:.0%} CI [{stats.ci_low:+.4f}, {stats.ci_high:+.4f}] includes 0 "
+            f"(p={stats.p_value:.3f}, n={stats.n})",
+        )
+    return verdict(
+        True,
+        f"{primary} {cand:.4f} beats the {reference_name}'s {ref:.4f} by {delta:+.4f} "
+        f"(>= {min_delta}){evidence} with no regression",
+    )
 
 
 def per_sample(entry: dict, primary: str) -> dict | None:
@@ -151,14 +213,23 @@ def per_sample(entry: dict, primary: str) -> dict | None:
     rows = (entry.get("samples") or {}).get(task)
     if not rows:
         return None
-    scores = {r["doc_id"]: float(r[metric]) for r in rows
-              if isinstance(r.get(metric), (int, float)) and "doc_id" in r}
+    scores = {r["doc_id"]: float(r[metric]) for r in rows if isinstance(r.get(metric), (int, float)) and "doc_id" in r}
     return scores or None
 
 
-def promotion_decision(scores: dict, champion: dict | None, lineage_missing: list[str] | None, *, primary: str,
-                       min_delta: float, max_regression: float, bootstrap_samples: int, confidence: float,
-                       seed: int, eval_data_sha256: str | None) -> Decision:
+def promotion_decision(
+    scores: dict,
+    champion: dict | None,
+    lineage_missing: list[str] | None,
+    *,
+    primary: str,
+    min_delta: float,
+    max_regression: float,
+    bootstrap_samples: int,
+    confidence: float,
+    seed: int,
+    eval_data_sha256: str | None,
+) -> Decision:
     """The whole gate. scores is eval/scores.json; champion the current champion's record ({"id",
     "metrics" flat, "samples", "eval_data_sha256"}) or None; lineage_missing the REQUIRED lineage fields
     that are absent (None: no manifest at all). Never promotes on missing or doubtful evidence."""
@@ -174,9 +245,17 @@ def promotion_decision(scores: dict, champion: dict | None, lineage_missing: lis
         reference, problem = _champion_as_reference(scores, champion, reference_name, eval_data_sha256)
     if problem:
         return refusal(problem, primary, reference_name)
-    return _compare(candidate, reference, reference_name, primary=primary, min_delta=min_delta,
-                    max_regression=max_regression, bootstrap_samples=bootstrap_samples, confidence=confidence,
-                    seed=seed)
+    return _compare(
+        candidate,
+        reference,
+        reference_name,
+        primary=primary,
+        min_delta=min_delta,
+        max_regression=max_regression,
+        bootstrap_samples=bootstrap_samples,
+        confidence=confidence,
+        seed=seed,
+    )
 
 
 def _candidate_problem(candidate: dict | None, lineage_missing: list[str] | None) -> str | None:
@@ -202,35 +281,54 @@ def _base_as_reference(scores: dict) -> tuple[dict | None, str | None]:
     return reference, None
 
 
-def _champion_as_reference(scores: dict, champion: dict, reference_name: str,
-                           eval_data_sha256: str | None) -> tuple[dict | None, str | None]:
+def _champion_as_reference(
+    scores: dict, champion: dict, reference_name: str, eval_data_sha256: str | None
+) -> tuple[dict | None, str | None]:
     """The champion's evaluation in these scores, else its metrics recorded at promotion, provided both were
     computed on the same eval data as the candidate's: (entry, None) or (None, why not comparable)."""
     cid = champion["id"]
     recorded = champion.get("eval_data_sha256")
     if recorded and not eval_data_sha256:
-        return None, ("the scores do not say which eval data they were computed on (no eval_data_sha256), "
-                      f"so they cannot be compared with the {reference_name}'s")
+        return None, (
+            "the scores do not say which eval data they were computed on (no eval_data_sha256), "
+            f"so they cannot be compared with the {reference_name}'s"
+        )
     if recorded and recorded != eval_data_sha256:
-        return None, (f"evaluated on different eval data than the {reference_name}: sha256 "
-                      f"{eval_data_sha256[:12]} now, {recorded[:12]} when it was promoted; evaluate on the "
-                      "champion's eval data (or roll back / re-baseline deliberately)")
+        return None, (
+            f"evaluated on different eval data than the {reference_name}: sha256 "
+            f"{eval_data_sha256[:12]} now, {recorded[:12]} when it was promoted; evaluate on the "
+            "champion's eval data (or roll back / re-baseline deliberately)"
+        )
     evaluated = scores.get("champion")
     if evaluated is not None:
         if evaluated.get("status", "ok") != "ok":
             return None, f"the {reference_name}'s evaluation failed: {evaluated.get('error', 'no error given')}"
         if evaluated.get("id") and not same_id(evaluated["id"], cid):
-            return None, (f"the scores evaluated champion {evaluated['id'][:ID_LEN]} but the registry's "
-                          f"champion is {cid[:ID_LEN]}: re-run the evaluate stage")
+            return None, (
+                f"the scores evaluated champion {evaluated['id'][:ID_LEN]} but the registry's "
+                f"champion is {cid[:ID_LEN]}: re-run the evaluate stage"
+            )
         return evaluated, None
     if not recorded:
-        return None, (f"the {reference_name} has no recorded eval data hash and was not re-evaluated in "
-                      "this run, so its metrics cannot be compared")
+        return None, (
+            f"the {reference_name} has no recorded eval data hash and was not re-evaluated in "
+            "this run, so its metrics cannot be compared"
+        )
     return {"metrics": None, "flat": champion.get("metrics") or {}, "samples": champion.get("samples")}, None
 
 
-def _compare(candidate: dict, reference: dict, reference_name: str, *, primary: str, min_delta: float,
-             max_regression: float, bootstrap_samples: int, confidence: float, seed: int) -> Decision:
+def _compare(
+    candidate: dict,
+    reference: dict,
+    reference_name: str,
+    *,
+    primary: str,
+    min_delta: float,
+    max_regression: float,
+    bootstrap_samples: int,
+    confidence: float,
+    seed: int,
+) -> Decision:
     """decide() on the two entries' metrics, with the paired bootstrap of the primary metric over the docs
     both were scored on; refused when the per-sample scores that bootstrap needs are missing or unpaired."""
     cand_flat = flatten(candidate["metrics"])
@@ -238,16 +336,25 @@ def _compare(candidate: dict, reference: dict, reference_name: str, *, primary: 
     cand_samples, ref_samples = per_sample(candidate, primary), per_sample(reference, primary)
     if cand_flat.get(primary) is None or ref_flat.get(primary) is None:
         return decide(cand_flat, ref_flat, reference_name, primary, min_delta, max_regression)
-    values = dict(primary=primary, reference_name=reference_name, candidate=cand_flat.get(primary),
-                  reference=ref_flat.get(primary))
+    values = dict(
+        primary=primary,
+        reference_name=reference_name,
+        candidate=cand_flat.get(primary),
+        reference=ref_flat.get(primary),
+    )
     if cand_samples is None or ref_samples is None:
         who = "candidate" if cand_samples is None else reference_name
-        return refusal(f"no per-sample {primary} scores for the {who}: the gate needs them for the paired "
-                       "bootstrap", **values)
+        return refusal(
+            f"no per-sample {primary} scores for the {who}: the gate needs them for the paired bootstrap", **values
+        )
     if set(cand_samples) != set(ref_samples):
-        return refusal(f"the candidate's and the {reference_name}'s per-sample scores cover different docs "
-                       f"({len(cand_samples)} vs {len(ref_samples)}): not comparable", **values)
+        return refusal(
+            f"the candidate's and the {reference_name}'s per-sample scores cover different docs "
+            f"({len(cand_samples)} vs {len(ref_samples)}): not comparable",
+            **values,
+        )
     docs = sorted(cand_samples)
-    stats = paired_bootstrap([cand_samples[d] for d in docs], [ref_samples[d] for d in docs], bootstrap_samples,
-                             confidence, seed)
+    stats = paired_bootstrap(
+        [cand_samples[d] for d in docs], [ref_samples[d] for d in docs], bootstrap_samples, confidence, seed
+    )
     return decide(cand_flat, ref_flat, reference_name, primary, min_delta, max_regression, stats)

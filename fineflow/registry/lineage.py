@@ -25,7 +25,7 @@ import platform
 import socket
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
@@ -35,12 +35,31 @@ from fineflow.dag import DVC_FILE, stage_names
 from fineflow.reports import sha256_file
 
 FORMAT = 1
-PACKAGES = ("torch", "transformers", "peft", "accelerate", "lm-eval", "datasets", "tokenizers", "safetensors",
-            "dvc", "fineflow")
+PACKAGES = (
+    "torch",
+    "transformers",
+    "peft",
+    "accelerate",
+    "lm-eval",
+    "datasets",
+    "tokenizers",
+    "safetensors",
+    "dvc",
+    "fineflow",
+)
 # The promote stage refuses a candidate whose manifest lacks any of these (dotted paths, non-empty values).
-REQUIRED = ("params", "packages.torch", "packages.transformers", "packages.peft", "data.tokenizer_hash",
-            "data.template_hash", "artefacts.adapter.sha256", "eval.scores_sha256", "eval.eval_data_sha256",
-            "run.git.commit")
+REQUIRED = (
+    "params",
+    "packages.torch",
+    "packages.transformers",
+    "packages.peft",
+    "data.tokenizer_hash",
+    "data.template_hash",
+    "artefacts.adapter.sha256",
+    "eval.scores_sha256",
+    "eval.eval_data_sha256",
+    "run.git.commit",
+)
 MANIFEST_STAGE = "promote"  # builds the manifest while it runs: its own report is not part of this run yet
 
 
@@ -57,18 +76,27 @@ def report_stages(reports_dir: Path) -> list[str]:
 
 def file_hashes(directory: Path, exclude: tuple[str, ...] = ()) -> dict[str, str]:
     """{relative path: sha256} of every file below directory (sorted), skipping names in exclude."""
-    return {str(p.relative_to(directory)): sha256_file(p) for p in sorted(directory.rglob("*"))
-            if p.is_file() and p.name not in exclude}
+    return {
+        str(p.relative_to(directory)): sha256_file(p)
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name not in exclude
+    }
 
 
 def git_state(root: Path) -> dict:
     """Commit, tree and dirty flag of the checkout at root; nulls (and the reason) where there is no git."""
+
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True,
-                              timeout=30).stdout.strip()
+        return subprocess.run(
+            ["git", *args], cwd=root, capture_output=True, text=True, check=True, timeout=30
+        ).stdout.strip()
+
     try:
-        return {"commit": git("rev-parse", "HEAD"), "tree": git("rev-parse", "HEAD^{tree}"),
-                "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+        return {
+            "commit": git("rev-parse", "HEAD"),
+            "tree": git("rev-parse", "HEAD^{tree}"),
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        }
     except (OSError, subprocess.SubprocessError) as exc:
         return {"commit": None, "tree": None, "dirty": None, "error": f"no git state ({type(exc).__name__})"}
 
@@ -101,8 +129,10 @@ def dvc_lock_hashes(lock_path: Path, exclude_stages: tuple[str, ...] = ("promote
     for name, stage in sorted((lock.get("stages") or {}).items()):
         if name in exclude_stages:
             continue
-        stages[name] = {kind: {e["path"]: e.get("md5") or e.get(e.get("hash", ""), None)
-                               for e in stage.get(kind) or []} for kind in ("deps", "outs")}
+        stages[name] = {
+            kind: {e["path"]: e.get("md5") or e.get(e.get("hash", ""), None) for e in stage.get(kind) or []}
+            for kind in ("deps", "outs")
+        }
     return stages
 
 
@@ -125,11 +155,13 @@ def checkpoint_hashes(checkpoints: Path) -> dict[str, str]:
     """{checkpoint dir: sha256 of its manifest.json (which lists every file's sha256)}."""
     if not checkpoints.is_dir():
         return {}
-    return {str(m.parent.relative_to(checkpoints)): sha256_file(m) for m in sorted(checkpoints.glob("*/*/manifest.json"))}
+    return {
+        str(m.parent.relative_to(checkpoints)): sha256_file(m) for m in sorted(checkpoints.glob("*/*/manifest.json"))
+    }
 
 
 def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="seconds")
+    return datetime.fromtimestamp(ts, tz=UTC).isoformat(timespec="seconds")
 
 
 def run_times(reports_dir: Path, now: float | None = None) -> dict:
@@ -144,7 +176,7 @@ def run_times(reports_dir: Path, now: float | None = None) -> dict:
             continue
         starts.append(end - wall)
         ends.append(end)
-    end = now if now is not None else datetime.now(timezone.utc).timestamp()
+    end = now if now is not None else datetime.now(UTC).timestamp()
     return {"started": _iso(min(starts)) if starts else None, "ended": _iso(end)}
 
 
@@ -155,9 +187,18 @@ def _user() -> str | None:
         return os.environ.get("USER")
 
 
-def build_manifest(*, params: dict, adapter_dir: Path, scores_path: Path, eval_data_sha256: str | None,
-                   shards_dir: Path, root: Path = Path("."), checkpoints: Path | None = None,
-                   reports_dir: Path | None = None, dvc_lock: Path | None = None) -> dict:
+def build_manifest(
+    *,
+    params: dict,
+    adapter_dir: Path,
+    scores_path: Path,
+    eval_data_sha256: str | None,
+    shards_dir: Path,
+    root: Path = Path("."),
+    checkpoints: Path | None = None,
+    reports_dir: Path | None = None,
+    dvc_lock: Path | None = None,
+) -> dict:
     """The full manifest of this run (see the module docstring for which parts are deterministic)."""
     adapter_files = file_hashes(adapter_dir) if adapter_dir.is_dir() else {}
     return {
@@ -166,14 +207,25 @@ def build_manifest(*, params: dict, adapter_dir: Path, scores_path: Path, eval_d
         "packages": package_versions(),
         "data": shard_hashes(shards_dir),
         "dvc_lock": dvc_lock_hashes(dvc_lock or root / "dvc.lock"),
-        "artefacts": {"adapter": {"path": str(adapter_dir), "files": adapter_files,
-                                  "sha256": directory_digest(adapter_files) if adapter_files else None}},
-        "eval": {"scores_sha256": sha256_file(scores_path) if scores_path.is_file() else None,
-                 "eval_data_sha256": eval_data_sha256},
-        "run": {"git": git_state(root), **run_times(reports_dir or root / "reports"),
-                "user": _user(), "host": socket.gethostname(),
-                "checkpoints": checkpoint_hashes(checkpoints or root / "checkpoints"),
-                "argv": sys.argv[1:]},
+        "artefacts": {
+            "adapter": {
+                "path": str(adapter_dir),
+                "files": adapter_files,
+                "sha256": directory_digest(adapter_files) if adapter_files else None,
+            }
+        },
+        "eval": {
+            "scores_sha256": sha256_file(scores_path) if scores_path.is_file() else None,
+            "eval_data_sha256": eval_data_sha256,
+        },
+        "run": {
+            "git": git_state(root),
+            **run_times(reports_dir or root / "reports"),
+            "user": _user(),
+            "host": socket.gethostname(),
+            "checkpoints": checkpoint_hashes(checkpoints or root / "checkpoints"),
+            "argv": sys.argv[1:],
+        },
     }
 
 
@@ -234,11 +286,16 @@ def resolve(target: str, registry: Path = Path("models/registry"), runs: Path = 
                 return resolve(str(path / name), registry, runs)
         raise FineflowError(f"{path}: no lineage.json or record.json here (is it a champion or candidate dir?)")
     else:
-        matches = sorted(p for p in (registry / "candidates").glob(f"{target}*") if p.is_dir()) \
-            if (registry / "candidates").is_dir() else []
+        matches = (
+            sorted(p for p in (registry / "candidates").glob(f"{target}*") if p.is_dir())
+            if (registry / "candidates").is_dir()
+            else []
+        )
         if len(matches) != 1:
-            raise FineflowError(f"{target}: not a file, a directory or exactly one candidate id in "
-                                f"{registry}/candidates ({len(matches)} match)")
+            raise FineflowError(
+                f"{target}: not a file, a directory or exactly one candidate id in "
+                f"{registry}/candidates ({len(matches)} match)"
+            )
         return resolve(str(matches[0] / "record.json"), registry, runs)
     manifest = dict(record)
     cid = cid or manifest.get("candidate_id")
@@ -271,8 +328,12 @@ def tree(manifest: dict, title: str = "lineage"):
     node = section("run")
     if run:
         git = run.get("git") or {}
-        add(node, f"git {git.get('commit') or 'unknown'}" + {True: " (dirty)", False: " (clean)"}.get(git.get("dirty"), "")
-            + (f" — {git['error']}" if git.get("error") else ""))
+        add(
+            node,
+            f"git {git.get('commit') or 'unknown'}"
+            + {True: " (dirty)", False: " (clean)"}.get(git.get("dirty"), "")
+            + (f" — {git['error']}" if git.get("error") else ""),
+        )
         add(node, f"started {run.get('started')}  ended {run.get('ended')}")
         add(node, f"by {run.get('user')} on {run.get('host')}")
         checkpoints = run.get("checkpoints") or {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from fineflow.config import Params, load_params
 from fineflow.errors import FineflowError

@@ -1,6 +1,6 @@
 """Stage base: build the embedded default base model, or record the real one params.yaml names.
 
-    python -m fineflow.stages.base --out models/base
+python -m fineflow.stages.base --out models/base
 """
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from fineflow.base.model import build_embedded_base
-from fineflow.model_ref import write_external_marker
 from fineflow.config import Params
+from fineflow.model_ref import write_external_marker
 from fineflow.stages._entry import log, run_entry, stage_parser
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from fineflow.config import Params
+from fineflow.data.synth import inject_bad_rows, split_train_eval
 from fineflow.reports import write_jsonl
 from fineflow.stages._entry import run_entry, stage_parser
-from fineflow.data.synth import inject_bad_rows, split_train_eval
 
 
 def run(params: Params, train_path: Path, eval_path: Path) -> dict:
@@ -23,8 +23,11 @@ def run(params: Params, train_path: Path, eval_path: Path) -> dict:
     train_with_bad = inject_bad_rows(train, cfg.bad_row_share, params.seed, evaluation)
     write_jsonl(train_path, train_with_bad)
     write_jsonl(eval_path, evaluation)
-    return {"train_rows": len(train_with_bad), "bad_rows_injected": len(train_with_bad) - len(train),
-            "eval_rows": len(evaluation)}
+    return {
+        "train_rows": len(train_with_bad),
+        "bad_rows_injected": len(train_with_bad) - len(train),
+        "eval_rows": len(evaluation),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,10 +24,26 @@ from fineflow.model_ref import resolve_base_model
 from fineflow.stages._entry import log, run_entry, stage_parser
 
 
-def run(params: Params, base_dir: Path, adapter_dir: Path, eval_rows: Path, out_dir: Path, raw_dir: Path,
-        champion_dir: Path | None = None) -> dict:
-    return evaluate_models(params.evaluate, params.seed, resolve_base_model(params.model, base_dir), adapter_dir,
-                           eval_rows, out_dir, raw_dir, champion_dir, log=log)
+def run(
+    params: Params,
+    base_dir: Path,
+    adapter_dir: Path,
+    eval_rows: Path,
+    out_dir: Path,
+    raw_dir: Path,
+    champion_dir: Path | None = None,
+) -> dict:
+    return evaluate_models(
+        params.evaluate,
+        params.seed,
+        resolve_base_model(params.model, base_dir),
+        adapter_dir,
+        eval_rows,
+        out_dir,
+        raw_dir,
+        champion_dir,
+        log=log,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,11 +53,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-rows", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--raw-results", type=Path, default=Path("reports/lm_eval"))
-    parser.add_argument("--champion", type=Path, default=None,
-                        help="the current champion (adapter or model dir with champion.json); evaluated too if present")
+    parser.add_argument(
+        "--champion",
+        type=Path,
+        default=None,
+        help="the current champion (adapter or model dir with champion.json); evaluated too if present",
+    )
     args = parser.parse_args(argv)
-    return run_entry("evaluate", args, lambda p: run(p, args.base_dir, args.adapter, args.eval_rows, args.out,
-                                                     args.raw_results, args.champion))
+    return run_entry(
+        "evaluate",
+        args,
+        lambda p: run(p, args.base_dir, args.adapter, args.eval_rows, args.out, args.raw_results, args.champion),
+    )
 
 
 if __name__ == "__main__":

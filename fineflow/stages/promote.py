@@ -22,11 +22,31 @@ from fineflow.registry.champion import promote
 from fineflow.stages._entry import log, run_entry, stage_parser
 
 
-def run(params: Params, scores_path: Path, adapter_dir: Path, champion_dir: Path, registry_dir: Path,
-        base_dir: Path | None = None, train_report: Path | None = None, lineage_dir: Path | None = None,
-        shards_dir: Path = Path("data/shards"), root: Path = Path(".")) -> dict:
-    return promote(params, scores_path, adapter_dir, champion_dir, registry_dir, base_dir, train_report, lineage_dir,
-                   shards_dir, root, log=log)
+def run(
+    params: Params,
+    scores_path: Path,
+    adapter_dir: Path,
+    champion_dir: Path,
+    registry_dir: Path,
+    base_dir: Path | None = None,
+    train_report: Path | None = None,
+    lineage_dir: Path | None = None,
+    shards_dir: Path = Path("data/shards"),
+    root: Path = Path("."),
+) -> dict:
+    return promote(
+        params,
+        scores_path,
+        adapter_dir,
+        champion_dir,
+        registry_dir,
+        base_dir,
+        train_report,
+        lineage_dir,
+        shards_dir,
+        root,
+        log=log,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,14 +56,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--champion", type=Path, required=True)
     parser.add_argument("--registry", type=Path, required=True)
     parser.add_argument("--base-dir", type=Path, help="the base model dir (merged model, tokenizer, card)")
-    parser.add_argument("--shards", type=Path, default=Path("data/shards"),
-                        help="shards dir: tokenizer/template hashes for the lineage (default: data/shards)")
+    parser.add_argument(
+        "--shards",
+        type=Path,
+        default=Path("data/shards"),
+        help="shards dir: tokenizer/template hashes for the lineage (default: data/shards)",
+    )
     parser.add_argument("--train-report", type=Path, help="reports/train.json: wall time and tokens/s for the card")
-    parser.add_argument("--lineage", type=Path, default=Path("reports/lineage"),
-                        help="where the full lineage manifest <candidate id>.json goes (default: reports/lineage)")
+    parser.add_argument(
+        "--lineage",
+        type=Path,
+        default=Path("reports/lineage"),
+        help="where the full lineage manifest <candidate id>.json goes (default: reports/lineage)",
+    )
     args = parser.parse_args(argv)
-    return run_entry("promote", args, lambda p: run(p, args.scores, args.adapter, args.champion, args.registry,
-                                                    args.base_dir, args.train_report, args.lineage, args.shards))
+    return run_entry(
+        "promote",
+        args,
+        lambda p: run(
+            p,
+            args.scores,
+            args.adapter,
+            args.champion,
+            args.registry,
+            args.base_dir,
+            args.train_report,
+            args.lineage,
+            args.shards,
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -28,14 +28,31 @@ def run(params: Params, rows_dir: Path, base_dir: Path, out_dir: Path) -> dict:
     report = {}
     for split in ("train", "eval"):
         meta = tokenize_split(tokenizer, reference, rows_dir / f"{split}.jsonl", out_dir / split, params.tokenize)
-        log(f"{split}: {meta['examples']} examples -> {meta['rows']} packed rows of {meta['seq_len']}, "
+        log(
+            f"{split}: {meta['examples']} examples -> {meta['rows']} packed rows of {meta['seq_len']}, "
             f"real-token share {meta['real_token_share']:.1%}"
-            + (f" (up to date: content key {meta['content_key']}, nothing to do)" if meta["reused"] else ""))
-        report[split] = {k: meta[k] for k in ("examples", "rows", "real_tokens", "trained_tokens",
-                                              "real_token_share", "truncated_examples", "content_key", "reused")}
+            + (f" (up to date: content key {meta['content_key']}, nothing to do)" if meta["reused"] else "")
+        )
+        report[split] = {
+            k: meta[k]
+            for k in (
+                "examples",
+                "rows",
+                "real_tokens",
+                "trained_tokens",
+                "real_token_share",
+                "truncated_examples",
+                "content_key",
+                "reused",
+            )
+        }
     train = report["train"]
-    return {"examples": train["examples"], "tokens": train["real_tokens"],
-            "real_token_share": train["real_token_share"], **report}
+    return {
+        "examples": train["examples"],
+        "tokens": train["real_tokens"],
+        "real_token_share": train["real_token_share"],
+        **report,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,15 +42,28 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if os.environ.get(WORKER_ENV) != "1":  # the launcher: accelerate launch runs this module again per rank
         try:
-            return launch_ranks(load_params(args.params), "fineflow.stages.train",
-                                argv, {"base_dir": args.base_dir, "machine_rank": args.machine_rank,
-                                       "main_process_ip": args.main_process_ip,
-                                       "main_process_port": args.main_process_port}, log=log)
+            return launch_ranks(
+                load_params(args.params),
+                "fineflow.stages.train",
+                argv,
+                {
+                    "base_dir": args.base_dir,
+                    "machine_rank": args.machine_rank,
+                    "main_process_ip": args.main_process_ip,
+                    "main_process_port": args.main_process_port,
+                },
+                log=log,
+            )
         except FineflowError as exc:
             print(f"fineflow train: error: {exc}", file=sys.stderr)
             return 2
-    return run_entry("train", args, lambda params: train_rank(params, args.shards, args.base_dir, args.checkpoints,
-                                                              args.out, args.steps_log, args.logs_dir, log=log))
+    return run_entry(
+        "train",
+        args,
+        lambda params: train_rank(
+            params, args.shards, args.base_dir, args.checkpoints, args.out, args.steps_log, args.logs_dir, log=log
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -25,8 +25,15 @@ from fineflow.reports import write_json_atomic, write_jsonl
 from fineflow.stages._entry import log, run_entry, stage_parser
 
 
-def run(params: Params, train_path: Path, eval_path: Path, out_dir: Path, report_path: Path,
-        docs_dir: Path | None = None, base_dir: Path | None = None) -> dict:
+def run(
+    params: Params,
+    train_path: Path,
+    eval_path: Path,
+    out_dir: Path,
+    report_path: Path,
+    docs_dir: Path | None = None,
+    base_dir: Path | None = None,
+) -> dict:
     cfg = params.validate_
     tokens = None
     if base_dir is not None:  # token-level checks see rows exactly as the tokenize stage will
@@ -39,14 +46,24 @@ def run(params: Params, train_path: Path, eval_path: Path, out_dir: Path, report
     outcomes = validate_splits({"eval": eval_path, "train": train_path}, params.data, cfg, tokens, docs_dir)
     for split, outcome in outcomes.items():
         write_jsonl(out_dir / f"{split}.jsonl", (clean_record(row) for row in outcome.kept))
-        log(f"{split}: {outcome.rows_in} rows in, {len(outcome.kept)} kept, "
-            f"{len(outcome.quarantined)} quarantined, {sum(1 for r in outcome.kept if r.warnings)} kept with warnings")
-    write_jsonl(out_dir / "quarantine.jsonl",
-                (quarantine_record(row, split) for split, o in outcomes.items() for row in o.quarantined))
+        log(
+            f"{split}: {outcome.rows_in} rows in, {len(outcome.kept)} kept, "
+            f"{len(outcome.quarantined)} quarantined, {sum(1 for r in outcome.kept if r.warnings)} kept with warnings"
+        )
+    write_jsonl(
+        out_dir / "quarantine.jsonl",
+        (quarantine_record(row, split) for split, o in outcomes.items() for row in o.quarantined),
+    )
     # pii: redact keeps the rows; every replacement is logged (line and kinds, never the value)
-    write_jsonl(out_dir / "redactions.jsonl",
-                ({"split": split, "line": row.line, "kinds": row.redacted}
-                 for split, o in outcomes.items() for row in o.kept if row.redacted))
+    write_jsonl(
+        out_dir / "redactions.jsonl",
+        (
+            {"split": split, "line": row.line, "kinds": row.redacted}
+            for split, o in outcomes.items()
+            for row in o.kept
+            if row.redacted
+        ),
+    )
     train = outcomes["train"]
     report = {**train.report(), "eval": outcomes["eval"].report(), "passed": True}
     try:
@@ -63,13 +80,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train", type=Path, required=True)
     parser.add_argument("--eval", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--base-dir", type=Path, default=None,
-                        help="base model dir; enables the token-level checks (truncation, label coverage)")
-    parser.add_argument("--data-docs", type=Path, default=Path("reports/data_docs"),
-                        help="where GX renders its Data Docs HTML (one site per split)")
+    parser.add_argument(
+        "--base-dir",
+        type=Path,
+        default=None,
+        help="base model dir; enables the token-level checks (truncation, label coverage)",
+    )
+    parser.add_argument(
+        "--data-docs",
+        type=Path,
+        default=Path("reports/data_docs"),
+        help="where GX renders its Data Docs HTML (one site per split)",
+    )
     args = parser.parse_args(argv)
-    return run_entry("validate", args, lambda p: run(p, args.train, args.eval, args.out, Path(args.report),
-                                                     args.data_docs, args.base_dir))
+    return run_entry(
+        "validate",
+        args,
+        lambda p: run(p, args.train, args.eval, args.out, Path(args.report), args.data_docs, args.base_dir),
+    )
 
 
 if __name__ == "__main__":

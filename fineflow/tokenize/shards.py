@@ -177,8 +177,12 @@ class ShardWriter:
     def append(self, arrays: PackedArrays) -> None:
         examples = arrays.examples.copy()
         examples[:, 0] += self.rows  # window-local row numbers -> shard row numbers
-        for name, array in (("tokens.bin", arrays.tokens), ("loss_mask.bin", arrays.loss_mask),
-                            ("positions.bin", arrays.positions), ("examples.idx", examples)):
+        for name, array in (
+            ("tokens.bin", arrays.tokens),
+            ("loss_mask.bin", arrays.loss_mask),
+            ("positions.bin", arrays.positions),
+            ("examples.idx", examples),
+        ):
             array.tofile(self.files[name])
         self.rows += arrays.tokens.shape[0]
         self.examples += examples.shape[0]
@@ -188,18 +192,29 @@ class ShardWriter:
     def close(self, meta: dict) -> dict:
         for fh in self.files.values():
             fh.close()
-        full = {"format_version": FORMAT_VERSION, "rows": self.rows, "seq_len": self.seq_len,
-                "dtype": self.dtype.name, "examples": self.examples, "real_tokens": self.real_tokens,
-                "trained_tokens": self.trained_tokens,
-                "real_token_share": round(self.real_tokens / max(1, self.rows * self.seq_len), 4), **meta}
+        full = {
+            "format_version": FORMAT_VERSION,
+            "rows": self.rows,
+            "seq_len": self.seq_len,
+            "dtype": self.dtype.name,
+            "examples": self.examples,
+            "real_tokens": self.real_tokens,
+            "trained_tokens": self.trained_tokens,
+            "real_token_share": round(self.real_tokens / max(1, self.rows * self.seq_len), 4),
+            **meta,
+        }
         (self.out_dir / "meta.json").write_text(json.dumps(full, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         return full
 
 
 def expected_sizes(meta: dict) -> dict[str, int]:
     cells = meta["rows"] * meta["seq_len"]
-    return {"tokens.bin": cells * np.dtype(meta["dtype"]).itemsize, "loss_mask.bin": cells,
-            "positions.bin": cells * 2, "examples.idx": meta["examples"] * 3 * 8}
+    return {
+        "tokens.bin": cells * np.dtype(meta["dtype"]).itemsize,
+        "loss_mask.bin": cells,
+        "positions.bin": cells * 2,
+        "examples.idx": meta["examples"] * 3 * 8,
+    }
 
 
 def shard_key_matches(shard_dir: Path, key: str) -> dict | None:
@@ -210,7 +225,9 @@ def shard_key_matches(shard_dir: Path, key: str) -> dict | None:
         complete = all((shard_dir / name).stat().st_size == size for name, size in expected_sizes(meta).items())
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return meta if complete and meta.get("content_key") == key and meta.get("format_version") == FORMAT_VERSION else None
+    return (
+        meta if complete and meta.get("content_key") == key and meta.get("format_version") == FORMAT_VERSION else None
+    )
 
 
 def write_shard(out_dir: Path, arrays: PackedArrays, meta: dict) -> dict:
@@ -272,8 +289,9 @@ class RowSampler:
     without replaying the data loader.
     """
 
-    def __init__(self, n_rows: int, seed: int, rank: int = 0, world_size: int = 1,
-                 row_tokens: np.ndarray | None = None):
+    def __init__(
+        self, n_rows: int, seed: int, rank: int = 0, world_size: int = 1, row_tokens: np.ndarray | None = None
+    ):
         if n_rows < world_size:
             raise ValueError(f"{n_rows} packed rows cannot feed {world_size} processes")
         self.n_rows, self.seed, self.rank, self.world_size = n_rows, seed, rank, world_size
@@ -294,7 +312,7 @@ class RowSampler:
                 self.epoch, self.position = self.epoch + 1, 0
             rows = self._epoch_rows()
             take = min(count - len(out), self.n_rows - self.position)
-            out.extend(int(i) for i in rows[self.position:self.position + take])
+            out.extend(int(i) for i in rows[self.position : self.position + take])
             self.position += take
         return out
 
@@ -315,11 +333,18 @@ class RowSampler:
         return self.deal(self._take(count * self.world_size), count)[self.rank]
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "n_rows": self.n_rows,
-                "world_size": self.world_size}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "n_rows": self.n_rows,
+            "world_size": self.world_size,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if (state["seed"], state["n_rows"]) != (self.seed, self.n_rows):
-            raise ValueError(f"sampler state is for seed {state['seed']} over {state['n_rows']} rows, "
-                             f"not seed {self.seed} over {self.n_rows}")
+            raise ValueError(
+                f"sampler state is for seed {state['seed']} over {state['n_rows']} rows, "
+                f"not seed {self.seed} over {self.n_rows}"
+            )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])

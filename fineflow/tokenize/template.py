@@ -56,12 +56,15 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, str]:
         prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=False)
         full = tokenizer.apply_chat_template(messages, tokenize=False)
     except Exception as exc:  # jinja raises whatever the template author chose (raise_exception, TypeError)
-        raise RenderError(f"the tokenizer's chat template cannot render this conversation: "
-                          f"{type(exc).__name__}: {exc}") from None
+        raise RenderError(
+            f"the tokenizer's chat template cannot render this conversation: {type(exc).__name__}: {exc}"
+        ) from None
     if not full.startswith(prompt) or len(full) == len(prompt):
-        raise RenderError("the tokenizer's chat template does not render the conversation as the prompt "
-                          "(with the generation prompt) followed by the assistant's response")
-    return prompt, full[len(prompt):]
+        raise RenderError(
+            "the tokenizer's chat template does not render the conversation as the prompt "
+            "(with the generation prompt) followed by the assistant's response"
+        )
+    return prompt, full[len(prompt) :]
 
 
 def render_pair(tokenizer, row: dict) -> tuple[str, str]:
@@ -99,14 +102,16 @@ class EncodedBatch:
         end = start + int(self.lengths[i])
         return self.ids[start:end].tolist(), self.mask[start:end].tolist()
 
-    def split(self, n: int) -> tuple["EncodedBatch", "EncodedBatch"]:
+    def split(self, n: int) -> tuple[EncodedBatch, EncodedBatch]:
         """The first n examples and the rest."""
         cut = int(self.lengths[:n].sum())
-        return (EncodedBatch(self.ids[:cut], self.mask[:cut], self.lengths[:n]),
-                EncodedBatch(self.ids[cut:], self.mask[cut:], self.lengths[n:]))
+        return (
+            EncodedBatch(self.ids[:cut], self.mask[:cut], self.lengths[:n]),
+            EncodedBatch(self.ids[cut:], self.mask[cut:], self.lengths[n:]),
+        )
 
     @staticmethod
-    def from_pairs(pairs: list[tuple[list[int], list[int]]]) -> "EncodedBatch":
+    def from_pairs(pairs: list[tuple[list[int], list[int]]]) -> EncodedBatch:
         """From (ids, mask) lists, e.g. encode_example's results (tests, small data)."""
         lengths = np.array([len(ids) for ids, _ in pairs], dtype=np.int64)
         ids = np.array([t for ids, _ in pairs for t in ids], dtype=np.int64)
@@ -114,10 +119,12 @@ class EncodedBatch:
         return EncodedBatch(ids, mask, lengths)
 
     @staticmethod
-    def concat(batches: list["EncodedBatch"]) -> "EncodedBatch":
+    def concat(batches: list[EncodedBatch]) -> EncodedBatch:
         if len(batches) == 1:
             return batches[0]
-        return EncodedBatch(*(np.concatenate([getattr(b, name) for b in batches]) for name in ("ids", "mask", "lengths")))
+        return EncodedBatch(
+            *(np.concatenate([getattr(b, name) for b in batches]) for name in ("ids", "mask", "lengths"))
+        )
 
 
 def _ids(tokenizer, texts: list[str]) -> list[list[int]]:
@@ -141,7 +148,12 @@ def encode_batch(tokenizer, rows: list[dict]) -> EncodedBatch:
     segments[0::2] = [len(p) for p in prompt_ids]
     segments[1::2] = [len(r) + 1 for r in response_ids]  # + EOS
     eos = (tokenizer.eos_token_id,)
-    ids = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(
-        zip(prompt_ids, response_ids, itertools.repeat(eos)))), dtype=np.int64, count=int(segments.sum()))
+    ids = np.fromiter(
+        itertools.chain.from_iterable(
+            itertools.chain.from_iterable(zip(prompt_ids, response_ids, itertools.repeat(eos)))
+        ),
+        dtype=np.int64,
+        count=int(segments.sum()),
+    )
     mask = np.repeat(np.tile(np.array([0, 1], dtype=np.uint8), len(rows)), segments)
     return EncodedBatch(ids, mask, segments[0::2] + segments[1::2])

@@ -15,17 +15,23 @@ import json
 import multiprocessing
 import os
 import shutil
+from collections.abc import Iterable, Iterator
 from itertools import islice
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 
 from fineflow import __version__
 from fineflow.errors import FineflowError
 from fineflow.reports import sha256_file
-from fineflow.tokenize.shards import (FORMAT_VERSION, ShardWriter, pack_examples, shard_key_matches, token_dtype,
-                                      tokenizer_hash)
+from fineflow.tokenize.shards import (
+    FORMAT_VERSION,
+    ShardWriter,
+    pack_examples,
+    shard_key_matches,
+    token_dtype,
+    tokenizer_hash,
+)
 from fineflow.tokenize.template import EncodedBatch, encode_batch, template_hash
 
 _WORKER_TOKENIZER = None
@@ -66,8 +72,9 @@ def chunks(items: Iterable, size: int) -> Iterator[list]:
         yield chunk
 
 
-def encode_stream(rows: Iterable[dict | str], tokenizer, reference: str, workers: int,
-                  chunk_rows: int = 2000) -> Iterator[EncodedBatch]:
+def encode_stream(
+    rows: Iterable[dict | str], tokenizer, reference: str, workers: int, chunk_rows: int = 2000
+) -> Iterator[EncodedBatch]:
     """Encoded chunks of rows (dicts or raw JSON lines), in input order; workers > 1 encodes chunks in a
     process pool."""
     if workers == 1:
@@ -96,8 +103,17 @@ def windows(batches: Iterable[EncodedBatch], size: int) -> Iterator[EncodedBatch
         yield EncodedBatch.concat(pending)
 
 
-def tokenize_to_shard(rows: Iterable[dict | str], tokenizer, reference: str, out_dir: Path, seq_len: int,
-                      dtype: np.dtype, workers: int, pack_window: int, meta: dict) -> dict:
+def tokenize_to_shard(
+    rows: Iterable[dict | str],
+    tokenizer,
+    reference: str,
+    out_dir: Path,
+    seq_len: int,
+    dtype: np.dtype,
+    workers: int,
+    pack_window: int,
+    meta: dict,
+) -> dict:
     """Encode, pack window by window and append to a shard directory; returns the shard's meta."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     writer = ShardWriter(out_dir, seq_len, dtype)
@@ -123,8 +139,14 @@ def load_tokenizer(reference: str):
 def content_key(rows_path: Path, tokenizer, cfg) -> str:
     """What a shard is a function of: the rows, the tokenizer, the template, the packing and the format.
     (Not the worker count: it does not change a byte.)"""
-    parts = [sha256_file(rows_path), tokenizer_hash(tokenizer), template_hash(tokenizer), str(cfg.seq_len),
-             str(cfg.pack_window), str(FORMAT_VERSION)]
+    parts = [
+        sha256_file(rows_path),
+        tokenizer_hash(tokenizer),
+        template_hash(tokenizer),
+        str(cfg.seq_len),
+        str(cfg.pack_window),
+        str(FORMAT_VERSION),
+    ]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 
@@ -135,12 +157,26 @@ def tokenize_split(tokenizer, reference: str, rows_path: Path, out_dir: Path, cf
     existing = shard_key_matches(out_dir, key)
     if existing is not None:
         return {**existing, "reused": True}
-    meta = {"vocab_size": len(tokenizer), "tokenizer_hash": tokenizer_hash(tokenizer),
-            "template_hash": template_hash(tokenizer), "code_version": __version__, "content_key": key}
+    meta = {
+        "vocab_size": len(tokenizer),
+        "tokenizer_hash": tokenizer_hash(tokenizer),
+        "template_hash": template_hash(tokenizer),
+        "code_version": __version__,
+        "content_key": key,
+    }
     building = out_dir.with_name(f".tmp-{out_dir.name}")
     shutil.rmtree(building, ignore_errors=True)
-    meta = tokenize_to_shard(read_lines(rows_path), tokenizer, reference, building, cfg.seq_len,
-                             token_dtype(len(tokenizer)), cfg.workers, cfg.pack_window, meta)
+    meta = tokenize_to_shard(
+        read_lines(rows_path),
+        tokenizer,
+        reference,
+        building,
+        cfg.seq_len,
+        token_dtype(len(tokenizer)),
+        cfg.workers,
+        cfg.pack_window,
+        meta,
+    )
     shutil.rmtree(out_dir, ignore_errors=True)  # a reader never sees a mix: meta.json is written last
     os.replace(building, out_dir)
     return {**meta, "reused": False}

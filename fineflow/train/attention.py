@@ -107,8 +107,7 @@ def layout_kwargs(layout: PackedLayout, device=None) -> dict:
     import torch
 
     def tensor(array):
-        return torch.from_numpy(array).to(device, non_blocking=True) if device is not None else \
-            torch.from_numpy(array)
+        return torch.from_numpy(array).to(device, non_blocking=True) if device is not None else torch.from_numpy(array)
 
     groups = tuple((tensor(gather), examples, longest) for gather, examples, longest in layout.groups)
     return {LAYOUT_KWARG: (groups, tensor(layout.scatter))}
@@ -125,14 +124,18 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
 
     packing = kwargs.get(LAYOUT_KWARG)
     if attention_mask is not None:
-        raise ValueError(f"attention implementation {VARLEN!r} trains on packed rows and got a padding mask: pass "
-                         "position_ids restarting at 0 per example and no attention_mask, or use "
-                         "attn_implementation 'sdpa'")
+        raise ValueError(
+            f"attention implementation {VARLEN!r} trains on packed rows and got a padding mask: pass "
+            "position_ids restarting at 0 per example and no attention_mask, or use "
+            "attn_implementation 'sdpa'"
+        )
     if packing is None:
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
-            raise ValueError(f"attention implementation {VARLEN!r} needs position_ids (restarting at 0 per "
-                             "packed example) or a layout from fineflow.train.attention.layout_kwargs")
+            raise ValueError(
+                f"attention implementation {VARLEN!r} needs position_ids (restarting at 0 per "
+                "packed example) or a layout from fineflow.train.attention.layout_kwargs"
+            )
         positions = position_ids.expand(query.shape[0], -1).detach().cpu().numpy()
         packing = layout_kwargs(packed_layout(positions), query.device)[LAYOUT_KWARG]
     groups, scatter = packing
@@ -144,11 +147,18 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     flat_v = value.transpose(1, 2).reshape(batch * seq_len, kv_heads, dim)
     outputs = []
     for gather, examples, longest in groups:
-        q, k, v = (t.index_select(0, gather).view(examples, longest, -1, dim).transpose(1, 2)
-                   for t in (flat_q, flat_k, flat_v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
-                                             dropout_p=dropout if module.training else 0.0,
-                                             enable_gqa=kv_heads != heads)
+        q, k, v = (
+            t.index_select(0, gather).view(examples, longest, -1, dim).transpose(1, 2) for t in (flat_q, flat_k, flat_v)
+        )
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=True,
+            scale=scaling,
+            dropout_p=dropout if module.training else 0.0,
+            enable_gqa=kv_heads != heads,
+        )
         outputs.append(out.transpose(1, 2).reshape(examples * longest, heads, dim))
     out = torch.cat(outputs).index_select(0, scatter)
     return out.view(batch, seq_len, heads, dim), None

@@ -74,10 +74,19 @@ def _fused_forward(self, x, *args, **kwargs):
     a, b = self.lora_A[name].weight, self.lora_B[name].weight
     device_type = x.device.type
     autocast = torch.is_autocast_enabled(device_type)
-    plain = (not args and not kwargs and not self.merged and not self.disable_adapters
-             and list(self.active_adapters) == [name] and (autocast or x.dtype == base.dtype)
-             and not base.requires_grad and (bias is None or not bias.requires_grad)
-             and base.numel() and a.numel() and b.numel())  # a sharding engine may hold them ungathered
+    plain = (
+        not args
+        and not kwargs
+        and not self.merged
+        and not self.disable_adapters
+        and list(self.active_adapters) == [name]
+        and (autocast or x.dtype == base.dtype)
+        and not base.requires_grad
+        and (bias is None or not bias.requires_grad)
+        and base.numel()
+        and a.numel()
+        and b.numel()
+    )  # a sharding engine may hold them ungathered
     if not plain:
         return type(self).forward(self, x, *args, **kwargs)
     if autocast:
@@ -85,8 +94,14 @@ def _fused_forward(self, x, *args, **kwargs):
         # keep fp32 gradients
         dtype = torch.get_autocast_dtype(device_type)
         with torch.autocast(device_type, enabled=False):
-            return FusedLoraLinear.apply(x.to(dtype), base.to(dtype), None if bias is None else bias.to(dtype),
-                                         a.to(dtype), b.to(dtype), self.scaling[name])
+            return FusedLoraLinear.apply(
+                x.to(dtype),
+                base.to(dtype),
+                None if bias is None else bias.to(dtype),
+                a.to(dtype),
+                b.to(dtype),
+                self.scaling[name],
+            )
     return FusedLoraLinear.apply(x, base, bias, a, b, self.scaling[name])
 
 

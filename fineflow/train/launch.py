@@ -53,9 +53,11 @@ def resolve_profile(profile: str, profile_dir: Path = PROFILE_DIR) -> Path | Non
         return path
     candidate = profile_dir / f"{profile}.yaml"
     if not candidate.is_file():
-        raise FineflowError(f"accelerate profile {profile!r} is unknown: use {AUTO!r}, one of "
-                            f"{', '.join(profile_names(profile_dir))} (files in {profile_dir}), or a path to an "
-                            f"accelerate config .yaml")
+        raise FineflowError(
+            f"accelerate profile {profile!r} is unknown: use {AUTO!r}, one of "
+            f"{', '.join(profile_names(profile_dir))} (files in {profile_dir}), or a path to an "
+            f"accelerate config .yaml"
+        )
     return candidate
 
 
@@ -68,13 +70,14 @@ def read_profile(path: Path) -> dict:
     except (OSError, yaml.YAMLError) as exc:
         raise FineflowError(f"accelerate profile {path}: cannot read it ({exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("distributed_type"), str):
-        raise FineflowError(f"accelerate profile {path}: not an accelerate config file (it needs a "
-                            f"distributed_type such as MULTI_GPU; quote 'NO', which YAML reads as false)")
+        raise FineflowError(
+            f"accelerate profile {path}: not an accelerate config file (it needs a "
+            f"distributed_type such as MULTI_GPU; quote 'NO', which YAML reads as false)"
+        )
     return data
 
 
-def _placement_flags(machine_rank: int | None, main_process_ip: str | None,
-                     main_process_port: int | None) -> list[str]:
+def _placement_flags(machine_rank: int | None, main_process_ip: str | None, main_process_port: int | None) -> list[str]:
     flags: list[str] = []
     if machine_rank is not None:
         flags += ["--machine_rank", str(machine_rank)]
@@ -85,12 +88,15 @@ def _placement_flags(machine_rank: int | None, main_process_ip: str | None,
     return flags
 
 
-def _check_multi_node(num_processes: int, num_machines: int, machine_rank: int | None,
-                      main_process_ip: str | None, where: str) -> None:
+def _check_multi_node(
+    num_processes: int, num_machines: int, machine_rank: int | None, main_process_ip: str | None, where: str
+) -> None:
     problems = []
     if num_processes % num_machines:
-        problems.append(f"num_processes ({num_processes}) is the total over all machines and must be a "
-                        f"multiple of num_machines ({num_machines})")
+        problems.append(
+            f"num_processes ({num_processes}) is the total over all machines and must be a "
+            f"multiple of num_machines ({num_machines})"
+        )
     if machine_rank is None or not 0 <= machine_rank < num_machines:
         problems.append(f"machine_rank must be given for every launch, 0..{num_machines - 1} (got {machine_rank})")
     if not main_process_ip:
@@ -99,10 +105,18 @@ def _check_multi_node(num_processes: int, num_machines: int, machine_rank: int |
         raise FineflowError(f"{where}: a {num_machines}-machine launch is not fully placed: " + "; ".join(problems))
 
 
-def accelerate_command(num_processes: int | None, has_gpu: bool, module: str, module_args: list[str],
-                       main_process_port: int | None = None, *, config_file: str | Path | None = None,
-                       num_machines: int | None = None, machine_rank: int | None = None,
-                       main_process_ip: str | None = None) -> tuple[list[str], dict[str, str]]:
+def accelerate_command(
+    num_processes: int | None,
+    has_gpu: bool,
+    module: str,
+    module_args: list[str],
+    main_process_port: int | None = None,
+    *,
+    config_file: str | Path | None = None,
+    num_machines: int | None = None,
+    machine_rank: int | None = None,
+    main_process_ip: str | None = None,
+) -> tuple[list[str], dict[str, str]]:
     """(argv, extra environment) that runs ``python -m module module_args`` on num_processes ranks.
 
     Without config_file, flags are derived from num_processes (the total over all machines, accelerate's
@@ -112,13 +126,33 @@ def accelerate_command(num_processes: int | None, has_gpu: bool, module: str, mo
     """
     placement = _placement_flags(machine_rank, main_process_ip, main_process_port)
     if config_file is not None:
-        return _profile_command(Path(config_file), num_processes, num_machines, has_gpu, module, module_args,
-                                machine_rank, main_process_ip, placement)
+        return _profile_command(
+            Path(config_file),
+            num_processes,
+            num_machines,
+            has_gpu,
+            module,
+            module_args,
+            machine_rank,
+            main_process_ip,
+            placement,
+        )
     if num_processes is None:
         raise FineflowError("accelerate_command: num_processes is needed when no accelerate profile is given")
     machines = num_machines or 1
-    argv = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", str(machines),
-            "--num_processes", str(num_processes), "--dynamo_backend", "no", "--mixed_precision", "no"]
+    argv = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_machines",
+        str(machines),
+        "--num_processes",
+        str(num_processes),
+        "--dynamo_backend",
+        "no",
+        "--mixed_precision",
+        "no",
+    ]
     env = {WORKER_ENV: "1"}
     if machines > 1:
         _check_multi_node(num_processes, machines, machine_rank, main_process_ip, "accelerate_command")
@@ -132,9 +166,17 @@ def accelerate_command(num_processes: int | None, has_gpu: bool, module: str, mo
     return argv + ["-m", module, *module_args], env
 
 
-def _profile_command(path: Path, num_processes: int | None, num_machines: int | None, has_gpu: bool,
-                     module: str, module_args: list[str], machine_rank: int | None, main_process_ip: str | None,
-                     placement: list[str]) -> tuple[list[str], dict[str, str]]:
+def _profile_command(
+    path: Path,
+    num_processes: int | None,
+    num_machines: int | None,
+    has_gpu: bool,
+    module: str,
+    module_args: list[str],
+    machine_rank: int | None,
+    main_process_ip: str | None,
+    placement: list[str],
+) -> tuple[list[str], dict[str, str]]:
     profile = read_profile(path)
     kind = profile["distributed_type"].upper()
     use_cpu = bool(profile.get("use_cpu", False))
@@ -143,22 +185,33 @@ def _profile_command(path: Path, num_processes: int | None, num_machines: int | 
         if asked is not None and key in profile and profile[key] != asked:
             problems.append(f"it sets {key}: {profile[key]} but {asked} was asked for")
     if kind == "MULTI_CPU":
-        problems.append("distributed_type MULTI_CPU starts ONE process without mpirun; for N CPU ranks use "
-                        "distributed_type: MULTI_GPU with use_cpu: true (see configs/accelerate/cpu_ddp_2proc.yaml)")
+        problems.append(
+            "distributed_type MULTI_CPU starts ONE process without mpirun; for N CPU ranks use "
+            "distributed_type: MULTI_GPU with use_cpu: true (see configs/accelerate/cpu_ddp_2proc.yaml)"
+        )
     if not has_gpu and not use_cpu:
-        problems.append(f"it is a GPU profile (distributed_type {kind}, use_cpu false) and this machine has no "
-                        f"GPU; use the 'auto' or 'cpu_ddp_2proc' profile")
+        problems.append(
+            f"it is a GPU profile (distributed_type {kind}, use_cpu false) and this machine has no "
+            f"GPU; use the 'auto' or 'cpu_ddp_2proc' profile"
+        )
     if problems:
-        raise FineflowError(f"accelerate profile {path}: " + "; ".join(problems) + ". Edit the profile or the "
-                            "train params so that they agree.")
+        raise FineflowError(
+            f"accelerate profile {path}: " + "; ".join(problems) + ". Edit the profile or the "
+            "train params so that they agree."
+        )
     argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path)]
     if "num_processes" not in profile and num_processes is not None:
         argv += ["--num_processes", str(num_processes)]  # the profile leaves it open; nothing is overridden
     machines = num_machines or int(profile.get("num_machines", 1))
     if machines > 1:
         total = num_processes if num_processes is not None else int(profile.get("num_processes", machines))
-        _check_multi_node(total, machines, machine_rank,
-                          main_process_ip or profile.get("main_process_ip"), f"accelerate profile {path}")
+        _check_multi_node(
+            total,
+            machines,
+            machine_rank,
+            main_process_ip or profile.get("main_process_ip"),
+            f"accelerate profile {path}",
+        )
         if "num_machines" not in profile:
             argv += ["--num_machines", str(machines)]
     env = {WORKER_ENV: "1"}

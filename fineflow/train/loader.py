@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fineflow.train.attention import PackedLayout, packed_layout
 from fineflow.tokenize.shards import PackedShard, RowSampler
+from fineflow.train.attention import PackedLayout, packed_layout
 
 
 @dataclass
@@ -41,8 +41,14 @@ def collate(shard: PackedShard, indices: list[int], pin_memory: bool = False) ->
     return as_tensors(shard.batch(indices), pin_memory)
 
 
-def prepare_step(shard: PackedShard, sampler: RowSampler, micro_batch_size: int, grad_accum: int,
-                 pin_memory: bool = False, varlen: bool = False) -> StepBatch:
+def prepare_step(
+    shard: PackedShard,
+    sampler: RowSampler,
+    micro_batch_size: int,
+    grad_accum: int,
+    pin_memory: bool = False,
+    varlen: bool = False,
+) -> StepBatch:
     """One optimizer step's batches (and, for varlen attention, where each example sits in them). Runs on
     the loader thread, so it uses numpy only (no torch op): a torch op here would open a second OpenMP
     team beside the training thread's and, on a machine with few cores, the two spin-wait against each
@@ -52,8 +58,7 @@ def prepare_step(shard: PackedShard, sampler: RowSampler, micro_batch_size: int,
     targets = sum(int(np.count_nonzero(a["labels"][:, 1:] != -100)) for a in arrays)
     layouts = [packed_layout(a["position_ids"]) for a in arrays] if varlen else None
     micro = [as_tensors(a, pin_memory) for a in arrays]
-    return StepBatch(micro, rows, targets, sum(shard.real_tokens(r) for r in rows), sampler.state_dict(),
-                     layouts)
+    return StepBatch(micro, rows, targets, sum(shard.real_tokens(r) for r in rows), sampler.state_dict(), layouts)
 
 
 class _Failed:
@@ -68,8 +73,17 @@ class BatchLoader:
     An error in the thread is re-raised in the loop at the step it would have fed.
     """
 
-    def __init__(self, shard: PackedShard, sampler: RowSampler, micro_batch_size: int, grad_accum: int,
-                 steps: int, prefetch: int = 2, pin_memory: bool = False, varlen: bool = False):
+    def __init__(
+        self,
+        shard: PackedShard,
+        sampler: RowSampler,
+        micro_batch_size: int,
+        grad_accum: int,
+        steps: int,
+        prefetch: int = 2,
+        pin_memory: bool = False,
+        varlen: bool = False,
+    ):
         self._prepare = lambda: prepare_step(shard, sampler, micro_batch_size, grad_accum, pin_memory, varlen)
         self.steps, self.prefetch = steps, prefetch
         self._served = 0

@@ -24,9 +24,9 @@ from pathlib import Path
 
 from fineflow.config import TrainParams
 from fineflow.errors import FineflowError
+from fineflow.tokenize.shards import PackedShard
 from fineflow.train.attention import layout_kwargs, packed_layout
 from fineflow.train.loader import BatchLoader, as_tensors
-from fineflow.tokenize.shards import PackedShard
 
 
 def token_loss_sum(model, batch: dict, **forward_kwargs):
@@ -45,8 +45,13 @@ def token_loss_sum(model, batch: dict, **forward_kwargs):
     targets = batch["labels"][:, 1:]
     keep = torch.zeros_like(batch["labels"], dtype=torch.bool)
     keep[:, :-1] = targets != -100
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-                   logits_to_keep=keep, **forward_kwargs).logits  # (trained positions, vocab)
+    logits = model(
+        input_ids=batch["input_ids"],
+        position_ids=batch["position_ids"],
+        use_cache=False,
+        logits_to_keep=keep,
+        **forward_kwargs,
+    ).logits  # (trained positions, vocab)
     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets[keep[:, :-1]], reduction="sum")
     return loss, int(keep.sum())
 
@@ -55,8 +60,9 @@ def token_loss_sum(model, batch: dict, **forward_kwargs):
 class StepTimer:
     """Where a step's wall time went: waiting for data, forward+backward, optimizer, checkpoint stall."""
 
-    totals: dict = field(default_factory=lambda: {"data_wait_s": 0.0, "compute_s": 0.0, "optimizer_s": 0.0,
-                                                  "checkpoint_s": 0.0})
+    totals: dict = field(
+        default_factory=lambda: {"data_wait_s": 0.0, "compute_s": 0.0, "optimizer_s": 0.0, "checkpoint_s": 0.0}
+    )
     current: dict = field(default_factory=dict)
 
     def start_step(self) -> None:
@@ -116,10 +122,18 @@ class Progress:
         self.started = time.perf_counter()
         self.bar = None
         if enabled and sys.stderr.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeRemainingColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+            from rich.progress import Progress as Bar
 
-            self.bar = Bar(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-                           TextColumn("ETA"), TimeRemainingColumn(), transient=False)
+            self.bar = Bar(
+                TextColumn("train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                transient=False,
+            )
             self.task = self.bar.add_task("train", total=total, completed=start, status="")
             self.bar.start()
 
@@ -163,8 +177,7 @@ class TrainStateSaver:
     step and token counters, and every rank's Python/NumPy/torch RNG state (fineflow.checkpoint).
     """
 
-    def __init__(self, manager, every_steps: int, every_minutes: float | None = None,
-                 fingerprint: dict | None = None):
+    def __init__(self, manager, every_steps: int, every_minutes: float | None = None, fingerprint: dict | None = None):
         self.manager, self.every_steps, self.every_minutes = manager, every_steps, every_minutes
         self.fingerprint = fingerprint or {}
         self.last_save = time.monotonic()
@@ -191,12 +204,20 @@ class TrainStateSaver:
         self.last_save = time.monotonic()
         if self.manager is None:
             return
-        trainable = {name: p.detach() for name, p in accelerator.unwrap_model(model).named_parameters()
-                     if p.requires_grad}
+        trainable = {
+            name: p.detach() for name, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad
+        }
         scaler = getattr(accelerator, "scaler", None)  # fp16 on a GPU: the loss scale must continue too
-        self.manager.save(step, trainable, optimizer.state_dict(), scheduler.state_dict(),
-                          {**state, "fingerprint": self.fingerprint}, rngs, metric,
-                          grad_scaler_state=scaler.state_dict() if scaler is not None else None)
+        self.manager.save(
+            step,
+            trainable,
+            optimizer.state_dict(),
+            scheduler.state_dict(),
+            {**state, "fingerprint": self.fingerprint},
+            rngs,
+            metric,
+            grad_scaler_state=scaler.state_dict() if scaler is not None else None,
+        )
 
 
 def restore(checkpoint, accelerator, model, optimizer, scheduler) -> None:
@@ -241,7 +262,7 @@ def evaluate_loss(model, shard: PackedShard, batch_size: int, accelerator, varle
     with torch.no_grad():
         rows = list(range(accelerator.process_index, len(shard), accelerator.num_processes))
         for i in range(0, len(rows), batch_size):
-            arrays = shard.batch(rows[i:i + batch_size])
+            arrays = shard.batch(rows[i : i + batch_size])
             batch = {k: v.to(accelerator.device) for k, v in as_tensors(arrays).items()}
             extra = layout_kwargs(packed_layout(arrays["position_ids"]), accelerator.device) if varlen else {}
             loss_sum, n = token_loss_sum(model, batch, **extra)
@@ -251,9 +272,21 @@ def evaluate_loss(model, shard: PackedShard, batch_size: int, accelerator, varle
     return float(total[0] / max(1.0, float(total[1])))
 
 
-def fit(model, optimizer, scheduler, accelerator, batches: BatchLoader, cfg: TrainParams, timer: StepTimer,
-        step_log: StepLog, saver: TrainStateSaver, eval_shard: PackedShard | None = None,
-        progress: Progress | None = None, start_step: int = 0, tokens_seen: int = 0) -> FitResult:
+def fit(
+    model,
+    optimizer,
+    scheduler,
+    accelerator,
+    batches: BatchLoader,
+    cfg: TrainParams,
+    timer: StepTimer,
+    step_log: StepLog,
+    saver: TrainStateSaver,
+    eval_shard: PackedShard | None = None,
+    progress: Progress | None = None,
+    start_step: int = 0,
+    tokens_seen: int = 0,
+) -> FitResult:
     """Run optimizer steps start_step+1 .. cfg.steps on the batches the loader prepares (after a resume,
     the loader's sampler, the weights and the optimizer were restored to start_step); returns the report's
     figures."""
@@ -273,10 +306,14 @@ def fit(model, optimizer, scheduler, accelerator, batches: BatchLoader, cfg: Tra
 
         t0 = time.perf_counter()
         micro = [{k: v.to(accelerator.device, non_blocking=True) for k, v in b.items()} for b in prepared.micro]
-        extras = ([layout_kwargs(layout, accelerator.device) for layout in prepared.layouts] if prepared.layouts
-                  else [{}] * len(micro))
-        counts = accelerator.reduce(torch.tensor([prepared.targets, prepared.real_tokens],
-                                                 device=accelerator.device), reduction="sum")
+        extras = (
+            [layout_kwargs(layout, accelerator.device) for layout in prepared.layouts]
+            if prepared.layouts
+            else [{}] * len(micro)
+        )
+        counts = accelerator.reduce(
+            torch.tensor([prepared.targets, prepared.real_tokens], device=accelerator.device), reduction="sum"
+        )
         global_targets, step_real = int(counts[0]), int(counts[1])
         step_loss = 0.0
         for i, batch in enumerate(micro):
@@ -296,32 +333,55 @@ def fit(model, optimizer, scheduler, accelerator, batches: BatchLoader, cfg: Tra
         optimizer.zero_grad(set_to_none=True)
         timer.add("optimizer_s", time.perf_counter() - t0)
 
-        reduced = accelerator.reduce(torch.tensor([step_loss], dtype=torch.float64, device=accelerator.device),
-                                     reduction="sum")
+        reduced = accelerator.reduce(
+            torch.tensor([step_loss], dtype=torch.float64, device=accelerator.device), reduction="sum"
+        )
         loss_value = float(reduced[0]) / max(1, global_targets)
         if not math.isfinite(loss_value):
-            raise FineflowError(f"training stopped at step {step}: the loss is {loss_value}. Lower train.lr "
-                                f"(now {cfg.lr}) or check the data for empty responses.")
+            raise FineflowError(
+                f"training stopped at step {step}: the loss is {loss_value}. Lower train.lr "
+                f"(now {cfg.lr}) or check the data for empty responses."
+            )
         tokens_seen += step_real
 
         step_eval = None
         if eval_shard is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
-            step_eval = eval_loss = evaluate_loss(model, eval_shard, cfg.micro_batch_size, accelerator,
-                                                  varlen=cfg.attention == "varlen")
+            step_eval = eval_loss = evaluate_loss(
+                model, eval_shard, cfg.micro_batch_size, accelerator, varlen=cfg.attention == "varlen"
+            )
         if saver.due(step, cfg.steps, accelerator):
             t0 = time.perf_counter()  # the stall: async saves block only for the copy to host memory
-            saver.save(accelerator, model, optimizer, scheduler, step,
-                              {"step": step, "total_steps": cfg.steps, "sampler": prepared.sampler_state,
-                               "tokens_seen": tokens_seen, "loss": loss_value}, step_eval)
+            saver.save(
+                accelerator,
+                model,
+                optimizer,
+                scheduler,
+                step,
+                {
+                    "step": step,
+                    "total_steps": cfg.steps,
+                    "sampler": prepared.sampler_state,
+                    "tokens_seen": tokens_seen,
+                    "loss": loss_value,
+                },
+                step_eval,
+            )
             timer.add("checkpoint_s", time.perf_counter() - t0)
 
         step_s = time.perf_counter() - step_start
-        record = {"step": step, "loss": round(loss_value, 5), "lr": scheduler.get_last_lr()[0],
-                  # DeepSpeed clips inside its engine and hands back no norm
-                  "grad_norm": round(float(grad_norm), 5) if grad_norm is not None else None,
-                  "rows": prepared.rows, "tokens": step_real, "tokens_per_s": round(step_real / step_s, 1), "step_s": round(step_s, 5),
-                  **{k: round(v, 5) for k, v in timer.current.items()},
-                  "peak_mem_mb": round(peak_memory_mb(accelerator.device), 1)}
+        record = {
+            "step": step,
+            "loss": round(loss_value, 5),
+            "lr": scheduler.get_last_lr()[0],
+            # DeepSpeed clips inside its engine and hands back no norm
+            "grad_norm": round(float(grad_norm), 5) if grad_norm is not None else None,
+            "rows": prepared.rows,
+            "tokens": step_real,
+            "tokens_per_s": round(step_real / step_s, 1),
+            "step_s": round(step_s, 5),
+            **{k: round(v, 5) for k, v in timer.current.items()},
+            "peak_mem_mb": round(peak_memory_mb(accelerator.device), 1),
+        }
         if step_eval is not None:
             record["eval_loss"] = round(step_eval, 5)
         if accelerator.is_main_process:
@@ -329,6 +389,13 @@ def fit(model, optimizer, scheduler, accelerator, batches: BatchLoader, cfg: Tra
             accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step=step)
             if progress is not None:
                 progress.update(step, record)
-    return FitResult(cfg.steps, loss_value, eval_loss, tokens_seen, time.perf_counter() - started, timer,
-                     peak_memory_mb(accelerator.device), start_step)
-
+    return FitResult(
+        cfg.steps,
+        loss_value,
+        eval_loss,
+        tokens_seen,
+        time.perf_counter() - started,
+        timer,
+        peak_memory_mb(accelerator.device),
+        start_step,
+    )

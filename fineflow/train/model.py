@@ -33,9 +33,15 @@ def build_model(base_reference: str, params: Params, cfg: TrainParams, fuse_lora
             raise FineflowError("train.method qlora needs bitsandbytes: pip install bitsandbytes") from None
         from transformers import BitsAndBytesConfig
 
-        kwargs = {"dtype": torch.bfloat16, "quantization_config": BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16)}
+        kwargs = {
+            "dtype": torch.bfloat16,
+            "quantization_config": BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=torch.bfloat16,
+            ),
+        }
     model = AutoModelForCausalLM.from_pretrained(base_reference, attn_implementation=attention_of(cfg), **kwargs)
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
@@ -52,8 +58,13 @@ def build_model(base_reference: str, params: Params, cfg: TrainParams, fuse_lora
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
     lora = cfg.lora
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
     model = get_peft_model(model, config)
     if fuse_lora:
         from fineflow.train.fused_lora import fuse_lora_layers

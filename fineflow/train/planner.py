@@ -88,9 +88,12 @@ FRAGMENTATION = 0.10
 
 # Where each setting lives in params.yaml, for messages that say what to change.
 PARAM_KEYS = {
-    "micro_batch_size": "train.micro_batch_size", "grad_accum": "train.grad_accum",
-    "gradient_checkpointing": "train.gradient_checkpointing", "method": "train.method",
-    "sharding": "train.sharding", "seq_len": "tokenize.seq_len",
+    "micro_batch_size": "train.micro_batch_size",
+    "grad_accum": "train.grad_accum",
+    "gradient_checkpointing": "train.gradient_checkpointing",
+    "method": "train.method",
+    "sharding": "train.sharding",
+    "seq_len": "tokenize.seq_len",
 }
 
 
@@ -121,8 +124,15 @@ class ModelShape:
     def linear_dims(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each linear of one decoder layer."""
         h, i = self.hidden_size, self.intermediate_size
-        return {"q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
-                "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        return {
+            "q_proj": (h, self.q_dim),
+            "k_proj": (h, self.kv_dim),
+            "v_proj": (h, self.kv_dim),
+            "o_proj": (self.q_dim, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
 
     @property
     def linear_params_per_layer(self) -> int:
@@ -171,18 +181,26 @@ def shape_from_config(config: dict, name: str = "") -> ModelShape:
     required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     missing = [key for key in required if config.get(key) is None]
     if missing:
-        raise FineflowError(f"{label}: not a Llama-like decoder config (missing {', '.join(missing)}); the "
-                            "planner covers Llama-architecture models (RMSNorm, rotary attention, SwiGLU MLP)")
+        raise FineflowError(
+            f"{label}: not a Llama-like decoder config (missing {', '.join(missing)}); the "
+            "planner covers Llama-architecture models (RMSNorm, rotary attention, SwiGLU MLP)"
+        )
     if (config.get("num_local_experts") or config.get("num_experts") or 0) > 1:
         raise FineflowError(f"{label}: mixture-of-experts models are not covered by the planner")
     heads = int(config["num_attention_heads"])
     return ModelShape(
-        name=label, hidden_size=int(config["hidden_size"]), intermediate_size=int(config["intermediate_size"]),
-        num_layers=int(config["num_hidden_layers"]), num_heads=heads,
-        num_kv_heads=int(config.get("num_key_value_heads") or heads), vocab_size=int(config["vocab_size"]),
+        name=label,
+        hidden_size=int(config["hidden_size"]),
+        intermediate_size=int(config["intermediate_size"]),
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        vocab_size=int(config["vocab_size"]),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         head_dim=int(config["head_dim"]) if config.get("head_dim") else None,
-        attention_bias=bool(config.get("attention_bias", False)), mlp_bias=bool(config.get("mlp_bias", False)))
+        attention_bias=bool(config.get("attention_bias", False)),
+        mlp_bias=bool(config.get("mlp_bias", False)),
+    )
 
 
 def shape_from_file(path: str | Path) -> ModelShape:
@@ -216,8 +234,10 @@ def shape_for_params(count: float) -> ModelShape:
     """The known shape nearest to a parameter count, within 30%; a count elsewhere needs a config."""
     nearest = min(KNOWN_SHAPES.values(), key=lambda s: abs(math.log(s.params / count)))
     if abs(math.log(nearest.params / count)) > math.log(1.3):
-        raise FineflowError(f"no standard shape near {count / 1e9:.2f}B parameters (known: "
-                            f"{', '.join(KNOWN_SHAPES)}); pass the model's config.json or directory instead")
+        raise FineflowError(
+            f"no standard shape near {count / 1e9:.2f}B parameters (known: "
+            f"{', '.join(KNOWN_SHAPES)}); pass the model's config.json or directory instead"
+        )
     return nearest
 
 
@@ -230,8 +250,10 @@ def load_shape(reference: str) -> ModelShape:
         return shape_from_file(reference)
     count = parse_param_count(reference)
     if count is None or count <= 0:
-        raise FineflowError(f"--model {reference!r} is neither a known size ({', '.join(KNOWN_SHAPES)}), a "
-                            "parameter count, a config.json nor a model directory")
+        raise FineflowError(
+            f"--model {reference!r} is neither a known size ({', '.join(KNOWN_SHAPES)}), a "
+            "parameter count, a config.json nor a model directory"
+        )
     return shape_for_params(count)
 
 
@@ -255,18 +277,28 @@ class Setup:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
-        problems = [f"{name} must be one of {', '.join(choices)} (got {value!r})"
-                    for name, value, choices in (("method", self.method, METHODS),
-                                                 ("precision", self.precision, tuple(PRECISIONS)),
-                                                 ("optimizer", self.optimizer, OPTIMIZERS),
-                                                 ("sharding", self.sharding, SHARDINGS),
-                                                 ("attention", self.attention, ATTENTIONS))
-                    if value not in choices]
-        problems += [f"{name} must be >= 1 (got {value!r})"
-                     for name, value in (("micro_batch_size", self.micro_batch_size), ("seq_len", self.seq_len),
-                                         ("grad_accum", self.grad_accum), ("num_gpus", self.num_gpus),
-                                         ("lora_r", self.lora_r))
-                     if not isinstance(value, int) or value < 1]
+        problems = [
+            f"{name} must be one of {', '.join(choices)} (got {value!r})"
+            for name, value, choices in (
+                ("method", self.method, METHODS),
+                ("precision", self.precision, tuple(PRECISIONS)),
+                ("optimizer", self.optimizer, OPTIMIZERS),
+                ("sharding", self.sharding, SHARDINGS),
+                ("attention", self.attention, ATTENTIONS),
+            )
+            if value not in choices
+        ]
+        problems += [
+            f"{name} must be >= 1 (got {value!r})"
+            for name, value in (
+                ("micro_batch_size", self.micro_batch_size),
+                ("seq_len", self.seq_len),
+                ("grad_accum", self.grad_accum),
+                ("num_gpus", self.num_gpus),
+                ("lora_r", self.lora_r),
+            )
+            if not isinstance(value, int) or value < 1
+        ]
         unknown = [t for t in self.lora_targets if t not in LINEARS]
         if unknown or (self.method != "full" and not self.lora_targets):
             problems.append(f"lora_targets must be among {', '.join(LINEARS)} (got {list(self.lora_targets)})")
@@ -294,8 +326,12 @@ def trainable_params(shape: ModelShape, setup: Setup) -> int:
 
 def _sharded(setup: Setup, *kinds: str) -> int:
     """How many ways a quantity is divided: num_gpus when the sharding covers it, else 1."""
-    covers = {"none": (), "zero2": ("gradients", "optimizer"),
-              "fsdp": ("weights", "gradients", "optimizer"), "zero3": ("weights", "gradients", "optimizer")}
+    covers = {
+        "none": (),
+        "zero2": ("gradients", "optimizer"),
+        "fsdp": ("weights", "gradients", "optimizer"),
+        "zero3": ("weights", "gradients", "optimizer"),
+    }
     return setup.num_gpus if any(k in covers[setup.sharding] for k in kinds) else 1
 
 
@@ -444,8 +480,13 @@ class MemoryPlan:
 
     @property
     def total(self) -> float:
-        return (self.weights + self.gradients + self.optimizer_states
-                + max(self.activations, self.optimizer_step) + self.overhead)
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer_states
+            + max(self.activations, self.optimizer_step)
+            + self.overhead
+        )
 
     def fits(self, device_bytes: float) -> bool:
         """True when the predicted peak fits in a device of device_bytes."""
@@ -453,12 +494,24 @@ class MemoryPlan:
 
     def as_dict(self) -> dict:
         """JSON-ready: settings, counts and each component in bytes and GiB."""
-        parts = ("weights", "gradients", "optimizer_states", "activations", "logits", "optimizer_step",
-                 "overhead", "total")
-        return {"model": self.model, "params": self.params, "trainable_params": self.trainable_params,
-                "setup": {**asdict(self.setup), "lora_targets": list(self.setup.lora_targets)},
-                "bytes": {k: round(getattr(self, k)) for k in parts},
-                "gib": {k: round(getattr(self, k) / GiB, 3) for k in parts}}
+        parts = (
+            "weights",
+            "gradients",
+            "optimizer_states",
+            "activations",
+            "logits",
+            "optimizer_step",
+            "overhead",
+            "total",
+        )
+        return {
+            "model": self.model,
+            "params": self.params,
+            "trainable_params": self.trainable_params,
+            "setup": {**asdict(self.setup), "lora_targets": list(self.setup.lora_targets)},
+            "bytes": {k: round(getattr(self, k)) for k in parts},
+            "gib": {k: round(getattr(self, k) / GiB, 3) for k in parts},
+        }
 
 
 def overhead_bytes(tensor_bytes: float, setup: Setup) -> float:
@@ -473,10 +526,19 @@ def plan(shape: ModelShape, setup: Setup) -> MemoryPlan:
     states, step = optimizer_bytes(shape, setup), optimizer_step_bytes(shape, setup)
     activations = activation_bytes(shape, setup)
     tensors = weights + grads + states + max(activations, step)
-    return MemoryPlan(model=shape.name, params=shape.params, trainable_params=trainable_params(shape, setup),
-                      setup=setup, weights=weights, gradients=grads, optimizer_states=states,
-                      activations=activations, logits=logits_bytes(shape, setup), optimizer_step=step,
-                      overhead=overhead_bytes(tensors, setup))
+    return MemoryPlan(
+        model=shape.name,
+        params=shape.params,
+        trainable_params=trainable_params(shape, setup),
+        setup=setup,
+        weights=weights,
+        gradients=grads,
+        optimizer_states=states,
+        activations=activations,
+        logits=logits_bytes(shape, setup),
+        optimizer_step=step,
+        overhead=overhead_bytes(tensors, setup),
+    )
 
 
 class DoesNotFit(FineflowError):
@@ -513,16 +575,23 @@ def auto_fit(shape: ModelShape, setup: Setup, device_bytes: float) -> FitVerdict
     if not current.gradient_checkpointing:
         current = replace(current, gradient_checkpointing=True)
         before, result = result, plan(shape, current)
-        changes.append(f"{PARAM_KEYS['gradient_checkpointing']}: false -> true (activations "
-                       f"{_gib(before.activations)} -> {_gib(result.activations)})")
+        changes.append(
+            f"{PARAM_KEYS['gradient_checkpointing']}: false -> true (activations "
+            f"{_gib(before.activations)} -> {_gib(result.activations)})"
+        )
     while not result.fits(device_bytes):
         smaller = _smaller_micro_batch(current.micro_batch_size)
         if smaller is None:  # checkpointing on, micro-batch 1: what is left is for the user to choose
-            raise DoesNotFit(refusal(shape, current, device_bytes,
-                                     note="even with gradient checkpointing and micro-batch 1 (auto_fit)"))
+            raise DoesNotFit(
+                refusal(
+                    shape, current, device_bytes, note="even with gradient checkpointing and micro-batch 1 (auto_fit)"
+                )
+            )
         accum = current.grad_accum * current.micro_batch_size // smaller
-        changes.append(f"{PARAM_KEYS['micro_batch_size']}: {current.micro_batch_size} -> {smaller}, "
-                       f"{PARAM_KEYS['grad_accum']}: {current.grad_accum} -> {accum} (global batch unchanged)")
+        changes.append(
+            f"{PARAM_KEYS['micro_batch_size']}: {current.micro_batch_size} -> {smaller}, "
+            f"{PARAM_KEYS['grad_accum']}: {current.grad_accum} -> {accum} (global batch unchanged)"
+        )
         current = replace(current, micro_batch_size=smaller, grad_accum=accum)
         result = plan(shape, current)
     return FitVerdict(current, result, changes)
@@ -552,28 +621,37 @@ def _what_else(candidate: Setup, shape: ModelShape, device_bytes: float) -> str 
     checkpointed = replace(candidate, gradient_checkpointing=True)
     if not candidate.gradient_checkpointing and plan(shape, checkpointed).fits(device_bytes):
         return f" with {PARAM_KEYS['gradient_checkpointing']}: true"
-    micro = _largest_fitting(list(range(1, candidate.micro_batch_size)),
-                             lambda m: replace(checkpointed, micro_batch_size=m), shape, device_bytes)
+    micro = _largest_fitting(
+        list(range(1, candidate.micro_batch_size)),
+        lambda m: replace(checkpointed, micro_batch_size=m),
+        shape,
+        device_bytes,
+    )
     if micro is None:
         return None
-    return (f" with {PARAM_KEYS['gradient_checkpointing']}: true and {PARAM_KEYS['micro_batch_size']} <= {micro}"
-            if not candidate.gradient_checkpointing else f" with {PARAM_KEYS['micro_batch_size']} <= {micro}")
+    return (
+        f" with {PARAM_KEYS['gradient_checkpointing']}: true and {PARAM_KEYS['micro_batch_size']} <= {micro}"
+        if not candidate.gradient_checkpointing
+        else f" with {PARAM_KEYS['micro_batch_size']} <= {micro}"
+    )
 
 
 def suggestions(shape: ModelShape, setup: Setup, device_bytes: float) -> list[str]:
     """Changes to setup that would make it fit, most local first: a smaller micro-batch, gradient
     checkpointing, a cheaper method, sharding, and as a last resort shorter rows."""
     key, options = PARAM_KEYS, []
-    micro = _largest_fitting(list(range(1, setup.micro_batch_size)),
-                             lambda m: replace(setup, micro_batch_size=m), shape, device_bytes)
+    micro = _largest_fitting(
+        list(range(1, setup.micro_batch_size)), lambda m: replace(setup, micro_batch_size=m), shape, device_bytes
+    )
     if micro is not None:
-        options.append(f"set {key['micro_batch_size']} <= {micro} (and raise {key['grad_accum']} to keep "
-                       "the global batch)")
+        options.append(
+            f"set {key['micro_batch_size']} <= {micro} (and raise {key['grad_accum']} to keep the global batch)"
+        )
     if not setup.gradient_checkpointing:
         extra = _what_else(replace(setup, gradient_checkpointing=True), shape, device_bytes)
         if extra is not None:
             options.append(f"set {key['gradient_checkpointing']}: true{extra}")
-    for method in METHODS[METHODS.index(setup.method) + 1:]:  # full -> lora -> qlora: less memory each
+    for method in METHODS[METHODS.index(setup.method) + 1 :]:  # full -> lora -> qlora: less memory each
         extra = _what_else(replace(setup, method=method), shape, device_bytes)
         if extra is not None:
             options.append(f"set {key['method']}: {method}{extra}")
@@ -587,16 +665,19 @@ def suggestions(shape: ModelShape, setup: Setup, device_bytes: float) -> list[st
         minimal = replace(setup, gradient_checkpointing=True, micro_batch_size=1)
         length = _largest_fitting(lengths, lambda n: replace(minimal, seq_len=n), shape, device_bytes)
         if length is not None:
-            options.append(f"lower {key['seq_len']} to <= {length} (with gradient checkpointing and "
-                           f"{key['micro_batch_size']}: 1)")
+            options.append(
+                f"lower {key['seq_len']} to <= {length} (with gradient checkpointing and {key['micro_batch_size']}: 1)"
+            )
     return options
 
 
 def refusal(shape: ModelShape, setup: Setup, device_bytes: float, note: str = "") -> str:
     """The message for a run that does not fit: what it needs, what the device has, what to change."""
     needed = plan(shape, setup).total
-    message = (f"{shape.name} ({setup.method}) needs {_gib(needed)} per device{' ' + note if note else ''}, "
-               f"device has {_gib(device_bytes)}")
+    message = (
+        f"{shape.name} ({setup.method}) needs {_gib(needed)} per device{' ' + note if note else ''}, "
+        f"device has {_gib(device_bytes)}"
+    )
     return f"{message}: {what_to_change(shape, setup, device_bytes)}"
 
 

@@ -30,15 +30,24 @@ def launch_ranks(params: Params, module: str, argv: list[str], placement: dict, 
     check_hardware(cfg, has_gpu)
     _, plan, changes = fit_plan(params, resolve_base_model(params.model, Path(placement["base_dir"])), has_gpu)
     gib = plan["gib"]
-    log(f"memory plan per device: weights {gib['weights']:.2f} GiB, gradients {gib['gradients']:.2f}, "
+    log(
+        f"memory plan per device: weights {gib['weights']:.2f} GiB, gradients {gib['gradients']:.2f}, "
         f"optimizer {gib['optimizer_states']:.2f}, activations {gib['activations']:.2f}, overhead "
         f"{gib['overhead']:.2f} = {gib['total']:.2f} GiB of {plan['device_bytes'] / GiB:.1f} GiB"
-        + ("; auto_fit: " + "; ".join(changes) if changes else ""))
+        + ("; auto_fit: " + "; ".join(changes) if changes else "")
+    )
     profile = resolve_profile(cfg.accelerate_profile)
     command, env = accelerate_command(
-        cfg.num_processes, has_gpu, module, argv, placement["main_process_port"],
-        config_file=profile, num_machines=cfg.num_machines if cfg.num_machines > 1 or profile is None else None,
-        machine_rank=placement["machine_rank"], main_process_ip=placement["main_process_ip"])
+        cfg.num_processes,
+        has_gpu,
+        module,
+        argv,
+        placement["main_process_port"],
+        config_file=profile,
+        num_machines=cfg.num_machines if cfg.num_machines > 1 or profile is None else None,
+        machine_rank=placement["machine_rank"],
+        main_process_ip=placement["main_process_ip"],
+    )
     log(f"launching: {' '.join(command[2:])}")
     return subprocess.run(command, env={**os.environ, **env}).returncode
 
@@ -50,9 +59,11 @@ def init_tracker(accelerator, params: Params, cfg: TrainParams, start_step: int 
         return
     flat = {f"train.{k}": v for k, v in cfg.model_dump().items() if isinstance(v, (int, float, str, bool))}
     init_kwargs = {"tensorboard": {"purge_step": start_step + 1}} if start_step else {}
-    accelerator.init_trackers("fineflow", config={**flat, "seed": params.seed,
-                                                  "tokenize.seq_len": params.tokenize.seq_len},
-                              init_kwargs=init_kwargs)
+    accelerator.init_trackers(
+        "fineflow",
+        config={**flat, "seed": params.seed, "tokenize.seq_len": params.tokenize.seq_len},
+        init_kwargs=init_kwargs,
+    )
 
 
 def resume_point(accelerator, checkpoints: Path, fingerprint: dict, mode: str):
@@ -73,8 +84,16 @@ def resume_point(accelerator, checkpoints: Path, fingerprint: dict, mode: str):
     return plan.run_dir, (load_checkpoint(plan.checkpoint, verify=False) if plan.checkpoint else None)
 
 
-def train_rank(params: Params, shards: Path, base_dir: Path, checkpoints: Path, out_dir: Path,
-               steps_log: Path, logs_dir: Path | None = None, log=print) -> dict | None:
+def train_rank(
+    params: Params,
+    shards: Path,
+    base_dir: Path,
+    checkpoints: Path,
+    out_dir: Path,
+    steps_log: Path,
+    logs_dir: Path | None = None,
+    log=print,
+) -> dict | None:
     """One rank of training; returns the report on rank 0 and None elsewhere."""
     import torch
     from accelerate import Accelerator
@@ -84,25 +103,31 @@ def train_rank(params: Params, shards: Path, base_dir: Path, checkpoints: Path, 
     from fineflow.tokenize.shards import PackedShard, RowSampler
     from fineflow.train.loader import BatchLoader
     from fineflow.train.loop import Progress, StepLog, StepTimer, TrainStateSaver, fit, restore
-    from fineflow.train.schedule import build_scheduler
     from fineflow.train.resume import run_fingerprint
+    from fineflow.train.schedule import build_scheduler
 
     has_gpu = torch.cuda.is_available()
     check_hardware(params.train, has_gpu)
     reference = resolve_base_model(params.model, base_dir)
     cfg, plan, changes = fit_plan(params, reference, has_gpu)
     tracker = None if cfg.tracker == "none" else cfg.tracker
-    accelerator = Accelerator(mixed_precision=cfg.precision, log_with=tracker,
-                              project_dir=str(logs_dir or Path("logs")))
+    accelerator = Accelerator(
+        mixed_precision=cfg.precision, log_with=tracker, project_dir=str(logs_dir or Path("logs"))
+    )
     set_seed(params.seed)
     # ZeRO-3 gathers each module's parameters in that module's own forward hook: leave peft's forward there
-    model = build_model(reference, params, cfg, fuse_lora=cfg.fused_lora and sharding_of(
-        resolve_profile(cfg.accelerate_profile)) != "zero3")
+    model = build_model(
+        reference,
+        params,
+        cfg,
+        fuse_lora=cfg.fused_lora and sharding_of(resolve_profile(cfg.accelerate_profile)) != "zero3",
+    )
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     fused_layers = getattr(model, "fineflow_fused_layers", 0)
     # fused: one kernel per parameter instead of ~10 small ops each (CPU and CUDA; 3.9 -> 2.4 ms/step here)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                                  weight_decay=cfg.weight_decay, fused=True)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True
+    )
     # The scheduler is deliberately not passed through accelerator.prepare: accelerate steps a prepared
     # scheduler once per process on every optimizer step, so N ranks would run the schedule N times faster
     # (warmup over after 1/N of its steps, the decay finished at 1/N of the run). Stepped by fit() once per
@@ -110,8 +135,9 @@ def train_rank(params: Params, shards: Path, base_dir: Path, checkpoints: Path, 
     scheduler = build_scheduler(optimizer, cfg)
     model, optimizer = accelerator.prepare(model, optimizer)
     train, evaluation = PackedShard(shards / "train"), PackedShard(shards / "eval")
-    sampler = RowSampler(len(train), params.seed, accelerator.process_index, accelerator.num_processes,
-                         row_tokens=train.real_per_row)
+    sampler = RowSampler(
+        len(train), params.seed, accelerator.process_index, accelerator.num_processes, row_tokens=train.real_per_row
+    )
     fingerprint = run_fingerprint(params, reference, train.meta, accelerator.num_processes)
     run_dir, resumed = resume_point(accelerator, checkpoints, fingerprint, cfg.resume)
     start_step, tokens_seen = 0, 0
@@ -119,32 +145,64 @@ def train_rank(params: Params, shards: Path, base_dir: Path, checkpoints: Path, 
         restore(resumed, accelerator, model, optimizer, scheduler)
         sampler.load_state_dict(resumed.state["sampler"])
         start_step, tokens_seen = resumed.state["step"], resumed.state["tokens_seen"]
-    batches = BatchLoader(train, sampler, cfg.micro_batch_size, cfg.grad_accum, cfg.steps - start_step,
-                          prefetch=cfg.prefetch, pin_memory=accelerator.device.type == "cuda",
-                          varlen=cfg.attention == "varlen")
+    batches = BatchLoader(
+        train,
+        sampler,
+        cfg.micro_batch_size,
+        cfg.grad_accum,
+        cfg.steps - start_step,
+        prefetch=cfg.prefetch,
+        pin_memory=accelerator.device.type == "cuda",
+        varlen=cfg.attention == "varlen",
+    )
     main = accelerator.is_main_process
     ck = params.checkpoint
-    manager = CheckpointManager(run_dir, keep_last=ck.keep_last, keep_best=ck.keep_best, mode=ck.mode,
-                                async_backend=ck.backend, on_write_error=ck.on_write_error,
-                                retries=ck.retries) if main else None
+    manager = (
+        CheckpointManager(
+            run_dir,
+            keep_last=ck.keep_last,
+            keep_best=ck.keep_best,
+            mode=ck.mode,
+            async_backend=ck.backend,
+            on_write_error=ck.on_write_error,
+            retries=ck.retries,
+        )
+        if main
+        else None
+    )
     if main:
         if resumed is not None:
             manager.protect(resumed.path)
             log(f"resuming from {resumed.path} (step {start_step} of {cfg.steps})")
         init_tracker(accelerator, params, cfg, start_step)
-        log(f"training {cfg.method}" + (f" r={cfg.lora.r}" if cfg.method != "full" else "")
+        log(
+            f"training {cfg.method}"
+            + (f" r={cfg.lora.r}" if cfg.method != "full" else "")
             + f": {trainable:,} trainable parameters on {accelerator.num_processes} process(es), device "
-              f"{accelerator.device}, precision {cfg.precision}, attention {cfg.attention}, {fused_layers} fused LoRA "
-              f"layers, planned peak {plan['gib']['total']:.2f} GiB per device")
+            f"{accelerator.device}, precision {cfg.precision}, attention {cfg.attention}, {fused_layers} fused LoRA "
+            f"layers, planned peak {plan['gib']['total']:.2f} GiB per device"
+        )
         for change in changes:
             log(f"auto_fit: {change}")
     timer = StepTimer()
     step_log = StepLog(steps_log if main else None, resume_after=start_step)
     progress = Progress(cfg.steps, cfg.log_every, log, start=start_step) if main else None
     try:
-        result = fit(model, optimizer, scheduler, accelerator, batches, cfg, timer, step_log,
-                     TrainStateSaver(manager, ck.every_steps, ck.every_minutes, fingerprint), evaluation, progress,
-                     start_step=start_step, tokens_seen=tokens_seen)
+        result = fit(
+            model,
+            optimizer,
+            scheduler,
+            accelerator,
+            batches,
+            cfg,
+            timer,
+            step_log,
+            TrainStateSaver(manager, ck.every_steps, ck.every_minutes, fingerprint),
+            evaluation,
+            progress,
+            start_step=start_step,
+            tokens_seen=tokens_seen,
+        )
         if manager is not None:
             manager.close()  # the last save is complete and verified before the stage reports success
     finally:
@@ -161,25 +219,43 @@ def train_rank(params: Params, shards: Path, base_dir: Path, checkpoints: Path, 
     return train_report(result, cfg, plan, tokens_seen, accelerator.num_processes, trainable, fused_layers, write_s)
 
 
-def train_report(result, cfg: TrainParams, plan: dict, tokens_before: int, world_size: int, trainable: int,
-                 fused_layers: int, checkpoint_write_s: float | None) -> dict:
+def train_report(
+    result,
+    cfg: TrainParams,
+    plan: dict,
+    tokens_before: int,
+    world_size: int,
+    trainable: int,
+    fused_layers: int,
+    checkpoint_write_s: float | None,
+) -> dict:
     """The train stage's report: what ran, how fast, where the time went, and the memory plan.
 
     tokens: the run's total; tokens/s: this attempt's own steps (a resumed attempt did not train the earlier
     ones; one resumed at its last step trained none: null)."""
     totals = result.timer.totals
     trained_now = result.steps > result.resumed_from
-    return {"steps": result.steps, "resumed_from_step": result.resumed_from, "method": cfg.method,
-            "precision": cfg.precision, "attention": cfg.attention, "fused_lora_layers": fused_layers,
-            "final_loss": round(result.final_loss, 5),
-            "eval_loss": round(result.eval_loss, 5) if result.eval_loss is not None else None,
-            "tokens": result.tokens, "tokens_this_attempt": result.tokens - tokens_before,
-            "tokens_per_s": (round((result.tokens - tokens_before) / max(result.wall_s, 1e-9), 1)
-                             if trained_now else None),
-            "world_size": world_size, "trainable_parameters": trainable,
-            "micro_batch_size": cfg.micro_batch_size, "grad_accum": cfg.grad_accum,
-            "gradient_checkpointing": cfg.gradient_checkpointing,
-            "loop_s": round(result.wall_s, 3), **{k: round(v, 3) for k, v in totals.items()},
-            "data_wait_share": round(totals["data_wait_s"] / max(result.wall_s, 1e-9), 5),
-            "checkpoint_write_s": round(checkpoint_write_s, 3) if checkpoint_write_s is not None else None,
-            "peak_mem_mb": round(result.peak_mem_mb, 1), "plan": plan}
+    return {
+        "steps": result.steps,
+        "resumed_from_step": result.resumed_from,
+        "method": cfg.method,
+        "precision": cfg.precision,
+        "attention": cfg.attention,
+        "fused_lora_layers": fused_layers,
+        "final_loss": round(result.final_loss, 5),
+        "eval_loss": round(result.eval_loss, 5) if result.eval_loss is not None else None,
+        "tokens": result.tokens,
+        "tokens_this_attempt": result.tokens - tokens_before,
+        "tokens_per_s": (round((result.tokens - tokens_before) / max(result.wall_s, 1e-9), 1) if trained_now else None),
+        "world_size": world_size,
+        "trainable_parameters": trainable,
+        "micro_batch_size": cfg.micro_batch_size,
+        "grad_accum": cfg.grad_accum,
+        "gradient_checkpointing": cfg.gradient_checkpointing,
+        "loop_s": round(result.wall_s, 3),
+        **{k: round(v, 3) for k, v in totals.items()},
+        "data_wait_share": round(totals["data_wait_s"] / max(result.wall_s, 1e-9), 5),
+        "checkpoint_write_s": round(checkpoint_write_s, 3) if checkpoint_write_s is not None else None,
+        "peak_mem_mb": round(result.peak_mem_mb, 1),
+        "plan": plan,
+    }

@@ -21,8 +21,17 @@ from pathlib import Path
 from fineflow.errors import FineflowError
 
 # settings that change neither the trajectory nor the weights: safe to edit between a crash and a retry
-NOT_IN_FINGERPRINT = {"log_every", "eval_every", "resume", "prefetch", "tracker", "auto_fit",
-                      "device_memory_gib", "accelerate_profile", "num_machines"}
+NOT_IN_FINGERPRINT = {
+    "log_every",
+    "eval_every",
+    "resume",
+    "prefetch",
+    "tracker",
+    "auto_fit",
+    "device_memory_gib",
+    "accelerate_profile",
+    "num_machines",
+}
 
 
 def base_identity(reference: str) -> dict:
@@ -39,8 +48,14 @@ def base_identity(reference: str) -> dict:
 def run_fingerprint(params, reference: str, shard_meta: dict, world_size: int) -> dict:
     """Plain JSON (lists, not tuples): it is compared with the copy stored in each checkpoint."""
     train = {k: v for k, v in params.train.model_dump().items() if k not in NOT_IN_FINGERPRINT}
-    return {"base": base_identity(reference), "data": shard_meta.get("content_key"), "seed": params.seed,
-            "seq_len": params.tokenize.seq_len, "world_size": world_size, "train": train}
+    return {
+        "base": base_identity(reference),
+        "data": shard_meta.get("content_key"),
+        "seed": params.seed,
+        "seq_len": params.tokenize.seq_len,
+        "world_size": world_size,
+        "train": train,
+    }
 
 
 def run_id(fingerprint: dict) -> str:
@@ -95,5 +110,6 @@ def plan_resume(root: Path, fingerprint: dict, mode: str) -> ResumePlan:
                 f"{checkpoint} is an unfinished run (step {state['step']} of {state['total_steps']}) of another "
                 f"configuration; resuming it with these params would not continue the same training. Changed: "
                 f"{'; '.join(changes[:8]) or 'unknown'}. Restore those params to resume it, or set "
-                f"train.resume: never to start this configuration fresh (the other run's checkpoints are kept).")
+                f"train.resume: never to start this configuration fresh (the other run's checkpoints are kept)."
+            )
     return ResumePlan(run_dir, None)

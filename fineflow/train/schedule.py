@@ -27,4 +27,5 @@ def build_scheduler(optimizer, cfg: TrainParams):
     import torch
 
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_multiplier(s, cfg.warmup_steps, cfg.steps, cfg.schedule))
+        optimizer, lambda s: lr_multiplier(s, cfg.warmup_steps, cfg.steps, cfg.schedule)
+    )

@@ -21,19 +21,24 @@ PRECISION_OF = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 def check_hardware(cfg: TrainParams, has_gpu: bool) -> None:
     """Settings this machine cannot run, said before anything is loaded."""
     if cfg.method == "qlora" and not has_gpu:
-        raise FineflowError("params.yaml: train.method is qlora, which quantizes the base model to 4 bits with "
-                            "bitsandbytes and needs a CUDA GPU; this machine has none. Use train.method: lora "
-                            "(the same adapter on a 16/32-bit base) or run on a GPU machine.")
+        raise FineflowError(
+            "params.yaml: train.method is qlora, which quantizes the base model to 4 bits with "
+            "bitsandbytes and needs a CUDA GPU; this machine has none. Use train.method: lora "
+            "(the same adapter on a 16/32-bit base) or run on a GPU machine."
+        )
     if cfg.precision == "fp16" and not has_gpu:
-        raise FineflowError("params.yaml: train.precision fp16 needs a CUDA GPU (loss scaling); on CPU use "
-                            "train.precision: bf16 or no.")
+        raise FineflowError(
+            "params.yaml: train.precision fp16 needs a CUDA GPU (loss scaling); on CPU use train.precision: bf16 or no."
+        )
     if cfg.attention == "flash_attention_2":
         from importlib.util import find_spec
 
         if not has_gpu or find_spec("flash_attn") is None:
-            raise FineflowError("params.yaml: train.attention flash_attention_2 needs a CUDA GPU and the flash-attn "
-                                "package (pip install flash-attn); train.attention: varlen does the same per-example "
-                                "attention on any device.")
+            raise FineflowError(
+                "params.yaml: train.attention flash_attention_2 needs a CUDA GPU and the flash-attn "
+                "package (pip install flash-attn); train.attention: varlen does the same per-example "
+                "attention on any device."
+            )
 
 
 def sharding_of(profile: Path | None) -> str:
@@ -87,14 +92,27 @@ def fit_plan(params: Params, reference: str, has_gpu: bool):
     profile = resolve_profile(cfg.accelerate_profile)
     ranks = world_size(cfg, profile)
     targets = tuple(t for t in cfg.lora.target_modules if t in planner.LINEARS) or planner.LINEARS
-    setup = planner.Setup(method=cfg.method, precision=PRECISION_OF[cfg.precision], optimizer="adamw",
-                          micro_batch_size=cfg.micro_batch_size, seq_len=params.tokenize.seq_len,
-                          grad_accum=cfg.grad_accum, gradient_checkpointing=cfg.gradient_checkpointing,
-                          num_gpus=ranks, sharding=sharding_of(profile), lora_r=cfg.lora.r, lora_targets=targets)
+    setup = planner.Setup(
+        method=cfg.method,
+        precision=PRECISION_OF[cfg.precision],
+        optimizer="adamw",
+        micro_batch_size=cfg.micro_batch_size,
+        seq_len=params.tokenize.seq_len,
+        grad_accum=cfg.grad_accum,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        num_gpus=ranks,
+        sharding=sharding_of(profile),
+        lora_r=cfg.lora.r,
+        lora_targets=targets,
+    )
     device = device_memory_bytes(cfg, has_gpu, max(1, ranks // cfg.num_machines))
     result = planner.check_fit(model_shape(reference), setup, device, adapt=cfg.auto_fit)
-    adapted = cfg.model_copy(update={"micro_batch_size": result.setup.micro_batch_size,
-                                     "grad_accum": result.setup.grad_accum,
-                                     "gradient_checkpointing": result.setup.gradient_checkpointing})
+    adapted = cfg.model_copy(
+        update={
+            "micro_batch_size": result.setup.micro_batch_size,
+            "grad_accum": result.setup.grad_accum,
+            "gradient_checkpointing": result.setup.gradient_checkpointing,
+        }
+    )
     plan = {**result.plan.as_dict(), "device_bytes": int(device), "changes": result.changes}
     return adapted, plan, result.changes

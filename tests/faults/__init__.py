@@ -10,13 +10,16 @@ FAULTS_DIR = Path(__file__).resolve().parent
 INJECTED = "injected into fineflow.checkpoint.write.write_all"  # sitecustomize.MESSAGE: one line per process
 
 
-def fault_env(env: dict[str, str], write_delay_s: float | None = None,
-              disk_full_at_step: int | None = None) -> dict[str, str]:
+def fault_env(
+    env: dict[str, str], write_delay_s: float | None = None, disk_full_at_step: int | None = None
+) -> dict[str, str]:
     """env with this directory first on PYTHONPATH (so every Python process started with it imports our
     sitecustomize) and the variables for the faults given; None leaves a fault off."""
     env = {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(FAULTS_DIR), env.get("PYTHONPATH")) if p)}
-    for name, value in (("FINEFLOW_TEST_WRITE_DELAY_S", write_delay_s),
-                        ("FINEFLOW_TEST_DISK_FULL_AT_STEP", disk_full_at_step)):
+    for name, value in (
+        ("FINEFLOW_TEST_WRITE_DELAY_S", write_delay_s),
+        ("FINEFLOW_TEST_DISK_FULL_AT_STEP", disk_full_at_step),
+    ):
         env.pop(name, None)  # only what this call asks for, never a leftover from the caller's environment
         if value is not None:
             env[name] = str(value)

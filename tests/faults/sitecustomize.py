@@ -81,8 +81,11 @@ class _PatchingLoader:
     def exec_module(self, module) -> None:
         self.inner.exec_module(module)
         module.write_all = self.wrap(module.write_all)
-        print(f"tests/faults: {self.description} {MESSAGE} (pid {os.getpid()}, rank {os.environ.get('RANK', '0')})",
-              file=sys.stderr, flush=True)
+        print(
+            f"tests/faults: {self.description} {MESSAGE} (pid {os.getpid()}, rank {os.environ.get('RANK', '0')})",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
