@@ -137,3 +137,15 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def expected_lrs(params: dict) -> list[float]:
+    """The schedule per optimizer step as fineflow.train.schedule defines it, for any world size."""
+    from fineflow.train.schedule import lr_multiplier
+
+    train = params["train"]
+    # the logged lr is the one the next step will use: after step s the scheduler has stepped s times
+    return [
+        train["lr"] * lr_multiplier(s, train["warmup_steps"], train["steps"], train["schedule"])
+        for s in range(1, train["steps"] + 1)
+    ]

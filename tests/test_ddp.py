@@ -12,7 +12,7 @@ import sys
 import pytest
 import yaml
 
-from tests.conftest import free_port, venv_env, write_params
+from tests.conftest import expected_lrs, free_port, venv_env, write_params
 
 TRAIN = [
     sys.executable,
@@ -46,18 +46,6 @@ def _train(project, extra=()):
     result = subprocess.run(command, cwd=project, env=venv_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [json.loads(line) for line in (project / "reports/train_steps.jsonl").read_text().splitlines()]
-
-
-def expected_lrs(params: dict) -> list[float]:
-    """The schedule per optimizer step as fineflow.train.schedule defines it, for any world size."""
-    from fineflow.train.schedule import lr_multiplier
-
-    train = params["train"]
-    # the logged lr is the one the next step will use: after step s the scheduler has stepped s times
-    return [
-        train["lr"] * lr_multiplier(s, train["warmup_steps"], train["steps"], train["schedule"])
-        for s in range(1, train["steps"] + 1)
-    ]
 
 
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch(built, tmp_path):

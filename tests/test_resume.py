@@ -17,9 +17,10 @@ import time
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
-from tests.conftest import free_port, venv_env, write_params
+from tests.conftest import expected_lrs, free_port, venv_env, write_params
 from tests.faults import INJECTED, fault_env
 
 STEPS = 12
@@ -115,6 +116,10 @@ def _finish(project, ranks, env=None) -> str:
     return output
 
 
+def _steps(project):
+    return [json.loads(line) for line in (project / "reports/train_steps.jsonl").read_text().splitlines()]
+
+
 def _rows(project):
     return [json.loads(line)["rows"] for line in (project / "reports/train_steps.jsonl").read_text().splitlines()]
 
@@ -135,6 +140,12 @@ def _assert_same_training(resumed, reference):
         range(1, STEPS + 1)
     )  # no step logged twice, none missing
     assert _rows(resumed) == _rows(reference)  # the same rows, in the same order: nothing skipped or replayed
+    # every step at the schedule's lr (a restored scheduler neither restarts nor runs N times per step under
+    # DDP), and the same loss and gradient norm as the uninterrupted run
+    steps, reference_steps = _steps(resumed), _steps(reference)
+    params = yaml.safe_load((resumed / "params.yaml").read_text())
+    assert [s["lr"] for s in steps] == pytest.approx(expected_lrs(params), rel=1e-9)
+    assert [(s["loss"], s["grad_norm"]) for s in steps] == [(s["loss"], s["grad_norm"]) for s in reference_steps]
     a, b = _adapter(resumed), _adapter(reference)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bit-exact
 
