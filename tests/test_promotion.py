@@ -5,7 +5,15 @@ import json
 import pytest
 
 from fineflow.registry.gate import decide
-from fineflow.registry.store import append_log, directory_hash, ensure_empty_champion, install_champion, read_champion
+from fineflow.registry.store import (
+    alias_id,
+    append_log,
+    ensure_empty_champion,
+    read_champion,
+    set_alias,
+    staging_dir,
+    swap_in,
+)
 
 P = "synth/exact_match"
 
@@ -40,18 +48,100 @@ def test_log_entries_chain_by_hash(tmp_path):
     assert json.loads(lines[1])["prev_sha256"] == hashlib.sha256(lines[0].encode()).hexdigest()
 
 
-def test_champion_install_replaces_atomically(tmp_path):
+def _files(root):
+    """{relative path: bytes} of every file below root: a directory's whole content, to compare."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _write(root, files: dict[str, str]):
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_before_the_first_promotion_the_champion_path_holds_no_champion(tmp_path):
     champion = tmp_path / "champion"
     ensure_empty_champion(champion)
+    assert json.loads((champion / "champion.json").read_text()) == {"candidate_id": None}
     assert read_champion(champion) is None
-    for version in ("one", "two"):
-        adapter = tmp_path / version
-        adapter.mkdir()
-        (adapter / "adapter_model.safetensors").write_text(version)
-        install_champion(adapter, champion, {"candidate_id": directory_hash(adapter), "metrics": {P: 1.0}})
-    assert (champion / "adapter_model.safetensors").read_text() == "two"
-    assert read_champion(champion)["candidate_id"] == directory_hash(tmp_path / "two")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["champion", "one", "two"]  # no staging left over
+
+
+def test_swap_in_replaces_the_whole_champion_and_leaves_nothing_beside_it(tmp_path):
+    champion = _write(
+        tmp_path / "champion",
+        {"adapter_model.safetensors": "old", "merged/model.safetensors": "old", "only_in_old.txt": "old"},
+    )
+    staging = staging_dir(champion)
+    assert staging.parent == champion.parent  # same filesystem: the swap is a rename
+    _write(staging, {"adapter_model.safetensors": "new", "merged/model.safetensors": "new"})
+    swap_in(staging, champion)
+    assert _files(champion) == {"adapter_model.safetensors": b"new", "merged/model.safetensors": b"new"}  # not merged
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["champion"]  # no staging or retired copy left over
+
+
+def test_swap_in_installs_a_first_champion_where_there_was_none(tmp_path):
+    staging = _write(staging_dir(tmp_path / "champion"), {"adapter_model.safetensors": "first"})
+    swap_in(staging, tmp_path / "champion")
+    assert _files(tmp_path / "champion") == {"adapter_model.safetensors": b"first"}
+
+
+def test_staging_dir_discards_what_a_crashed_build_left(tmp_path):
+    leftover = _write(tmp_path / ".champion.staging", {"adapter_model.safetensors": "half"})
+    staging = staging_dir(tmp_path / "champion")
+    assert staging == leftover and not staging.exists()  # the next build starts empty, never on top of a half one
+
+
+def _registry_with_two_champions(tmp_path):
+    """A registry whose log promoted "a" then "b" (the champion installed now); the base model named in the
+    records is never loaded by the test."""
+    registry, champion = tmp_path / "registry", tmp_path / "champion"
+    for cid in ("a" * 16, "b" * 16):
+        _write(
+            registry / "candidates" / cid,
+            {
+                "adapter_model.safetensors": cid,
+                "adapter_config.json": "{}",
+                "record.json": json.dumps({"candidate_id": cid, "base_model": "base", "metrics": {P: 0.5}}),
+            },
+        )
+        entry = append_log(registry, {"candidate_id": cid, "decision": "promoted"})
+    set_alias(registry, "b" * 16, entry["seq"])
+    _write(
+        champion,
+        {
+            "adapter_model.safetensors": "b" * 16,
+            "merged/model.safetensors": "merged b",
+            "champion.json": json.dumps({"candidate_id": "b" * 16, "promotion_seq": 2}),
+        },
+    )
+    return registry, champion
+
+
+def test_a_champion_build_that_fails_midway_leaves_the_old_champion_and_the_log_as_they_were(tmp_path, monkeypatch):
+    """build_champion (promote and rollback both use it) assembles the next champion aside; here it fails after
+    the adapter files were copied, when loading the base model's tokenizer (e.g. a full disk or a missing base).
+    The installed champion, the log and the alias must be untouched: nothing is logged or swapped before the
+    build is complete."""
+    import transformers
+
+    from fineflow.registry.champion import rollback
+
+    registry, champion = _registry_with_two_champions(tmp_path)
+    before = _files(champion), (registry / "promotions.jsonl").read_bytes(), (registry / "HEAD").read_bytes()
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_space)
+    with pytest.raises(OSError, match="No space left on device"):
+        rollback(registry, champion)
+    assert (_files(champion), (registry / "promotions.jsonl").read_bytes(), (registry / "HEAD").read_bytes()) == before
+    assert alias_id(registry) == "b" * 16
+    assert _files(tmp_path / ".champion.staging") == {
+        "adapter_model.safetensors": b"a" * 16,
+        "adapter_config.json": b"{}",
+    }  # the failure was midway
 
 
 # ---- the whole gate: paired bootstrap, refusals ----------------------------------------------------
@@ -59,8 +149,9 @@ def test_champion_install_replaces_atomically(tmp_path):
 from fineflow.registry.gate import paired_bootstrap, promotion_decision  # noqa: E402
 
 H = "e" * 64
-GATE = dict(primary=P, min_delta=0.05, max_regression=0.0, bootstrap_samples=2000, confidence=0.95, seed=0,
-            eval_data_sha256=H)
+GATE = dict(
+    primary=P, min_delta=0.05, max_regression=0.0, bootstrap_samples=2000, confidence=0.95, seed=0, eval_data_sha256=H
+)
 
 
 def entry(per_task: dict[str, list[float]], status="ok") -> dict:
@@ -99,23 +190,34 @@ def test_gate_refuses_a_tie_within_noise():
 
 
 def test_gate_refuses_a_regression_on_a_secondary_task():
-    scores = {"base": entry({P: hits(5), "other/acc": hits(30)}),
-              "candidate": entry({P: hits(35), "other/acc": hits(25)})}
+    scores = {
+        "base": entry({P: hits(5), "other/acc": hits(30)}),
+        "candidate": entry({P: hits(35), "other/acc": hits(25)}),
+    }
     d = promotion_decision(scores, None, [], **GATE)
     assert not d.promote and "other/acc" in d.reason and d.regressions == {"other/acc": 0.125}
 
 
-@pytest.mark.parametrize("scores, expected", [
-    ({"base": entry({P: hits(5)})}, "no candidate evaluation"),
-    ({"candidate": entry({P: hits(30)})}, "no base model evaluation"),
-    ({"base": entry({P: hits(5)}), "candidate": {"status": "failed", "error": "OOM"}},
-     "candidate's evaluation failed: OOM"),
-    ({"base": entry({P: hits(5)}), "candidate": {"status": "ok", "metrics": {}}}, "no candidate evaluation"),
-    ({"base": entry({P: hits(5)}), "candidate": {**entry({P: hits(30)}), "status": "failed", "error": "OOM"}},
-     "candidate's evaluation failed: OOM"),
-    ({"base": {**entry({P: hits(5)}), "status": "failed", "error": "boom"}, "candidate": entry({P: hits(30)})},
-     "base model's evaluation failed: boom"),
-])
+@pytest.mark.parametrize(
+    "scores, expected",
+    [
+        ({"base": entry({P: hits(5)})}, "no candidate evaluation"),
+        ({"candidate": entry({P: hits(30)})}, "no base model evaluation"),
+        (
+            {"base": entry({P: hits(5)}), "candidate": {"status": "failed", "error": "OOM"}},
+            "candidate's evaluation failed: OOM",
+        ),
+        ({"base": entry({P: hits(5)}), "candidate": {"status": "ok", "metrics": {}}}, "no candidate evaluation"),
+        (
+            {"base": entry({P: hits(5)}), "candidate": {**entry({P: hits(30)}), "status": "failed", "error": "OOM"}},
+            "candidate's evaluation failed: OOM",
+        ),
+        (
+            {"base": {**entry({P: hits(5)}), "status": "failed", "error": "boom"}, "candidate": entry({P: hits(30)})},
+            "base model's evaluation failed: boom",
+        ),
+    ],
+)
 def test_gate_refuses_a_missing_or_failed_evaluation(scores, expected):
     d = promotion_decision(scores, None, [], **GATE)
     assert not d.promote and expected in d.reason
@@ -125,8 +227,11 @@ CHAMPION = {"id": "c" * 16, "metrics": {P: 0.25}, "samples": entry({P: hits(10)}
 
 
 def test_gate_compares_with_the_champion_not_the_base():
-    scores = {"base": entry({P: hits(0)}), "candidate": entry({P: hits(12)}),
-              "champion": {**entry({P: hits(10)}), "id": CHAMPION["id"]}}
+    scores = {
+        "base": entry({P: hits(0)}),
+        "candidate": entry({P: hits(12)}),
+        "champion": {**entry({P: hits(10)}), "id": CHAMPION["id"]},
+    }
     d = promotion_decision(scores, CHAMPION, [], **GATE)
     assert not d.promote and "champion cccc" in d.reason  # +0.05 over the champion is within noise
     better = promotion_decision({**scores, "candidate": entry({P: hits(30)})}, CHAMPION, [], **GATE)
@@ -139,8 +244,11 @@ def test_gate_uses_the_champions_recorded_samples_when_it_was_not_re_evaluated()
 
 
 def test_gate_refuses_a_failed_champion_evaluation():
-    scores = {"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)}),
-              "champion": {"status": "failed", "error": "corrupt adapter", "id": CHAMPION["id"]}}
+    scores = {
+        "base": entry({P: hits(0)}),
+        "candidate": entry({P: hits(30)}),
+        "champion": {"status": "failed", "error": "corrupt adapter", "id": CHAMPION["id"]},
+    }
     d = promotion_decision(scores, CHAMPION, [], **GATE)
     assert not d.promote and "evaluation failed: corrupt adapter" in d.reason
 
@@ -154,17 +262,27 @@ def test_gate_refuses_different_eval_data_than_the_champions():
 
 
 def test_gate_refuses_a_champion_mismatch_and_a_legacy_champion_without_evidence():
-    scores = {"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)}),
-              "champion": {**entry({P: hits(10)}), "id": "d" * 16}}
+    scores = {
+        "base": entry({P: hits(0)}),
+        "candidate": entry({P: hits(30)}),
+        "champion": {**entry({P: hits(10)}), "id": "d" * 16},
+    }
     assert "re-run the evaluate stage" in promotion_decision(scores, CHAMPION, [], **GATE).reason
     legacy = {"id": "a" * 64, "metrics": {P: 0.25}, "samples": None, "eval_data_sha256": None}
     d = promotion_decision({"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)})}, legacy, [], **GATE)
     assert not d.promote and "no recorded eval data hash" in d.reason
 
 
-@pytest.mark.parametrize("missing, expected", [
-    (None, "has no lineage manifest"), (["run.git.commit", "data.tokenizer_hash"],
-                                        "lineage is incomplete: missing run.git.commit, data.tokenizer_hash")])
+@pytest.mark.parametrize(
+    "missing, expected",
+    [
+        (None, "has no lineage manifest"),
+        (
+            ["run.git.commit", "data.tokenizer_hash"],
+            "lineage is incomplete: missing run.git.commit, data.tokenizer_hash",
+        ),
+    ],
+)
 def test_gate_refuses_incomplete_lineage(missing, expected):
     d = promotion_decision({"base": entry({P: hits(5)}), "candidate": entry({P: hits(30)})}, None, missing, **GATE)
     assert not d.promote and expected in d.reason

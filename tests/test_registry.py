@@ -5,7 +5,8 @@ scores.json is written by hand, so no lm-eval run is needed. Shows: promotion in
 model and the tokenizer (same logits through stock PeftModel and AutoModelForCausalLM), a model card with
 YAML front matter; the registry keeps every candidate by id; a tampered log fails verify naming the line;
 rollback reinstalls the previous champion, is logged, and verify still passes; `fineflow lineage` prints
-the tree with the git commit and package versions.
+the tree with the git commit and package versions. The promoted project is built once per module; every test
+gets its own copy, so the tests pass in any order.
 """
 
 import json
@@ -24,14 +25,22 @@ EVAL_SHA = "e" * 64
 
 def _entry(right: int, n: int = 40, cid: str | None = None) -> dict:
     samples = [{"doc_id": i, "target": "t", "prediction": "p", "exact_match": float(i < right)} for i in range(n)]
-    out = {"status": "ok", "metrics": {"fineflow_synth": {"exact_match": right / n}},
-           "samples": {"fineflow_synth": samples}}
+    out = {
+        "status": "ok",
+        "metrics": {"fineflow_synth": {"exact_match": right / n}},
+        "samples": {"fineflow_synth": samples},
+    }
     return {**out, "id": cid} if cid else out
 
 
 def _write_scores(path, candidate: int, base: int, champion: tuple[int, str] | None = None):
-    scores = {"tasks": ["fineflow_synth"], "eval_rows": "data/validated/eval.jsonl", "eval_data_sha256": EVAL_SHA,
-              "base": _entry(base), "candidate": _entry(candidate)}
+    scores = {
+        "tasks": ["fineflow_synth"],
+        "eval_rows": "data/validated/eval.jsonl",
+        "eval_data_sha256": EVAL_SHA,
+        "base": _entry(base),
+        "candidate": _entry(candidate),
+    }
     if champion:
         scores["champion"] = _entry(champion[0], cid=champion[1])
     path.write_text(json.dumps(scores))
@@ -49,8 +58,9 @@ def adapters(built, tmp_path_factory):
     for seed in (1, 2):
         torch.manual_seed(seed)
         base = AutoModelForCausalLM.from_pretrained(built / "models/base")
-        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                                                task_type="CAUSAL_LM"))
+        model = get_peft_model(
+            base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM")
+        )
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "lora_B" in name:
@@ -61,8 +71,9 @@ def adapters(built, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def promoted(built, adapters, tmp_path_factory, tiny_params_module):
-    """adapter1 promoted over the base, a tie refused, then adapter2 promoted over adapter1."""
+def promoted_once(built, adapters, tmp_path_factory, tiny_params_module):
+    """adapter1 promoted over the base, a tie refused, then adapter2 promoted over adapter1. Built once per
+    module and never handed to a test: tests get a copy (promoted)."""
     from fineflow.stages import promote
 
     root = tmp_path_factory.mktemp("project")  # a git checkout: the lineage needs a commit
@@ -76,16 +87,49 @@ def promoted(built, adapters, tmp_path_factory, tiny_params_module):
     train_report.write_text(json.dumps({"wall_s": 12.5, "tokens_per_s": 4321.0, "steps": 4}))
     champion, registry, runs = root / "models/champion", root / "models/registry", root / "reports/lineage"
     first, second = adapters
-    kw = dict(base_dir=built / "models/base", train_report=train_report, lineage_dir=runs,
-              shards_dir=built / "data/shards", root=root)
+    kw = dict(
+        base_dir=built / "models/base",
+        train_report=train_report,
+        lineage_dir=runs,
+        shards_dir=built / "data/shards",
+        root=root,
+    )
     reports = [promote.run(tiny_params_module, _write_scores(root / "s1.json", 30, 5), first, champion, registry, **kw)]
     id1 = reports[0]["candidate_id"]
-    reports.append(promote.run(tiny_params_module, _write_scores(root / "s2.json", 32, 5, (30, id1)), second, champion,
-                               registry, **kw))
-    reports.append(promote.run(tiny_params_module, _write_scores(root / "s3.json", 40, 5, (30, id1)), second, champion,
-                               registry, **kw))
-    return {"root": root, "champion": champion, "registry": registry, "runs": runs, "reports": reports,
-            "ids": [id1, reports[2]["candidate_id"]], "base": built / "models/base"}
+    reports.append(
+        promote.run(
+            tiny_params_module, _write_scores(root / "s2.json", 32, 5, (30, id1)), second, champion, registry, **kw
+        )
+    )
+    reports.append(
+        promote.run(
+            tiny_params_module, _write_scores(root / "s3.json", 40, 5, (30, id1)), second, champion, registry, **kw
+        )
+    )
+    return {
+        "root": root,
+        "champion": champion,
+        "registry": registry,
+        "runs": runs,
+        "reports": reports,
+        "ids": [id1, reports[2]["candidate_id"]],
+        "base": built / "models/base",
+    }
+
+
+@pytest.fixture
+def promoted(promoted_once, tmp_path):
+    """This test's own copy of the promoted project (git checkout, registry, champion, lineage runs), so a test
+    that rolls back or tampers changes nothing another test reads, whatever the order tests run in."""
+    root = tmp_path / "project"
+    shutil.copytree(promoted_once["root"], root, symlinks=True)
+    return {
+        **promoted_once,
+        "root": root,
+        "champion": root / "models/champion",
+        "registry": root / "models/registry",
+        "runs": root / "reports/lineage",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +164,17 @@ def test_decisions_and_registry_layout(promoted, adapters):
 
 def test_champion_holds_adapter_merged_model_tokenizer_and_lineage(promoted):
     champion = promoted["champion"]
-    for name in ("adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "README.md", "lineage.json",
-                 "champion.json", "merged/model.safetensors", "merged/config.json", "merged/tokenizer.json"):
+    for name in (
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "tokenizer.json",
+        "README.md",
+        "lineage.json",
+        "champion.json",
+        "merged/model.safetensors",
+        "merged/config.json",
+        "merged/tokenizer.json",
+    ):
         assert (champion / name).is_file(), name
     assert json.loads((champion / "champion.json").read_text())["candidate_id"] == promoted["ids"][1]
     assert not list(champion.parent.glob(".champion.*"))  # no staging left over
@@ -157,9 +210,9 @@ def test_model_card_front_matter(promoted):
     assert "CI" in text and "tokens_per_s 4321.0" in text and "wall_s 12.5" in text and "train.lora.r" in text
 
 
-def test_tampered_log_fails_verify_naming_the_line(promoted, tmp_path, capsys):
-    registry = tmp_path / "registry"
-    shutil.copytree(promoted["registry"], registry)
+def test_tampered_log_fails_verify_naming_the_line(promoted, capsys):
+    registry = promoted["registry"]
+    assert cli.main(["registry", "verify", "--registry", str(registry)]) == 0
     log = registry / "promotions.jsonl"
     lines = log.read_text().splitlines()
     lines[1] = lines[1].replace('"decision": "refused"', '"decision": "promoted"')
@@ -167,7 +220,6 @@ def test_tampered_log_fails_verify_naming_the_line(promoted, tmp_path, capsys):
     assert cli.main(["registry", "verify", "--registry", str(registry)]) == 1
     out = capsys.readouterr().out
     assert "promotions.jsonl:3:" in out and "line 2 was edited" in out
-    assert cli.main(["registry", "verify", "--registry", str(promoted["registry"])]) == 0
 
 
 def test_lineage_cli_prints_a_tree(promoted, capsys):
@@ -194,8 +246,10 @@ def test_rollback_reinstalls_the_previous_champion_and_is_logged(promoted, capsy
     last = read_log(registry)[-1]
     assert last["decision"] == "rollback" and last["candidate_id"] == id1 and last["champion_before"] == id2
     assert verify_log(registry) == []
-    assert cli.main(["registry", "rollback", "--to", id2[:6], "--registry", str(registry),
-                     "--champion", str(champion)]) == 0  # and forward again, by id prefix
+    assert (
+        cli.main(["registry", "rollback", "--to", id2[:6], "--registry", str(registry), "--champion", str(champion)])
+        == 0
+    )  # and forward again, by id prefix
     assert json.loads((registry / "champion.json").read_text())["id"] == id2 and verify_log(registry) == []
 
 
@@ -204,12 +258,66 @@ def test_stage_refuses_missing_scores_and_incomplete_lineage(promoted, adapters,
 
     champion, registry = tmp_path / "champion", tmp_path / "registry"
     kw = dict(base_dir=built / "models/base", root=promoted["root"])
-    missing = promote.run(tiny_params_module, tmp_path / "nope.json", adapters[0], champion, registry,
-                          shards_dir=built / "data/shards", **kw)
+    missing = promote.run(
+        tiny_params_module,
+        tmp_path / "nope.json",
+        adapters[0],
+        champion,
+        registry,
+        shards_dir=built / "data/shards",
+        **kw,
+    )
     assert missing["decision"] == "refused" and "cannot read evaluation scores" in missing["reason"]
-    no_shards = promote.run(tiny_params_module, _write_scores(tmp_path / "s.json", 40, 0), adapters[0], champion,
-                            registry, shards_dir=tmp_path / "no-shards", **kw)
+    no_shards = promote.run(
+        tiny_params_module,
+        _write_scores(tmp_path / "s.json", 40, 0),
+        adapters[0],
+        champion,
+        registry,
+        shards_dir=tmp_path / "no-shards",
+        **kw,
+    )
     assert no_shards["decision"] == "refused" and "lineage is incomplete" in no_shards["reason"]
     assert "data.tokenizer_hash" in no_shards["reason"]
     assert [e["decision"] for e in read_log(registry)] == ["refused", "refused"] and verify_log(registry) == []
     assert json.loads((champion / "champion.json").read_text()) == {"candidate_id": None}  # nothing installed
+
+
+def test_promotion_whose_champion_build_fails_leaves_champion_log_and_alias_as_they_were(
+    promoted, adapters, built, tiny_params_module, monkeypatch
+):
+    """The gate passes, then assembling the new champion fails midway (here: the disk fills while the base's
+    tokenizer is loaded). promote builds aside before it logs or swaps anything, so the installed champion is
+    byte for byte the old one, the log has no entry for a promotion that did not happen, and verify passes."""
+    import transformers
+
+    from fineflow.registry.store import alias_id
+    from fineflow.stages import promote
+
+    root, champion, registry = promoted["root"], promoted["champion"], promoted["registry"]
+    id2 = promoted["ids"][1]  # the champion now; adapters[0] (the first champion) comes back and beats it
+
+    def files(path):
+        return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+    before = files(champion), (registry / "promotions.jsonl").read_bytes()
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_space)
+    with pytest.raises(OSError, match="No space left on device"):
+        promote.run(
+            tiny_params_module,
+            _write_scores(root / "s4.json", 40, 5, (30, id2)),
+            adapters[0],
+            champion,
+            registry,
+            base_dir=built / "models/base",
+            lineage_dir=promoted["runs"],
+            shards_dir=built / "data/shards",
+            root=root,
+        )
+    assert (files(champion), (registry / "promotions.jsonl").read_bytes()) == before
+    assert alias_id(registry) == id2 and verify_log(registry) == []
+    assert (champion.parent / ".champion.staging/adapter_model.safetensors").is_file()  # it failed mid-build

@@ -4,8 +4,16 @@ import numpy as np
 import pytest
 import torch
 
-from fineflow.tokenize.shards import (PackedShard, RowSampler, pack_best_fit, pack_exact_fill, pack_examples, pack_rows,
-                             token_dtype, write_shard)
+from fineflow.tokenize.shards import (
+    PackedShard,
+    RowSampler,
+    pack_best_fit,
+    pack_exact_fill,
+    pack_examples,
+    pack_rows,
+    token_dtype,
+    write_shard,
+)
 from fineflow.tokenize.template import EncodedBatch
 
 
@@ -24,8 +32,9 @@ def test_best_fit_packs_every_example_once_within_capacity():
 
 
 def _is_packing(rows, lengths, seq_len):
-    return (sorted(i for row in rows for i in row) == list(range(len(lengths)))
-            and all(sum(min(lengths[i], seq_len) for i in row) <= seq_len for row in rows))
+    return sorted(i for row in rows for i in row) == list(range(len(lengths))) and all(
+        sum(min(lengths[i], seq_len) for i in row) <= seq_len for row in rows
+    )
 
 
 def test_exact_fill_packs_clustered_lengths_where_best_fit_strands_gaps():
@@ -53,9 +62,9 @@ def test_packing_arrays_match_the_layout():
     assert truncated == 1  # the 9-token example keeps its first 8
     for i, (row, start, length) in enumerate(arrays.examples):
         ids, mask = pairs[i]
-        assert arrays.tokens[row, start:start + length].tolist() == ids[:length]
-        assert arrays.loss_mask[row, start:start + length].tolist() == mask[:length]
-        assert arrays.positions[row, start:start + length].tolist() == list(range(length))
+        assert arrays.tokens[row, start : start + length].tolist() == ids[:length]
+        assert arrays.loss_mask[row, start : start + length].tolist() == mask[:length]
+        assert arrays.positions[row, start : start + length].tolist() == list(range(length))
     used = np.bincount(arrays.examples[:, 0], weights=arrays.examples[:, 2]).astype(int)
     for row, n in enumerate(used):  # padding: never trained, positions restart after the last example
         assert arrays.loss_mask[row, n:].sum() == 0 and arrays.tokens[row, n:].sum() == 0
@@ -78,16 +87,25 @@ def test_shard_round_trip_positions_and_labels(tmp_path):
     assert truncated == 0 and meta["dtype"] == "uint16" and meta["examples"] == 3 and meta["real_tokens"] == 13
     assert (tmp_path / "tokens.bin").stat().st_size == meta["rows"] * 8 * 2
     assert shard.real_tokens(list(range(len(shard)))) == 13  # padding is not counted as work
-    for row_index, start, length in arrays.examples:
+    examples = np.fromfile(tmp_path / "examples.idx", dtype=np.int64).reshape(-1, 3)
+    assert len(examples) == len(_toy_pairs())
+    for (ids, mask), (row_index, start, length) in zip(_toy_pairs(), examples):  # each example, read back
         row = shard.row(int(row_index))
-        assert list(row["position_ids"][start:start + length]) == list(range(length))
-        assert row["labels"][start] == -100  # an example's first token is never a target
+        assert row["input_ids"][start : start + length].tolist() == ids
+        assert shard.loss_mask[row_index, start : start + length].tolist() == mask
+        assert row["position_ids"][start : start + length].tolist() == list(range(length))
+        # labels: the response tokens, except an example's first token, which is never a target
+        assert row["labels"][start : start + length].tolist() == [-100] + [
+            t if m else -100 for t, m in zip(ids[1:], mask[1:])
+        ]
     every_label = np.concatenate([shard.row(i)["labels"] for i in range(len(shard))])
     assert sorted(int(x) for x in every_label if x != -100) == [7, 8, 10, 11, 15, 16, 17]
 
 
 def test_truncation_is_counted(tmp_path):
-    _, truncated = pack_examples(EncodedBatch.from_pairs([([1] * 12, [1] * 12)]), seq_len=8, pad_id=0, dtype=np.dtype(np.uint16))
+    _, truncated = pack_examples(
+        EncodedBatch.from_pairs([([1] * 12, [1] * 12)]), seq_len=8, pad_id=0, dtype=np.dtype(np.uint16)
+    )
     assert truncated == 1
 
 
@@ -116,9 +134,17 @@ def test_packed_row_loss_equals_sum_of_unpacked_losses(tmp_path):
     from fineflow.train.loop import token_loss_sum
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=4,
-                                         max_position_embeddings=64)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=64,
+        )
+    ).eval()
     examples = _toy_pairs()
     arrays, _ = pack_examples(EncodedBatch.from_pairs(examples), seq_len=16, pad_id=0, dtype=np.dtype(np.uint16))
     write_shard(tmp_path / "packed", arrays, {"vocab_size": 32})
@@ -128,7 +154,9 @@ def test_packed_row_loss_equals_sum_of_unpacked_losses(tmp_path):
         packed_loss, packed_n = token_loss_sum(model, collate(packed, [0]))
         singles = []
         for k, example in enumerate(examples):
-            single, _ = pack_examples(EncodedBatch.from_pairs([example]), seq_len=len(example[0]), pad_id=0, dtype=np.dtype(np.uint16))
+            single, _ = pack_examples(
+                EncodedBatch.from_pairs([example]), seq_len=len(example[0]), pad_id=0, dtype=np.dtype(np.uint16)
+            )
             write_shard(tmp_path / f"single{k}", single, {"vocab_size": 32})
             singles.append(token_loss_sum(model, collate(PackedShard(tmp_path / f"single{k}"), [0])))
     assert packed_n == sum(n for _, n in singles) == 7
@@ -168,7 +196,9 @@ def test_loader_prefetches_the_same_steps_and_records_the_state_after_each(tmp_p
     assert [b.rows for b in prefetched] == [b.rows for b in inline]
     assert [b.sampler_state for b in prefetched] == [b.sampler_state for b in inline]
     for batch in prefetched:
-        torch.testing.assert_close(batch.micro[0]["input_ids"], torch.from_numpy(shard.batch(batch.rows[0])["input_ids"]))
+        torch.testing.assert_close(
+            batch.micro[0]["input_ids"], torch.from_numpy(shard.batch(batch.rows[0])["input_ids"])
+        )
     # resuming from step 4's recorded state yields exactly steps 5..9
     resumed = RowSampler(len(shard), seed=2)
     resumed.load_state_dict(prefetched[3].sampler_state)

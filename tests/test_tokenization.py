@@ -10,8 +10,10 @@ from fineflow.tokenize.tokenization import read_rows_lazily, tokenize_to_shard
 
 
 def _shard_bytes(path):
-    return {name: (path / name).read_bytes() for name in ("tokens.bin", "loss_mask.bin", "positions.bin",
-                                                           "examples.idx", "meta.json")}
+    return {
+        name: (path / name).read_bytes()
+        for name in ("tokens.bin", "loss_mask.bin", "positions.bin", "examples.idx", "meta.json")
+    }
 
 
 def test_batch_encoding_equals_one_by_one(built):
@@ -21,7 +23,8 @@ def test_batch_encoding_equals_one_by_one(built):
     rows = list(read_rows_lazily(built / "data/validated/train.jsonl"))[:50]
     batch = encode_batch(tokenizer, rows)
     assert [batch.example(i) for i in range(len(rows))] == [
-        encode_example(tokenizer, r["instruction"], r["input"], r["output"]) for r in rows]
+        encode_example(tokenizer, r["instruction"], r["input"], r["output"]) for r in rows
+    ]
 
 
 def test_two_workers_write_byte_identical_shards(built, tmp_path):
@@ -31,25 +34,50 @@ def test_two_workers_write_byte_identical_shards(built, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(reference)
     rows_path = built / "data/validated/train.jsonl"
     for workers in (1, 2):
-        tokenize_to_shard(read_rows_lazily(rows_path), tokenizer, reference, tmp_path / f"w{workers}", 128,
-                          np.dtype(np.uint16), workers, pack_window=50, meta={})
+        tokenize_to_shard(
+            read_rows_lazily(rows_path),
+            tokenizer,
+            reference,
+            tmp_path / f"w{workers}",
+            128,
+            np.dtype(np.uint16),
+            workers,
+            pack_window=50,
+            meta={},
+        )
     assert _shard_bytes(tmp_path / "w1") == _shard_bytes(tmp_path / "w2")
 
 
 def test_windowed_packing_keeps_every_example(built, tmp_path):
+    """Packed in windows of 7, every row's example is in the shard once, in input order, with its own token ids and
+    loss mask: window-local row numbers were offset into shard rows, nothing was dropped, cut or mixed up."""
     from transformers import AutoTokenizer
 
     reference = str(built / "models/base")
     tokenizer = AutoTokenizer.from_pretrained(reference)
     rows_path = built / "data/validated/train.jsonl"
-    n_rows = len(list(read_rows_lazily(rows_path)))
-    meta = tokenize_to_shard(read_rows_lazily(rows_path), tokenizer, reference, tmp_path / "s", 128,
-                             np.dtype(np.uint16), 1, pack_window=7, meta={})
+    rows = list(read_rows_lazily(rows_path))
+    meta = tokenize_to_shard(
+        read_rows_lazily(rows_path),
+        tokenizer,
+        reference,
+        tmp_path / "s",
+        128,
+        np.dtype(np.uint16),
+        1,
+        pack_window=7,
+        meta={},
+    )
     shard = PackedShard(tmp_path / "s")
     examples = np.fromfile(tmp_path / "s/examples.idx", dtype=np.int64).reshape(-1, 3)
-    assert meta["examples"] == n_rows == len(examples) and meta["rows"] == len(shard)
-    assert examples[:, 0].max() == len(shard) - 1  # window-local rows were offset into shard rows
-    assert shard.real_tokens(list(range(len(shard)))) == meta["real_tokens"] == int(examples[:, 2].sum())
+    expected = [encode_example(tokenizer, r["instruction"], r["input"], r["output"]) for r in rows]
+    assert meta["truncated_examples"] == 0 and max(len(ids) for ids, _ in expected) <= 128  # whole examples
+    found = [
+        (shard.tokens[row, start : start + length].tolist(), shard.loss_mask[row, start : start + length].tolist())
+        for row, start, length in examples
+    ]
+    assert found == expected
+    assert shard.real_tokens(list(range(len(shard)))) == meta["real_tokens"] == sum(len(ids) for ids, _ in expected)
     assert json.loads((tmp_path / "s/meta.json").read_text())["pack_window"] == 7
 
 
@@ -86,8 +114,8 @@ def test_tokenize_is_content_addressed(built, tmp_path):
 def test_tokenize_key_follows_rows_tokenizer_and_template(built, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    from fineflow.tokenize import template
     from fineflow.config import parse_params
+    from fineflow.tokenize import template
     from fineflow.tokenize.tokenization import content_key
     from tests.conftest import TINY_PARAMS
 

@@ -1,7 +1,10 @@
-"""The training engine's options on CPU: full fine-tuning, bf16, gradient checkpointing, hardware gates,
-and the memory planner's refuse / auto_fit verdicts before launch."""
+"""The training engine's options on CPU: full fine-tuning, bf16 autocast and gradient checkpointing (observed inside
+the model while it trains), the stop on a non-finite loss, hardware gates, and the memory planner's refuse /
+auto_fit verdicts before launch."""
 
 import json
+import math
+import re
 import subprocess
 import sys
 
@@ -24,8 +27,15 @@ def _train(built, tmp_path, params):
 
     AcceleratorState._reset_state(reset_partial_state=True)  # a launched rank is a fresh process; here, reset
 
-    return recipe.train_rank(params, built / "data/shards", built / "models/base", tmp_path / "checkpoints",
-                        tmp_path / "candidate", tmp_path / "steps.jsonl", tmp_path / "logs")
+    return recipe.train_rank(
+        params,
+        built / "data/shards",
+        built / "models/base",
+        tmp_path / "checkpoints",
+        tmp_path / "candidate",
+        tmp_path / "steps.jsonl",
+        tmp_path / "logs",
+    )
 
 
 def test_full_fine_tuning_saves_a_whole_model_that_evaluate_loads(built, tmp_path, tiny_params):
@@ -38,16 +48,80 @@ def test_full_fine_tuning_saves_a_whole_model_that_evaluate_loads(built, tmp_pat
 
     base = AutoModelForCausalLM.from_pretrained(built / "models/base")
     assert report["trainable_parameters"] == sum(p.numel() for p in base.parameters())  # every weight trains
-    scores = evaluate.run(tiny_params, built / "models/base", tmp_path / "candidate",
-                          built / "data/validated/eval.jsonl", tmp_path / "eval", tmp_path / "raw")
+    scores = evaluate.run(
+        tiny_params,
+        built / "models/base",
+        tmp_path / "candidate",
+        built / "data/validated/eval.jsonl",
+        tmp_path / "eval",
+        tmp_path / "raw",
+    )
     assert "fineflow_synth/exact_match" in scores["candidate"]
 
 
-def test_bf16_with_gradient_checkpointing_trains_on_cpu(built, tmp_path):
-    report = _train(built, tmp_path, _params(precision="bf16", gradient_checkpointing=True, tracker="none"))
-    assert report["precision"] == "bf16" and report["gradient_checkpointing"] is True
-    assert report["final_loss"] == report["final_loss"]  # finite, not NaN
-    assert report["plan"]["setup"]["gradient_checkpointing"] is True
+def _train_watching_one_attention(built, tmp_path, monkeypatch, **train):
+    """Train through train_rank with a forward hook on the first decoder layer's attention; returns the report and
+    the dtype of the attention's output (o_proj's) on every call made in training mode (evaluation is left out).
+
+    The attention, not the MLP: PyTorch's non-reentrant checkpoint stops a layer's recomputation as soon as the
+    last activation backward needs is rebuilt, which is inside the MLP, so the MLP's forward never returns there."""
+    from fineflow.train import recipe
+
+    outputs = []
+
+    def record(module, args, output):
+        if module.training:
+            outputs.append(output[0].dtype)
+
+    def build_and_watch(*args, **kwargs):
+        model = build_model(*args, **kwargs)
+        layer = next(m for m in model.modules() if type(m).__name__.endswith("DecoderLayer"))
+        layer.self_attn.register_forward_hook(record)
+        return model
+
+    build_model = recipe.build_model
+    monkeypatch.setattr(recipe, "build_model", build_and_watch)
+    return _train(built, tmp_path, _params(tracker="none", **train)), outputs
+
+
+@pytest.mark.parametrize("precision, checkpointing", [("no", False), ("bf16", True)], ids=["fp32", "bf16-checkpointed"])
+def test_precision_and_gradient_checkpointing_change_what_training_runs(
+    built, tmp_path, monkeypatch, precision, checkpointing
+):
+    """bf16 runs the layers under autocast (a projection's output is bfloat16); gradient checkpointing drops a
+    layer's activations in forward and recomputes them in backward: its attention runs twice per micro-batch."""
+    import torch
+
+    report, outputs = _train_watching_one_attention(
+        built, tmp_path, monkeypatch, precision=precision, gradient_checkpointing=checkpointing
+    )
+    micro_batches = report["steps"] * report["grad_accum"]
+    assert len(outputs) == micro_batches * (2 if checkpointing else 1)
+    assert set(outputs) == {torch.bfloat16 if precision == "bf16" else torch.float32}
+    assert math.isfinite(report["final_loss"])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_non_finite_loss_stops_training_with_a_clear_error(built, tmp_path, monkeypatch, bad):
+    """fit() checks math.isfinite on every step's loss: NaN and an overflow to +inf both stop the run."""
+    from fineflow.errors import FineflowError
+    from fineflow.train import loop
+
+    real = loop.token_loss_sum
+
+    def poisoned(model, batch, **kwargs):
+        loss, count = real(model, batch, **kwargs)
+        return loss * bad, count  # the sum of positive cross-entropies times nan / +inf
+
+    monkeypatch.setattr(loop, "token_loss_sum", poisoned)
+    params = _params(tracker="none")
+    expected = (
+        f"training stopped at step 1: the loss is {bad}. Lower train.lr (now {params.train.lr}) or check "
+        f"the data for empty responses."
+    )
+    with pytest.raises(FineflowError, match=re.escape(expected)):
+        _train(built, tmp_path, params)
+    assert not (tmp_path / "candidate").exists()  # nothing was saved as if the run had succeeded
 
 
 def test_per_example_attention_and_fused_lora_train_like_the_reference_path(built, tmp_path):
@@ -69,9 +143,28 @@ def test_per_example_attention_and_fused_lora_train_like_the_reference_path(buil
 
 def _train_cli(tmp_path, overrides):
     write_params(tmp_path / "params.yaml", overrides)
-    return subprocess.run([sys.executable, "-m", "fineflow.stages.train", "--shards", "data/shards", "--base-dir",
-                           "models/base", "--checkpoints", "ck", "--out", "candidate", "--steps-log", "s.jsonl"],
-                          cwd=tmp_path, env=venv_env(), capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fineflow.stages.train",
+            "--shards",
+            "data/shards",
+            "--base-dir",
+            "models/base",
+            "--checkpoints",
+            "ck",
+            "--out",
+            "candidate",
+            "--steps-log",
+            "s.jsonl",
+        ],
+        cwd=tmp_path,
+        env=venv_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.fixture
@@ -104,15 +197,20 @@ def test_auto_fit_adapts_the_plan_and_keeps_the_global_batch(built, tmp_path):
     params = _params(micro_batch_size=4, grad_accum=1, tracker="none")
     reference = str(built / "models/base")
     _, roomy, _ = fit_plan(params, reference, has_gpu=False)
-    setup = planner.Setup(**{**roomy["setup"], "micro_batch_size": 1, "gradient_checkpointing": True,
-                             "lora_targets": tuple(roomy["setup"]["lora_targets"])})
+    setup = planner.Setup(
+        **{
+            **roomy["setup"],
+            "micro_batch_size": 1,
+            "gradient_checkpointing": True,
+            "lora_targets": tuple(roomy["setup"]["lora_targets"]),
+        }
+    )
     smallest = planner.plan(planner.load_shape(reference), setup).total
     assert smallest < roomy["bytes"]["total"]
     budget = smallest * 1.000001 / 2**30  # only micro-batch 1 with checkpointing fits
     with pytest.raises(planner.DoesNotFit, match="train.micro_batch_size"):
         fit_plan(_params(micro_batch_size=4, device_memory_gib=budget), reference, has_gpu=False)
-    adapted_params = _params(micro_batch_size=4, grad_accum=1, device_memory_gib=budget, auto_fit=True,
-                             tracker="none")
+    adapted_params = _params(micro_batch_size=4, grad_accum=1, device_memory_gib=budget, auto_fit=True, tracker="none")
     adapted, plan, changes = fit_plan(adapted_params, reference, has_gpu=False)
     assert changes and adapted.gradient_checkpointing is True
     assert (adapted.micro_batch_size, adapted.grad_accum) == (1, 4)  # the global batch is unchanged

@@ -133,13 +133,21 @@ def current_champion(registry_dir: Path, champion_dir: Path) -> dict | None:
     cid = alias_id(registry_dir)
     if cid:
         record = read_record(registry_dir, cid)
-        return {"id": cid, "metrics": record.get("metrics") or {}, "samples": record.get("samples"),
-                "eval_data_sha256": record.get("eval_data_sha256")}
+        return {
+            "id": cid,
+            "metrics": record.get("metrics") or {},
+            "samples": record.get("samples"),
+            "eval_data_sha256": record.get("eval_data_sha256"),
+        }
     legacy = read_champion(champion_dir)
     if legacy is None:
         return None
-    return {"id": legacy["candidate_id"], "metrics": legacy.get("metrics") or {}, "samples": legacy.get("samples"),
-            "eval_data_sha256": legacy.get("eval_data_sha256")}
+    return {
+        "id": legacy["candidate_id"],
+        "metrics": legacy.get("metrics") or {},
+        "samples": legacy.get("samples"),
+        "eval_data_sha256": legacy.get("eval_data_sha256"),
+    }
 
 
 def staging_dir(champion_dir: Path) -> Path:
@@ -158,14 +166,6 @@ def swap_in(staging: Path, champion_dir: Path) -> None:
         os.replace(champion_dir, retired)
     os.replace(staging, champion_dir)
     shutil.rmtree(retired, ignore_errors=True)
-
-
-def install_champion(adapter_dir: Path, champion_dir: Path, record: dict) -> None:
-    """Replace champion_dir with the adapter plus its record, via a temp dir and renames."""
-    staging = staging_dir(champion_dir)
-    shutil.copytree(adapter_dir, staging)
-    (staging / CHAMPION_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    swap_in(staging, champion_dir)
 
 
 def ensure_empty_champion(champion_dir: Path) -> None:
@@ -204,8 +204,11 @@ def read_log(registry_dir: Path) -> list[dict]:
 
 def champion_history(registry_dir: Path) -> list[str]:
     """Candidate ids that were champion, oldest first, as the log's promoted/rollback entries say."""
-    return [e["candidate_id"] for e in read_log(registry_dir)
-            if e.get("decision") in ("promoted", "rollback") and e.get("candidate_id")]
+    return [
+        e["candidate_id"]
+        for e in read_log(registry_dir)
+        if e.get("decision") in ("promoted", "rollback") and e.get("candidate_id")
+    ]
 
 
 def verify_log(registry_dir: Path) -> list[str]:
@@ -240,8 +243,12 @@ def _chain_problem(registry_dir: Path, path: Path) -> str | None:
             return f"{where}: not a JSON object"
         expected = _entry_hash(previous) if previous is not None else None
         if entry.get("prev_sha256") != expected:
-            return (f"{where}: prev_sha256 does not match the sha256 of line {number - 1} (line {number - 1} was "
-                    "edited, inserted or removed)" if number > 1 else f"{where}: the first entry has a prev_sha256")
+            return (
+                f"{where}: prev_sha256 does not match the sha256 of line {number - 1} (line {number - 1} was "
+                "edited, inserted or removed)"
+                if number > 1
+                else f"{where}: the first entry has a prev_sha256"
+            )
         if entry.get("seq") != number:
             return f"{where}: seq {entry.get('seq')} != line number {number} (entries removed or reordered)"
         previous = line
@@ -253,9 +260,11 @@ def _chain_problem(registry_dir: Path, path: Path) -> str | None:
 
 def _changed_candidates(registry_dir: Path) -> list[str]:
     root = registry_dir / "candidates"
-    return [f"{cdir}: files no longer hash to the candidate id (changed after it was stored)"
-            for cdir in (sorted(root.glob("*")) if root.is_dir() else [])
-            if cdir.is_dir() and not cdir.name.startswith(".") and candidate_id(cdir) != cdir.name]
+    return [
+        f"{cdir}: files no longer hash to the candidate id (changed after it was stored)"
+        for cdir in (sorted(root.glob("*")) if root.is_dir() else [])
+        if cdir.is_dir() and not cdir.name.startswith(".") and candidate_id(cdir) != cdir.name
+    ]
 
 
 def _dangling_alias(registry_dir: Path) -> list[str]:
