@@ -17,7 +17,7 @@ import random
 import re
 import subprocess
 import sys
-import time
+import threading
 import warnings
 from pathlib import Path
 
@@ -194,7 +194,7 @@ def test_resume_is_bit_exact(tmp_path, mode):
     optimizer2.load_state_dict(ckpt.optimizer_state_dict)
     scheduler2.load_state_dict(ckpt.scheduler_state_dict)
     restore_rng(ckpt.rng_snapshots[0])
-    assert isinstance(ckpt.optimizer_state_dict["state"][0]["step"], torch.Tensor)
+    assert all(isinstance(s["step"], torch.Tensor) for s in ckpt.optimizer_state_dict["state"].values())
     assert ckpt.state == {"step": 3, "sampler": {"epoch": 0, "position": 12}} and ckpt.step == 3
     for _ in range(3):
         train_step(resumed, optimizer2, scheduler2)
@@ -202,8 +202,12 @@ def test_resume_is_bit_exact(tmp_path, mode):
     for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     assert scheduler.get_last_lr() == scheduler2.get_last_lr() and scheduler.last_epoch == scheduler2.last_epoch == 6
-    for key in ("exp_avg", "exp_avg_sq", "step"):
-        assert torch.equal(optimizer.state_dict()["state"][0][key], optimizer2.state_dict()["state"][0][key])
+    state, resumed_state = optimizer.state_dict()["state"], optimizer2.state_dict()["state"]
+    assert sorted(state) == sorted(resumed_state) == list(range(len(list(model.parameters()))))  # every parameter
+    for index, tensors in state.items():
+        assert sorted(tensors) == sorted(resumed_state[index]) == ["exp_avg", "exp_avg_sq", "step"], index
+        for key, tensor in tensors.items():
+            assert torch.equal(tensor, resumed_state[index][key]), (index, key)
 
 
 def test_rng_restore_gives_the_same_draws(tmp_path):
@@ -221,6 +225,7 @@ def test_rng_restore_gives_the_same_draws(tmp_path):
     assert got[2] == expected[2] and np.array_equal(got[3], expected[3])
 
 
+@pytest.mark.slow
 def test_process_backend_round_trip_and_error(tmp_path):
     manager = CheckpointManager(tmp_path, keep_last=5, mode="async", async_backend="process")
     try:
@@ -391,6 +396,7 @@ def test_disk_full_retry_succeeds_when_transient_and_gives_up_otherwise(tmp_path
     assert calls["n"] == 3 and step_names(tmp_path / "b") == []
 
 
+@pytest.mark.slow
 def test_disk_full_reaches_the_spawned_writer_process(tmp_path, monkeypatch, capfd):
     """The process backend's writer is a fresh interpreter that monkeypatch cannot reach; the test-only
     sitecustomize (tests/faults, on the inherited PYTHONPATH) does. This process keeps the real write_all."""
@@ -421,20 +427,59 @@ def test_disk_full_reaches_the_spawned_writer_process(tmp_path, monkeypatch, cap
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_at_most_one_save_in_flight(tmp_path, monkeypatch):
-    def slow(fd: int, data: memoryview, path: str) -> None:
-        if path.endswith("model.safetensors"):
-            time.sleep(0.3)
+def test_async_save_returns_before_its_write_and_one_save_is_in_flight_at_a_time(tmp_path, monkeypatch):
+    """save() hands the write to the background writer and returns; the next save() waits until that write
+    is published. Shown with a step-1 write that blocks on an event, not with a clock (how long the training
+    thread stalls is measured by bench/checkpoint_stall.py)."""
+    writing, release = threading.Event(), threading.Event()
+    step1_published_at_step2_writes: list[bool] = []
+
+    def blocking(fd: int, data: memoryview, path: str) -> None:
+        if "step-0000001" in path:
+            if threading.current_thread() is threading.main_thread():
+                raise AssertionError(f"save() wrote {path} in the caller's thread")
+            writing.set()
+            if not release.wait(timeout=60):  # fail the save rather than hang the suite
+                raise AssertionError(f"the blocked write of {path} was never released")
+        else:
+            step1_published_at_step2_writes.append((tmp_path / "step-0000001" / "COMPLETE").exists())
         REAL_WRITE_ALL(fd, data, path)
 
-    monkeypatch.setattr(write_module, "write_all", slow)
-    with CheckpointManager(tmp_path, mode="async") as manager:
-        started = time.perf_counter()
-        save_small(manager, 1)
-        assert time.perf_counter() - started < 0.25  # blocked only for the snapshot
-        save_small(manager, 2)  # waits for step 1 to be published first
-        assert (tmp_path / "step-0000001" / "COMPLETE").exists()
-        assert time.perf_counter() - started >= 0.3
+    monkeypatch.setattr(write_module, "write_all", blocking)
+    manager = CheckpointManager(tmp_path, keep_last=2, mode="async")
+    second_errors: list[BaseException] = []
+
+    def second_save() -> None:
+        try:
+            save_small(manager, 2)
+        except BaseException as exc:  # re-raised below, in the test's thread
+            second_errors.append(exc)
+
+    second = threading.Thread(target=second_save)
+    try:
+        save_small(manager, 1)  # returned: the snapshot is taken, the write is the writer's
+        assert writing.wait(timeout=60), "the background writer never started writing step 1"
+        assert step_names(tmp_path) == [".tmp-step-0000001"]  # step 1 is being written, not published
+        second.start()
+        second.join(timeout=0.5)  # a slow machine can only let a wrong save() pass here, never fail a right one
+        assert second.is_alive(), "save(2) returned while step 1 was still being written"
+        assert step_names(tmp_path) == [".tmp-step-0000001"] and step1_published_at_step2_writes == []
+        release.set()
+        second.join(timeout=60)
+        assert not second.is_alive() and not second_errors, second_errors
+        assert (tmp_path / "step-0000001" / "COMPLETE").exists()  # save(2) returned once step 1 was published
+        assert manager.wait() == tmp_path / "step-0000002"
+    finally:
+        release.set()  # a failed assertion must not leave the writer blocked
+        if second.ident is not None:
+            second.join(timeout=60)
+        manager.close()
+    assert step1_published_at_step2_writes and all(step1_published_at_step2_writes)  # no overlap of the two writes
+    assert step_names(tmp_path) == ["step-0000001", "step-0000002"]
+    for step in (1, 2):  # step 1's bytes came from its own snapshot, not from the arena step 2 reused
+        assert torch.equal(
+            load_checkpoint(tmp_path / f"step-{step:07d}").model_tensors["lora_B"], torch.arange(8.0) + step
+        )
 
 
 def test_resaving_a_step_replaces_it_atomically(tmp_path):
@@ -517,6 +562,7 @@ def torn_writes_harness():
     return harness
 
 
+@pytest.mark.slow
 def test_torn_writes_never_picked(tmp_path):
     """30 seeded kills here (bench/torn_writes.py runs 200+): after each, every step dir verifies and
     latest_valid() loads the newest published step with exactly its content."""
@@ -548,6 +594,7 @@ def _python(code: str, env: dict) -> str:
     return result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_fault_sitecustomize_is_inert_without_its_variables_and_lazy_with_them(tmp_path):
     """Ours is the only sitecustomize (the interpreter has none that it would shadow); without its variables
     it installs nothing; with them it imports neither fineflow nor torch until the write module is imported,

@@ -30,7 +30,10 @@ def reasons(outcome):
 def test_good_rows_pass(tmp_path):
     rows = [json.dumps({**GOOD, "output": f"hi {i}"}) for i in range(5)]
     outcome = outcome_for(write(tmp_path / "t.jsonl", rows))
-    assert (outcome.rows_in, len(outcome.kept), len(outcome.quarantined)) == (5, 5, 0)
+    assert outcome.rows_in == 5 and outcome.quarantined == []
+    assert [(row.line, row.data["output"], row.warnings) for row in outcome.kept] == [
+        (i + 1, f"hi {i}", []) for i in range(5)
+    ]
     raise_if_blocked(outcome, CFG)
 
 
@@ -51,27 +54,127 @@ def test_each_bad_row_is_quarantined_with_file_line_and_check(tmp_path):
         ],
     )
     outcome = outcome_for(path)
-    got = reasons(outcome)
     assert outcome.rows_in == 10 == len(outcome.kept) + len(outcome.quarantined)
-    assert [row.line for row in outcome.kept] == [1]
-    expected = {
-        2: "malformed JSON",
-        3: 'field "output" is missing',
-        4: "non_empty(output)",
-        5: "length_chars(text)",
-        6: "unique(row) (first seen at line 1)",
-        7: "no_pii(text) (email)",
-        8: "type_str(output)",
-        9: "not UTF-8",
-        10: "expected a JSON object",
+    assert [row.line for row in outcome.kept] == [1] and outcome.kept[0].warnings == []
+    expected = {  # every reason of every quarantined row: the file:line and the check (or parse error) only
+        2: ["malformed JSON (Expecting value at column 32)"],
+        3: ["failed not_null(output)", 'field "output" is missing'],
+        4: ["failed non_empty(output)"],
+        5: ["failed length_chars(text)"],
+        6: ["failed unique(row) (first seen at line 1)"],
+        7: ["failed no_pii(text) (email)"],
+        8: ["failed type_str(output)"],
+        9: ["not UTF-8 (byte 17)"],
+        10: ["expected a JSON object, got list"],
     }
-    for line, fragment in expected.items():
-        assert f"{path}:{line}:" in got[line] and fragment in got[line], (line, got.get(line))
+    assert {row.line: row.reasons for row in outcome.quarantined} == {
+        line: [f"{path}:{line}: {reason}" for reason in reasons] for line, reasons in expected.items()
+    }
+
+
+def _bad_kind(row: dict, clean: list[dict], eval_rows: list[dict], max_chars: int) -> str:
+    """Which of synth.BAD_KINDS inject_bad_rows made this row, from what it does to its victim."""
+    if "output" not in row:
+        return "missing_field"
+    if row["output"] == "":
+        return "empty_output"
+    if row in eval_rows:
+        return "eval_leak"
+    if row in clean:
+        return "duplicate"
+    if len(row["instruction"] + row["input"] + row["output"]) > max_chars:
+        return "over_long"
+    for kind, marker in (("email", "@example.com; "), ("phone", "call +1 415 555 "), ("card", "paid with 4111 ")):
+        if marker in row["input"]:
+            return kind
+    if row["instruction"].endswith("!"):
+        return "near_duplicate"
+    raise AssertionError(f"not a row inject_bad_rows makes: {row}")
+
+
+def _twin(raw: list[dict], line: int, same) -> tuple[int, int]:
+    """(first, second) file line of the two rows of the pair that `line` is in; same(row) says which."""
+    lines = [i for i, row in enumerate(raw, start=1) if same(row)]
+    assert line in lines and len(lines) == 2, (line, lines)  # one original, one copy
+    return lines[0], lines[1]
+
+
+def test_bundled_data_quarantines_exactly_the_injected_bad_rows_each_by_its_check(tiny_params, tmp_path):
+    """The stage data's train file is the clean rows in order with one bad row of each synth.BAD_KINDS
+    inserted: validation quarantines exactly those, each with the check of its kind, and no clean row;
+    the near-duplicate is kept with a warning, as params.yaml sets validate.checks.near_duplicate."""
+    from fineflow.data.synth import BAD_KINDS, split_train_eval
+    from fineflow.data.validation import validate_splits
+    from fineflow.stages import data
+
+    cfg = tiny_params.validate_
+    errors = ("non_null", "non_empty", "length_chars", "duplicate", "pii", "leakage")
+    assert {c: getattr(cfg.checks, c).severity for c in (*errors, "near_duplicate")} == {
+        **dict.fromkeys(errors, "error"),
+        "near_duplicate": "warn",  # kept and reported, not quarantined
+    }
+    paths = {"train": tmp_path / "train.jsonl", "eval": tmp_path / "eval.jsonl"}
+    data.run(tiny_params, paths["train"], paths["eval"])
+    raw = [json.loads(line) for line in paths["train"].read_text().splitlines()]
+    clean, eval_rows = split_train_eval(tiny_params.data.n_train, tiny_params.data.n_eval, tiny_params.seed)
+
+    injected, next_clean = {}, 0  # file line -> kind; the clean rows keep their order around the inserted ones
+    for line, row in enumerate(raw, start=1):
+        if next_clean < len(clean) and row == clean[next_clean]:
+            next_clean += 1
+        else:
+            injected[line] = _bad_kind(row, clean, eval_rows, cfg.max_chars)
+    assert next_clean == len(clean) and sorted(injected.values()) == sorted(BAD_KINDS)  # one of each kind
+    line_of = {kind: line for line, kind in injected.items()}
+
+    expected = {  # quarantined line: its reasons
+        line_of[kind]: reasons
+        for kind, reasons in {
+            "missing_field": ["failed not_null(output)", 'field "output" is missing'],
+            "empty_output": ["failed non_empty(output)"],
+            "over_long": ["failed length_chars(text)"],
+            "email": ["failed no_pii(text) (email)"],
+            "phone": ["failed no_pii(text) (phone)"],
+            "card": ["failed no_pii(text) (credit_card)"],
+            "eval_leak": ["failed no_leakage(eval) (100% of its word n-grams are in the eval data)"],
+        }.items()
+    }
+    # the duplicate and the near-duplicate: whichever copy comes second fails (the first copy is kept)
+    dup_row = raw[line_of["duplicate"] - 1]
+    first, second = _twin(raw, line_of["duplicate"], lambda row: row == dup_row)
+    expected[second] = [f"failed unique(row) (first seen at line {first})"]
+    warned = {second: [f"failed near_unique(normalized) (same as line {first} up to case/punctuation)"]}
+    near = raw[line_of["near_duplicate"] - 1]
+    n_first, n_second = _twin(
+        raw,
+        line_of["near_duplicate"],
+        lambda row: (
+            (row.get("input"), row.get("output")) == (near["input"], near["output"])
+            and row["instruction"].upper().rstrip(".?!") == near["instruction"].rstrip("!")
+        ),
+    )
+    warned[n_second] = [f"failed near_unique(normalized) (same as line {n_first} up to case/punctuation)"]
+
+    outcomes = validate_splits(paths, tiny_params.data, cfg)
+    assert outcomes["eval"].quarantined == [] and not any(row.warnings for row in outcomes["eval"].kept)
+    train = outcomes["train"]
+    src = str(paths["train"])
+    assert {row.line: row.reasons for row in train.quarantined} == {
+        line: [f"{src}:{line}: {reason}" for reason in reasons] for line, reasons in expected.items()
+    }
+    assert [row.line for row in train.kept] == [line for line in range(1, len(raw) + 1) if line not in expected]
+    assert {row.line: row.warnings for row in train.kept + train.quarantined if row.warnings} == {
+        line: [f"{src}:{line}: {warning}" for warning in warnings] for line, warnings in warned.items()
+    }
+    raise_if_blocked(train, cfg)
 
 
 def test_too_many_bad_rows_fail_with_file_line_and_check(tmp_path):
     path = write(tmp_path / "t.jsonl", [json.dumps(GOOD), "not json", "{broken"])
     outcome = outcome_for(path)
+    assert [row.line for row in outcome.kept] == [1]
+    assert [(row.line, len(row.reasons)) for row in outcome.quarantined] == [(2, 1), (3, 1)]
+    assert all(row.reasons[0].startswith(f"{path}:{row.line}: malformed JSON") for row in outcome.quarantined)
     with pytest.raises(DataError) as info:
         raise_if_blocked(outcome, ValidateParams(max_bad_share=0.1))
     message = str(info.value)
@@ -102,7 +205,8 @@ def test_unreadable_path_is_a_clear_error(tmp_path):
 def test_byte_order_mark_is_accepted(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD).encode() + b"\n")
-    assert len(outcome_for(path).kept) == 1
+    outcome = outcome_for(path)
+    assert outcome.quarantined == [] and [(row.line, row.data) for row in outcome.kept] == [(1, GOOD)]
 
 
 def test_all_rows_bad_fails(tmp_path):
@@ -114,7 +218,8 @@ def test_all_rows_bad_fails(tmp_path):
 def test_near_duplicates_warn_by_default_and_keep_the_row(tmp_path):
     path = write(tmp_path / "t.jsonl", [json.dumps(GOOD), json.dumps({**GOOD, "instruction": "  SAY hi!! "})])
     outcome = outcome_for(path)
-    assert len(outcome.kept) == 2 and not outcome.quarantined
+    assert [row.line for row in outcome.kept] == [1, 2] and not outcome.quarantined
+    assert outcome.kept[0].warnings == []
     assert outcome.kept[1].warnings == [
         f"{path}:2: failed near_unique(normalized) (same as line 1 up to case/punctuation)"
     ]
@@ -129,7 +234,10 @@ def test_near_duplicates_quarantined_when_severity_is_error(tmp_path):
     ).validate_
     path = write(tmp_path / "t.jsonl", [json.dumps(GOOD), json.dumps({**GOOD, "output": "HI"})])
     outcome = validate_rows(read_jsonl(path), str(path), cfg)
-    assert [row.line for row in outcome.quarantined] == [2]
+    assert [row.line for row in outcome.kept] == [1]
+    assert [(row.line, row.reasons, row.warnings) for row in outcome.quarantined] == [
+        (2, [f"{path}:2: failed near_unique(normalized) (same as line 1 up to case/punctuation)"], [])
+    ]
 
 
 def test_error_check_above_its_max_share_blocks_the_flow(tmp_path):
@@ -140,6 +248,7 @@ def test_error_check_above_its_max_share_blocks_the_flow(tmp_path):
     rows.append(json.dumps({**GOOD, "input": "call +1 415 555 0100"}))
     path = write(tmp_path / "t.jsonl", rows)
     outcome = validate_rows(read_jsonl(path), str(path), cfg)
+    assert [(row.line, row.reasons) for row in outcome.quarantined] == [(4, [f"{path}:4: failed no_pii(text) (phone)"])]
     with pytest.raises(
         DataError,
         match=r"check no_pii\(text\) failed on 1 of 4 rows \(25.0%\), above "
@@ -173,10 +282,11 @@ def test_train_rows_leaking_the_eval_split_are_quarantined(tmp_path):
         ],
     )
     outcome = validate_rows(read_jsonl(path), str(path), CFG, index)
-    got = reasons(outcome)
-    assert sorted(got) == [2, 3]
-    assert "no_leakage(eval) (100% of its word n-grams" in got[2]
-    assert "no_leakage(eval)" in got[3]
+    assert [row.line for row in outcome.kept] == [1]
+    assert reasons(outcome) == {
+        2: f"{path}:2: failed no_leakage(eval) (100% of its word n-grams are in the eval data)",
+        3: f"{path}:3: failed no_leakage(eval) (64% of its word n-grams are in the eval data)",  # > 0.5
+    }
 
 
 def test_shared_prompt_template_is_not_leakage():
