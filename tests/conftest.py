@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+# pytest imports this file as `conftest`, and the tests import it again as `tests.conftest` (tests/ is no
+# package): without this alias the second import would make a second state folder and repoint the environment
+# below at it. One module, one state folder, removed when pytest exits (pytest_unconfigure).
+sys.modules.setdefault("tests.conftest", sys.modules[__name__])
 _STATE = Path(tempfile.mkdtemp(prefix="fineflow-tests-"))
 os.environ.update(
     {
@@ -30,6 +38,13 @@ os.environ.update(
         "PREFECT_LOGGING_LEVEL": "WARNING",
     }
 )
+
+
+def pytest_unconfigure(config):
+    """The state folder (HF and Prefect homes) goes when pytest exits: after every fixture's teardown, so
+    after the processes a test started (the Prefect server included) have been stopped."""
+    shutil.rmtree(_STATE, ignore_errors=True)
+
 
 # Overrides that shrink the repo's params.yaml until every stage runs in seconds on 2 cores.
 TINY_OVERRIDES = {
@@ -104,7 +119,17 @@ def built(tmp_path_factory):
     )
     write_json_atomic(root / "reports/validate.json", report)
     tokenize.run(params, root / "data/validated", root / "models/base", root / "data/shards")
-    return root
+    before = _snapshot(root)
+    yield root
+    # shared by every test in any order: a test writes into a folder of its own (tmp_path), never into this one
+    after = _snapshot(root)
+    changed = sorted(path for path in before.keys() | after.keys() if before.get(path) != after.get(path))
+    assert not changed, f"tests changed the shared `built` folder (write into tmp_path instead): {changed}"
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """Every path under root with its size and modification time: what a write changes."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
 
 
 def copy_project(dest: Path, overrides: dict | None = None) -> Path:
@@ -130,13 +155,71 @@ def venv_env() -> dict[str, str]:
     return {**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"]}
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (for a test's own rendezvous; never another address)."""
-    import socket
+# A test's own rendezvous port (accelerate/torchrun's TCPStore on 127.0.0.1) comes from 20000-29999: below
+# Linux's ephemeral range (ip_local_port_range, 32768-60999 by default), from which the kernel hands out every
+# bind to port 0 and the source port of every outgoing connection (the gloo connections between ranks, of this
+# run or a parallel one, take dozens). A released port in that range can go to one of those before torchrun
+# binds it; one below it is taken only by a process that asks for that very number. 29500 is torch's default,
+# which leftover runs hold.
+PORTS = [port for port in range(20000, 30000) if port != 29500]
+# What accelerate/torch print when the rendezvous port was taken between free_port() and the launch.
+PORT_TAKEN = ("address already in use", "eaddrinuse", "failed to listen", "another process is utilizing it")
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a test's own rendezvous; never another address). Something
+    may still take it before the launch binds it: launches that pass it use launch_with_free_port."""
+    # SystemRandom: a test that seeds `random` must not make parallel test runs draw the same ports
+    for port in random.SystemRandom().sample(PORTS, 100):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port among 100 tried in {PORTS[0]}-{PORTS[-1]}")
+
+
+def launch_with_free_port(launch, attempts: int = 3) -> tuple[bool, str]:
+    """launch(port) -> (succeeded, output), retried with a fresh free port, up to attempts times in all, only
+    while it fails because the port was taken (the race free_port leaves open). Returns the last result."""
+    for _ in range(attempts):
+        ok, output = launch(free_port())
+        if ok or not any(sign in output.lower() for sign in PORT_TAKEN):
+            break
+    return ok, output
+
+
+def run_together(commands: list[tuple[list[str], dict[str, str]]], cwd: Path, logs: list[Path], timeout: float):
+    """Start every (argv, extra env) at once, each in its own process group writing to its log, and return
+    their exit codes. As soon as one fails (or on timeout) the others are killed: a rank whose peer is gone
+    would otherwise wait for it until its rendezvous times out."""
+    procs = []
+    try:
+        for (argv, env), log in zip(commands, logs):
+            with log.open("w") as fh:
+                procs.append(
+                    subprocess.Popen(
+                        argv,
+                        cwd=cwd,
+                        env={**venv_env(), **env},
+                        stdout=fh,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            codes = [proc.poll() for proc in procs]
+            if None not in codes or any(codes):  # all done, or one failed
+                break
+            time.sleep(0.2)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks torchrun started under it
+                proc.wait()
+    return [proc.returncode for proc in procs]
 
 
 def expected_lrs(params: dict) -> list[float]:

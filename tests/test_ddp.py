@@ -3,16 +3,16 @@
 saves one adapter."""
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 
 import pytest
 import yaml
 
-from tests.conftest import expected_lrs, free_port, venv_env, write_params
+from tests.conftest import expected_lrs, launch_with_free_port, run_together, venv_env, write_params
+
+pytestmark = pytest.mark.slow  # every test here runs accelerate launch
 
 TRAIN = [
     sys.executable,
@@ -42,9 +42,13 @@ def _project(built, path, overrides):
 
 def _train(project, extra=()):
     # a port of our own: accelerate's fixed default (29500) collides with a leftover run or a parallel CI job
-    command = TRAIN + ["--main-process-port", str(free_port())] + list(extra)
-    result = subprocess.run(command, cwd=project, env=venv_env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    def launch(port):
+        command = TRAIN + ["--main-process-port", str(port)] + list(extra)
+        result = subprocess.run(command, cwd=project, env=venv_env(), capture_output=True, text=True, timeout=600)
+        return result.returncode == 0, result.stdout + result.stderr
+
+    ok, output = launch_with_free_port(launch)
+    assert ok, output[-6000:]
     return [json.loads(line) for line in (project / "reports/train_steps.jsonl").read_text().splitlines()]
 
 
@@ -79,29 +83,16 @@ def test_two_machines_on_loopback_train_one_adapter(built, tmp_path):
         built, tmp_path, {"train.num_processes": 2, "train.num_machines": 2, "train.micro_batch_size": 2}
     )
     one_steps = _train(_project(built, tmp_path / "one", {"train.num_processes": 1, "train.micro_batch_size": 4}))
-    port = str(free_port())
-    procs = []
-    try:
-        for rank in (0, 1):
-            log = (tmp_path / f"machine{rank}.log").open("w")
-            procs.append(
-                subprocess.Popen(
-                    TRAIN
-                    + ["--machine-rank", str(rank), "--main-process-ip", "127.0.0.1", "--main-process-port", port],
-                    cwd=project,
-                    env=venv_env(),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-        codes = [proc.wait(timeout=600) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the rank it started
-    logs = "\n".join((tmp_path / f"machine{r}.log").read_text()[-2000:] for r in (0, 1))
-    assert codes == [0, 0], logs
+    logs = [tmp_path / f"machine{rank}.log" for rank in (0, 1)]
+
+    def launch(port):
+        place = ["--main-process-ip", "127.0.0.1", "--main-process-port", str(port)]
+        commands = [(TRAIN + ["--machine-rank", str(rank)] + place, {}) for rank in (0, 1)]
+        codes = run_together(commands, project, logs, timeout=600)
+        return codes == [0, 0], "\n".join(log.read_text() for log in logs)
+
+    ok, _ = launch_with_free_port(launch)
+    assert ok, "\n".join(log.read_text()[-2000:] for log in logs)
     report = json.loads((project / "reports/train.json").read_text())
     assert report["world_size"] == 2
     assert (project / "models/candidate/adapter_model.safetensors").exists()

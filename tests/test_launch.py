@@ -7,12 +7,8 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
+import socket
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
@@ -25,7 +21,7 @@ from fineflow.train.launch import (
     read_profile,
     resolve_profile,
 )
-from tests.conftest import ROOT, free_port, venv_env
+from tests.conftest import PORTS, ROOT, launch_with_free_port, run_together
 
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
 SHIPPED = {
@@ -207,47 +203,22 @@ def test_fsdp_profile_reaches_the_ranks_environment():
 # --- real launches on loopback -------------------------------------------------------------------------
 
 
-def _run_all(commands: list[tuple[list[str], dict[str, str]]], logs: list[Path], timeout: float) -> list[int]:
-    """Start every launch at once (each its own process group), wait for all; kill them all on timeout."""
-    procs = []
-    try:
-        for (argv, env), log in zip(commands, logs):
-            with log.open("w") as fh:
-                procs.append(
-                    subprocess.Popen(
-                        argv,
-                        cwd=ROOT,
-                        env={**venv_env(), **env},
-                        stdout=fh,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        return [proc.returncode for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks torchrun started under it
-                proc.wait()
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["cpu_ddp_2proc profile", "2 machines x 1 process"])
 def test_real_launch_forms_one_group(layout, tmp_path):
     """Every rank sees world size 2 and the all-reduced sum 1+2; rank 0 alone writes probe.json."""
-    if layout == "cpu_ddp_2proc profile":
-        outs = [tmp_path / "out"]
-        commands = [
-            accelerate_command(
-                None, False, "tests.dist_probe", [str(outs[0])], config_file=resolve_profile("cpu_ddp_2proc")
-            )
-        ]
-    else:
-        port = free_port()
-        outs = [tmp_path / f"machine{rank}" for rank in (0, 1)]
-        commands = [
+    profile = layout == "cpu_ddp_2proc profile"
+    outs = [tmp_path / "out"] if profile else [tmp_path / f"machine{rank}" for rank in (0, 1)]
+    logs = [tmp_path / f"launch{i}.log" for i in range(len(outs))]
+
+    def commands(port):
+        if profile:  # the profile's own port, 0: accelerate picks a free one (the same race, retried alike)
+            return [
+                accelerate_command(
+                    None, False, "tests.dist_probe", [str(outs[0])], config_file=resolve_profile("cpu_ddp_2proc")
+                )
+            ]
+        return [
             accelerate_command(
                 2,
                 False,
@@ -260,13 +231,64 @@ def test_real_launch_forms_one_group(layout, tmp_path):
             )
             for rank, out in enumerate(outs)
         ]
-    logs = [tmp_path / f"launch{i}.log" for i in range(len(commands))]
-    codes = _run_all(commands, logs, timeout=240)
-    text = "".join(log.read_text() for log in logs)
-    assert codes == [0] * len(commands), text[-4000:]
+
+    def launch(port):
+        codes = run_together(commands(port), ROOT, logs, timeout=240)
+        return codes == [0] * len(logs), "".join(log.read_text() for log in logs)
+
+    ok, text = launch_with_free_port(launch)
+    assert ok, text[-4000:]
     for rank in (0, 1):
         assert f"probe rank={rank} world=2 sum=3 backend=gloo" in text, text[-4000:]
     written = sorted(p for out in outs for p in out.rglob("*") if p.is_file())
     assert written == [outs[0] / "probe.json"]
     record = json.loads(written[0].read_text())
     assert record["world_size"] == 2 and record["rank"] == 0
+
+
+# --- the rendezvous port: free when picked, maybe taken by the time torchrun binds it ----------------------
+
+TAKEN = (
+    "torch.distributed.DistNetworkError: The server socket has failed to listen on any local network address. "
+    "port: 20001, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use"
+)
+
+
+def test_a_launch_is_retried_on_a_fresh_port_only_when_its_port_was_taken():
+    tried = []
+
+    def launch(port, outcomes):
+        tried.append(port)
+        return outcomes[len(tried) - 1]
+
+    assert launch_with_free_port(lambda port: launch(port, [(False, TAKEN), (True, "ok")])) == (True, "ok")
+    assert len(tried) == 2 and all(port in PORTS for port in tried)
+    tried.clear()
+    assert launch_with_free_port(lambda port: launch(port, [(False, TAKEN)] * 3)) == (False, TAKEN)
+    assert len(tried) == 3  # then it gives up and the test shows the output
+    tried.clear()
+    assert launch_with_free_port(lambda port: launch(port, [(False, "ValueError: no")])) == (False, "ValueError: no")
+    assert len(tried) == 1  # any other failure is the test's to report, not retried
+
+
+@pytest.mark.slow
+def test_a_port_taken_before_the_launch_binds_it_is_retried(tmp_path, monkeypatch):
+    """The race forced: the first port handed out is held by another socket (bound, not listening, so
+    accelerate's own check passes it), torch's store fails to bind it, and the launch reruns on a fresh port."""
+    import tests.conftest as conftest
+
+    real_free_port = conftest.free_port
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", real_free_port()))
+        held = holder.getsockname()[1]
+        handed_out = iter([held])  # the held port first, then fresh ones
+        monkeypatch.setattr(conftest, "free_port", lambda: next(handed_out, None) or real_free_port())
+        tried, log = [], tmp_path / "launch.log"
+
+        def launch(port):
+            tried.append(port)
+            command = accelerate_command(2, False, "tests.dist_probe", [str(tmp_path / "out")], port)
+            return run_together([command], ROOT, [log], timeout=240) == [0], log.read_text()
+
+        ok, text = launch_with_free_port(launch)
+    assert ok and len(tried) == 2 and tried[0] == held, text[-4000:]

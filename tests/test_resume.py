@@ -20,8 +20,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.conftest import expected_lrs, free_port, venv_env, write_params
+from tests.conftest import expected_lrs, launch_with_free_port, venv_env, write_params
 from tests.faults import INJECTED, fault_env
+
+pytestmark = pytest.mark.slow  # every test here runs the train stage as a process, most of them kill it
 
 STEPS = 12
 TRAIN = [
@@ -78,10 +80,10 @@ def _writing(project) -> bool:
     return any(project.glob("checkpoints/*/.tmp-step-*"))
 
 
-def _start(project, ranks, extra_args=(), env=None):
+def _start(project, ranks, extra_args=(), env=None, port=None):
     args = list(extra_args)
-    if ranks > 1:
-        args += ["--main-process-port", str(free_port())]
+    if ranks > 1:  # the rendezvous port: _kill_when and _finish pass one, and retry if it was taken meanwhile
+        args += ["--main-process-port", str(port)]
     return subprocess.Popen(
         TRAIN + args,
         cwd=project,
@@ -96,23 +98,35 @@ def _start(project, ranks, extra_args=(), env=None):
 def _kill_when(project, ranks, condition, timeout=240) -> bool:
     """Start the stage, SIGKILL its whole process group as soon as condition(project) holds; returns
     whether the kill happened (False: the run finished first)."""
-    proc = _start(project, ranks)
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
-        if condition(project):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return True
-        time.sleep(0.002)
-    output = proc.communicate()[0]
-    assert proc.returncode == 0, output[-3000:]
-    return False
+    killed = False
+
+    def launch(port):
+        nonlocal killed
+        proc = _start(project, ranks, port=port)
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            if condition(project):
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                killed = True
+                return True, ""
+            time.sleep(0.002)
+        output = proc.communicate()[0]
+        return proc.returncode == 0, output
+
+    ok, output = launch_with_free_port(launch)
+    assert ok, output[-3000:]
+    return killed
 
 
 def _finish(project, ranks, env=None) -> str:
-    proc = _start(project, ranks, env=env)
-    output = proc.communicate(timeout=600)[0]
-    assert proc.returncode == 0, output[-4000:]
+    def launch(port):
+        proc = _start(project, ranks, env=env, port=port)
+        output = proc.communicate(timeout=600)[0]
+        return proc.returncode == 0, output
+
+    ok, output = launch_with_free_port(launch)
+    assert ok, output[-4000:]
     return output
 
 

@@ -74,77 +74,86 @@ def test_tokenize_writes_memmap_shards_with_meta(built):
 
 
 @pytest.fixture(scope="module")
-def trained(built):
-    """One in-process, single-rank training run (the worker a launched rank runs)."""
+def trained(built, tmp_path_factory):
+    """One in-process, single-rank training run (the worker a launched rank runs), reading the shared base
+    model and shards and writing into a folder of its own. Returns (built, that folder, the report)."""
+    from accelerate.state import AcceleratorState
+
     from fineflow.config import parse_params
     from fineflow.train import recipe
     from tests.conftest import TINY_PARAMS
 
-    report = recipe.train_rank(
-        parse_params(TINY_PARAMS),
-        built / "data/shards",
-        built / "models/base",
-        built / "checkpoints",
-        built / "models/candidate",
-        built / "reports/train_steps.jsonl",
-        built / "logs",
-    )
-    return built, report
+    out = tmp_path_factory.mktemp("trained")
+    AcceleratorState._reset_state(reset_partial_state=True)  # a launched rank is a fresh process; here, reset
+    try:
+        report = recipe.train_rank(
+            parse_params(TINY_PARAMS),
+            built / "data/shards",
+            built / "models/base",
+            out / "checkpoints",
+            out / "models/candidate",
+            out / "reports/train_steps.jsonl",
+            out / "logs",
+        )
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    return built, out, report
 
 
 def test_train_writes_adapter_checkpoints_and_step_log(trained):
-    built, report = trained
+    built, out, report = trained
     assert report["steps"] == 4 and report["world_size"] == 1 and report["tokens_per_s"] > 0
     for key in ("final_loss", "data_wait_s", "compute_s", "optimizer_s", "checkpoint_s", "eval_loss"):
         assert key in report
-    adapter = load_file(built / "models/candidate/adapter_model.safetensors")
+    adapter = load_file(out / "models/candidate/adapter_model.safetensors")
     assert adapter and all("lora_" in name for name in adapter)  # the adapter only, never the frozen base
-    config = json.loads((built / "models/candidate/adapter_config.json").read_text())
+    config = json.loads((out / "models/candidate/adapter_config.json").read_text())
     # byte-stable across processes (peft writes a set), and no absolute path of this checkout
     assert config["target_modules"] == sorted(config["target_modules"])
     assert config["base_model_name_or_path"] == str(built / "models/base")  # as passed in, not resolved
-    [run_dir] = (built / "checkpoints").iterdir()  # one directory per training configuration
+    [run_dir] = (out / "checkpoints").iterdir()  # one directory per training configuration
     assert sorted(p.name for p in run_dir.iterdir()) == ["step-0000002", "step-0000004"]  # keep_last 2
     assert report["resumed_from_step"] == 0 and report["checkpoint_write_s"] is not None
-    steps = [json.loads(x) for x in (built / "reports/train_steps.jsonl").read_text().splitlines()]
+    steps = [json.loads(x) for x in (out / "reports/train_steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3, 4] and all("data_wait_s" in s for s in steps)
     assert all(s["peak_mem_mb"] > 0 and s["tokens_per_s"] > 0 for s in steps)
     assert report["plan"]["gib"]["total"] > 0 and report["plan"]["changes"] == []  # sized before training
     # accelerate's TensorBoard tracker wrote an event file with the step metrics
-    assert list((built / "logs").rglob("events.out.tfevents.*"))
+    assert list((out / "logs").rglob("events.out.tfevents.*"))
 
 
-def test_evaluate_then_promote(trained, tiny_params):
+def test_evaluate_then_promote(trained, tiny_params, tmp_path):
     from fineflow.stages import evaluate, promote
 
-    built, _ = trained
+    built, out, _ = trained
+    candidate = out / "models/candidate"  # read only: the outputs below go to this test's own tmp_path
     report = evaluate.run(
         tiny_params,
         built / "models/base",
-        built / "models/candidate",
+        candidate,
         built / "data/validated/eval.jsonl",
-        built / "eval",
-        built / "reports/lm_eval",
+        tmp_path / "eval",
+        tmp_path / "reports/lm_eval",
     )
     assert set(report["base"]) == {"fineflow_synth/exact_match", "fineflow_synth_mc/acc"} == set(report["candidate"])
-    scores = json.loads((built / "eval/scores.json").read_text())
+    scores = json.loads((tmp_path / "eval/scores.json").read_text())
     assert len(scores["candidate"]["samples"]["fineflow_synth"]) == 6  # evaluate.limit
     # the shards and a git checkout complete the lineage, so the gate gets to compare the evaluations
     decision = promote.run(
         tiny_params,
-        built / "eval/scores.json",
-        built / "models/candidate",
-        built / "models/champion",
-        built / "models/registry",
+        tmp_path / "eval/scores.json",
+        candidate,
+        tmp_path / "models/champion",
+        tmp_path / "models/registry",
         shards_dir=built / "data/shards",
         root=ROOT,
     )
     # 4 LoRA steps on a tiny random model, 6 docs: no gain the paired bootstrap's CI could put above 0
     assert decision["decision"] == "refused" and decision["reference"] == "base model", decision
     assert decision["candidate_value"] is not None and decision["reference_value"] is not None
-    log = (built / "models/registry/promotions.jsonl").read_text().splitlines()
+    log = (tmp_path / "models/registry/promotions.jsonl").read_text().splitlines()
     assert len(log) == 1 and json.loads(log[0])["decision"] == "refused"
-    assert json.loads((built / "models/champion/champion.json").read_text()) == {"candidate_id": None}
+    assert json.loads((tmp_path / "models/champion/champion.json").read_text()) == {"candidate_id": None}
 
 
 def _run_stage_cli(module, args, cwd):
@@ -153,6 +162,7 @@ def _run_stage_cli(module, args, cwd):
     )
 
 
+@pytest.mark.slow
 def test_stage_cli_reports_bad_params_without_traceback(tmp_path):
     write_params(tmp_path / "params.yaml", {"train.lr": -1, "train.colour": "red"})
     result = _run_stage_cli("fineflow.stages.data", ["--train", "t.jsonl", "--eval", "e.jsonl"], tmp_path)
@@ -161,6 +171,7 @@ def test_stage_cli_reports_bad_params_without_traceback(tmp_path):
     assert "params.yaml: train.colour is not a known key" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "content, expected",
     [

@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from fineflow.tokenize.shards import PackedShard
 from fineflow.tokenize.template import encode_batch, encode_example
@@ -27,6 +28,7 @@ def test_batch_encoding_equals_one_by_one(built):
     ]
 
 
+@pytest.mark.slow
 def test_two_workers_write_byte_identical_shards(built, tmp_path):
     from transformers import AutoTokenizer
 

@@ -176,6 +176,7 @@ def project(built, tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_qlora_on_cpu_is_refused_with_what_to_do(project):
     result = _train_cli(project, {"train.method": "qlora"})
     assert result.returncode == 2 and "Traceback" not in result.stderr
@@ -183,6 +184,7 @@ def test_qlora_on_cpu_is_refused_with_what_to_do(project):
     assert "train.method: lora" in result.stderr
 
 
+@pytest.mark.slow
 def test_plan_that_does_not_fit_is_refused_before_launch(project):
     result = _train_cli(project, {"train.device_memory_gib": 0.01})
     assert result.returncode == 2 and "Traceback" not in result.stderr
