@@ -298,6 +298,7 @@ def test_shared_prompt_template_is_not_leakage():
     assert index.overlap(f"{template} 1995 01 02") == 1.0  # an eval row verbatim
 
 
+@pytest.mark.slow  # ~30 s of building and scanning a 50 MB line: not for the inner loop
 def test_fifty_megabyte_row_is_quarantined_not_a_crash(tmp_path):
     big = "lorem ipsum " * (50 * 1024 * 1024 // 12)
     path = write(tmp_path / "t.jsonl", [json.dumps(GOOD), json.dumps({**GOOD, "input": big})])
