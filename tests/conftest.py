@@ -46,6 +46,25 @@ def pytest_unconfigure(config):
     shutil.rmtree(_STATE, ignore_errors=True)
 
 
+# The train stage exactly as dvc.yaml runs it (paths relative to a project copy).
+TRAIN = [
+    sys.executable,
+    "-m",
+    "fineflow.stages.train",
+    "--shards",
+    "data/shards",
+    "--base-dir",
+    "models/base",
+    "--checkpoints",
+    "checkpoints",
+    "--out",
+    "models/candidate",
+    "--steps-log",
+    "reports/train_steps.jsonl",
+    "--logs-dir",
+    "logs",
+]
+
 # Overrides that shrink the repo's params.yaml until every stage runs in seconds on 2 cores.
 TINY_OVERRIDES = {
     "seed": 7,

@@ -5,32 +5,13 @@ saves one adapter."""
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
 import yaml
 
-from tests.conftest import expected_lrs, launch_with_free_port, run_together, venv_env, write_params
+from tests.conftest import TRAIN, expected_lrs, launch_with_free_port, run_together, venv_env, write_params
 
 pytestmark = pytest.mark.slow  # every test here runs accelerate launch
-
-TRAIN = [
-    sys.executable,
-    "-m",
-    "fineflow.stages.train",
-    "--shards",
-    "data/shards",
-    "--base-dir",
-    "models/base",
-    "--checkpoints",
-    "checkpoints",
-    "--out",
-    "models/candidate",
-    "--steps-log",
-    "reports/train_steps.jsonl",
-    "--logs-dir",
-    "logs",
-]
 
 
 def _project(built, path, overrides):

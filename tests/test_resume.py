@@ -12,7 +12,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -20,29 +19,12 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.conftest import expected_lrs, launch_with_free_port, venv_env, write_params
+from tests.conftest import TRAIN, expected_lrs, launch_with_free_port, venv_env, write_params
 from tests.faults import INJECTED, fault_env
 
 pytestmark = pytest.mark.slow  # every test here runs the train stage as a process, most of them kill it
 
 STEPS = 12
-TRAIN = [
-    sys.executable,
-    "-m",
-    "fineflow.stages.train",
-    "--shards",
-    "data/shards",
-    "--base-dir",
-    "models/base",
-    "--checkpoints",
-    "checkpoints",
-    "--out",
-    "models/candidate",
-    "--steps-log",
-    "reports/train_steps.jsonl",
-    "--logs-dir",
-    "logs",
-]
 OVERRIDES = {
     "train.steps": STEPS,
     "train.eval_every": 4,
