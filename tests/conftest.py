@@ -251,3 +251,85 @@ def expected_lrs(params: dict) -> list[float]:
         train["lr"] * lr_multiplier(s, train["warmup_steps"], train["steps"], train["schedule"])
         for s in range(1, train["steps"] + 1)
     ]
+
+
+# The train stage's own test run: long enough for evaluation, checkpoints every 2 steps and a resume in the
+# middle, short enough to take seconds. The DDP, loopback and resume tests all train it; each world size's
+# uninterrupted run is trained once per session (reference_run) and compared against by all of them.
+TRAIN_OVERRIDES = {
+    "train.steps": 12,
+    "train.eval_every": 4,
+    "train.tracker": "none",
+    "train.warmup_steps": 2,
+    "checkpoint.every_steps": 2,
+    "checkpoint.keep_last": 2,
+}
+
+
+def ranks_overrides(ranks: int) -> dict:
+    """The same global batch (4 rows a step) on any world size: micro-batch 4 // ranks per rank."""
+    return {"train.num_processes": ranks, "train.micro_batch_size": 4 // ranks}
+
+
+def train_project(built: Path, path: Path, overrides: dict | None = None) -> Path:
+    """A project with the built shards and base model and TRAIN_OVERRIDES (plus overrides) as its params."""
+    shutil.copytree(built / "data/shards", path / "data/shards")
+    shutil.copytree(built / "models/base", path / "models/base")
+    write_params(path / "params.yaml", {**TRAIN_OVERRIDES, **(overrides or {})})
+    return path
+
+
+def train_env(ranks: int) -> dict[str, str]:
+    """The train stage's environment: one rank runs directly (no launcher in between), more under accelerate
+    launch. The resume tests compare bit for bit, so their runs and the reference are started alike."""
+    env = venv_env()
+    if ranks == 1:
+        env["FINEFLOW_TRAIN_WORKER"] = "1"
+    return env
+
+
+def start_train(project: Path, ranks: int, env: dict[str, str], port: int | None = None, extra=()):
+    """The train stage as dvc.yaml runs it, in its own process group (so a test can SIGKILL all of it)."""
+    args = list(extra)
+    if ranks > 1:  # the rendezvous port: the callers pass a free one and retry if it was taken meanwhile
+        args += ["--main-process-port", str(port)]
+    return subprocess.Popen(
+        TRAIN + args,
+        cwd=project,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish_train(project: Path, ranks: int, env: dict[str, str] | None = None) -> str:
+    """Run the train stage to its end (asserting it succeeded); returns its output."""
+
+    def launch(port):
+        proc = start_train(project, ranks, env or train_env(ranks), port=port)
+        output = proc.communicate(timeout=600)[0]
+        return proc.returncode == 0, output
+
+    ok, output = launch_with_free_port(launch)
+    assert ok, output[-4000:]
+    return output
+
+
+@pytest.fixture(scope="session")
+def reference_run(built, tmp_path_factory):
+    """reference_run(ranks) -> the project of one uninterrupted train-stage run at that world size (same global
+    batch at every size), trained on first use and shared by the session's tests, which only read it."""
+    runs: dict[int, tuple[Path, dict]] = {}
+
+    def get(ranks: int) -> Path:
+        if ranks not in runs:
+            project = train_project(built, tmp_path_factory.mktemp(f"reference-{ranks}"), ranks_overrides(ranks))
+            finish_train(project, ranks)
+            runs[ranks] = project, _snapshot(project)
+        return runs[ranks][0]
+
+    yield get
+    for ranks, (project, before) in runs.items():
+        assert _snapshot(project) == before, f"a test changed the shared {ranks}-process reference run"

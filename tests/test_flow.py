@@ -25,24 +25,42 @@ def prefect_harness():
         yield
 
 
-def _dvc(project, *args):
-    return subprocess.run(
-        [sys.executable, "-m", "dvc", *args], cwd=project, env=venv_env(), capture_output=True, text=True, timeout=900
-    )
-
-
 def _ran_stages(output: str) -> list[str]:
     return [s for s in STAGES if f"Running stage '{s}'" in output]
 
 
+def _dvc_start(project, *args, log):
+    return subprocess.Popen(
+        [sys.executable, "-m", "dvc", *args], cwd=project, env=venv_env(), stdout=log, stderr=subprocess.STDOUT
+    )
+
+
+def _dvc_wait(proc, log) -> str:
+    proc.wait(timeout=900)
+    output = log.read_text()
+    assert proc.returncode == 0, output[-6000:]
+    return output
+
+
 @pytest.mark.slow
 def test_flow_then_dvc_repro(prefect_harness, tmp_path, monkeypatch):
+    """The Prefect flow in one copy while plain `dvc repro` runs the same DAG in a fresh copy alongside (two
+    independent checkouts: a stage's processes are mostly single-threaded imports, so two copies at once take
+    little more than one on 2 cores)."""
     from flows.pipeline import fineflow_pipeline
 
     flow_copy = copy_project(tmp_path / "flow")
+    repro_copy = copy_project(tmp_path / "repro")
+    repro_log = tmp_path / "repro.log"
+    with repro_log.open("w") as log:
+        repro = _dvc_start(repro_copy, "repro", log=log)
     monkeypatch.setenv("PATH", venv_env()["PATH"])
-    results = fineflow_pipeline(str(flow_copy))
+    try:
+        results = fineflow_pipeline(str(flow_copy))
+    finally:
+        repro_output = _dvc_wait(repro, repro_log)
     assert set(results) == set(STAGES) and all(r["ran"] for r in results.values())
+    assert _ran_stages(repro_output) == STAGES
     reports = {stage: r["report"] for stage, r in results.items()}
     assert reports["validate"]["rows_in"] == reports["validate"]["rows_kept"] + reports["validate"]["rows_quarantined"]
     assert reports["train"]["world_size"] == 1
@@ -58,27 +76,33 @@ def test_flow_then_dvc_repro(prefect_harness, tmp_path, monkeypatch):
         assert (flow_copy / "reports" / f"{stage}.json").exists()
     flow_lock = yaml.safe_load((flow_copy / "dvc.lock").read_text())
     assert set(flow_lock["stages"]) == set(STAGES)
-
-    # nothing changed: the second flow run skips every stage
-    again = fineflow_pipeline(str(flow_copy))
-    assert [stage for stage, r in again.items() if r["ran"]] == []
-    assert yaml.safe_load((flow_copy / "dvc.lock").read_text()) == flow_lock
-
-    # a train-only change re-runs train -> evaluate -> promote, nothing upstream
-    params = yaml.safe_load((flow_copy / "params.yaml").read_text())
-    params["train"]["lr"] = 1e-3
-    (flow_copy / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    rerun = _dvc(flow_copy, "repro")
-    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    assert _ran_stages(rerun.stdout) == ["train", "evaluate", "promote"]
-
-    # plain dvc repro in a fresh copy: same artefacts, same lock
-    repro_copy = copy_project(tmp_path / "repro")
-    result = _dvc(repro_copy, "repro")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # plain dvc repro in its fresh copy: same artefacts, same lock
     repro_lock = yaml.safe_load((repro_copy / "dvc.lock").read_text())
     for stage in STAGES:  # outs' md5s equal: the same artefacts, byte for byte
         assert repro_lock["stages"][stage] == flow_lock["stages"][stage], stage
+
+    # a train-only change re-runs train -> evaluate -> promote, nothing upstream (in the repro copy, while the
+    # flow runs again in its own)
+    params = yaml.safe_load((repro_copy / "params.yaml").read_text())
+    params["train"]["lr"] = 1e-3
+    (repro_copy / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    rerun_log = tmp_path / "rerun.log"
+    with rerun_log.open("w") as log:
+        rerun = _dvc_start(repro_copy, "repro", log=log)
+    try:
+        # nothing changed: the second flow run skips every stage
+        again = fineflow_pipeline(str(flow_copy))
+    finally:
+        rerun_output = _dvc_wait(rerun, rerun_log)
+    assert [stage for stage, r in again.items() if r["ran"]] == []
+    assert yaml.safe_load((flow_copy / "dvc.lock").read_text()) == flow_lock
+    assert _ran_stages(rerun_output) == ["train", "evaluate", "promote"]
+    rerun_lock = yaml.safe_load((repro_copy / "dvc.lock").read_text())
+    assert [stage for stage in STAGES if rerun_lock["stages"][stage] != flow_lock["stages"][stage]] == [
+        "train",
+        "evaluate",
+        "promote",
+    ]
 
 
 def test_a_stage_counts_as_run_even_when_its_output_pushes_dvcs_line_out_of_the_log_tail(tmp_path, monkeypatch):

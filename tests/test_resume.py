@@ -9,9 +9,7 @@ disk-full test fails step 4's writes. Each process that got a fault says so, and
 import json
 import os
 import re
-import shutil
 import signal
-import subprocess
 import time
 
 import pytest
@@ -19,35 +17,27 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.conftest import TRAIN, expected_lrs, launch_with_free_port, venv_env, write_params
+from tests.conftest import (
+    TRAIN_OVERRIDES,
+    expected_lrs,
+    finish_train,
+    launch_with_free_port,
+    ranks_overrides,
+    start_train,
+    train_env,
+    train_project,
+    write_params,
+)
 from tests.faults import INJECTED, fault_env
 
 pytestmark = pytest.mark.slow  # every test here runs the train stage as a process, most of them kill it
 
-STEPS = 12
-OVERRIDES = {
-    "train.steps": STEPS,
-    "train.eval_every": 4,
-    "train.tracker": "none",
-    "train.warmup_steps": 2,
-    "checkpoint.every_steps": 2,
-    "checkpoint.keep_last": 2,
-}
-
-
-def _project(built, path, overrides=None):
-    shutil.copytree(built / "data/shards", path / "data/shards")
-    shutil.copytree(built / "models/base", path / "models/base")
-    write_params(path / "params.yaml", {**OVERRIDES, **(overrides or {})})
-    return path
+STEPS = TRAIN_OVERRIDES["train.steps"]
 
 
 def _env(ranks, disk_full_at_step=None):
     # the write delay widens the window in which a kill lands mid-write; disk full, when asked, takes over
-    env = fault_env(venv_env(), write_delay_s=0.03, disk_full_at_step=disk_full_at_step)
-    if ranks == 1:
-        env["FINEFLOW_TRAIN_WORKER"] = "1"  # run the rank directly, no launcher in between
-    return env
+    return fault_env(train_env(ranks), write_delay_s=0.03, disk_full_at_step=disk_full_at_step)
 
 
 def _last_step(project) -> int:
@@ -62,19 +52,8 @@ def _writing(project) -> bool:
     return any(project.glob("checkpoints/*/.tmp-step-*"))
 
 
-def _start(project, ranks, extra_args=(), env=None, port=None):
-    args = list(extra_args)
-    if ranks > 1:  # the rendezvous port: _kill_when and _finish pass one, and retry if it was taken meanwhile
-        args += ["--main-process-port", str(port)]
-    return subprocess.Popen(
-        TRAIN + args,
-        cwd=project,
-        env=env or _env(ranks),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+def _start(project, ranks, env=None, port=None):
+    return start_train(project, ranks, env or _env(ranks), port=port)
 
 
 def _kill_when(project, ranks, condition, timeout=240) -> bool:
@@ -102,14 +81,7 @@ def _kill_when(project, ranks, condition, timeout=240) -> bool:
 
 
 def _finish(project, ranks, env=None) -> str:
-    def launch(port):
-        proc = _start(project, ranks, env=env, port=port)
-        output = proc.communicate(timeout=600)[0]
-        return proc.returncode == 0, output
-
-    ok, output = launch_with_free_port(launch)
-    assert ok, output[-4000:]
-    return output
+    return finish_train(project, ranks, env or _env(ranks))
 
 
 def _steps(project):
@@ -157,11 +129,9 @@ KILL_POINTS = [
 
 
 @pytest.mark.parametrize("ranks", [1, 2], ids=["1-process", "2-process-ddp"])
-def test_sigkill_at_many_points_then_resume_is_bit_exact(built, tmp_path, ranks):
-    overrides = {"train.num_processes": ranks, "train.micro_batch_size": 4 // ranks}
-    reference = _project(built, tmp_path / "reference", overrides)
-    _finish(reference, ranks)
-    resumed = _project(built, tmp_path / "resumed", overrides)
+def test_sigkill_at_many_points_then_resume_is_bit_exact(built, reference_run, tmp_path, ranks):
+    reference = reference_run(ranks)
+    resumed = train_project(built, tmp_path / "resumed", ranks_overrides(ranks))
     kills = 0
     for _, condition in KILL_POINTS:
         kills += _kill_when(resumed, ranks, condition)
@@ -181,10 +151,9 @@ def test_sigkill_at_many_points_then_resume_is_bit_exact(built, tmp_path, ranks)
         assert report["tokens_this_attempt"] == 0 and report["tokens_per_s"] is None
 
 
-def test_corrupt_newest_checkpoint_is_skipped_with_a_warning_and_resume_stays_exact(built, tmp_path):
-    reference = _project(built, tmp_path / "reference")
-    _finish(reference, 1)
-    resumed = _project(built, tmp_path / "resumed")
+def test_corrupt_newest_checkpoint_is_skipped_with_a_warning_and_resume_stays_exact(built, reference_run, tmp_path):
+    reference = reference_run(1)
+    resumed = train_project(built, tmp_path / "resumed", ranks_overrides(1))
     assert _kill_when(resumed, 1, lambda p: _last_step(p) >= 7 and not _writing(p))
     [run_dir] = (resumed / "checkpoints").iterdir()
     newest = sorted(run_dir.glob("step-*"))[-1]
@@ -199,7 +168,7 @@ def test_corrupt_newest_checkpoint_is_skipped_with_a_warning_and_resume_stays_ex
 def test_disk_full_stops_with_a_clear_error_and_keeps_the_previous_checkpoint(built, tmp_path):
     from fineflow.checkpoint import latest_valid, load_checkpoint
 
-    project = _project(built, tmp_path)
+    project = train_project(built, tmp_path)
     proc = _start(project, 1, env=_env(1, disk_full_at_step=4))
     output = proc.communicate(timeout=600)[0]
     _assert_faults_reached(output, 1, fault="disk full at step 4")  # the rank got it; without it the run passes
@@ -215,14 +184,14 @@ def test_disk_full_stops_with_a_clear_error_and_keeps_the_previous_checkpoint(bu
 
 
 def test_changed_config_after_a_crash_is_refused_unless_resume_never(built, tmp_path):
-    project = _project(built, tmp_path)
+    project = train_project(built, tmp_path)
     assert _kill_when(project, 1, lambda p: _last_step(p) >= 5 and not _writing(p))
-    write_params(project / "params.yaml", {**OVERRIDES, "train.lr": 1e-3})
+    write_params(project / "params.yaml", {**TRAIN_OVERRIDES, "train.lr": 1e-3})
     proc = _start(project, 1)
     output = proc.communicate(timeout=600)[0]
     assert proc.returncode == 2 and "Traceback" not in output
     assert "unfinished run" in output and "lr: 0.003 -> 0.001" in output and "train.resume: never" in output
-    write_params(project / "params.yaml", {**OVERRIDES, "train.lr": 1e-3, "train.resume": "never"})
+    write_params(project / "params.yaml", {**TRAIN_OVERRIDES, "train.lr": 1e-3, "train.resume": "never"})
     output = _finish(project, 1)
     assert "resuming from" not in output
     assert len(list((project / "checkpoints").iterdir())) == 2  # the other config's run is kept
@@ -231,7 +200,7 @@ def test_changed_config_after_a_crash_is_refused_unless_resume_never(built, tmp_
 def test_tensorboard_curves_have_no_duplicate_steps_after_a_resume(built, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    project = _project(built, tmp_path, {"train.tracker": "tensorboard"})
+    project = train_project(built, tmp_path, {"train.tracker": "tensorboard"})
     assert _kill_when(project, 1, lambda p: _last_step(p) >= 7 and not _writing(p))
     _finish(project, 1)
     events = EventAccumulator(str(project / "logs/fineflow"))
