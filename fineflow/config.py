@@ -141,7 +141,9 @@ class LoraParams(_Section):
 
 class TrainParams(_Section):
     method: Literal["lora", "qlora", "full"] = "lora"  # qlora: 4-bit base via bitsandbytes, CUDA only
-    precision: Literal["no", "bf16", "fp16"] = "no"  # mixed precision; fp16 needs a GPU (loss scaling)
+    # mixed precision. auto: the accelerate profile's mixed_precision, else bf16 on a bf16 GPU, else "no" (fp32);
+    # an explicit value wins over the profile (a conflict is logged and reported). fp16 needs a GPU (loss scaling)
+    precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
     # attention over packed rows. varlen: per example, cost sum(len^2) (fineflow.train.attention; any device);
     # sdpa: transformers' block-diagonal (L x L) mask over the whole row; flash_attention_2: flash-attn's

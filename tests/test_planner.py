@@ -17,12 +17,14 @@ from fineflow.errors import FineflowError
 from fineflow.train.planner import (
     KNOWN_SHAPES,
     LINEARS,
+    QLORA_BYTES_PER_PARAM,
     DoesNotFit,
     GiB,
     ModelShape,
     Setup,
     activation_bytes,
     auto_fit,
+    autocast_copy_bytes,
     check_fit,
     layer_activation_bytes,
     load_shape,
@@ -52,6 +54,16 @@ LLAMA_3_8B_CONFIG = {
     "tie_word_embeddings": False,
     "rms_norm_eps": 1e-5,
     "rope_theta": 500000.0,
+}
+LLAMA_2_7B_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32000,
+    "tie_word_embeddings": False,
 }
 
 
@@ -125,10 +137,76 @@ def test_lora_is_much_smaller_than_full():
 
 
 @pytest.mark.parametrize("size", ["7B", "70B"])
-def test_qlora_weights_are_about_a_quarter_of_bf16(size):
-    shape = KNOWN_SHAPES[size]
-    ratio = plan(shape, Setup(method="qlora")).weights / plan(shape, Setup(method="lora")).weights
-    assert 0.25 < ratio < 0.32  # 4-bit linears + constants; embeddings and lm_head stay 16-bit
+def test_qlora_holds_4bit_linears_and_fp32_for_everything_else(size):
+    # peft's prepare_model_for_kbit_training upcasts embeddings, lm_head and norms to fp32 (tests/test_precision.py
+    # checks that layout on a real model); bitsandbytes dequantizes one linear at a time in the compute dtype
+    shape, setup = KNOWN_SHAPES[size], Setup(method="qlora")
+    linears = shape.num_layers * shape.linear_params_per_layer
+    expected = (
+        linears * QLORA_BYTES_PER_PARAM
+        + (shape.params - linears) * 4
+        + lora_params(shape, setup.lora_r, LINEARS) * 4
+        + shape.max_linear_params * 2
+    )
+    assert plan(shape, setup).weights == pytest.approx(expected)
+    ratio = plan(shape, setup).weights / plan(shape, Setup(method="lora")).weights
+    assert 0.25 < ratio < 0.36  # about a quarter of the bf16 base, more where the vocabulary is large
+
+
+def test_a_7b_lora_base_is_counted_in_the_dtype_it_is_held_in():
+    # issue 13: the plan said 12.7 GiB of weights for a 7B LoRA while the base, loaded in fp32, held ~25 GiB
+    p, adapters = SEVEN_B.params, lora_params(SEVEN_B, 16, LINEARS)
+    bf16_base = plan(SEVEN_B, Setup(method="lora", precision="bf16"))
+    fp32_base = plan(SEVEN_B, Setup(method="lora", precision="bf16", weight_storage="fp32"))
+    assert bf16_base.weights == 2 * p + 4 * adapters and f"{bf16_base.weights / GiB:.1f}" == "12.7"
+    assert fp32_base.weights == 4 * p + 4 * adapters and f"{fp32_base.weights / GiB:.1f}" == "25.3"
+    # under autocast the fp32 base's 16-bit copies stay alive from forward to backward: every linear (but layer 0's
+    # q/k/v, whose input needs no gradient) and lm_head; 12.2 GiB more at the start of backward
+    h, layer = SEVEN_B.hidden_size, SEVEN_B.linear_params_per_layer
+    copies = (SEVEN_B.num_layers * layer - 3 * h * h + SEVEN_B.vocab_size * h) * 2
+    assert autocast_copy_bytes(SEVEN_B, fp32_base.setup) == copies and f"{copies / GiB:.1f}" == "12.2"
+    assert fp32_base.activations - bf16_base.activations == copies
+    # with checkpointing one recomputed layer's copies at a time (larger than lm_head's here)
+    checkpointed = replace(fp32_base.setup, gradient_checkpointing=True)
+    assert autocast_copy_bytes(SEVEN_B, checkpointed) == layer * 2
+    assert autocast_copy_bytes(SEVEN_B, bf16_base.setup) == 0
+
+
+def test_the_train_stage_plans_the_layout_build_model_loads(tmp_path):
+    """fit_plan (what the launcher checks) sets the layout from fineflow.train.precision, as build_model loads it:
+    a 7B LoRA in bf16 holds a bf16 base (12.7 GiB); full fine-tuning under DDP autocast holds fp32 weights."""
+    from fineflow.config import parse_params
+    from fineflow.train.precision import base_dtype
+    from fineflow.train.sizing import fit_plan
+    from tests.conftest import TINY_PARAMS, _merge
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_2_7B_CONFIG))
+
+    def stage_plan(method):
+        train = {"method": method, "precision": "bf16", "device_memory_gib": 4096, "lora": {"r": 16}}
+        return fit_plan(parse_params(_merge(TINY_PARAMS, {"train": train})), str(tmp_path), has_gpu=False)[1]
+
+    p = SEVEN_B.params
+    lora = stage_plan("lora")
+    assert base_dtype("lora", "bf16", "none") == "bfloat16"
+    assert lora["bytes"]["weights"] == 2 * p + 4 * lora_params(SEVEN_B, 16, LINEARS)
+    assert lora["gib"]["weights"] == pytest.approx(12.7, abs=0.005)
+    full = stage_plan("full")
+    assert base_dtype("full", "bf16", "none") == "float32" and full["setup"]["weight_storage"] == "fp32"
+    assert (full["bytes"]["weights"], full["bytes"]["gradients"], full["bytes"]["optimizer_states"]) == (
+        4 * p,
+        4 * p,
+        8 * p,
+    )
+
+
+def test_full_fine_tuning_under_autocast_keeps_copies_even_with_checkpointing():
+    # autocast caches the 16-bit copy of a trainable (leaf) weight until forward ends, checkpointing or not
+    fp32 = Setup(method="full", precision="bf16", weight_storage="fp32", gradient_checkpointing=True)
+    copies = (SEVEN_B.num_layers * SEVEN_B.linear_params_per_layer + SEVEN_B.vocab_size * SEVEN_B.hidden_size) * 2
+    assert autocast_copy_bytes(SEVEN_B, fp32) == copies
+    assert autocast_copy_bytes(SEVEN_B, replace(fp32, precision="fp32")) == 0
+    assert autocast_copy_bytes(SEVEN_B, replace(fp32, num_gpus=8, sharding="fsdp")) == 0  # FSDP gathers 16-bit
 
 
 # ---------------------------------------------------------------- activations

@@ -12,6 +12,12 @@ One checkpoint is a directory ``<root>/step-0000123/``::
     manifest.json            sha256 and size of every file above, the step and the metric
     COMPLETE                 written last; holds the manifest's sha256
 
+A sharded checkpoint (FSDP: ``"layout": "sharded"`` in the manifest) has no model.safetensors and no
+optimizer.* files: each rank writes its own shards of the trainable tensors and the optimizer state through
+torch's distributed checkpoint into ``sharded/`` (``__<rank>_0.distcp`` plus DCP's ``.metadata``), and the
+manifest hashes those files like the others. Every rank reads its own shards back; a resume needs the same
+world size (it is part of the run's fingerprint) and a checkpoint directory every rank can see.
+
 Nothing is pickled: tensors go to safetensors and everything else to JSON, with small tags for what plain
 JSON cannot say (tuples, integer dict keys, non-finite floats, numpy arrays) so that a state_dict comes
 back with exactly the types ``load_state_dict`` expects. A checkpoint without a manifest and a marker that
@@ -59,6 +65,7 @@ from fineflow.checkpoint.format import (
     MANIFEST,
     MARKER,
     REQUIRED_FILES,
+    SHARDED_DIR,
     STEP_DIR,
     CheckpointError,
     CheckpointWarning,
@@ -86,6 +93,7 @@ __all__ = [
     "MANIFEST",
     "MARKER",
     "REQUIRED_FILES",
+    "SHARDED_DIR",
     "STEP_DIR",
     "CheckpointError",
     "CheckpointWarning",

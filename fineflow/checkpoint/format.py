@@ -21,6 +21,18 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 MARKER = "COMPLETE"
 REQUIRED_FILES = ("model.safetensors", "optimizer.json", "scheduler.json", "state.json", "rng.json")
+# A sharded checkpoint (FSDP): the trainable tensors and the optimizer are each rank's own shards, written by
+# every rank through torch's distributed checkpoint into SHARDED_DIR (one file per rank plus DCP's .metadata);
+# the manifest covers those files like any other, and says "layout": "sharded".
+SHARDED_DIR = "sharded"
+SHARDED_REQUIRED_FILES = (f"{SHARDED_DIR}/.metadata", "scheduler.json", "state.json", "rng.json")
+
+
+def required_files(manifest: dict) -> tuple[str, ...]:
+    """The files a checkpoint of this manifest's layout must list."""
+    return SHARDED_REQUIRED_FILES if manifest.get("layout") == "sharded" else REQUIRED_FILES
+
+
 STEP_DIR = re.compile(r"^step-(\d+)$")
 CHUNK = 8 * 2**20  # write/hash granularity: large enough to be fast, small enough to interleave with training
 
@@ -182,7 +194,9 @@ def split_parts(model_tensors: dict[str, torch.Tensor], parts: dict[str, Any]) -
     """{file name: (tensors, safetensors metadata)} and {file name: JSON bytes} for one checkpoint: the model
     as model.safetensors (names kept, so peft/transformers read it too), every other part as <part>.json
     plus <part>.safetensors when it holds tensors."""
-    tensor_sets: dict[str, tuple[dict, dict | None]] = {"model.safetensors": (dict(model_tensors), {"format": "pt"})}
+    tensor_sets: dict[str, tuple[dict, dict | None]] = {}
+    if model_tensors:  # empty for a sharded checkpoint: the model's tensors are in SHARDED_DIR
+        tensor_sets["model.safetensors"] = (dict(model_tensors), {"format": "pt"})
     json_files = {}
     for stem, obj in parts.items():
         tensors: dict[str, torch.Tensor] = {}

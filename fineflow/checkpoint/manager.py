@@ -71,6 +71,11 @@ def _worker_main(jobs, results, parent: int) -> None:
         del job  # release the shared arena before waiting for the next one
 
 
+class WriterCrashed(RuntimeError):
+    """The writer process died (killed, out of memory): a crash, not the user's error. The stage fails with a
+    traceback and exit 1, so a retry runs, and resumes from the intact previous checkpoint."""
+
+
 @dataclass
 class _InFlight:
     step: int
@@ -154,11 +159,17 @@ class CheckpointManager:
         rng_snapshots: list[dict],
         metric: float | None = None,
         grad_scaler_state: dict | None = None,
+        sharded_dir: str | Path | None = None,
     ) -> None:
         """Snapshot the state and write it as step-<step>. Waits for the previous save first and raises
-        its error; in async mode returns once the snapshot is in host memory."""
+        its error; in async mode returns once the snapshot is in host memory.
+
+        sharded_dir: a sharded save (FSDP). Every rank has already written its shards of the trainable
+        tensors and the optimizer there (fineflow.train.fsdp.save_sharded); the writer moves that directory
+        into the checkpoint and hashes its files into the manifest. model_tensors is then empty and
+        optimizer_state_dict None."""
         self.wait()
-        if not model_tensors:
+        if not model_tensors and sharded_dir is None:
             raise CheckpointError(
                 f"nothing to checkpoint at step {step}: model_tensors is empty (pass the "
                 "trainable tensors: for LoRA, the adapter's state dict)"
@@ -174,6 +185,7 @@ class CheckpointManager:
             rng_snapshots,
             None if metric is None else float(metric),
             grad_scaler_state,
+            None if sharded_dir is None else str(sharded_dir),
         )
         if self.mode == "sync":
             self.last_result = run_job(job)
@@ -235,6 +247,7 @@ class CheckpointManager:
         rng_snapshots,
         metric,
         grad_scaler_state,
+        sharded_dir=None,
     ) -> SaveJob:
         """Serialize the JSON parts and copy every tensor into the host arena: after this returns, the
         caller may change its model and optimizer freely. The only part of an async save the loop waits for."""
@@ -244,6 +257,8 @@ class CheckpointManager:
             "state": state_json,
             "rng": list(rng_snapshots),
         }
+        if optimizer_state_dict is None:  # sharded: the optimizer's state is in the ranks' shards
+            del parts["optimizer"]
         if grad_scaler_state is not None:
             parts["grad_scaler"] = grad_scaler_state
         tensor_sets, json_files = split_parts(model_tensors, parts)
@@ -270,6 +285,7 @@ class CheckpointManager:
             on_write_error=self.on_write_error,
             retries=self.retries,
             retry_backoff_s=self.retry_backoff_s,
+            sharded_dir=sharded_dir,
         )
 
     def _arena_for(self, nbytes: int) -> torch.Tensor:
@@ -325,7 +341,7 @@ class CheckpointManager:
                         if previous is not None
                         else "there is no previous checkpoint"
                     )
-                    flight.error = CheckpointError(
+                    flight.error = WriterCrashed(
                         f"the checkpoint writer process died (exit code {code}) while "
                         f"saving step {flight.step}; {intact}"
                     )

@@ -17,13 +17,14 @@ from fineflow.checkpoint.format import (
     FORMAT_VERSION,
     MANIFEST,
     MARKER,
+    SHARDED_DIR,
     CheckpointError,
     CheckpointWarning,
     _json_bytes,
     _step_dirs,
     step_dir_name,
 )
-from fineflow.checkpoint.read import verify_checkpoint
+from fineflow.checkpoint.read import _sha256_file, verify_checkpoint
 from fineflow.checkpoint.retention import apply_retention
 from fineflow.checkpoint.snapshot import SaveJob
 from fineflow.checkpoint.write import _write_file, fsync_dir
@@ -35,10 +36,11 @@ def _write_checkpoint(job: SaveJob) -> tuple[Path, dict]:
     root = Path(job.root)
     final, tmp = root / step_dir_name(job.step), root / f".tmp-{step_dir_name(job.step)}"
     if tmp.exists():
+        _unstage(job, tmp)
         shutil.rmtree(tmp)  # left by a failed attempt of the same step
     tmp.mkdir(parents=True)
     data = job.arena.numpy()
-    files: dict[str, dict] = {}
+    files: dict[str, dict] = _take_sharded(job, tmp)
     for spec in job.tensor_files:
         files[spec.name] = _write_file(tmp / spec.name, [spec.header, data[spec.offset : spec.offset + spec.nbytes]])
     for name, payload in job.json_files.items():
@@ -46,6 +48,8 @@ def _write_checkpoint(job: SaveJob) -> tuple[Path, dict]:
     # no timestamp: the same state must give the same bytes (DVC hashes checkpoints/ into dvc.lock, and
     # the Prefect flow and `dvc repro` must leave the same lock); the directory's mtime says when
     manifest = {"format": FORMAT, "version": FORMAT_VERSION, "step": job.step, "metric": job.metric, "files": files}
+    if job.sharded_dir is not None:
+        manifest["layout"] = "sharded"
     manifest_bytes = _json_bytes(manifest)
     _write_file(tmp / MANIFEST, [manifest_bytes])
     # the marker names the manifest's hash: a marker next to any other manifest is not a complete save
@@ -56,6 +60,29 @@ def _write_checkpoint(job: SaveJob) -> tuple[Path, dict]:
     verified = time.perf_counter()
     _publish(tmp, final)
     return final, {"files_s": written - started, "verify_s": verified - written}
+
+
+def _take_sharded(job: SaveJob, tmp: Path) -> dict[str, dict]:
+    """A sharded save: move the directory the ranks wrote their shards into (already fsynced by them) into
+    the checkpoint, and hash its files for the manifest (read back from disk: other processes wrote them)."""
+    if job.sharded_dir is None:
+        return {}
+    target = tmp / SHARDED_DIR
+    os.rename(job.sharded_dir, target)
+    fsync_dir(tmp)
+    entries = {}
+    for file in sorted(target.iterdir()):
+        digest, size = _sha256_file(file)
+        entries[f"{SHARDED_DIR}/{file.name}"] = {"sha256": digest, "size": size}
+    return entries
+
+
+def _unstage(job: SaveJob, tmp: Path) -> None:
+    """Before a failed attempt's temp dir is removed: give the ranks' shards back to the staging directory,
+    so that a retry (on_write_error: retry) still has them."""
+    moved = tmp / SHARDED_DIR
+    if job.sharded_dir is not None and moved.is_dir() and not Path(job.sharded_dir).exists():
+        os.rename(moved, job.sharded_dir)
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -113,6 +140,7 @@ def run_job(job: SaveJob) -> dict:
             path, timings = _write_checkpoint(job)
             break
         except OSError as exc:
+            _unstage(job, tmp)
             shutil.rmtree(tmp, ignore_errors=True)
             if job.on_write_error == "retry" and attempt < job.retries:
                 delay = job.retry_backoff_s * 2**attempt

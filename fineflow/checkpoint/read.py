@@ -21,13 +21,14 @@ from fineflow.checkpoint.format import (
     FORMAT_VERSION,
     MANIFEST,
     MARKER,
-    REQUIRED_FILES,
+    SHARDED_DIR,
     STEP_DIR,
     CheckpointError,
     CheckpointWarning,
     CorruptCheckpoint,
     _step_dirs,
     from_tree,
+    required_files,
 )
 
 
@@ -93,7 +94,7 @@ def verify_checkpoint(path: Path, deep: bool = False) -> dict:
     path = Path(path)
     manifest = read_manifest(path)
     files = manifest["files"]
-    for name in REQUIRED_FILES:
+    for name in required_files(manifest):
         if name not in files:
             raise CorruptCheckpoint(path / name, "not in the manifest")
     for name, entry in files.items():
@@ -211,6 +212,9 @@ class LoadedCheckpoint:
     rng_snapshots: list
     grad_scaler_state: dict | None = None
     metric: float | None = None
+    # a sharded checkpoint (FSDP): the ranks' shards of model and optimizer, which every rank loads itself
+    # (fineflow.train.fsdp.load_sharded); model_tensors is then empty and optimizer_state_dict None
+    sharded_dir: Path | None = None
 
 
 def _read_part(path: Path, stem: str, files: dict) -> Any:
@@ -229,12 +233,14 @@ def load_checkpoint(path: str | Path, verify: bool = True) -> LoadedCheckpoint:
     path = Path(path)
     manifest = verify_checkpoint(path) if verify else read_manifest(path)
     files = manifest["files"]
+    sharded = manifest.get("layout") == "sharded"
     return LoadedCheckpoint(
         path=path,
         step=int(manifest["step"]),
         metric=manifest.get("metric"),
-        model_tensors=load_file(str(path / "model.safetensors")),
-        optimizer_state_dict=_read_part(path, "optimizer", files),
+        model_tensors={} if sharded else load_file(str(path / "model.safetensors")),
+        optimizer_state_dict=None if sharded else _read_part(path, "optimizer", files),
+        sharded_dir=path / SHARDED_DIR if sharded else None,
         scheduler_state_dict=_read_part(path, "scheduler", files),
         state=_read_part(path, "state", files),
         rng_snapshots=_read_part(path, "rng", files),

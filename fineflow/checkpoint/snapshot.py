@@ -38,6 +38,8 @@ class SaveJob:
     on_write_error: str
     retries: int
     retry_backoff_s: float
+    # a sharded save: the directory every rank has written its shards into, moved into the checkpoint
+    sharded_dir: str | None = None
 
 
 def plan_files(tensor_sets: dict) -> tuple[list[tuple[TensorFile, dict, list]], int]:

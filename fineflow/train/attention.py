@@ -1,22 +1,27 @@
-"""Variable-length attention over packed rows: each example attends only within itself, and the cost is
-the sum of the examples' own lengths squared, not the row length squared.
+"""Attention over packed rows: each example attends only within itself, at any micro-batch size.
 
 A packed row of 512 tokens holds ~7 examples of ~70. transformers' default for such a row (``sdpa`` with
 position ids that restart per example) builds a 512 x 512 block-diagonal mask and computes all of it:
-on the bundled data 86% of that attention is masked out. Here the examples of a micro-batch are gathered
-into groups of similar length (the split that minimizes padded work plus a per-call cost, plan_groups),
-each group runs one causal ``scaled_dot_product_attention`` call with no mask (the fused kernel on CPU,
-flash on GPU), and the outputs are scattered back into the rows. It is the CPU- and
-any-GPU equivalent of flash-attn's varlen kernel (``flash_attention_2``, which transformers uses on GPU
-from the same position ids).
+on the bundled data 86% of that attention is masked out. Here (``train.attention: varlen``) the examples of
+a micro-batch are gathered into groups of similar length (the split that minimizes padded work plus a
+per-call cost, plan_groups), each group runs one causal ``scaled_dot_product_attention`` call with no mask
+(the fused kernel on CPU, flash on GPU), and the outputs are scattered back into the rows: the CPU- and
+any-GPU equivalent of flash-attn's varlen kernel.
 
-The layout (which token goes where) is computed from the rows' position ids with numpy on the loader
-thread, so the training thread only does index_select / cat. Exactness: each real token's output equals
-the block-diagonal-mask result (tests compare loss and gradients); padding inside a group sits after an
-example's last token, where causal attention never lets a real query see it.
+``flash_attention_2`` needs the same per-example layout handed to it: transformers (5.x) infers packed
+examples from position ids only when the batch is a single row (``_is_packed_sequence`` requires
+batch_size == 1); with micro_batch_size > 1 it runs plain causal flash attention over each whole row, and
+the examples of a row attend to each other. So fineflow passes flash-attn's own description of the
+micro-batch, flattened to one sequence: ``cu_seq_lens_q/k`` (where every example starts) and
+``max_length_q/k`` (flash_layout), which transformers' flash path uses as given, at any batch size.
+
+Both layouts are computed from the rows' position ids with numpy on the loader thread, so the training
+thread only does index_select / cat. Exactness: each real token's output equals the block-diagonal-mask
+result (tests compare loss, gradients and logits); padding inside a group sits after an example's last
+token, where causal attention never lets a real query see it.
 
     register()          # once, before from_pretrained(..., attn_implementation=VARLEN)
-    layout = packed_layout(position_ids)            # numpy, on the loader thread
+    layout = layout_of(position_ids, varlen=True)   # numpy, on the loader thread (varlen=False: flash's)
     model(input_ids, position_ids=..., **layout_kwargs(layout))
 """
 
@@ -41,6 +46,19 @@ class PackedLayout:
 
     groups: list[tuple[np.ndarray, int, int]]
     scatter: np.ndarray
+
+
+@dataclass
+class FlashLayout:
+    """flash-attn's varlen description of the micro-batch flattened to one sequence of batch * seq_len tokens.
+
+    cu_seqlens: int32, segments + 1: the flattened start of every segment (each example, and each row's
+                padding tail), then the total token count; a row's end always closes a segment.
+    max_length: the longest segment (flash-attn sizes its launch grid from it).
+    """
+
+    cu_seqlens: np.ndarray
+    max_length: int
 
 
 def segments(position_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -102,13 +120,40 @@ def packed_layout(position_ids: np.ndarray, call_cost: float = CALL_COST) -> Pac
     return PackedLayout(groups, scatter)
 
 
-def layout_kwargs(layout: PackedLayout, device=None) -> dict:
-    """The model forward kwarg carrying the layout as tensors (zero-copy from numpy; moved to device)."""
+def flash_layout(position_ids: np.ndarray) -> FlashLayout:
+    """cu_seqlens and max_length for flash-attn from one micro-batch's position ids (numpy only)."""
+    positions = np.asarray(position_ids)
+    starts, lengths = segments(positions)
+    return FlashLayout(np.append(starts, positions.size).astype(np.int32), int(lengths.max()))
+
+
+def layout_of(position_ids: np.ndarray, varlen: bool) -> PackedLayout | FlashLayout:
+    """The layout a micro-batch travels with: fineflow's varlen groups (train.attention varlen), else
+    flash-attn's cu_seqlens, which flash_attention_2 needs at micro_batch_size > 1 and sdpa/eager ignore (they
+    build their block-diagonal mask from the position ids)."""
+    return packed_layout(position_ids) if varlen else flash_layout(position_ids)
+
+
+def layout_kwargs(layout: PackedLayout | FlashLayout, device=None) -> dict:
+    """The model forward kwargs carrying a layout as tensors (zero-copy from numpy; moved to device). They
+    reach every attention layer through the model's **kwargs: LAYOUT_KWARG for varlen_attention, and
+    transformers' own FlashAttentionKwargs (cu_seq_lens_q/k, max_length_q/k) for flash_attention_2, whose
+    ``_flash_attention_forward`` then calls flash-attn's varlen kernel with them instead of inferring
+    (or, at batch > 1, not inferring) packing from position ids."""
     import torch
 
     def tensor(array):
         return torch.from_numpy(array).to(device, non_blocking=True) if device is not None else torch.from_numpy(array)
 
+    if isinstance(layout, FlashLayout):
+        cu_seqlens = tensor(layout.cu_seqlens)
+        # one python int for both: flash-attn takes max_seqlen as an int, and transformers reads it once
+        return {
+            "cu_seq_lens_q": cu_seqlens,
+            "cu_seq_lens_k": cu_seqlens,
+            "max_length_q": layout.max_length,
+            "max_length_k": layout.max_length,
+        }
     groups = tuple((tensor(gather), examples, longest) for gather, examples, longest in layout.groups)
     return {LAYOUT_KWARG: (groups, tensor(layout.scatter))}
 

@@ -8,10 +8,11 @@ pipeline fused layers train 8-12% faster, bench/trl_compare.py). The maths is th
 gradients within float rounding of peft's (tests/test_fused_lora.py); adapters save and load with peft
 as before, since the parameters are peft's own.
 
-Only the plain case is fused: a torch.nn.Linear base of the adapter's dtype, one active adapter, no
-dropout, no DoRA/variant, not merged. Under autocast (train.precision bf16/fp16) the op runs in the
-autocast dtype, as autocast would run the linear. Anything else (adapters disabled or merged, parameters
-a sharding engine has not gathered) falls back to peft's forward at call time.
+Only the plain case is fused: a torch.nn.Linear base of the adapter's dtype (or a bf16/fp16 base under fp32
+adapters, fused under autocast), one active adapter, no dropout, no DoRA/variant, not merged. Under autocast
+(train.precision bf16/fp16) the op runs in the autocast dtype, as autocast would run the linear. Anything
+else (adapters disabled or merged, parameters a sharding engine has not gathered) falls back to peft's
+forward at call time.
 
     fuse_lora_layers(peft_model)  # -> how many layers were fused
 """
@@ -65,7 +66,10 @@ def fusable(layer) -> bool:
     name = names[0]
     base, a, b = layer.base_layer.weight, layer.lora_A[name].weight, layer.lora_B[name].weight
     no_dropout = isinstance(layer.lora_dropout[name], torch.nn.Identity)
-    return no_dropout and layer.lora_B[name].bias is None and base.dtype == a.dtype == b.dtype
+    # a base of the adapters' dtype, or a 16-bit base under fp32 adapters (LoRA on a GPU: peft keeps adapters fp32
+    # on a bf16/fp16 base); the mixed case is fused under autocast only (_fused_forward)
+    same_or_half = base.dtype == a.dtype or base.dtype in (torch.bfloat16, torch.float16)
+    return no_dropout and layer.lora_B[name].bias is None and a.dtype == b.dtype and same_or_half
 
 
 def _fused_forward(self, x, *args, **kwargs):
@@ -80,7 +84,7 @@ def _fused_forward(self, x, *args, **kwargs):
         and not self.merged
         and not self.disable_adapters
         and list(self.active_adapters) == [name]
-        and (autocast or x.dtype == base.dtype)
+        and (autocast or x.dtype == base.dtype == a.dtype)  # mixed dtypes need autocast's casts
         and not base.requires_grad
         and (bias is None or not bias.requires_grad)
         and base.numel()

@@ -12,6 +12,10 @@ cluster (``--machine_rank``, ``--main_process_ip``, ``--main_process_port``), wh
 as placeholders, and refuses a caller's ``num_processes`` / ``num_machines`` that contradict the file rather
 than silently overriding it (accelerate lets a command-line flag win over the file).
 
+DeepSpeed profiles (the last section): a missing deepspeed package is refused before anything loads
+(``require_engine``), and the DeepSpeed batch settings come from params, checked against the profile by the
+launcher and written into each rank's config before ``accelerator.prepare`` (``configure_deepspeed``).
+
     python -c "from fineflow.train.launch import accelerate_command, resolve_profile; \
         print(accelerate_command(None, False, 'tests.dist_probe', ['/tmp/p'], \
                                  config_file=resolve_profile('cpu_ddp_2proc')))"
@@ -21,10 +25,15 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fineflow.errors import FineflowError
+from fineflow.runtime import TRAIN_WORKER_ENV
 
-WORKER_ENV = "FINEFLOW_TRAIN_WORKER"
+if TYPE_CHECKING:
+    from fineflow.config import TrainParams
+
+WORKER_ENV = TRAIN_WORKER_ENV  # set for the ranks: they train instead of launching again
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "accelerate"
 AUTO = "auto"
 # distributed types that need one accelerator per rank; on a machine without one, accelerate would start
@@ -150,8 +159,8 @@ def accelerate_command(
         str(num_processes),
         "--dynamo_backend",
         "no",
-        "--mixed_precision",
-        "no",
+        "--mixed_precision",  # only the env default: each rank passes the resolved train.precision to
+        "no",  # Accelerator(mixed_precision=...) explicitly, which wins (fineflow.train.precision)
     ]
     env = {WORKER_ENV: "1"}
     if machines > 1:
@@ -177,6 +186,7 @@ def _profile_command(
     main_process_ip: str | None,
     placement: list[str],
 ) -> tuple[list[str], dict[str, str]]:
+    require_engine(path)  # a missing deepspeed first: no other problem with the profile matters before it
     profile = read_profile(path)
     kind = profile["distributed_type"].upper()
     use_cpu = bool(profile.get("use_cpu", False))
@@ -220,3 +230,124 @@ def _profile_command(
         # rank's Accelerator join one gloo group on the CPU instead of running as its own world of size 1
         env["ACCELERATE_USE_CPU"] = "1"
     return argv + placement + ["-m", module, *module_args], env
+
+
+# --- DeepSpeed profiles ---------------------------------------------------------------------------------
+#
+# fineflow hands accelerate no DataLoader, so accelerate cannot fill a DeepSpeed config's "auto" batch sizes
+# (accelerator.prepare raises, after the model has loaded), and it fills an "auto" gradient_clipping with 1.0
+# whatever train.max_grad_norm says. These keys therefore come from params and are written into the config on
+# every rank before prepare (configure_deepspeed). The rule: a DeepSpeed profile (its deepspeed_config section,
+# or the DeepSpeed JSON it names in deepspeed_config_file) leaves them out or sets them to "auto", and params
+# fill them; the same value as params is accepted; another value is refused, naming both. Params never lose
+# silently to the file, nor the file to params.
+
+DEEPSPEED_INSTALL = "pip install 'fineflow[deepspeed]'"
+# DeepSpeed config key -> the params it comes from
+DEEPSPEED_FROM_PARAMS = {
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.grad_accum",
+    "train_batch_size": "train.micro_batch_size x train.grad_accum x ranks",
+    "gradient_clipping": "train.max_grad_norm",
+}
+
+
+def is_deepspeed_profile(profile: Path | None) -> bool:
+    return profile is not None and read_profile(profile)["distributed_type"].upper() == "DEEPSPEED"
+
+
+def require_engine(profile: Path | None) -> None:
+    """A DeepSpeed profile without the deepspeed package: one message, before anything loads (accelerate's own
+    launcher would raise an ImportError traceback, and only after the memory planner ran)."""
+    from importlib.util import find_spec
+
+    if is_deepspeed_profile(profile) and find_spec("deepspeed") is None:
+        raise FineflowError(
+            f"accelerate profile {profile} runs DeepSpeed (distributed_type: DEEPSPEED) and the deepspeed "
+            f"package is not installed: {DEEPSPEED_INSTALL} on the GPU machines (it compiles its CUDA ops on first "
+            f"use, with a CUDA toolkit matching torch), or pick another train.accelerate_profile (fsdp_lora shards "
+            f"like ZeRO-3 without it)"
+        )
+
+
+def deepspeed_batch_config(cfg: TrainParams, world: int) -> dict:
+    """The DeepSpeed config keys that params decide. DeepSpeed itself checks that train_batch_size is
+    micro-batch x accumulation steps x data-parallel ranks."""
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "train_batch_size": cfg.micro_batch_size * cfg.grad_accum * world,
+        "gradient_clipping": float(cfg.max_grad_norm),
+    }
+
+
+def _agrees(given, wanted) -> bool:
+    try:
+        return float(given) == float(wanted)
+    except (TypeError, ValueError):
+        return False
+
+
+def resolve_deepspeed_config(ds_config: dict, batch: dict, where: str) -> dict:
+    """A copy of ds_config with the batch keys (``deepspeed_batch_config``) filled in where it leaves them out or
+    "auto"; a key it sets to another value is a FineflowError naming both (the rule above)."""
+    conflicts = [
+        f"{key}: {ds_config[key]}, but {DEEPSPEED_FROM_PARAMS[key]} gives {value}"
+        for key, value in batch.items()
+        if ds_config.get(key, AUTO) != AUTO and not _agrees(ds_config[key], value)
+    ]
+    if conflicts:
+        raise FineflowError(
+            f"{where} sets " + "; ".join(conflicts) + ". fineflow takes these DeepSpeed settings from the train "
+            "params: delete them from the profile (or set them to auto) and change the train params instead"
+        )
+    return {**ds_config, **batch}
+
+
+def profile_deepspeed_config(profile: Path) -> dict:
+    """The batch keys a DeepSpeed profile sets itself: gradient_accumulation_steps and gradient_clipping in its
+    deepspeed_config section (accelerate hands them to the ranks as environment variables), and any of them in
+    the DeepSpeed JSON it names (deepspeed_config_file)."""
+    import json
+
+    section = read_profile(profile).get("deepspeed_config") or {}
+    fixed = {}
+    if section.get("deepspeed_config_file"):
+        path = Path(section["deepspeed_config_file"])
+        try:
+            ds_json = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise FineflowError(f"accelerate profile {profile}: deepspeed_config_file {path}: {exc}") from None
+        fixed.update({key: ds_json[key] for key in DEEPSPEED_FROM_PARAMS if key in ds_json})
+    if section.get("gradient_accumulation_steps") == AUTO:
+        raise FineflowError(
+            f"accelerate profile {profile}: deepspeed_config sets gradient_accumulation_steps: auto, which "
+            f"accelerate's Accelerator reads as an integer and fails on; delete the line (train.grad_accum decides it)"
+        )
+    fixed.update({key: section[key] for key in ("gradient_accumulation_steps", "gradient_clipping") if key in section})
+    return fixed
+
+
+def check_deepspeed_profile(profile: Path | None, cfg: TrainParams, world: int) -> None:
+    """The launcher's check of a DeepSpeed profile against the (planned) train params, before any rank starts."""
+    if is_deepspeed_profile(profile):
+        resolve_deepspeed_config(
+            profile_deepspeed_config(profile), deepspeed_batch_config(cfg, world), f"accelerate profile {profile}"
+        )
+
+
+def fill_deepspeed_plugin(plugin, cfg: TrainParams, world: int) -> None:
+    """Write params' batch keys into accelerate's DeepSpeedPlugin config (the dict deepspeed.initialize gets)."""
+    batch = deepspeed_batch_config(cfg, world)
+    where = "the DeepSpeed config accelerate built from the profile"
+    plugin.deepspeed_config.update(resolve_deepspeed_config(plugin.deepspeed_config, batch, where))
+    plugin.gradient_accumulation_steps, plugin.gradient_clipping = cfg.grad_accum, float(cfg.max_grad_norm)
+
+
+def configure_deepspeed(accelerator, cfg: TrainParams) -> None:
+    """On a rank under DeepSpeed, before ``accelerator.prepare``: batch sizes, accumulation and clipping from
+    params (see the rule above). Nothing to do on other backends."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        fill_deepspeed_plugin(accelerator.state.deepspeed_plugin, cfg, accelerator.num_processes)

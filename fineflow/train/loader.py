@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fineflow.tokenize.shards import PackedShard, RowSampler
-from fineflow.train.attention import PackedLayout, packed_layout
+from fineflow.train.attention import FlashLayout, PackedLayout, layout_of
 
 
 @dataclass
@@ -26,7 +26,8 @@ class StepBatch:
     targets: int  # tokens trained on (labels != -100) in this rank's micro-batches
     real_tokens: int  # non-pad tokens in them
     sampler_state: dict  # the sampler's state once these rows were drawn
-    layouts: list[PackedLayout] | None = None  # per micro-batch, for train.attention varlen
+    # per micro-batch, where its examples sit: varlen's groups, or flash-attn's cu_seqlens (attention.layout_of)
+    layouts: list[PackedLayout | FlashLayout] | None = None
 
 
 def as_tensors(arrays: dict, pin_memory: bool = False) -> dict:
@@ -49,14 +50,15 @@ def prepare_step(
     pin_memory: bool = False,
     varlen: bool = False,
 ) -> StepBatch:
-    """One optimizer step's batches (and, for varlen attention, where each example sits in them). Runs on
-    the loader thread, so it uses numpy only (no torch op): a torch op here would open a second OpenMP
-    team beside the training thread's and, on a machine with few cores, the two spin-wait against each
-    other (a 10x slowdown on 2 cores)."""
+    """One optimizer step's batches and where each example sits in them (varlen: fineflow's varlen groups;
+    otherwise flash-attn's cu_seqlens, without which flash_attention_2 attends across the examples of a row
+    at micro_batch_size > 1). Runs on the loader thread, so it uses numpy only (no torch op): a torch op here
+    would open a second OpenMP team beside the training thread's and, on a machine with few cores, the two
+    spin-wait against each other (a 10x slowdown on 2 cores)."""
     rows = [sampler.next_indices(micro_batch_size) for _ in range(grad_accum)]
     arrays = [shard.batch(r) for r in rows]
     targets = sum(int(np.count_nonzero(a["labels"][:, 1:] != -100)) for a in arrays)
-    layouts = [packed_layout(a["position_ids"]) for a in arrays] if varlen else None
+    layouts = [layout_of(a["position_ids"], varlen) for a in arrays]
     micro = [as_tensors(a, pin_memory) for a in arrays]
     return StepBatch(micro, rows, targets, sum(shard.real_tokens(r) for r in rows), sampler.state_dict(), layouts)
 

@@ -18,26 +18,28 @@ import math
 import resource
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fineflow.config import TrainParams
 from fineflow.errors import FineflowError
 from fineflow.tokenize.shards import PackedShard
-from fineflow.train.attention import layout_kwargs, packed_layout
+from fineflow.train import fsdp
+from fineflow.train.attention import layout_kwargs, layout_of
 from fineflow.train.loader import BatchLoader, as_tensors
 
 
 def token_loss_sum(model, batch: dict, **forward_kwargs):
     """Summed next-token cross-entropy over trained tokens, and how many there were.
 
-    No attention_mask is passed: with position_ids that restart per example, transformers builds a
-    block-diagonal causal mask, so packed examples never attend to each other. Logits are computed only
-    at positions whose next token is trained on (``logits_to_keep`` as a boolean mask): in instruction
-    data that is a small share of the row (6% on the bundled data), and the vocabulary projection and its
-    fp32 loss are the largest per-token cost after the layers. ``forward_kwargs``: the varlen attention
-    layout (fineflow.train.attention.layout_kwargs) when the model was loaded with it.
+    No attention_mask is passed: position_ids restart per example, and packed examples never attend to each
+    other only if the attention gets that layout. sdpa/eager: transformers builds a block-diagonal causal
+    mask from the position ids (any batch size). flash_attention_2: transformers infers packing from
+    position ids only for a batch of one row, so ``forward_kwargs`` must carry flash-attn's cu_seqlens;
+    varlen: its groups (both from fineflow.train.attention.layout_kwargs). Logits are computed only at
+    positions whose next token is trained on (``logits_to_keep`` as a boolean mask): in instruction data
+    that is a small share of the row (6% on the bundled data), and the vocabulary projection and its fp32
+    loss are the largest per-token cost after the layers.
     """
     import torch
     import torch.nn.functional as F
@@ -202,38 +204,56 @@ class TrainStateSaver:
 
             rngs = gather_object(rngs)  # one snapshot per rank, in rank order
         self.last_save = time.monotonic()
+        sharded_dir = None
+        if fsdp.is_fsdp(accelerator):  # every rank writes its own shards; nothing is gathered to rank 0
+            sharded_dir = fsdp.stage_shards(accelerator, self.manager, model, optimizer, step)
         if self.manager is None:
             return
-        trainable = {
-            name: p.detach() for name, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad
-        }
+        if sharded_dir is None:
+            trainable = {
+                name: p.detach() for name, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad
+            }
+            optimizer_state = optimizer.state_dict()
+        else:
+            trainable, optimizer_state = {}, None
         scaler = getattr(accelerator, "scaler", None)  # fp16 on a GPU: the loss scale must continue too
         self.manager.save(
             step,
             trainable,
-            optimizer.state_dict(),
+            optimizer_state,
             scheduler.state_dict(),
             {**state, "fingerprint": self.fingerprint},
             rngs,
             metric,
             grad_scaler_state=scaler.state_dict() if scaler is not None else None,
+            sharded_dir=sharded_dir,
         )
 
 
 def restore(checkpoint, accelerator, model, optimizer, scheduler) -> None:
-    """Put a loaded checkpoint's weights, optimizer, scheduler and this rank's RNG state back in place."""
+    """Put a loaded checkpoint's weights, optimizer, scheduler and this rank's RNG state back in place.
+    A sharded checkpoint (FSDP) is read by every rank: each loads its own shards of weights and optimizer."""
     import torch
 
     from fineflow.checkpoint import restore_rng
 
-    parameters = dict(accelerator.unwrap_model(model).named_parameters())
-    missing = sorted(set(checkpoint.model_tensors) - set(parameters))
-    if missing:
-        raise FineflowError(f"{checkpoint.path}: tensors {missing[:3]} are not parameters of this model")
-    with torch.no_grad():
-        for name, tensor in checkpoint.model_tensors.items():
-            parameters[name].copy_(tensor)
-    optimizer.load_state_dict(checkpoint.optimizer_state_dict)
+    if (checkpoint.sharded_dir is not None) != fsdp.is_fsdp(accelerator):
+        kinds = ("a sharded (FSDP)", "not FSDP") if checkpoint.sharded_dir is not None else ("an unsharded", "FSDP")
+        raise FineflowError(
+            f"{checkpoint.path} is {kinds[0]} checkpoint and this run is {kinds[1]} (train.accelerate_profile "
+            f"changed?); resume it with the profile that wrote it, or start fresh with train.resume: never"
+        )
+    if checkpoint.sharded_dir is not None:
+        fsdp.load_sharded(model, optimizer, checkpoint.sharded_dir)
+    else:
+        parameters = dict(accelerator.unwrap_model(model).named_parameters())
+        missing = sorted(set(checkpoint.model_tensors) - set(parameters))
+        if missing:
+            raise FineflowError(f"{checkpoint.path}: tensors {missing[:3]} are not parameters of this model")
+        with torch.no_grad():
+            for name, tensor in checkpoint.model_tensors.items():
+                parameters[name].copy_(tensor)
+        optimizer.load_state_dict(checkpoint.optimizer_state_dict)
     scheduler.load_state_dict(checkpoint.scheduler_state_dict)
     scaler = getattr(accelerator, "scaler", None)
     if scaler is not None and checkpoint.grad_scaler_state is not None:
@@ -254,19 +274,25 @@ class FitResult:
 
 
 def evaluate_loss(model, shard: PackedShard, batch_size: int, accelerator, varlen: bool = False) -> float:
-    """Mean token loss over an eval shard, this rank's share of rows, reduced across ranks."""
+    """Mean token loss over an eval shard, this rank's share of rows, reduced across ranks.
+
+    Every rank runs the same number of forwards: under FSDP/ZeRO-3 each forward is a collective (weights are
+    gathered layer by layer), so a rank with one batch fewer would leave the others waiting forever. A rank
+    whose share runs out first pads with forwards of a real row whose loss counts with weight 0."""
     import torch
 
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     with torch.no_grad():
         rows = list(range(accelerator.process_index, len(shard), accelerator.num_processes))
-        for i in range(0, len(rows), batch_size):
-            arrays = shard.batch(rows[i : i + batch_size])
+        most_rows = -(-len(shard) // accelerator.num_processes)  # rank 0's share, the largest
+        for i in range(0, most_rows, batch_size):
+            weight = 1.0 if rows[i : i + batch_size] else 0.0
+            arrays = shard.batch(rows[i : i + batch_size] or [0])
             batch = {k: v.to(accelerator.device) for k, v in as_tensors(arrays).items()}
-            extra = layout_kwargs(packed_layout(arrays["position_ids"]), accelerator.device) if varlen else {}
+            extra = layout_kwargs(layout_of(arrays["position_ids"], varlen), accelerator.device)
             loss_sum, n = token_loss_sum(model, batch, **extra)
-            total += torch.tensor([loss_sum.item(), n], dtype=torch.float64, device=accelerator.device)
+            total += weight * torch.tensor([loss_sum.item(), n], dtype=torch.float64, device=accelerator.device)
     total = accelerator.reduce(total, reduction="sum")
     model.train()
     return float(total[0] / max(1.0, float(total[1])))
@@ -295,7 +321,13 @@ def fit(
     model.train()
     started = time.perf_counter()
     loss_value, eval_loss = float("nan"), None
-    world = accelerator.num_processes
+    world, accum = accelerator.num_processes, cfg.grad_accum
+    if accelerator.gradient_accumulation_steps != accum:  # accumulate() below would step at the wrong boundary
+        raise FineflowError(
+            f"accelerate accumulates over {accelerator.gradient_accumulation_steps} micro-batches but train.grad_accum "
+            f"is {accum}: build the Accelerator with gradient_accumulation_steps=train.grad_accum (and set no other "
+            f"gradient_accumulation_steps in the accelerate profile)"
+        )
     for step in range(start_step + 1, cfg.steps + 1):
         timer.start_step()
         step_start = time.perf_counter()
@@ -317,11 +349,15 @@ def fit(
         global_targets, step_real = int(counts[0]), int(counts[1])
         step_loss = 0.0
         for i, batch in enumerate(micro):
-            # DDP averages gradients over ranks; scale by world size so the result is sum / global tokens.
-            sync = accelerator.no_sync(model) if i < len(micro) - 1 else nullcontext()
-            with sync:
+            # accumulate(): before the step's last micro-batch DDP/FSDP skip their gradient sync (no_sync) and
+            # DeepSpeed's engine does not step; on the last one accelerator.sync_gradients turns true, and
+            # accelerate's DeepSpeed backward steps the engine there: one optimizer step per grad_accum
+            # micro-batches on every backend. The loss stays sum / global trained tokens: x world, since DDP and
+            # DeepSpeed average gradients over ranks; x accum, since accelerate (DDP, FSDP, one process) and
+            # DeepSpeed's engine (inside its backward) both divide the loss by the accumulation steps.
+            with accelerator.accumulate(model):
                 loss_sum, _ = token_loss_sum(model, batch, **extras[i])
-                accelerator.backward(loss_sum * world / max(1, global_targets))
+                accelerator.backward(loss_sum * (world * accum) / max(1, global_targets))
             step_loss += loss_sum.item()
         timer.add("compute_s", time.perf_counter() - t0)
 
@@ -373,7 +409,7 @@ def fit(
             "step": step,
             "loss": round(loss_value, 5),
             "lr": scheduler.get_last_lr()[0],
-            # DeepSpeed clips inside its engine and hands back no norm
+            # DeepSpeed clips inside its engine step; accelerate hands back the engine's norm (or None)
             "grad_norm": round(float(grad_norm), 5) if grad_norm is not None else None,
             "rows": prepared.rows,
             "tokens": step_real,

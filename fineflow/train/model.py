@@ -6,6 +6,7 @@ from pathlib import Path
 
 from fineflow.config import Params, TrainParams
 from fineflow.errors import FineflowError
+from fineflow.train import precision
 from fineflow.train.loop import save_adapter
 
 
@@ -20,28 +21,34 @@ def attention_of(cfg: TrainParams) -> str:
 
 def build_model(base_reference: str, params: Params, cfg: TrainParams, fuse_lora: bool = False):
     """The model to train: LoRA / QLoRA adapters on a frozen base, or the whole base (full). fuse_lora:
-    route plain LoRA linears through fineflow.train.fused_lora (same maths, fewer memory passes)."""
+    route plain LoRA linears through fineflow.train.fused_lora (same maths, fewer memory passes).
+
+    cfg.precision is the resolved one (fit_plan resolves "auto"). The weights are loaded in
+    ``precision.base_dtype``: a LoRA base in the 16-bit compute dtype (bf16/fp16; the adapters stay fp32),
+    full fine-tuning and fp32 runs in fp32 (CPU runs with the default precision are fp32 as before)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from fineflow.train.launch import resolve_profile
+    from fineflow.train.sizing import sharding_of
+
+    sharding = sharding_of(resolve_profile(cfg.accelerate_profile))
+    mixed_precision = cfg.precision
+    if mixed_precision == precision.AUTO:  # a caller that did not go through fit_plan
+        mixed_precision = precision.choose_precision(
+            cfg.precision, cfg.accelerate_profile, torch.cuda.is_available()
+        ).mixed_precision
     torch.manual_seed(params.seed)
-    kwargs = {"dtype": torch.float32}
+    kwargs = {"dtype": getattr(torch, precision.base_dtype(cfg.method, mixed_precision, sharding))}
     if cfg.method == "qlora":
+        precision.check_qlora_sharding(cfg.method, sharding, cfg.accelerate_profile)
         try:
             import bitsandbytes  # noqa: F401
         except ImportError:
             raise FineflowError("train.method qlora needs bitsandbytes: pip install bitsandbytes") from None
         from transformers import BitsAndBytesConfig
 
-        kwargs = {
-            "dtype": torch.bfloat16,
-            "quantization_config": BitsAndBytesConfig(
-                load_in_4bit=True,
-                bnb_4bit_quant_type="nf4",
-                bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=torch.bfloat16,
-            ),
-        }
+        kwargs["quantization_config"] = BitsAndBytesConfig(**precision.quantization_kwargs(mixed_precision))
     model = AutoModelForCausalLM.from_pretrained(base_reference, attn_implementation=attention_of(cfg), **kwargs)
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
@@ -56,7 +63,8 @@ def build_model(base_reference: str, params: Params, cfg: TrainParams, fuse_lora
     if cfg.method == "qlora":
         from peft import prepare_model_for_kbit_training
 
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+        # upcasts norms, embeddings and lm_head to fp32 and re-enables checkpointing (non-reentrant here)
+        model = prepare_model_for_kbit_training(model, **precision.kbit_preparation_kwargs(cfg.gradient_checkpointing))
     lora = cfg.lora
     config = LoraConfig(
         r=lora.r,
@@ -65,7 +73,7 @@ def build_model(base_reference: str, params: Params, cfg: TrainParams, fuse_lora
         target_modules=list(lora.target_modules),
         task_type="CAUSAL_LM",
     )
-    model = get_peft_model(model, config)
+    model = get_peft_model(model, config)  # autocast_adapter_dtype: adapters in fp32 on a 16-bit base
     if fuse_lora:
         from fineflow.train.fused_lora import fuse_lora_layers
 
@@ -75,8 +83,15 @@ def build_model(base_reference: str, params: Params, cfg: TrainParams, fuse_lora
 
 def save_model(accelerator, model, out_dir: Path, method: str) -> None:
     """Every rank calls this: under FSDP/ZeRO-3 gathering the full weights is a collective; rank 0 writes.
-    LoRA/QLoRA save the adapter only; full fine-tuning a whole HF model directory (safetensors)."""
-    state = accelerator.get_state_dict(model)
+    LoRA/QLoRA save the adapter only; full fine-tuning a whole HF model directory (safetensors). Under FSDP
+    a LoRA run gathers only the adapter onto rank 0 (accelerate's full state dict would gather the whole
+    base there first: ~280 GB for a 70B in fp32)."""
+    from fineflow.train import fsdp
+
+    if method != "full" and fsdp.is_fsdp(accelerator):
+        state = fsdp.gather_trainable(model)
+    else:
+        state = accelerator.get_state_dict(model)
     if not accelerator.is_main_process:
         return
     unwrapped = accelerator.unwrap_model(model)

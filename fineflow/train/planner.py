@@ -10,14 +10,22 @@ that does not fit (gradient checkpointing first, then smaller micro-batches with
 
 Conventions (what a number means):
 
-- Full fine-tuning in bf16/fp16 is mixed precision with fp32 master weights, as in ZeRO (Rajbhandari et
-  al. 2020): 16-bit weights (2 bytes/param) and gradients (2) on the device, and fp32 master weights (4)
-  plus the optimizer's fp32 states (AdamW: 8) counted together under *optimizer states*: 16 bytes/param
-  in all. (accelerate's autocast over fp32 weights holds 4 + 4 + 8, plus the 16-bit copies of the
-  weights that autocast caches between forward and backward: ~2 bytes/param more.) In fp32 there is no
-  master copy: 4 + 4 + 8.
-- LoRA/QLoRA: the frozen base is stored in the run's precision (QLoRA: NF4), the adapters in fp32 (peft
-  upcasts adapter weights by default), so adapter weights, gradients and optimizer states are fp32.
+- Weights are counted in the dtype layout really held (``Setup.weight_storage``; the train stage sets it
+  from ``fineflow.train.precision``, as build_model loads the model):
+  - ``compute``: weights in the compute precision. LoRA: the frozen base in bf16/fp16 (2 bytes/param;
+    a 7B base is 12.6 GiB). Full fine-tuning: mixed precision with fp32 master weights, as in ZeRO
+    (Rajbhandari et al. 2020) and DeepSpeed's bf16 mode: 16-bit weights (2 bytes/param) and gradients (2)
+    on the device, and fp32 master weights (4) plus the optimizer's fp32 states (AdamW: 8) counted
+    together under *optimizer states*: 16 bytes/param in all.
+  - ``fp32``: fp32 weights (4 bytes/param; a 7B base is 25.1 GiB) that autocast casts to 16 bits as
+    each layer runs: accelerate's DDP full fine-tuning (4 + 4 + 8, no master copy), a LoRA base loaded in
+    fp32. The 16-bit copies autograd keeps for backward are counted with the activations
+    (``autocast_copy_bytes``): they live only between forward and backward.
+  - QLoRA: decoder linears in NF4; peft's prepare_model_for_kbit_training upcasts everything else
+    (embeddings, lm_head, norms) to fp32.
+  In fp32 precision both layouts are 4 bytes/param, and full fine-tuning has no master copy: 4 + 4 + 8.
+- LoRA/QLoRA adapters are fp32 (peft upcasts adapter weights on a 16-bit base), so adapter weights,
+  gradients and optimizer states are fp32.
 - Activations count the tensors autograd keeps for backward, tensor by tensor, for the Llama block as
   transformers 5 implements it (RMSNorm upcast to fp32, SwiGLU MLP, rotary attention): the method of
   Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models". Their GPT
@@ -34,9 +42,11 @@ Conventions (what a number means):
   ``sharding`` decides what else is divided (see ``SHARDINGS``).
 
 Validated on CPU against measured memory by ``bench/planner_accuracy.py`` (figures in bench/RESULTS.md):
-weights and activations in fp32 with SDPA and eager attention, checkpointing, packed rows and LoRA. Not
-measured yet (GPU only): 16-bit activation dtypes, QLoRA and 8-bit optimizer storage, sharding, and the
-overhead constants below.
+weights and activations in fp32 with SDPA and eager attention, checkpointing, packed rows and LoRA; LoRA
+under bf16 autocast on a bf16 and on an fp32 base; weights by dtype accounting for fp32, bf16 and the
+QLoRA layout (the 4-bit part computed from the modules bitsandbytes would quantize). Not measured yet
+(GPU only): bitsandbytes' real 4-bit storage and dequantization buffers, CUDA kernels' 16-bit
+activations, 8-bit optimizer storage, sharding, and the overhead constants below.
 """
 
 from __future__ import annotations
@@ -58,6 +68,8 @@ ATTENTIONS = ("sdpa", "eager")  # sdpa: flash / memory-efficient kernels (no s^2
 # none: DDP, every rank holds everything. zero2: gradients and optimizer states sharded over the ranks.
 # fsdp / zero3: weights, gradients and optimizer states sharded; layers are gathered as they run.
 SHARDINGS = ("none", "zero2", "fsdp", "zero3")
+# compute: weights held in the compute precision; fp32: fp32 weights cast by autocast as layers run
+WEIGHT_STORAGES = ("compute", "fp32")
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 FP32 = 4
@@ -71,7 +83,8 @@ OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adamw_8bit": 2.0 + 2 * 4 / 256, "sgd": 4
 OPTIMIZER_STEP_TEMP_BYTES = {"adamw": 4.0, "adamw_8bit": 0.0, "sgd": 0.0}
 # QLoRA NF4 with double quantization (the QLoRA paper's setting): 4 bits per weight, one 8-bit absmax
 # per 64-weight block, and one fp32 constant per 256 blocks. Only the decoder linears are quantized;
-# embeddings, lm_head and norms stay in the compute dtype (bitsandbytes via transformers skips lm_head).
+# embeddings, lm_head and norms are not quantized (transformers skips the output embedding), and peft's
+# prepare_model_for_kbit_training upcasts them to fp32.
 QLORA_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
 # The loss: log-softmax output, its incoming gradient and the gradient of the logits are three fp32
 # (tokens x vocab) tensors alive together at the start of backward (measured on CPU: bench/RESULTS.md).
@@ -274,6 +287,7 @@ class Setup:
     lora_targets: tuple[str, ...] = LINEARS  # linears of each layer that get an adapter
     attention: str = "sdpa"  # sdpa (flash / memory-efficient) | eager (materializes the a*s*s matrix)
     packed: bool = True  # rows hold several examples (fineflow's shards): an attention mask per layer
+    weight_storage: str = "compute"  # compute | fp32: the dtype weights are held in (see the module docstring)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
@@ -285,6 +299,7 @@ class Setup:
                 ("optimizer", self.optimizer, OPTIMIZERS),
                 ("sharding", self.sharding, SHARDINGS),
                 ("attention", self.attention, ATTENTIONS),
+                ("weight_storage", self.weight_storage, WEIGHT_STORAGES),
             )
             if value not in choices
         ]
@@ -335,33 +350,80 @@ def _sharded(setup: Setup, *kinds: str) -> int:
     return setup.num_gpus if any(k in covers[setup.sharding] for k in kinds) else 1
 
 
-def _base_weight_bytes_per_layer(shape: ModelShape, setup: Setup) -> float:
-    """One decoder layer's stored weights (the frozen base for LoRA, the working copy for full)."""
-    width = PRECISIONS[setup.precision]
-    norms = 2 * shape.hidden_size * width
+def stored_width(setup: Setup) -> int:
+    """Bytes per element of the held (unquantized) weights: the compute precision's, or fp32."""
+    return FP32 if setup.weight_storage == "fp32" else PRECISIONS[setup.precision]
+
+
+def _base_weight_bytes_per_layer(shape: ModelShape, setup: Setup, width: float | None = None) -> float:
+    """One decoder layer's stored weights (the frozen base for LoRA, the working copy for full); width:
+    bytes per element of the linears and norms (default: as held; QLoRA: NF4 linears, fp32 norms)."""
     if setup.method == "qlora":
-        return shape.linear_params_per_layer * QLORA_BYTES_PER_PARAM + norms
-    return shape.linear_params_per_layer * width + norms
+        return shape.linear_params_per_layer * QLORA_BYTES_PER_PARAM + 2 * shape.hidden_size * FP32
+    width = stored_width(setup) if width is None else width
+    return (shape.linear_params_per_layer + 2 * shape.hidden_size) * width
+
+
+def _root_weight_bytes(shape: ModelShape, setup: Setup, width: float | None = None) -> float:
+    """Embeddings, lm_head and the final norm (QLoRA: upcast to fp32 by peft's kbit preparation)."""
+    if width is None:
+        width = FP32 if setup.method == "qlora" else stored_width(setup)
+    return (shape.embedding_params + shape.hidden_size) * width
 
 
 def weight_bytes(shape: ModelShape, setup: Setup) -> float:
     """Model weights per device: base (or working copy) plus adapters, sharded, plus gathered layers."""
-    width = PRECISIONS[setup.precision]
-    root = (shape.embedding_params + shape.hidden_size) * width  # embeddings, lm_head, final norm
+    root = _root_weight_bytes(shape, setup)
     layers = shape.num_layers * _base_weight_bytes_per_layer(shape, setup)
     adapters = 0 if setup.method == "full" else trainable_params(shape, setup) * ADAPTER_BYTES
     ways = _sharded(setup, "weights")
     total = (root + layers + adapters) / ways
-    if ways > 1:  # what FSDP/ZeRO-3 gathers: the running and the prefetched layer, and the root unit
-        total += GATHERED_LAYERS * _base_weight_bytes_per_layer(shape, setup) + root
+    if ways > 1:
+        # what FSDP/ZeRO-3 gathers: the running and the prefetched layer, and the root unit, in the
+        # compute dtype (FSDP's mixed-precision policy gathers 16-bit copies of fp32 shards)
+        width = None if setup.method == "qlora" else PRECISIONS[setup.precision]
+        total += GATHERED_LAYERS * _base_weight_bytes_per_layer(shape, setup, width) + _root_weight_bytes(
+            shape, setup, width
+        )
     if setup.method == "qlora":  # bitsandbytes dequantizes one linear at a time into the compute dtype
-        total += shape.max_linear_params * width
+        total += shape.max_linear_params * PRECISIONS[setup.precision]
     return total
 
 
+def autocast_copy_bytes(shape: ModelShape, setup: Setup) -> float:
+    """16-bit copies of fp32 weights that autocast makes and autograd keeps for backward, per device.
+
+    A linear under autocast casts its fp32 weight to 16 bits and autograd keeps that copy to compute the
+    input's gradient, until the layer's backward. Full fine-tuning (trainable leaves): autocast also caches
+    the copies until forward ends, so every linear's copy is counted, with or without checkpointing
+    (conservative: with checkpointing the cache is gone before backward). A frozen base: without
+    checkpointing every layer's copies but the first layer's q/k/v (their input, from the frozen
+    embeddings, needs no gradient) plus lm_head's, all alive when backward starts; with checkpointing
+    lm_head's copy, freed by its backward, then one recomputed layer's at a time: the larger of the two.
+    (Measured with saved-tensor hooks on CPU: exact for these cases.) QLoRA: the fp32 lm_head's copy (the
+    decoder linears are 4-bit: see the dequantization buffer). Embedding lookups and RMSNorm weights are
+    not cast. Zero in fp32, for weights held in the compute dtype, and under FSDP/ZeRO-3 (their gathered
+    16-bit layers are counted with the weights)."""
+    p = PRECISIONS[setup.precision]
+    if p == FP32 or _sharded(setup, "weights") > 1:
+        return 0.0
+    lm_head = shape.vocab_size * shape.hidden_size * p
+    if setup.method == "qlora":
+        return lm_head
+    if setup.weight_storage != "fp32":
+        return 0.0
+    layer = shape.linear_params_per_layer * p
+    if setup.method == "full":
+        return shape.num_layers * layer + lm_head
+    if setup.gradient_checkpointing:
+        return max(layer, lm_head)
+    first_qkv = sum(d_in * d_out for name, (d_in, d_out) in shape.linear_dims().items() if name[0] in "qkv") * p
+    return shape.num_layers * layer - first_qkv + lm_head
+
+
 def gradient_bytes(shape: ModelShape, setup: Setup) -> float:
-    """Gradients per device, in the dtype of what trains (16-bit working weights, fp32 adapters)."""
-    width = PRECISIONS[setup.precision] if setup.method == "full" else ADAPTER_BYTES
+    """Gradients per device, in the dtype of what trains (the working weights, fp32 adapters)."""
+    width = stored_width(setup) if setup.method == "full" else ADAPTER_BYTES
     total = trainable_params(shape, setup) * width
     if setup.sharding == "none" and setup.num_gpus > 1:
         # DDP copies gradients into its all-reduce buckets (gradient_as_bucket_view is off by default)
@@ -373,7 +435,7 @@ def optimizer_bytes(shape: ModelShape, setup: Setup) -> float:
     """Optimizer states per device, plus fp32 master weights when full fine-tuning works in 16 bits."""
     trainable = trainable_params(shape, setup)
     total = trainable * OPTIMIZER_STATE_BYTES[setup.optimizer]
-    if setup.method == "full" and PRECISIONS[setup.precision] < MASTER_WEIGHT_BYTES:
+    if setup.method == "full" and stored_width(setup) < MASTER_WEIGHT_BYTES:
         total += trainable * MASTER_WEIGHT_BYTES
     return total / _sharded(setup, "optimizer")
 
@@ -447,7 +509,8 @@ def activation_bytes(shape: ModelShape, setup: Setup) -> float:
     Without checkpointing every layer's tensors are kept; with it only each layer's input (p*h per
     token), and during backward one layer at a time is recomputed. On top of what is kept, the peak is
     either the loss's (back-propagated first) or, later, one layer's backward: its gradient buffers, plus
-    its recomputed tensors under checkpointing. The two do not coincide, so the larger one counts."""
+    its recomputed tensors under checkpointing. The two do not coincide, so the larger one counts. The
+    16-bit copies of fp32 weights kept for backward (``autocast_copy_bytes``) are added."""
     p = PRECISIONS[setup.precision]
     tokens = setup.micro_batch_size * setup.seq_len
     layer = layer_activation_bytes(shape, setup)
@@ -459,7 +522,7 @@ def activation_bytes(shape: ModelShape, setup: Setup) -> float:
         kept, working = shape.num_layers * tokens * p * shape.hidden_size, layer + working
     else:
         kept = shape.num_layers * layer
-    return kept + head + max(logits_bytes(shape, setup), working)
+    return kept + head + max(logits_bytes(shape, setup), working) + autocast_copy_bytes(shape, setup)
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,16 @@ from pathlib import Path
 
 from fineflow.config import Params, TrainParams
 from fineflow.model_ref import resolve_base_model
-from fineflow.train.launch import accelerate_command, resolve_profile
+from fineflow.train.fsdp import prepare_model_for_fsdp, require_visible_to_every_rank
+from fineflow.train.launch import (
+    accelerate_command,
+    check_deepspeed_profile,
+    configure_deepspeed,
+    require_engine,
+    resolve_profile,
+)
 from fineflow.train.model import build_model, save_model
-from fineflow.train.sizing import GiB, check_hardware, fit_plan, sharding_of
+from fineflow.train.sizing import GiB, check_hardware, fit_plan, sharding_of, world_size
 
 
 def launch_ranks(params: Params, module: str, argv: list[str], placement: dict, log=print) -> int:
@@ -27,8 +34,11 @@ def launch_ranks(params: Params, module: str, argv: list[str], placement: dict, 
 
     has_gpu = torch.cuda.is_available()
     cfg = params.train
+    profile = resolve_profile(cfg.accelerate_profile)
+    require_engine(profile)  # a DeepSpeed profile without deepspeed: one message before anything loads
     check_hardware(cfg, has_gpu)
-    _, plan, changes = fit_plan(params, resolve_base_model(params.model, Path(placement["base_dir"])), has_gpu)
+    planned, plan, changes = fit_plan(params, resolve_base_model(params.model, Path(placement["base_dir"])), has_gpu)
+    check_deepspeed_profile(profile, planned, world_size(planned, profile))  # params vs profile, before any rank
     gib = plan["gib"]
     log(
         f"memory plan per device: weights {gib['weights']:.2f} GiB, gradients {gib['gradients']:.2f}, "
@@ -36,7 +46,6 @@ def launch_ranks(params: Params, module: str, argv: list[str], placement: dict, 
         f"{gib['overhead']:.2f} = {gib['total']:.2f} GiB of {plan['device_bytes'] / GiB:.1f} GiB"
         + ("; auto_fit: " + "; ".join(changes) if changes else "")
     )
-    profile = resolve_profile(cfg.accelerate_profile)
     command, env = accelerate_command(
         cfg.num_processes,
         has_gpu,
@@ -80,6 +89,8 @@ def resume_point(accelerator, checkpoints: Path, fingerprint: dict, mode: str):
 
         decision = broadcast_object_list(decision)
     plan = ResumePlan(checkpoints / run_id(fingerprint), Path(decision[0]) if decision[0] else None)
+    if plan.checkpoint is not None:  # every rank loads it from its own mount: node-local dirs are refused
+        require_visible_to_every_rank(accelerator, plan.checkpoint, "resume from")
     # latest_valid (rank 0) just hashed every file of it: load without hashing it all again
     return plan.run_dir, (load_checkpoint(plan.checkpoint, verify=False) if plan.checkpoint else None)
 
@@ -103,17 +114,26 @@ def train_rank(
     from fineflow.tokenize.shards import PackedShard, RowSampler
     from fineflow.train.loader import BatchLoader
     from fineflow.train.loop import Progress, StepLog, StepTimer, TrainStateSaver, fit, restore
-    from fineflow.train.resume import run_fingerprint
+    from fineflow.train.resume import mark_finished, run_fingerprint
     from fineflow.train.schedule import build_scheduler
 
     has_gpu = torch.cuda.is_available()
     check_hardware(params.train, has_gpu)
     reference = resolve_base_model(params.model, base_dir)
+    # cfg.precision comes back resolved (train.precision "auto" -> the profile's or the device's; see
+    # fineflow.train.precision): the one value the Accelerator, build_model and the report use
     cfg, plan, changes = fit_plan(params, reference, has_gpu)
+    if plan["precision"]["conflict"] and os.environ.get("RANK", "0") == "0":
+        log(f"precision: {plan['precision']['conflict']}")
     tracker = None if cfg.tracker == "none" else cfg.tracker
     accelerator = Accelerator(
-        mixed_precision=cfg.precision, log_with=tracker, project_dir=str(logs_dir or Path("logs"))
+        mixed_precision=cfg.precision,
+        # fit() accumulates through accelerate: under DeepSpeed the engine steps on the last micro-batch only
+        gradient_accumulation_steps=cfg.grad_accum,
+        log_with=tracker,
+        project_dir=str(logs_dir or Path("logs")),
     )
+    configure_deepspeed(accelerator, cfg)  # DeepSpeed: batch sizes and clipping from params, before prepare
     set_seed(params.seed)
     # ZeRO-3 gathers each module's parameters in that module's own forward hook: leave peft's forward there
     model = build_model(
@@ -133,12 +153,22 @@ def train_rank(
     # (warmup over after 1/N of its steps, the decay finished at 1/N of the run). Stepped by fit() once per
     # optimizer step, every world size follows the same schedule.
     scheduler = build_scheduler(optimizer, cfg)
+    fused_layers = prepare_model_for_fsdp(accelerator, model, fused_layers)  # LoRA wrapping, fp32 buffers
     model, optimizer = accelerator.prepare(model, optimizer)
     train, evaluation = PackedShard(shards / "train"), PackedShard(shards / "eval")
     sampler = RowSampler(
         len(train), params.seed, accelerator.process_index, accelerator.num_processes, row_tokens=train.real_per_row
     )
-    fingerprint = run_fingerprint(params, reference, train.meta, accelerator.num_processes)
+    fingerprint = [None]
+    if accelerator.is_main_process:  # hashes the base weights (cached under checkpoints/): once, not per rank
+        fingerprint = [
+            run_fingerprint(params, reference, train.meta, accelerator.num_processes, checkpoints, train=cfg)
+        ]
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        fingerprint = broadcast_object_list(fingerprint)
+    fingerprint = fingerprint[0]
     run_dir, resumed = resume_point(accelerator, checkpoints, fingerprint, cfg.resume)
     start_step, tokens_seen = 0, 0
     if resumed is not None:  # weights, optimizer, schedule, RNG and the sampler's position: no replay
@@ -212,6 +242,8 @@ def train_rank(
             progress.close()
     accelerator.wait_for_everyone()
     save_model(accelerator, model, out_dir, cfg.method)
+    if main:
+        mark_finished(run_dir, cfg.steps)  # a later run of the same inputs trains again, never resumes this one
     accelerator.end_training()
     if not main:
         return None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from fineflow.config import Params, TrainParams
 from fineflow.errors import FineflowError
-from fineflow.train import planner
+from fineflow.train import planner, precision
 from fineflow.train.launch import read_profile, resolve_profile
 
 GiB = 2**30
@@ -33,6 +33,16 @@ def check_hardware(cfg: TrainParams, has_gpu: bool) -> None:
     if cfg.attention == "flash_attention_2":
         from importlib.util import find_spec
 
+        # the precision really used: "auto" on a GPU without bf16 (or on a CPU) is fp32 too
+        chosen = precision.choose_precision(cfg.precision, cfg.accelerate_profile, has_gpu).mixed_precision
+        if chosen == "no":  # a params conflict, whatever the machine: said before the GPU question
+            raise FineflowError(
+                "params.yaml: train.attention flash_attention_2 needs train.precision bf16 or fp16: flash-attn "
+                f"computes only in half precision and rejects fp32 queries (train.precision {cfg.precision} runs "
+                "in fp32 here). Set "
+                "train.precision: bf16 (fp16 on GPUs without bf16), or keep fp32 with train.attention: varlen "
+                "(the same per-example attention, any dtype)."
+            )
         if not has_gpu or find_spec("flash_attn") is None:
             raise FineflowError(
                 "params.yaml: train.attention flash_attention_2 needs a CUDA GPU and the flash-attn "
@@ -92,16 +102,21 @@ def fit_plan(params: Params, reference: str, has_gpu: bool):
     profile = resolve_profile(cfg.accelerate_profile)
     ranks = world_size(cfg, profile)
     targets = tuple(t for t in cfg.lora.target_modules if t in planner.LINEARS) or planner.LINEARS
+    # the one place the precision is decided (train.precision vs the profile's; fineflow.train.precision)
+    chosen = precision.choose_precision(cfg.precision, cfg.accelerate_profile, has_gpu)
+    sharding = sharding_of(profile)
+    precision.check_qlora_sharding(cfg.method, sharding, profile)
     setup = planner.Setup(
         method=cfg.method,
-        precision=PRECISION_OF[cfg.precision],
+        precision=PRECISION_OF[chosen.mixed_precision],
+        weight_storage=precision.weight_storage(cfg.method, chosen.mixed_precision, sharding),
         optimizer="adamw",
         micro_batch_size=cfg.micro_batch_size,
         seq_len=params.tokenize.seq_len,
         grad_accum=cfg.grad_accum,
         gradient_checkpointing=cfg.gradient_checkpointing,
         num_gpus=ranks,
-        sharding=sharding_of(profile),
+        sharding=sharding,
         lora_r=cfg.lora.r,
         lora_targets=targets,
     )
@@ -112,7 +127,13 @@ def fit_plan(params: Params, reference: str, has_gpu: bool):
             "micro_batch_size": result.setup.micro_batch_size,
             "grad_accum": result.setup.grad_accum,
             "gradient_checkpointing": result.setup.gradient_checkpointing,
+            "precision": chosen.mixed_precision,
         }
     )
-    plan = {**result.plan.as_dict(), "device_bytes": int(device), "changes": result.changes}
+    plan = {
+        **result.plan.as_dict(),
+        "device_bytes": int(device),
+        "changes": result.changes,
+        "precision": chosen.as_dict(),
+    }
     return adapted, plan, result.changes
