@@ -1,9 +1,15 @@
 """Errors a user can act on.
 
 Every error that reaches a user is a ``FineflowError`` whose message names the file (and line/row/field,
-or the params key) and says what to change. Stage entries print the message and exit 2 instead of showing
-a traceback from deep inside a library.
+or the params key) and says what to change. Stage entries print the message, write it to the stage's error
+record (``fineflow.reports.write_error_record``) and exit 2 instead of showing a traceback from deep inside a
+library. Anything else is a crash (exit 1, a traceback, no record): a retry may succeed, and resumes.
 """
+
+# The exit code of a user error, at every layer: the stage entry, the train launcher (accelerate turns a
+# rank's exit 2 into 1; the launcher reads the rank's error record and exits 2 again) and the Prefect task
+# (`dvc repro` exits 255 for any failed stage; the task reads the record). Never retried: retrying cannot help.
+USER_ERROR_EXIT = 2
 
 
 class FineflowError(Exception):

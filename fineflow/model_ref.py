@@ -7,11 +7,15 @@ make a stage depend on the code that pretrains the embedded model.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from fineflow.config import ModelParams
+from fineflow.errors import FineflowError
+from fineflow.reports import sha256_file, write_json_atomic
 
 EXTERNAL_MARKER = "external_base.json"
+HASH_CACHE = ".base-hashes.json"  # in a cache dir: content hashes of base model files, by path/size/mtime
 
 
 def write_external_marker(out_dir: Path, reference: str) -> dict:
@@ -28,4 +32,82 @@ def resolve_base_model(model_cfg: ModelParams, base_dir: str | Path) -> str:
     adapter records it in adapter_config.json, and an absolute path would make the same training produce
     different bytes in different checkouts.
     """
-    return str(base_dir) if model_cfg.is_embedded else model_cfg.base
+    if model_cfg.is_embedded:
+        return str(base_dir)
+    check_base_reference(model_cfg.base)
+    return model_cfg.base
+
+
+def check_base_reference(reference: str) -> None:
+    """model.base must be a local model directory, or a hub id the local cache holds when the hub is offline:
+    anything else fails here, naming the param, before a stage loads anything (not as a traceback from
+    from_pretrained)."""
+    if Path(reference).expanduser().is_dir():
+        return
+    if reference.startswith((".", "/", "~")) or reference.count("/") > 1:
+        raise FineflowError(
+            f"params.yaml: model.base {reference!r} is not a directory (looked in {Path.cwd()}): point it at a "
+            f"Hugging Face model directory (config.json, weights, tokenizer), or at a hub id such as org/name"
+        )
+    if os.environ.get("HF_HUB_OFFLINE") == "1" and _hub_revision(reference) is None:
+        raise FineflowError(
+            f"params.yaml: model.base {reference!r} is neither a local directory nor a model in the Hugging Face "
+            f"cache ({os.environ.get('HF_HOME', '~/.cache/huggingface')}), and the hub is offline (HF_HUB_OFFLINE=1): "
+            f"fix the name, download it once (`huggingface-cli download {reference}` with that HF_HOME), or "
+            f"point model.base at a local model directory"
+        )
+
+
+def file_sha256(path: Path, cache: dict) -> str:
+    """The file's sha256, read once and then cached by (absolute path, size, mtime) as DVC does: a new
+    checkpoint written over the same path has a new mtime and is hashed again."""
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    if key not in cache:
+        cache[key] = sha256_file(path)
+    return cache[key]
+
+
+def _hub_revision(reference: str) -> str | None:
+    """The commit of the locally cached snapshot of a hub id (offline: what from_pretrained will load)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(reference, local_files_only=True)).name
+    except Exception:  # not cached, or not a hub id: the id alone identifies it
+        return None
+
+
+def base_identity(reference: str, cache_dir: Path | None = None) -> dict:
+    """What identifies the base model: for a local dir, every file in it *by content* (weights, config,
+    tokenizer: same-shape new weights are another base); for a hub id, the id and the cached snapshot's commit.
+
+    Hashing a 70B model's weights takes a minute, so the hashes are cached in ``cache_dir`` by path, size and
+    mtime: a re-run of an unchanged base reads nothing."""
+    path = Path(reference)
+    if not path.is_dir():
+        return {"id": reference, "revision": _hub_revision(reference)}
+    cache_file = Path(cache_dir) / HASH_CACHE if cache_dir is not None else None
+    cache = _read_cache(cache_file)
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p.relative_to(path)))
+    identity = {"files": [[str(p.relative_to(path)), p.stat().st_size, file_sha256(p, cache)] for p in files]}
+    _write_cache(cache_file, cache)
+    return identity
+
+
+def _hidden(relative: Path) -> bool:
+    return any(part.startswith(".") for part in relative.parts)  # .cache/, .git/: not the model
+
+
+def _read_cache(cache_file: Path | None) -> dict:
+    try:
+        return json.loads(cache_file.read_text(encoding="utf-8")) if cache_file else {}
+    except (OSError, ValueError):
+        return {}  # no cache yet, or a torn one: hash again
+
+
+def _write_cache(cache_file: Path | None, cache: dict) -> None:
+    if cache_file is None:
+        return
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(cache_file, cache)

@@ -47,3 +47,31 @@ def sha256_file(path: str | Path) -> str:
         for block in iter(lambda: fh.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+# A stage's error record, reports/<stage>.error.json: written by the stage process that met a user error
+# (every rank of a training run that did), removed when the stage starts again. It is how the layers above
+# the stage (the train launcher, the Prefect task), whose child exit codes accelerate and DVC rewrite, tell
+# a user error from a crash.
+
+
+def error_record_path(report: str | Path) -> Path:
+    report = Path(report)
+    return report.with_name(f"{report.stem}.error.json")
+
+
+def write_error_record(report: str | Path, stage: str, message: str) -> None:
+    write_json_atomic(error_record_path(report), {"stage": stage, "kind": "user_error", "message": message})
+
+
+def read_error_record(report: str | Path) -> dict | None:
+    """The record of a user error met by the stage's current run, or None (no record: success or a crash)."""
+    try:
+        record = read_json(error_record_path(report))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("kind") == "user_error" else None
+
+
+def clear_error_record(report: str | Path) -> None:
+    error_record_path(report).unlink(missing_ok=True)

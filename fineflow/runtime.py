@@ -9,6 +9,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# Set for a process that already is a training rank (accelerate launch re-runs the train stage per rank):
+# it trains instead of launching, and leaves the stage-level bookkeeping (the error record) to its launcher.
+TRAIN_WORKER_ENV = "FINEFLOW_TRAIN_WORKER"
+
+
+def is_train_worker() -> bool:
+    return os.environ.get(TRAIN_WORKER_ENV) == "1"
+
 
 def offline_environment(project_root: str | Path) -> dict[str, str]:
     root = Path(project_root).resolve()

@@ -17,14 +17,21 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-USER_ERROR_EXIT = 2  # stage entries exit 2 on bad input or params: retrying cannot help
+from fineflow.errors import USER_ERROR_EXIT
+from fineflow.reports import read_error_record
 
 
 class StageFailed(RuntimeError):
-    def __init__(self, stage: str, returncode: int, tail: list[str]):
-        self.returncode = returncode
-        lines = [line for line in tail if "error" in line.lower()] or tail
-        super().__init__(f"stage {stage} failed (exit {returncode}):\n" + "\n".join(lines[-15:]))
+    """returncode: USER_ERROR_EXIT when the stage recorded a user error (never retried), else what failed.
+    The message: the stage's own (whole) for a user error, else the error lines of its output's tail."""
+
+    def __init__(self, stage: str, returncode: int, tail: list[str], user_error: dict | None = None):
+        self.returncode = USER_ERROR_EXIT if user_error else returncode
+        if user_error:
+            super().__init__(f"stage {stage} failed (a user error, not retried): {user_error['message']}")
+        else:
+            lines = [line for line in tail if "error" in line.lower()] or tail
+            super().__init__(f"stage {stage} failed (exit {returncode}):\n" + "\n".join(lines[-15:]))
 
 
 def stage_environment() -> dict[str, str]:
@@ -56,7 +63,9 @@ def repro_single(stage: str, project_dir: Path, log) -> bool:
                 ran = ran or line.startswith(f"Running stage '{stage}'")
                 log(line)
     if proc.returncode:
-        raise StageFailed(stage, proc.returncode, list(tail))
+        # `dvc repro` exits 255 for any failed stage command: the stage's error record says which kind it was
+        record = read_error_record(Path(project_dir) / "reports" / f"{stage}.json")
+        raise StageFailed(stage, proc.returncode, list(tail), record)
     return ran
 
 

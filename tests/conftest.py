@@ -288,6 +288,12 @@ def train_env(ranks: int) -> dict[str, str]:
     return env
 
 
+def run_dirs(checkpoints: Path) -> list[Path]:
+    """The run directories under a checkpoints root (one per training configuration), without the root's own
+    files (the base weights' hash cache)."""
+    return sorted(p for p in checkpoints.iterdir() if p.is_dir())
+
+
 def start_train(project: Path, ranks: int, env: dict[str, str], port: int | None = None, extra=()):
     """The train stage as dvc.yaml runs it, in its own process group (so a test can SIGKILL all of it)."""
     args = list(extra)

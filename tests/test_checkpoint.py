@@ -638,3 +638,36 @@ def test_the_harness_counts_a_torn_pick(tmp_path):
     assert harness.torn(path, 4).startswith("AssertionError")  # step 3's content where step 4's belongs
     _flip(path / "optimizer.safetensors")
     assert "sha256 mismatch" in harness.torn(path, 3)
+
+
+@pytest.mark.slow  # spawns the writer process
+def test_a_writer_process_killed_mid_save_is_a_crash_not_a_user_error(tmp_path, monkeypatch):
+    """A writer process SIGKILLed (e.g. by the OOM killer) in the middle of a save fails it as a crash: the stage
+    exits 1 and its retry resumes, instead of exit 2, which no layer retries. A slow write (the test-only
+    sitecustomize, which reaches the spawned writer) keeps the save in flight while it is killed."""
+    import signal
+    import time
+
+    from fineflow.checkpoint.manager import WriterCrashed
+    from fineflow.errors import FineflowError
+
+    monkeypatch.setenv("PYTHONPATH", fault_env(dict(os.environ))["PYTHONPATH"])
+    monkeypatch.setenv("FINEFLOW_TEST_WRITE_DELAY_S", "30")
+    monkeypatch.delenv("FINEFLOW_TEST_DISK_FULL_AT_STEP", raising=False)
+    manager = CheckpointManager(tmp_path, keep_last=5, mode="async", async_backend="process")
+    try:
+        save_small(manager, 1)
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob(".tmp-step-0000001")) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the writer has started on it
+        os.kill(manager._process.pid, signal.SIGKILL)
+        with pytest.raises(WriterCrashed, match="writer process died .* step 1; there is no previous") as died:
+            manager.wait()
+        assert not isinstance(died.value, FineflowError)
+    finally:
+        manager.close()
+    assert not (tmp_path / "step-0000001").exists()  # nothing half-written was published
+    from fineflow.checkpoint import clean_stale
+
+    clean_stale(tmp_path)  # what the retry's start does with the killed writer's temp dir
+    assert list(tmp_path.iterdir()) == []

@@ -3,6 +3,7 @@
 saves one adapter."""
 
 import json
+import subprocess
 
 import pytest
 import yaml
@@ -14,6 +15,7 @@ from tests.conftest import (
     ranks_overrides,
     run_together,
     train_project,
+    venv_env,
 )
 
 pytestmark = pytest.mark.slow  # every test here runs accelerate launch
@@ -72,3 +74,20 @@ def test_two_machines_on_loopback_train_one_adapter(built, reference_run, tmp_pa
     )
     for key in ("loss", "grad_norm"):
         assert [s[key] for s in steps] == pytest.approx([s[key] for s in one_steps], rel=1e-4), key
+
+
+def test_a_user_error_in_the_ranks_is_exit_2_from_the_launcher(built, tmp_path):
+    """The ranks meet a user error (a non-finite loss, from an absurd lr) and exit 2; accelerate launch exits 1
+    whatever a rank exited with; the launcher reads the ranks' error record and exits 2 again, so no layer
+    above retries it."""
+    project = train_project(built, tmp_path, {**ranks_overrides(2), "train.lr": 1e30, "train.steps": 4})
+
+    def launch(port):
+        command = TRAIN + ["--main-process-port", str(port)]
+        result = subprocess.run(command, cwd=project, env=venv_env(), capture_output=True, text=True, timeout=600)
+        return result.returncode == 2, f"exit {result.returncode}\n" + result.stdout + result.stderr
+
+    ok, output = launch_with_free_port(launch)
+    assert ok, output[-4000:]
+    record = json.loads((project / "reports/train.error.json").read_text())
+    assert record["kind"] == "user_error" and "the loss is" in record["message"] and "train.lr" in record["message"]

@@ -1,11 +1,12 @@
 """End to end: the Prefect flow over `dvc repro --single-item`, then plain `dvc repro`, on the tiny config.
 
-Shows: every stage runs and reports; a second flow run skips every stage; changing only train.* re-runs
-train -> evaluate -> promote and nothing upstream; a plain `dvc repro` in a fresh copy leaves the same
-dvc.lock as the flow. And dvc.yaml is the one list of stages: the stage entries, the flow's order and
-lineage's stage reports all follow it.
+Shows: every stage runs and reports; a second flow run skips every stage but fingerprint (which always runs);
+changing only train.* re-runs train -> evaluate -> promote and nothing upstream; a plain `dvc repro` in a fresh
+copy leaves the same dvc.lock as the flow. And dvc.yaml is the one list of stages: the stage entries, the flow's
+order and lineage's stage reports all follow it.
 """
 
+import json
 import subprocess
 import sys
 
@@ -90,13 +91,14 @@ def test_flow_then_dvc_repro(prefect_harness, tmp_path, monkeypatch):
     with rerun_log.open("w") as log:
         rerun = _dvc_start(repro_copy, "repro", log=log)
     try:
-        # nothing changed: the second flow run skips every stage
         again = fineflow_pipeline(str(flow_copy))
     finally:
         rerun_output = _dvc_wait(rerun, rerun_log)
-    assert [stage for stage, r in again.items() if r["ran"]] == []
+    # nothing changed: only fingerprint (always_changed: it hashes a base DVC may not see) runs, and its
+    # unchanged output re-runs nothing after it
+    assert [stage for stage, r in again.items() if r["ran"]] == ["fingerprint"]
     assert yaml.safe_load((flow_copy / "dvc.lock").read_text()) == flow_lock
-    assert _ran_stages(rerun_output) == ["train", "evaluate", "promote"]
+    assert _ran_stages(rerun_output) == ["fingerprint", "train", "evaluate", "promote"]
     rerun_lock = yaml.safe_load((repro_copy / "dvc.lock").read_text())
     assert [stage for stage in STAGES if rerun_lock["stages"][stage] != flow_lock["stages"][stage]] == [
         "train",
@@ -168,3 +170,63 @@ def test_lineage_times_the_run_from_every_stage_before_promote():
     from fineflow.registry.lineage import report_stages
 
     assert report_stages(ROOT / "reports") == STAGES[:-1] and STAGES[-1] == "promote"
+
+
+@pytest.mark.slow
+def test_a_user_error_is_not_retried_through_dvc_and_prefect(prefect_harness, tmp_path, monkeypatch):
+    """Invalid params: the stage exits 2, `dvc repro` exits 255 (for any failure), and the Prefect task still
+    sees a user error, from the stage's error record, and does not retry it."""
+    from prefect import flow
+
+    import tasks.stages as stages
+
+    project = copy_project(tmp_path / "project", {"train.lr": -1})
+    calls = []
+    real = stages.repro_single
+    monkeypatch.setattr(stages, "repro_single", lambda *args: calls.append(args[0]) or real(*args))
+    monkeypatch.setenv("PATH", venv_env()["PATH"])
+
+    @flow
+    def one_stage():
+        return stages.run_stage.with_options(retries=2, retry_delay_seconds=0)("base", str(project))
+
+    with pytest.raises(stages.StageFailed) as failed:
+        one_stage()
+    assert calls == ["base"]  # one attempt: not retried
+    assert failed.value.returncode == 2 and "a user error, not retried" in str(failed.value)
+    assert "train.lr" in str(failed.value)  # the stage's own message reaches the flow
+    record = json.loads((project / "reports/base.error.json").read_text())
+    assert record["kind"] == "user_error" and "train.lr" in record["message"]
+
+
+@pytest.mark.slow
+def test_a_crash_is_retried_through_dvc_and_prefect_and_the_retry_resumes(prefect_harness, tmp_path, monkeypatch):
+    """The train stage's process dies (SIGKILL, injected at step 4's checkpoint write, once): `dvc repro` fails
+    with no error record, the Prefect task retries it, and the retry resumes from the step-2 checkpoint."""
+    from prefect import flow
+
+    import tasks.stages as stages
+    from tests.faults import fault_env
+
+    overrides = {"train.steps": 6, "checkpoint.every_steps": 2, "train.eval_every": 6}
+    project = copy_project(tmp_path / "project", overrides)
+    prepared = subprocess.run(
+        [sys.executable, "-m", "dvc", "repro", "tokenize"], cwd=project, env=venv_env(), capture_output=True, text=True
+    )
+    assert prepared.returncode == 0, prepared.stdout[-3000:] + prepared.stderr[-3000:]
+    marker = tmp_path / "crashed-once"
+    for name, value in fault_env({}, crash_once_at_step=(4, marker)).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PATH", venv_env()["PATH"])
+    calls = []
+    real = stages.repro_single
+    monkeypatch.setattr(stages, "repro_single", lambda *args: calls.append(args[0]) or real(*args))
+
+    @flow
+    def train_only():
+        return stages.run_stage.with_options(retries=2, retry_delay_seconds=0)("train", str(project))
+
+    result = train_only()
+    assert marker.exists() and calls == ["train", "train"]  # crashed once, retried once
+    assert not (project / "reports/train.error.json").exists()  # a crash leaves no user-error record
+    assert result["ran"] and result["report"]["resumed_from_step"] == 2 and result["report"]["steps"] == 6

@@ -204,3 +204,13 @@ def test_chat_template_check_quarantines_conversations_the_template_rejects(buil
         tokens=TokenView(tokens.tokenizer.__class__.from_pretrained(built / "models/base"), 128),
     )
     assert len(plain.kept) == 3
+
+
+def test_json_nested_too_deeply_is_quarantined_not_a_crash(tmp_path):
+    from fineflow.data.formats import read_jsonl
+
+    path = tmp_path / "t.jsonl"
+    good = json.dumps({"instruction": "a", "output": "b"})
+    path.write_text(good + "\n" + "[" * 200_000 + "]" * 200_000 + "\n" + good + "\n")
+    rows = read_jsonl(path)
+    assert [row.reasons for row in rows] == [[], [f"{path}:2: JSON nested too deeply to read"], []]

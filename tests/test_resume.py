@@ -23,6 +23,7 @@ from tests.conftest import (
     finish_train,
     launch_with_free_port,
     ranks_overrides,
+    run_dirs,
     start_train,
     train_env,
     train_project,
@@ -155,7 +156,7 @@ def test_corrupt_newest_checkpoint_is_skipped_with_a_warning_and_resume_stays_ex
     reference = reference_run(1)
     resumed = train_project(built, tmp_path / "resumed", ranks_overrides(1))
     assert _kill_when(resumed, 1, lambda p: _last_step(p) >= 7 and not _writing(p))
-    [run_dir] = (resumed / "checkpoints").iterdir()
+    [run_dir] = run_dirs(resumed / "checkpoints")
     newest = sorted(run_dir.glob("step-*"))[-1]
     data = bytearray((newest / "model.safetensors").read_bytes())
     data[-3] ^= 0xFF  # one flipped bit pattern in a tensor
@@ -175,7 +176,7 @@ def test_disk_full_stops_with_a_clear_error_and_keeps_the_previous_checkpoint(bu
     assert proc.returncode == 2 and "Traceback" not in output, output[-3000:]
     assert "disk full" in output.lower() and "step-0000002" in output
     assert "(checkpoint step 4)" in output  # the injected step failed, not some other write
-    [run_dir] = (project / "checkpoints").iterdir()
+    [run_dir] = run_dirs(project / "checkpoints")
     assert latest_valid(run_dir).name == "step-0000002" and load_checkpoint(run_dir / "step-0000002").step == 2
     assert not list(run_dir.glob(".tmp-*"))
     # space is back: the retry resumes from step 2 and finishes
@@ -194,7 +195,7 @@ def test_changed_config_after_a_crash_is_refused_unless_resume_never(built, tmp_
     write_params(project / "params.yaml", {**TRAIN_OVERRIDES, "train.lr": 1e-3, "train.resume": "never"})
     output = _finish(project, 1)
     assert "resuming from" not in output
-    assert len(list((project / "checkpoints").iterdir())) == 2  # the other config's run is kept
+    assert len(run_dirs(project / "checkpoints")) == 2  # the other config's run is kept
 
 
 def test_tensorboard_curves_have_no_duplicate_steps_after_a_resume(built, tmp_path):

@@ -121,8 +121,10 @@ def test_sampler_is_deterministic_disjoint_across_ranks_and_resumable():
     assert resumed.next_indices(9) == original.next_indices(9)  # crosses an epoch boundary exactly
 
 
-def test_sampler_refuses_fewer_rows_than_ranks():
-    with pytest.raises(ValueError, match="cannot feed 4 processes"):
+def test_sampler_refuses_fewer_rows_than_ranks_as_a_user_error():
+    from fineflow.errors import DataError
+
+    with pytest.raises(DataError, match="has 3 packed rows, fewer than the 4 processes .*train.num_processes"):
         RowSampler(3, seed=0, world_size=4)
 
 

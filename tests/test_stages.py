@@ -7,7 +7,7 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, venv_env, write_params
+from tests.conftest import ROOT, run_dirs, venv_env, write_params
 
 
 def test_base_is_a_loadable_hf_model_dir(built):
@@ -111,8 +111,9 @@ def test_train_writes_adapter_checkpoints_and_step_log(trained):
     # byte-stable across processes (peft writes a set), and no absolute path of this checkout
     assert config["target_modules"] == sorted(config["target_modules"])
     assert config["base_model_name_or_path"] == str(built / "models/base")  # as passed in, not resolved
-    [run_dir] = (out / "checkpoints").iterdir()  # one directory per training configuration
-    assert sorted(p.name for p in run_dir.iterdir()) == ["step-0000002", "step-0000004"]  # keep_last 2
+    [run_dir] = run_dirs(out / "checkpoints")  # one directory per training configuration
+    # keep_last 2, and the run marked finished: a later run of the same inputs trains again, never resumes it
+    assert sorted(p.name for p in run_dir.iterdir()) == ["FINISHED", "step-0000002", "step-0000004"]
     assert report["resumed_from_step"] == 0 and report["checkpoint_write_s"] is not None
     steps = [json.loads(x) for x in (out / "reports/train_steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3, 4] and all("data_wait_s" in s for s in steps)
@@ -192,3 +193,49 @@ def test_validate_cli_bad_input_gives_one_clear_error(tmp_path, content, expecte
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert expected in result.stderr
+
+
+def test_a_user_error_leaves_a_record_that_the_next_run_of_the_stage_removes(tmp_path, monkeypatch):
+    import argparse
+
+    from fineflow.errors import DataError
+    from fineflow.reports import read_error_record
+    from fineflow.stages._entry import run_entry
+
+    monkeypatch.delenv("FINEFLOW_TRAIN_WORKER", raising=False)
+    args = argparse.Namespace(params=str(write_params(tmp_path / "params.yaml")), report=str(tmp_path / "r/x.json"))
+
+    def bad(params):
+        raise DataError("raw/train.jsonl:3: no output field")
+
+    assert run_entry("x", args, bad) == 2
+    assert read_error_record(args.report) == {
+        "stage": "x",
+        "kind": "user_error",
+        "message": "raw/train.jsonl:3: no output field",
+    }
+    assert run_entry("x", args, lambda params: {}) == 0
+    assert read_error_record(args.report) is None and (tmp_path / "r/x.json").exists()
+    # a crash (anything but a user error) propagates: a traceback and exit 1, no record, so it is retried
+    with pytest.raises(ZeroDivisionError):
+        run_entry("x", args, lambda params: 1 / 0)
+    assert read_error_record(args.report) is None
+
+
+@pytest.mark.parametrize(
+    "base, problem",
+    [
+        ("./my-modle", "is not a directory"),
+        ("some-org/never-downloaded-model", "neither a local directory nor a model in the Hugging Face cache"),
+    ],
+)
+def test_a_base_that_is_not_there_is_a_user_error_before_anything_loads(tmp_path, monkeypatch, capsys, base, problem):
+    from fineflow.reports import read_error_record
+    from fineflow.stages import base as base_stage
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    write_params(tmp_path / "params.yaml", {"model.base": base})
+    assert base_stage.main(["--out", "models/base"]) == 2
+    assert problem in capsys.readouterr().err and "model.base" in read_error_record("reports/base.json")["message"]
+    assert not (tmp_path / "models/base").exists()

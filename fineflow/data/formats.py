@@ -71,6 +71,9 @@ def read_jsonl(path: str | Path) -> list[Row]:
                 )
             )
             continue
+        except RecursionError:  # thousands of nested [ or {: Python's parser gives up; the row is quarantined
+            rows.append(Row(number, raw=text[:1000], reasons=[f"{path}:{number}: JSON nested too deeply to read"]))
+            continue
         if not isinstance(obj, dict):
             rows.append(
                 Row(

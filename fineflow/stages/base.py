@@ -9,12 +9,13 @@ from pathlib import Path
 
 from fineflow.base.model import build_embedded_base
 from fineflow.config import Params
-from fineflow.model_ref import write_external_marker
+from fineflow.model_ref import check_base_reference, write_external_marker
 from fineflow.stages._entry import log, run_entry, stage_parser
 
 
 def run(params: Params, out_dir: Path) -> dict:
     if not params.model.is_embedded:
+        check_base_reference(params.model.base)
         log(f"model.base is {params.model.base!r}: using it as the base, nothing to build")
         return write_external_marker(out_dir, params.model.base)
     return {"skipped": False, **build_embedded_base(params.model, params.base, params.seed, out_dir, log=log)}

@@ -12,14 +12,14 @@ rank then trains; only rank 0 writes the model, checkpoints, step log and report
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 from fineflow.config import load_params
-from fineflow.errors import FineflowError
-from fineflow.stages._entry import log, run_entry, stage_parser
-from fineflow.train.launch import WORKER_ENV
+from fineflow.errors import USER_ERROR_EXIT, FineflowError
+from fineflow.reports import clear_error_record, read_error_record
+from fineflow.runtime import is_train_worker
+from fineflow.stages._entry import log, run_entry, stage_parser, user_error
 from fineflow.train.recipe import launch_ranks, train_rank
 
 
@@ -40,9 +40,10 @@ def parse_args(argv: list[str]):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    if os.environ.get(WORKER_ENV) != "1":  # the launcher: accelerate launch runs this module again per rank
+    if not is_train_worker():  # the launcher: accelerate launch runs this module again per rank
+        clear_error_record(args.report)
         try:
-            return launch_ranks(
+            code = launch_ranks(
                 load_params(args.params),
                 "fineflow.stages.train",
                 argv,
@@ -55,8 +56,10 @@ def main(argv: list[str] | None = None) -> int:
                 log=log,
             )
         except FineflowError as exc:
-            print(f"fineflow train: error: {exc}", file=sys.stderr)
-            return 2
+            user_error("train", args.report, exc)
+            return USER_ERROR_EXIT
+        # accelerate exits 1 whatever a rank exited with: a rank's error record says it was the user's error
+        return USER_ERROR_EXIT if code and read_error_record(args.report) else code
     return run_entry(
         "train",
         args,

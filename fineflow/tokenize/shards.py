@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fineflow.errors import DataError
 from fineflow.tokenize.template import EncodedBatch
 
 FORMAT_VERSION = 2  # 2: exact-fill packing, content key in meta
@@ -293,7 +294,10 @@ class RowSampler:
         self, n_rows: int, seed: int, rank: int = 0, world_size: int = 1, row_tokens: np.ndarray | None = None
     ):
         if n_rows < world_size:
-            raise ValueError(f"{n_rows} packed rows cannot feed {world_size} processes")
+            raise DataError(
+                f"the training shard has {n_rows} packed rows, fewer than the {world_size} processes that need one "
+                f"each: add training rows, lower tokenize.seq_len, or train on fewer processes (train.num_processes)"
+            )
         self.n_rows, self.seed, self.rank, self.world_size = n_rows, seed, rank, world_size
         self.row_tokens = np.ones(n_rows, dtype=np.int64) if row_tokens is None else np.asarray(row_tokens)
         self.epoch, self.position = 0, 0

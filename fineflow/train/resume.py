@@ -1,13 +1,18 @@
 """Which checkpoint a train run resumes from, and which it must refuse.
 
 Checkpoints live in ``<checkpoints>/<run id>/step-N``, where the run id is a hash of everything that makes
-two runs' step N the same state: base model, method and adapter shape, the training data (the shard's
-content key), seed, ranks, batch and optimizer/schedule settings. A re-run with the same config finds its
-own directory and continues from the newest *valid* checkpoint there (fineflow.checkpoint verifies
-hashes and skips torn or corrupt ones). A changed config gets a new directory and starts fresh — unless a
-run of another config was left unfinished (crashed before its last step): then ``train.resume: auto``
-refuses, naming what changed, because the user most likely edited params between a crash and its retry.
-``train.resume: never`` starts this config over (its old checkpoints are removed) and ignores the others.
+two runs' step N the same state: the base model's weights *by content*, method and adapter shape, the
+training data (the shard's content key), seed, ranks, batch and optimizer/schedule settings, the training
+code and the versions of the libraries it runs on. A re-run with the same inputs finds its own directory and
+continues from the newest *valid* checkpoint there (fineflow.checkpoint verifies hashes and skips torn or
+corrupt ones) — but only if that run was interrupted: a run that finished (its model was saved, see
+``mark_finished``) is never resumed, so a re-run always trains; it cannot hand back an earlier run's result.
+
+Other inputs get another directory and start fresh — unless a run was left unfinished with other *params*
+(the same base, data and code): then ``train.resume: auto`` refuses, naming what changed, because the user
+most likely edited params between a crash and its retry. An unfinished run of another base, data, code or
+library version is stale (it can never be resumed by these inputs) and is left alone. ``train.resume:
+never`` starts this configuration over (its old checkpoints are removed) and ignores the others.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fineflow.errors import FineflowError
+from fineflow.model_ref import base_identity
 
 # settings that change neither the trajectory nor the weights: safe to edit between a crash and a retry
 NOT_IN_FINGERPRINT = {
@@ -34,28 +40,73 @@ NOT_IN_FINGERPRINT = {
 }
 
 
-def base_identity(reference: str) -> dict:
-    """What identifies the base model: its config and weight files (names and sizes) for a local dir,
-    the id otherwise. Hashing the weights themselves would cost minutes on a 70B model at every start."""
-    path = Path(reference)
-    if not path.is_dir():
-        return {"id": reference}
-    config = (path / "config.json").read_bytes() if (path / "config.json").exists() else b""
-    weights = sorted([p.name, p.stat().st_size] for p in path.iterdir() if p.suffix in (".safetensors", ".bin"))
-    return {"config_sha256": hashlib.sha256(config).hexdigest(), "weights": weights}
+# What a run's trajectory depends on besides its params: the code that trains (the fineflow modules a
+# training rank runs, relative to the package) and the libraries under it.
+TRAINING_CODE = ("train", "checkpoint", "tokenize", "config.py", "model_ref.py", "errors.py")
+TRAINING_LIBRARIES = (
+    "torch",
+    "transformers",
+    "peft",
+    "accelerate",
+    "safetensors",
+    "numpy",
+    "bitsandbytes",
+    "deepspeed",
+)
+FINISHED = "FINISHED"  # in a run directory: the run completed and its model was saved; never resume it
+# settings that decide a run's trajectory: an unfinished run that differs in these was edited, not replaced
+PARAM_KEYS = ("train", "seed", "seq_len", "world_size")
 
 
-def run_fingerprint(params, reference: str, shard_meta: dict, world_size: int) -> dict:
-    """Plain JSON (lists, not tuples): it is compared with the copy stored in each checkpoint."""
-    train = {k: v for k, v in params.train.model_dump().items() if k not in NOT_IN_FINGERPRINT}
+def code_identity() -> dict:
+    """A hash of the training code (every file of TRAINING_CODE, by content) and the library versions."""
+    from importlib import metadata
+
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for entry in TRAINING_CODE:
+        files = sorted((package / entry).rglob("*.py")) if (package / entry).is_dir() else [package / entry]
+        for file in files:
+            digest.update(str(file.relative_to(package)).encode() + b"\0" + file.read_bytes() + b"\0")
+    versions = {}
+    for name in TRAINING_LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return {"sha256": digest.hexdigest(), "libraries": versions}
+
+
+def run_fingerprint(
+    params,
+    reference: str,
+    shard_meta: dict,
+    world_size: int,
+    cache_dir: Path | None = None,
+    code: dict | None = None,
+    train=None,
+) -> dict:
+    """Plain JSON (lists, not tuples): it is compared with the copy stored in each checkpoint. cache_dir: where
+    base weight hashes are cached (the checkpoints root); code: code_identity(), computed here if not given;
+    train: the train settings the run really uses (precision "auto" resolved, auto_fit's changes), else
+    params.train — "auto" on a CPU and on a GPU are different runs."""
+    train = {k: v for k, v in (train or params.train).model_dump().items() if k not in NOT_IN_FINGERPRINT}
     return {
-        "base": base_identity(reference),
+        "base": base_identity(reference, cache_dir),
         "data": shard_meta.get("content_key"),
+        "code": code if code is not None else code_identity(),
         "seed": params.seed,
         "seq_len": params.tokenize.seq_len,
         "world_size": world_size,
         "train": train,
     }
+
+
+def mark_finished(run_dir: Path, step: int) -> None:
+    """Rank 0, after the run's model was saved: this run is complete and will never be resumed."""
+    from fineflow.reports import write_json_atomic
+
+    write_json_atomic(Path(run_dir) / FINISHED, {"step": step})
 
 
 def run_id(fingerprint: dict) -> str:
@@ -86,11 +137,17 @@ def _state(checkpoint: Path) -> dict:
     return from_tree(json.loads((checkpoint / "state.json").read_text(encoding="utf-8")), {})
 
 
-def plan_resume(root: Path, fingerprint: dict, mode: str) -> ResumePlan:
+def plan_resume(root: Path, fingerprint: dict, mode: str, log=print) -> ResumePlan:
     """Rank 0 decides (other ranks read the same directory: a shared filesystem is assumed)."""
     from fineflow.checkpoint import clean_stale, latest_valid
 
     run_dir = Path(root) / run_id(fingerprint)
+    if (run_dir / FINISHED).exists():
+        # a re-run of inputs that trained to completion before (dvc repro --force, a lost output): train again
+        # rather than hand back that run's result without training
+        log(f"{run_dir} is a finished run: training again from step 0 (only an interrupted run is resumed)")
+        shutil.rmtree(run_dir)
+        return ResumePlan(run_dir, None)
     if mode == "never":
         shutil.rmtree(run_dir, ignore_errors=True)
         return ResumePlan(run_dir, None)
@@ -104,12 +161,19 @@ def plan_resume(root: Path, fingerprint: dict, mode: str) -> ResumePlan:
         if checkpoint is None:
             continue
         state = _state(checkpoint)
-        if state.get("step", 0) < state.get("total_steps", 0):
-            changes = changed_keys(state.get("fingerprint") or {}, fingerprint)
-            raise FineflowError(
-                f"{checkpoint} is an unfinished run (step {state['step']} of {state['total_steps']}) of another "
-                f"configuration; resuming it with these params would not continue the same training. Changed: "
-                f"{'; '.join(changes[:8]) or 'unknown'}. Restore those params to resume it, or set "
-                f"train.resume: never to start this configuration fresh (the other run's checkpoints are kept)."
-            )
+        if (other / FINISHED).exists() or state.get("step", 0) >= state.get("total_steps", 0):
+            continue
+        old = state.get("fingerprint") or {}
+        if any(old.get(key) != fingerprint.get(key) for key in fingerprint if key not in PARAM_KEYS):
+            # another base, data, code or library version: these inputs can never resume it, and nobody
+            # edited params by mistake; it stays on disk for train.resume/retention to deal with
+            log(f"{checkpoint}: an unfinished run of other inputs (base, data or code), not resumed")
+            continue
+        changes = changed_keys(old, fingerprint)
+        raise FineflowError(
+            f"{checkpoint} is an unfinished run (step {state['step']} of {state['total_steps']}) of another "
+            f"configuration; resuming it with these params would not continue the same training. Changed: "
+            f"{'; '.join(changes[:8]) or 'unknown'}. Restore those params to resume it, or set "
+            f"train.resume: never to start this configuration fresh (the other run's checkpoints are kept)."
+        )
     return ResumePlan(run_dir, None)

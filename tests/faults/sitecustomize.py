@@ -14,6 +14,9 @@ it; with neither set, this module does nothing at all:
                                             enough that a test's SIGKILL can land in the middle of one
     FINEFLOW_TEST_DISK_FULL_AT_STEP=<N>     every write of step N's checkpoint files fails with ENOSPC (the
                                             message says "injected"); takes precedence over the delay
+    FINEFLOW_TEST_CRASH_ONCE_AT_STEP=<N>    the first write of step N's checkpoint SIGKILLs its own process (a
+    FINEFLOW_TEST_CRASH_MARKER=<file>       hard crash), once: it creates the marker file first, and does
+                                            nothing while the file exists (so the retry runs clean)
 
 Each process that installs a fault says so on stderr, with its pid and rank (RANK, as accelerate and
 torchrun set it; 0 when unset), so a test can prove that the fault reached the processes it meant.
@@ -27,11 +30,13 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import sys
 import time
 
 TARGET = "fineflow.checkpoint.write"
 DELAY_VAR, DISK_FULL_VAR = "FINEFLOW_TEST_WRITE_DELAY_S", "FINEFLOW_TEST_DISK_FULL_AT_STEP"
+CRASH_VAR, CRASH_MARKER_VAR = "FINEFLOW_TEST_CRASH_ONCE_AT_STEP", "FINEFLOW_TEST_CRASH_MARKER"
 MESSAGE = "injected into fineflow.checkpoint.write.write_all"  # tests look for this in a stage's output
 
 
@@ -57,8 +62,24 @@ def disk_full_at(real, step: int):
     return write_all
 
 
+def crash_once_at(real, step: int, marker: str):
+    """write_all that SIGKILLs this process at the first write of step `step`'s files, unless marker exists."""
+    victim = f"step-{step:07d}"
+
+    def write_all(fd, data, path):
+        if victim in path and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(fd, data, path)
+
+    return write_all
+
+
 def fault_from_env():
     """(description, wrapper factory) for the fault the environment asks for, or None."""
+    if os.environ.get(CRASH_VAR):
+        step, marker = int(os.environ[CRASH_VAR]), os.environ[CRASH_MARKER_VAR]
+        return f"crash once at step {step}", lambda real: crash_once_at(real, step, marker)
     if os.environ.get(DISK_FULL_VAR):
         step = int(os.environ[DISK_FULL_VAR])
         return f"disk full at step {step}", lambda real: disk_full_at(real, step)

@@ -1,0 +1,44 @@
+"""Stage fingerprint: record which base model every later stage uses, by content.
+
+python -m fineflow.stages.fingerprint --base-dir models/base --out models/base_fingerprint.json \
+    --hash-cache .cache/fineflow
+
+DVC tracks what is inside the project; a real base that ``model.base`` names (a local directory, or a hub id
+resolved from the local cache) is outside it, and a new checkpoint written at the same path would change
+nothing DVC sees. This stage always runs (``always_changed`` in dvc.yaml), hashes the base's files (cached by
+path, size and mtime, so an unchanged base is not read again) and writes the hashes: when they change, DVC
+re-runs every stage that depends on the file; when they don't, the file's bytes are the same and nothing
+downstream runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fineflow.config import Params
+from fineflow.model_ref import base_identity, resolve_base_model
+from fineflow.reports import write_json_atomic
+from fineflow.stages._entry import log, run_entry, stage_parser
+
+
+def run(params: Params, base_dir: Path, out: Path, hash_cache: Path) -> dict:
+    reference = resolve_base_model(params.model, base_dir)
+    identity = {"base": reference, **base_identity(reference, hash_cache)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out, identity)
+    files = identity.get("files", [])
+    log(f"base {reference}: {len(files)} files, {sum(size for _, size, _ in files):,} bytes, fingerprint in {out}")
+    return {"base": reference, "files": len(files), "revision": identity.get("revision")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = stage_parser("fingerprint", __doc__)
+    parser.add_argument("--base-dir", type=Path, required=True, help="the base stage's output directory")
+    parser.add_argument("--out", type=Path, required=True, help="the fingerprint JSON to write")
+    parser.add_argument("--hash-cache", type=Path, required=True, help="directory for the file hash cache")
+    args = parser.parse_args(argv)
+    return run_entry("fingerprint", args, lambda params: run(params, args.base_dir, args.out, args.hash_cache))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
