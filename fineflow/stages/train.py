@@ -31,6 +31,8 @@ def parse_args(argv: list[str]):
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps-log", type=Path, required=True)
     parser.add_argument("--logs-dir", type=Path, default=Path("logs"), help="tracker logs (TensorBoard, MLflow)")
+    # not under --checkpoints: a DVC output, whose hash must not depend on this checkout's paths and mtimes
+    parser.add_argument("--hash-cache", type=Path, default=None, help="cache of the base weights' content hashes")
     parser.add_argument("--machine-rank", type=int, default=None, help="this machine's rank (num_machines > 1)")
     parser.add_argument("--main-process-ip", default=None, help="machine 0's address (num_machines > 1)")
     parser.add_argument("--main-process-port", type=int, default=None)
@@ -64,7 +66,15 @@ def main(argv: list[str] | None = None) -> int:
         "train",
         args,
         lambda params: train_rank(
-            params, args.shards, args.base_dir, args.checkpoints, args.out, args.steps_log, args.logs_dir, log=log
+            params,
+            args.shards,
+            args.base_dir,
+            args.checkpoints,
+            args.out,
+            args.steps_log,
+            args.logs_dir,
+            log=log,
+            hash_cache=args.hash_cache,
         ),
     )
 

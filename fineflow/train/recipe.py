@@ -104,8 +104,10 @@ def train_rank(
     steps_log: Path,
     logs_dir: Path | None = None,
     log=print,
+    hash_cache: Path | None = None,
 ) -> dict | None:
-    """One rank of training; returns the report on rank 0 and None elsewhere."""
+    """One rank of training; returns the report on rank 0 and None elsewhere. hash_cache: where the base
+    weights' content hashes are cached (by path, size and mtime); None hashes them every run."""
     import torch
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -160,10 +162,8 @@ def train_rank(
         len(train), params.seed, accelerator.process_index, accelerator.num_processes, row_tokens=train.real_per_row
     )
     fingerprint = [None]
-    if accelerator.is_main_process:  # hashes the base weights (cached under checkpoints/): once, not per rank
-        fingerprint = [
-            run_fingerprint(params, reference, train.meta, accelerator.num_processes, checkpoints, train=cfg)
-        ]
+    if accelerator.is_main_process:  # hashes the base weights (cached in hash_cache): once, not per rank
+        fingerprint = [run_fingerprint(params, reference, train.meta, accelerator.num_processes, hash_cache, train=cfg)]
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 

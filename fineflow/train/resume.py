@@ -87,9 +87,10 @@ def run_fingerprint(
     train=None,
 ) -> dict:
     """Plain JSON (lists, not tuples): it is compared with the copy stored in each checkpoint. cache_dir: where
-    base weight hashes are cached (the checkpoints root); code: code_identity(), computed here if not given;
-    train: the train settings the run really uses (precision "auto" resolved, auto_fit's changes), else
-    params.train — "auto" on a CPU and on a GPU are different runs."""
+    base weight hashes are cached (the train stage's --hash-cache; never inside a DVC output, whose hash would
+    then depend on the checkout's paths); code: code_identity(), computed here if not given; train: the train
+    settings the run really uses (precision "auto" resolved, auto_fit's changes), else params.train: "auto" on
+    a CPU and on a GPU are different runs."""
     train = {k: v for k, v in (train or params.train).model_dump().items() if k not in NOT_IN_FINGERPRINT}
     return {
         "base": base_identity(reference, cache_dir),
