@@ -310,6 +310,30 @@ def start_train(project: Path, ranks: int, env: dict[str, str], port: int | None
     )
 
 
+def kill_when(start, project: Path, condition, timeout: float = 240) -> bool:
+    """start(port) -> a Popen in its own process group; SIGKILL that whole group as soon as condition(project)
+    holds. Returns whether the kill landed (False: the run finished first, successfully)."""
+    killed = False
+
+    def launch(port):
+        nonlocal killed
+        proc = start(port)
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            if condition(project):
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                killed = True
+                return True, ""
+            time.sleep(0.002)
+        output = proc.communicate()[0]
+        return proc.returncode == 0, output
+
+    ok, output = launch_with_free_port(launch)
+    assert ok, output[-3000:]
+    return killed
+
+
 def finish_train(project: Path, ranks: int, env: dict[str, str] | None = None) -> str:
     """Run the train stage to its end (asserting it succeeded); returns its output."""
 

@@ -19,14 +19,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, TRAIN, launch_with_free_port, ranks_overrides, train_project, venv_env
+from tests.conftest import ROOT, TRAIN, kill_when, launch_with_free_port, ranks_overrides, train_project, venv_env
 from tests.faults import fault_env
 
 RANKS = 2
@@ -216,29 +215,6 @@ def run_fsdp(project, env=None, expect_ok=True, timeout=300) -> tuple[int, str]:
     return result["code"], result["output"]
 
 
-def kill_when(project, env, condition, timeout=240) -> bool:
-    """Start the stage, SIGKILL its process group once condition(project) holds; whether the kill landed."""
-    killed = False
-
-    def launch(port):
-        nonlocal killed
-        proc = _start(project, port, env)
-        deadline = time.monotonic() + timeout
-        while proc.poll() is None and time.monotonic() < deadline:
-            if condition(project):
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                killed = True
-                return True, ""
-            time.sleep(0.002)
-        output = proc.communicate()[0]
-        return proc.returncode == 0, output
-
-    ok, output = launch_with_free_port(launch)
-    assert ok, output[-3000:]
-    return killed
-
-
 def _steps(project):
     return [json.loads(line) for line in (project / "reports/train_steps.jsonl").read_text().splitlines()]
 
@@ -340,8 +316,8 @@ def _saving(project) -> bool:
 def test_sharded_checkpoints_resume_bit_exact_and_refuse_node_local_dirs(built, fsdp2_run, tmp_path):
     project = fsdp_project(built, tmp_path / "resumed", version=2)
     env = fault_env(_env(project), write_delay_s=0.03)  # slow writes: the first kill lands mid-save
-    assert kill_when(project, env, _saving)
-    assert kill_when(project, env, lambda p: _last_step(p) >= 7)
+    assert kill_when(lambda port: _start(project, port, env), project, _saving)
+    assert kill_when(lambda port: _start(project, port, env), project, lambda p: _last_step(p) >= 7)
     [run_dir] = [p for p in (project / "checkpoints").iterdir() if p.is_dir()]
     manifest = json.loads((sorted(run_dir.glob("step-*"))[-1] / "manifest.json").read_text())
     assert manifest["layout"] == "sharded"  # each rank's own shards, hashed in the manifest

@@ -7,10 +7,7 @@ tests/faults/sitecustomize.py: every run slows each checkpoint write a little, s
 disk-full test fails step 4's writes. Each process that got a fault says so, and the tests check that."""
 
 import json
-import os
 import re
-import signal
-import time
 
 import pytest
 import torch
@@ -21,7 +18,7 @@ from tests.conftest import (
     TRAIN_OVERRIDES,
     expected_lrs,
     finish_train,
-    launch_with_free_port,
+    kill_when,
     ranks_overrides,
     run_dirs,
     start_train,
@@ -57,28 +54,8 @@ def _start(project, ranks, env=None, port=None):
     return start_train(project, ranks, env or _env(ranks), port=port)
 
 
-def _kill_when(project, ranks, condition, timeout=240) -> bool:
-    """Start the stage, SIGKILL its whole process group as soon as condition(project) holds; returns
-    whether the kill happened (False: the run finished first)."""
-    killed = False
-
-    def launch(port):
-        nonlocal killed
-        proc = _start(project, ranks, port=port)
-        deadline = time.monotonic() + timeout
-        while proc.poll() is None and time.monotonic() < deadline:
-            if condition(project):
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                killed = True
-                return True, ""
-            time.sleep(0.002)
-        output = proc.communicate()[0]
-        return proc.returncode == 0, output
-
-    ok, output = launch_with_free_port(launch)
-    assert ok, output[-3000:]
-    return killed
+def _kill_when(project, ranks, condition) -> bool:
+    return kill_when(lambda port: _start(project, ranks, port=port), project, condition)
 
 
 def _finish(project, ranks, env=None) -> str:
