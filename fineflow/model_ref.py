@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fineflow.config import ModelParams
 from fineflow.errors import FineflowError
-from fineflow.reports import sha256_file, write_json_atomic
+from fineflow.reports import read_json, sha256_file, write_json_atomic
 
 EXTERNAL_MARKER = "external_base.json"
 HASH_CACHE = ".base-hashes.json"  # in a cache dir: content hashes of base model files, by path/size/mtime
@@ -89,9 +89,11 @@ def base_identity(reference: str, cache_dir: Path | None = None) -> dict:
         return {"id": reference, "revision": _hub_revision(reference)}
     cache_file = Path(cache_dir) / HASH_CACHE if cache_dir is not None else None
     cache = _read_cache(cache_file)
+    known = len(cache)
     files = sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p.relative_to(path)))
     identity = {"files": [[str(p.relative_to(path)), p.stat().st_size, file_sha256(p, cache)] for p in files]}
-    _write_cache(cache_file, cache)
+    if cache_file is not None and len(cache) > known:  # a file was hashed: keep its hash for the next run
+        write_json_atomic(cache_file, cache)
     return identity
 
 
@@ -101,13 +103,6 @@ def _hidden(relative: Path) -> bool:
 
 def _read_cache(cache_file: Path | None) -> dict:
     try:
-        return json.loads(cache_file.read_text(encoding="utf-8")) if cache_file else {}
+        return read_json(cache_file) if cache_file else {}
     except (OSError, ValueError):
         return {}  # no cache yet, or a torn one: hash again
-
-
-def _write_cache(cache_file: Path | None, cache: dict) -> None:
-    if cache_file is None:
-        return
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(cache_file, cache)

@@ -172,6 +172,14 @@ def test_lineage_times_the_run_from_every_stage_before_promote():
     assert report_stages(ROOT / "reports") == STAGES[:-1] and STAGES[-1] == "promote"
 
 
+def _count_attempts(stages, monkeypatch) -> list[str]:
+    """The stages the Prefect task ran, one entry per attempt (the real repro_single still runs)."""
+    calls = []
+    real = stages.repro_single
+    monkeypatch.setattr(stages, "repro_single", lambda *args: calls.append(args[0]) or real(*args))
+    return calls
+
+
 @pytest.mark.slow
 def test_a_user_error_is_not_retried_through_dvc_and_prefect(prefect_harness, tmp_path, monkeypatch):
     """Invalid params: the stage exits 2, `dvc repro` exits 255 (for any failure), and the Prefect task still
@@ -181,9 +189,7 @@ def test_a_user_error_is_not_retried_through_dvc_and_prefect(prefect_harness, tm
     import tasks.stages as stages
 
     project = copy_project(tmp_path / "project", {"train.lr": -1})
-    calls = []
-    real = stages.repro_single
-    monkeypatch.setattr(stages, "repro_single", lambda *args: calls.append(args[0]) or real(*args))
+    calls = _count_attempts(stages, monkeypatch)
     monkeypatch.setenv("PATH", venv_env()["PATH"])
 
     @flow
@@ -218,9 +224,7 @@ def test_a_crash_is_retried_through_dvc_and_prefect_and_the_retry_resumes(prefec
     for name, value in fault_env({}, crash_once_at_step=(4, marker)).items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("PATH", venv_env()["PATH"])
-    calls = []
-    real = stages.repro_single
-    monkeypatch.setattr(stages, "repro_single", lambda *args: calls.append(args[0]) or real(*args))
+    calls = _count_attempts(stages, monkeypatch)
 
     @flow
     def train_only():
