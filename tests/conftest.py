@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -332,6 +333,19 @@ def kill_when(start, project: Path, condition, timeout: float = 240) -> bool:
     ok, output = launch_with_free_port(launch)
     assert ok, output[-3000:]
     return killed
+
+
+def last_logged_step(project: Path) -> int:
+    """The last step in the project's step log (0 before the first)."""
+    try:
+        lines = (project / "reports/train_steps.jsonl").read_text().splitlines()
+        return json.loads(lines[-1])["step"] if lines else 0
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def checkpoint_being_saved(project: Path) -> bool:
+    return any(project.glob("checkpoints/*/.tmp-*"))  # shards being staged, or the checkpoint being written
 
 
 def finish_train(project: Path, ranks: int, env: dict[str, str] | None = None) -> str:

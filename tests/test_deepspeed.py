@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -187,3 +188,26 @@ def test_the_train_launcher_says_it_before_the_planner_loads_anything(tiny_param
     placement = {"base_dir": "models/base", "machine_rank": None, "main_process_ip": None, "main_process_port": None}
     with pytest.raises(FineflowError, match=re.escape(DEEPSPEED_INSTALL)):
         recipe.launch_ranks(tiny_params.model_copy(update={"train": train}), "fineflow.stages.train", [], placement)
+
+
+@pytest.mark.parametrize(
+    ("written_by", "running", "message"),
+    [
+        ({"sharding": "deepspeed"}, "FSDP", "is a DeepSpeed checkpoint and this run is FSDP"),
+        ({}, "DEEPSPEED", "is an FSDP checkpoint and this run is DeepSpeed"),  # sharded before the field existed
+        ({"sharding": "deepspeed"}, "MULTI_GPU", "is a DeepSpeed checkpoint and this run is unsharded"),
+    ],
+)
+def test_a_sharded_checkpoint_is_resumed_only_by_the_engine_that_wrote_it(written_by, running, message):
+    """DeepSpeed's files and DCP's shards are not interchangeable: a changed profile is refused, naming both."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from fineflow.errors import FineflowError
+    from fineflow.train.loop import restore
+
+    checkpoint = SimpleNamespace(path=Path("step-0000002"), sharded_dir=Path("step-0000002/sharded"), state=written_by)
+    accelerator = SimpleNamespace(distributed_type=DistributedType[running])
+    with pytest.raises(FineflowError, match=message):
+        restore(checkpoint, accelerator, None, None, None)

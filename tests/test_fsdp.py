@@ -25,7 +25,17 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, TRAIN, kill_when, launch_with_free_port, ranks_overrides, train_project, venv_env
+from tests.conftest import (
+    ROOT,
+    TRAIN,
+    checkpoint_being_saved,
+    kill_when,
+    last_logged_step,
+    launch_with_free_port,
+    ranks_overrides,
+    train_project,
+    venv_env,
+)
 from tests.faults import fault_env
 
 RANKS = 2
@@ -300,24 +310,12 @@ def test_fsdp1_bf16_wraps_lora_apart_and_keeps_rotary_buffers_fp32(built, tmp_pa
     assert (project / "models/candidate/adapter_model.safetensors").is_file()
 
 
-def _last_step(project) -> int:
-    try:
-        lines = (project / "reports/train_steps.jsonl").read_text().splitlines()
-        return json.loads(lines[-1])["step"] if lines else 0
-    except (OSError, ValueError, KeyError):
-        return 0
-
-
-def _saving(project) -> bool:
-    return any(project.glob("checkpoints/*/.tmp-*"))  # shards being staged, or the checkpoint being written
-
-
 @slow
 def test_sharded_checkpoints_resume_bit_exact_and_refuse_node_local_dirs(built, fsdp2_run, tmp_path):
     project = fsdp_project(built, tmp_path / "resumed", version=2)
     env = fault_env(_env(project), write_delay_s=0.03)  # slow writes: the first kill lands mid-save
-    assert kill_when(lambda port: _start(project, port, env), project, _saving)
-    assert kill_when(lambda port: _start(project, port, env), project, lambda p: _last_step(p) >= 7)
+    assert kill_when(lambda port: _start(project, port, env), project, checkpoint_being_saved)
+    assert kill_when(lambda port: _start(project, port, env), project, lambda p: last_logged_step(p) >= 7)
     [run_dir] = [p for p in (project / "checkpoints").iterdir() if p.is_dir()]
     manifest = json.loads((sorted(run_dir.glob("step-*"))[-1] / "manifest.json").read_text())
     assert manifest["layout"] == "sharded"  # each rank's own shards, hashed in the manifest

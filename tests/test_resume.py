@@ -19,6 +19,7 @@ from tests.conftest import (
     expected_lrs,
     finish_train,
     kill_when,
+    last_logged_step,
     ranks_overrides,
     run_dirs,
     start_train,
@@ -36,14 +37,6 @@ STEPS = TRAIN_OVERRIDES["train.steps"]
 def _env(ranks, disk_full_at_step=None):
     # the write delay widens the window in which a kill lands mid-write; disk full, when asked, takes over
     return fault_env(train_env(ranks), write_delay_s=0.03, disk_full_at_step=disk_full_at_step)
-
-
-def _last_step(project) -> int:
-    try:
-        lines = (project / "reports/train_steps.jsonl").read_text().splitlines()
-        return json.loads(lines[-1])["step"] if lines else 0
-    except (OSError, ValueError, KeyError):
-        return 0
 
 
 def _writing(project) -> bool:
@@ -97,12 +90,12 @@ def _assert_same_training(resumed, reference):
 
 
 KILL_POINTS = [
-    ("after step 1, before any checkpoint", lambda p: _last_step(p) >= 1),
+    ("after step 1, before any checkpoint", lambda p: last_logged_step(p) >= 1),
     ("during a checkpoint write", _writing),
-    ("after step 5, between checkpoints", lambda p: _last_step(p) >= 5),
-    ("during a later checkpoint write", lambda p: _last_step(p) >= 6 and _writing(p)),
-    ("after step 9", lambda p: _last_step(p) >= 9),
-    ("after step 11, just before the end", lambda p: _last_step(p) >= 11),
+    ("after step 5, between checkpoints", lambda p: last_logged_step(p) >= 5),
+    ("during a later checkpoint write", lambda p: last_logged_step(p) >= 6 and _writing(p)),
+    ("after step 9", lambda p: last_logged_step(p) >= 9),
+    ("after step 11, just before the end", lambda p: last_logged_step(p) >= 11),
 ]
 
 
@@ -132,7 +125,7 @@ def test_sigkill_at_many_points_then_resume_is_bit_exact(built, reference_run, t
 def test_corrupt_newest_checkpoint_is_skipped_with_a_warning_and_resume_stays_exact(built, reference_run, tmp_path):
     reference = reference_run(1)
     resumed = train_project(built, tmp_path / "resumed", ranks_overrides(1))
-    assert _kill_when(resumed, 1, lambda p: _last_step(p) >= 7 and not _writing(p))
+    assert _kill_when(resumed, 1, lambda p: last_logged_step(p) >= 7 and not _writing(p))
     [run_dir] = run_dirs(resumed / "checkpoints")
     newest = sorted(run_dir.glob("step-*"))[-1]
     data = bytearray((newest / "model.safetensors").read_bytes())
@@ -163,7 +156,7 @@ def test_disk_full_stops_with_a_clear_error_and_keeps_the_previous_checkpoint(bu
 
 def test_changed_config_after_a_crash_is_refused_unless_resume_never(built, tmp_path):
     project = train_project(built, tmp_path)
-    assert _kill_when(project, 1, lambda p: _last_step(p) >= 5 and not _writing(p))
+    assert _kill_when(project, 1, lambda p: last_logged_step(p) >= 5 and not _writing(p))
     write_params(project / "params.yaml", {**TRAIN_OVERRIDES, "train.lr": 1e-3})
     proc = _start(project, 1)
     output = proc.communicate(timeout=600)[0]
@@ -179,7 +172,7 @@ def test_tensorboard_curves_have_no_duplicate_steps_after_a_resume(built, tmp_pa
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     project = train_project(built, tmp_path, {"train.tracker": "tensorboard"})
-    assert _kill_when(project, 1, lambda p: _last_step(p) >= 7 and not _writing(p))
+    assert _kill_when(project, 1, lambda p: last_logged_step(p) >= 7 and not _writing(p))
     _finish(project, 1)
     events = EventAccumulator(str(project / "logs/fineflow"))
     events.Reload()

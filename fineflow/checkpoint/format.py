@@ -21,16 +21,21 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 MARKER = "COMPLETE"
 REQUIRED_FILES = ("model.safetensors", "optimizer.json", "scheduler.json", "state.json", "rng.json")
-# A sharded checkpoint (FSDP): the trainable tensors and the optimizer are each rank's own shards, written by
-# every rank through torch's distributed checkpoint into SHARDED_DIR (one file per rank plus DCP's .metadata);
-# the manifest covers those files like any other, and says "layout": "sharded".
+# A sharded checkpoint (FSDP, DeepSpeed): the trainable tensors and the optimizer are each rank's own part,
+# written by every rank into SHARDED_DIR: through torch's distributed checkpoint under FSDP (one file per rank
+# plus DCP's .metadata), by DeepSpeed's save_checkpoint under ZeRO (its per-rank files in a subdirectory); the
+# manifest covers those files like any other, and says "layout": "sharded".
 SHARDED_DIR = "sharded"
-SHARDED_REQUIRED_FILES = (f"{SHARDED_DIR}/.metadata", "scheduler.json", "state.json", "rng.json")
+SHARDED_REQUIRED_FILES = ("scheduler.json", "state.json", "rng.json")
+DCP_METADATA = f"{SHARDED_DIR}/.metadata"  # written last, by DCP's coordinator: the shards are complete
 
 
 def required_files(manifest: dict) -> tuple[str, ...]:
     """The files a checkpoint of this manifest's layout must list."""
-    return SHARDED_REQUIRED_FILES if manifest.get("layout") == "sharded" else REQUIRED_FILES
+    if manifest.get("layout") != "sharded":
+        return REQUIRED_FILES
+    dcp = any(name.endswith(".distcp") for name in manifest.get("files", {}))
+    return SHARDED_REQUIRED_FILES + ((DCP_METADATA,) if dcp else ())
 
 
 STEP_DIR = re.compile(r"^step-(\d+)$")

@@ -71,9 +71,9 @@ def _take_sharded(job: SaveJob, tmp: Path) -> dict[str, dict]:
     os.rename(job.sharded_dir, target)
     fsync_dir(tmp)
     entries = {}
-    for file in sorted(target.iterdir()):
+    for file in sorted(p for p in target.rglob("*") if p.is_file()):  # DeepSpeed writes into a subdirectory
         digest, size = _sha256_file(file)
-        entries[f"{SHARDED_DIR}/{file.name}"] = {"sha256": digest, "size": size}
+        entries[file.relative_to(tmp).as_posix()] = {"sha256": digest, "size": size}
     return entries
 
 

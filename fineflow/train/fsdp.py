@@ -138,10 +138,11 @@ def gather_trainable(model) -> dict:
     return _gather_state_dict(shards, cpu_offload=True, ranks_only=(0,))
 
 
-def stage_shards(accelerator, manager, model, optimizer, step: int) -> Path:
+def stage_shards(accelerator, manager, step: int, write) -> Path:
     """Every rank writes its shards for checkpoint `step` into a staging directory beside the checkpoints
-    (rank 0, which holds the manager, names and creates it); returns it once every rank has written. Rank 0's
-    manager then moves it into the checkpoint it publishes (CheckpointManager.save(sharded_dir=...))."""
+    (rank 0, which holds the manager, names and creates it) with write(directory), a collective (FSDP:
+    ``save_sharded``; DeepSpeed: fineflow.train.zero.save_engine_state); returns it once every rank has written.
+    Rank 0's manager then moves it into the checkpoint it publishes (CheckpointManager.save(sharded_dir=...))."""
     import shutil
 
     from accelerate.utils import broadcast_object_list
@@ -155,7 +156,7 @@ def stage_shards(accelerator, manager, model, optimizer, step: int) -> Path:
         staging.mkdir(parents=True)
     accelerator.wait_for_everyone()
     require_visible_to_every_rank(accelerator, staging, f"write the shards of checkpoint step {step} into")
-    save_sharded(model, optimizer, staging)
+    write(staging)
     accelerator.wait_for_everyone()
     return staging
 

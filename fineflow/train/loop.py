@@ -204,9 +204,9 @@ class TrainStateSaver:
 
             rngs = gather_object(rngs)  # one snapshot per rank, in rank order
         self.last_save = time.monotonic()
-        sharded_dir = None
-        if fsdp.is_fsdp(accelerator):  # every rank writes its own shards; nothing is gathered to rank 0
-            sharded_dir = fsdp.stage_shards(accelerator, self.manager, model, optimizer, step)
+        sharding, sharded_dir = sharding_of(accelerator), None
+        if sharding is not None:  # every rank writes its own shards; nothing is gathered to rank 0
+            sharded_dir = fsdp.stage_shards(accelerator, self.manager, step, shard_writer(sharding, model, optimizer))
         if self.manager is None:
             return
         if sharded_dir is None:
@@ -222,7 +222,7 @@ class TrainStateSaver:
             trainable,
             optimizer_state,
             scheduler.state_dict(),
-            {**state, "fingerprint": self.fingerprint},
+            {**state, "fingerprint": self.fingerprint, **({"sharding": sharding} if sharding else {})},
             rngs,
             metric,
             grad_scaler_state=scaler.state_dict() if scaler is not None else None,
@@ -230,20 +230,53 @@ class TrainStateSaver:
         )
 
 
+SHARDING_NAMES = {None: "an unsharded (one process or DDP)", "fsdp": "an FSDP", "deepspeed": "a DeepSpeed"}
+
+
+def sharding_of(accelerator) -> str | None:
+    """How this run's training state is split over the ranks: "fsdp", "deepspeed" (ZeRO) or None (every rank
+    holds all of it: one process, DDP)."""
+    from fineflow.train import zero
+
+    return "fsdp" if fsdp.is_fsdp(accelerator) else "deepspeed" if zero.is_deepspeed(accelerator) else None
+
+
+def shard_writer(sharding: str, model, optimizer):
+    """write(directory): every rank writes its part of the training state there (a collective)."""
+    from fineflow.train import zero
+
+    if sharding == "deepspeed":
+        return lambda directory: zero.save_engine_state(model, directory)
+    return lambda directory: fsdp.save_sharded(model, optimizer, directory)
+
+
+def checkpoint_sharding(checkpoint) -> str | None:
+    """Who wrote a checkpoint's state: recorded in its state since DeepSpeed checkpoints exist; before, only FSDP
+    wrote sharded ones."""
+    if checkpoint.sharded_dir is None:
+        return None
+    return checkpoint.state.get("sharding") or "fsdp"
+
+
 def restore(checkpoint, accelerator, model, optimizer, scheduler) -> None:
     """Put a loaded checkpoint's weights, optimizer, scheduler and this rank's RNG state back in place.
-    A sharded checkpoint (FSDP) is read by every rank: each loads its own shards of weights and optimizer."""
+    A sharded checkpoint (FSDP, DeepSpeed) is read by every rank: each loads its own part of weights and
+    optimizer."""
     import torch
 
     from fineflow.checkpoint import restore_rng
+    from fineflow.train import zero
 
-    if (checkpoint.sharded_dir is not None) != fsdp.is_fsdp(accelerator):
-        kinds = ("a sharded (FSDP)", "not FSDP") if checkpoint.sharded_dir is not None else ("an unsharded", "FSDP")
+    written_by, running = checkpoint_sharding(checkpoint), sharding_of(accelerator)
+    if written_by != running:
         raise FineflowError(
-            f"{checkpoint.path} is {kinds[0]} checkpoint and this run is {kinds[1]} (train.accelerate_profile "
-            f"changed?); resume it with the profile that wrote it, or start fresh with train.resume: never"
+            f"{checkpoint.path} is {SHARDING_NAMES[written_by]} checkpoint and this run is "
+            f"{SHARDING_NAMES[running].split(' ', 1)[1]} (train.accelerate_profile changed?); resume it with the "
+            f"profile that wrote it, or start fresh with train.resume: never"
         )
-    if checkpoint.sharded_dir is not None:
+    if written_by == "deepspeed":
+        zero.load_engine_state(model, checkpoint.sharded_dir)
+    elif written_by == "fsdp":
         fsdp.load_sharded(model, optimizer, checkpoint.sharded_dir)
     else:
         parameters = dict(accelerator.unwrap_model(model).named_parameters())

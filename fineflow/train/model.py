@@ -84,12 +84,14 @@ def build_model(base_reference: str, params: Params, cfg: TrainParams, fuse_lora
 def save_model(accelerator, model, out_dir: Path, method: str) -> None:
     """Every rank calls this: under FSDP/ZeRO-3 gathering the full weights is a collective; rank 0 writes.
     LoRA/QLoRA save the adapter only; full fine-tuning a whole HF model directory (safetensors). Under FSDP
-    a LoRA run gathers only the adapter onto rank 0 (accelerate's full state dict would gather the whole
-    base there first: ~280 GB for a 70B in fp32)."""
-    from fineflow.train import fsdp
+    and DeepSpeed a LoRA run gathers only the adapter onto rank 0 (accelerate's full state dict would gather the
+    whole base there first: ~280 GB for a 70B in fp32)."""
+    from fineflow.train import fsdp, zero
 
     if method != "full" and fsdp.is_fsdp(accelerator):
         state = fsdp.gather_trainable(model)
+    elif method != "full" and zero.is_deepspeed(accelerator):  # the fp32 master weights, the adapter alone
+        state = zero.gather_trainable(model)
     else:
         state = accelerator.get_state_dict(model)
     if not accelerator.is_main_process:
