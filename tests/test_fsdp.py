@@ -100,16 +100,15 @@ def test_sharded_save_retried_after_disk_full_keeps_the_ranks_shards(tmp_path, m
 
 
 def fsdp_profile(path, version: int, mixed_precision: str = "no"):
-    """configs/accelerate/fsdp_lora.yaml for 2 CPU ranks: no CUDA-only loading options, fp32 unless asked."""
+    """configs/accelerate/fsdp_lora.yaml (FSDP2) for 2 CPU ranks: no CUDA-only loading options, fp32 unless asked;
+    version 1 as the profile's comment says to write it (the keys FSDP1 needs added)."""
     profile = yaml.safe_load((ROOT / "configs/accelerate/fsdp_lora.yaml").read_text())
     profile.update(num_processes=RANKS, mixed_precision=mixed_precision, main_process_port=0)
     fsdp = profile["fsdp_config"]
-    fsdp.update(fsdp_version=version, fsdp_cpu_ram_efficient_loading=False, fsdp_sync_module_states=False)
-    if version == 2:  # FSDP2 shards per parameter: these FSDP1 keys do not apply
-        for key in ("fsdp_use_orig_params", "fsdp_sync_module_states", "fsdp_sharding_strategy"):
-            fsdp.pop(key, None)
-        fsdp.pop("fsdp_backward_prefetch", None)
-        fsdp.pop("fsdp_forward_prefetch", None)
+    assert fsdp["fsdp_version"] == 2  # the shipped profile
+    fsdp.update(fsdp_version=version, fsdp_cpu_ram_efficient_loading=False)
+    if version == 1:
+        fsdp.update(fsdp_use_orig_params=True, fsdp_sync_module_states=False)
     path.write_text(yaml.safe_dump(profile), encoding="utf-8")
     return path
 

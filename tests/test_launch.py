@@ -157,11 +157,11 @@ EXPECTED = {
         use_fsdp=True,
         num_processes=8,
         mixed_precision="bf16",
-        fsdp_version=1,
-        fsdp_use_orig_params=True,
+        fsdp_version=2,
         fsdp_auto_wrap_policy="TRANSFORMER_BASED_WRAP",
         fsdp_transformer_layer_cls_to_wrap="LlamaDecoderLayer",
-        fsdp_sharding_strategy="FULL_SHARD",
+        fsdp_reshard_after_forward=True,
+        fsdp_state_dict_type="FULL_STATE_DICT",
     ),
     "deepspeed_zero2": dict(use_deepspeed=True, zero_stage=2, num_processes=8, mixed_precision="bf16"),
     "deepspeed_zero3": dict(use_deepspeed=True, zero_stage=3, zero3_init_flag=True, num_processes=8),
@@ -195,9 +195,9 @@ def test_fsdp_profile_reaches_the_ranks_environment():
     args, _, _ = _validate_launch_command(args)
     args.main_process_port = 0  # prepare_multi_gpu_env probes the port; 0 = any free one
     env = prepare_multi_gpu_env(args)
-    assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_USE_ORIG_PARAMS"] == "true"
-    assert env["FSDP_TRANSFORMER_CLS_TO_WRAP"] == "LlamaDecoderLayer"
-    assert env["FSDP_SYNC_MODULE_STATES"] == "true" and env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "2"
+    assert env["FSDP_TRANSFORMER_CLS_TO_WRAP"] == "LlamaDecoderLayer" and env["FSDP_RESHARD_AFTER_FORWARD"] == "true"
+    assert env["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "true" and env["ACCELERATE_MIXED_PRECISION"] == "bf16"
 
 
 # --- real launches on loopback -------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 accelerate prepares FSDP from the profile's ``fsdp_config``; for a LoRA model that leaves three problems, fixed
 here before ``accelerator.prepare`` (``prepare_model_for_fsdp``):
 
-- FSDP1 flattens every parameter of a wrapped unit into one flat parameter. With the profile's
+- FSDP1 flattens every parameter of a wrapped unit into one flat parameter. With
   TRANSFORMER_BASED_WRAP a decoder block's frozen base weights and its LoRA weights share one flat parameter,
   which then requires grad as a whole: gradients are computed and stored for the frozen base. peft's
   ``fsdp_auto_wrap_policy`` gives every LoRA linear a unit of its own, so the blocks' flat parameters are frozen.

@@ -89,8 +89,8 @@ QLORA_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
 # The loss: log-softmax output, its incoming gradient and the gradient of the logits are three fp32
 # (tokens x vocab) tensors alive together at the start of backward (measured on CPU: bench/RESULTS.md).
 LOGITS_FP32_COPIES = 3
-# FSDP/ZeRO-3 hold one decoder layer gathered while it runs and prefetch the next; FSDP1 (what
-# accelerate uses) also keeps the root unit (embeddings, lm_head, final norm) gathered throughout.
+# FSDP/ZeRO-3 hold one decoder layer gathered while it runs and prefetch the next; the root unit (embeddings,
+# lm_head, final norm: accelerate wraps the root under FSDP1 and FSDP2 alike) stays gathered throughout.
 GATHERED_LAYERS = 2
 # Overhead outside tensors: CUDA context with cuBLAS workspaces (~0.5 GiB on Hopper with lazy module
 # loading), NCCL communicator buffers when there is more than one rank, and the caching allocator's
