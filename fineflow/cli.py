@@ -1,19 +1,21 @@
 """The ``fineflow`` command. Subcommands: ``plan`` (the GPU memory planner, fineflow.train.planner),
-``registry verify|rollback|list`` (the model registry: fineflow.registry.store, rollback in
+``registry verify|rollback|repair|list`` (the model registry: fineflow.registry.store, rollback and repair in
 fineflow.registry.champion) and ``lineage`` (fineflow.registry.lineage).
 
     fineflow plan --model 7B --method lora --precision bf16 --micro-batch 4 --seq-len 2048
     fineflow plan --model models/base --method full --gpus 8 --sharding fsdp --device-gib 80 --auto-fit
     fineflow plan --table --gradient-checkpointing --device-gib 80
-    fineflow registry verify [--registry models/registry]
+    fineflow registry verify [--registry models/registry] [--champion models/champion]
+    FINEFLOW_REGISTRY_KEY=... fineflow registry verify   # keyed: every entry's HMAC is checked too
     fineflow registry rollback [--to ID] [--registry models/registry] [--champion models/champion]
+    fineflow registry repair             # finish what a promote or rollback that died left (they do it too)
     fineflow registry list
     fineflow lineage models/champion     # or a candidate id, or reports/lineage/<id>.json
     python -m fineflow.cli plan ...     # the same, without the installed script
 
 Exit status of plan: 0 when the plan fits (or no --device-gib was given), 1 when it does not; of registry
-verify: 0 when the log's hash chain and the stored candidates are intact, 1 (naming the first bad line)
-when not. 2 on bad input everywhere.
+verify (and repair): 0 when the log's hash chain, the stored candidates and the installed champion are intact,
+1 (naming the first bad line) when not. 2 on bad input everywhere.
 """
 
 from __future__ import annotations
@@ -222,43 +224,76 @@ def _run_plan(args) -> int:
 def _registry_parser(sub) -> None:
     p = sub.add_parser("registry", help="verify the promotion log, roll back the champion, list candidates")
     actions = p.add_subparsers(dest="action", required=True)
-    verify = actions.add_parser("verify", help="check the promotion log's hash chain and the stored candidates")
-    rollback = actions.add_parser("rollback", help="reinstall an earlier champion (logged)")
-    rollback.add_argument("--to", help="candidate id (or a unique prefix); default: the champion before the current")
-    rollback.add_argument(
-        "--champion", default="models/champion", help="installed champion dir (default: models/champion)"
+    verify = actions.add_parser(
+        "verify", help="check the log's hash chain (and HMACs, keyed), the stored candidates and the champion"
     )
-    rollback.add_argument("--base-dir", help="base model to merge into (default: the one recorded at promotion)")
+    rollback = actions.add_parser("rollback", help="reinstall an earlier champion (logged, recorded in dvc.lock)")
+    rollback.add_argument("--to", help="candidate id (or a unique prefix); default: the champion before the current")
+    repair = actions.add_parser("repair", help="finish what a promote or rollback that died midway left")
+    for q in (rollback, repair):
+        q.add_argument("--base-dir", help="base model to merge into (default: the one recorded at promotion)")
     listing = actions.add_parser("list", help="candidates, their decisions and the champion")
-    for q in (verify, rollback, listing):
+    for q in (verify, rollback, repair, listing):
         q.add_argument("--registry", default="models/registry", help="registry dir (default: models/registry)")
+    for q in (verify, rollback, repair):
+        q.add_argument("--champion", help="installed champion dir (default: `champion` beside the registry dir)")
     verify.set_defaults(run=_run_verify)
     rollback.set_defaults(run=_run_rollback)
+    repair.set_defaults(run=_run_repair)
     listing.set_defaults(run=_run_list)
 
 
-def _run_verify(args) -> int:
+def _registry_paths(args):
+    """(registry dir, champion dir): the champion defaults to its place beside the registry (models/champion)."""
     from pathlib import Path
 
-    from fineflow.registry.store import read_log, verify_log
+    registry = Path(args.registry)
+    return registry, Path(args.champion) if args.champion else registry.parent / "champion"
 
-    problems = verify_log(Path(args.registry))
+
+def _run_verify(args) -> int:
+    from fineflow.registry.store import KEY_VAR, last_champion_entry, read_log, registry_key, verify_log
+
+    registry, champion = _registry_paths(args)
+    key = registry_key()
+    problems = verify_log(registry, champion, key=key)
     if problems:
         for problem in problems:
             print(f"BROKEN: {problem}")
         return 1
-    print(f"OK: {len(read_log(Path(args.registry)))} entries, hash chain intact, candidates match their ids")
+    last = last_champion_entry(registry)
+    print(
+        f"OK: {len(read_log(registry))} entries, hash chain intact"
+        + (", every HMAC valid" if key else "")
+        + ", candidates match their ids"
+        + (f", champion {last['candidate_id']} as installed by entry {last['seq']}" if last else "")
+    )
+    if not key:
+        print(f"(HMACs not checked: {KEY_VAR} is not set; the chain shows accidental edits, not deliberate ones)")
     return 0
 
 
 def _run_rollback(args) -> int:
-    from pathlib import Path
-
     from fineflow.registry.champion import rollback
+    from fineflow.registry.dvc_record import record_outputs
+    from fineflow.registry.store import registry_lock
 
-    result = rollback(Path(args.registry), Path(args.champion), args.to, args.base_dir)
+    registry, champion = _registry_paths(args)
+    with registry_lock(registry):  # no other write between the rollback and what dvc.lock records of it
+        result = rollback(registry, champion, args.to, args.base_dir)
+        note = record_outputs(registry, champion)
     print(f"rolled back: champion {result['from']} -> {result['to']} (log entry {result['log_seq']})")
+    print(note)
     return 0
+
+
+def _run_repair(args) -> int:
+    from fineflow.registry.champion import recover
+
+    registry, champion = _registry_paths(args)
+    if not recover(registry, champion, base_dir=args.base_dir):
+        print("nothing to repair")
+    return _run_verify(args)
 
 
 def _run_list(args) -> int:

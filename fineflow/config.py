@@ -206,6 +206,14 @@ class PromoteParams(_Section):
     # paired bootstrap over per-sample scores (seeded by `seed`): the delta's CI must exclude 0
     bootstrap_samples: int = Field(2000, ge=100)  # more: a steadier CI, a slower gate
     confidence: float = Field(0.95, gt=0.5, lt=1)  # two-sided CI level
+    # The champion's eval data differs from this run's (the eval set was changed): compare_on_current judges the
+    # candidate against the champion re-scored on the current eval data in this run (logged, with both hashes);
+    # refuse stops every promotion until the eval data is put back or the policy changed.
+    on_eval_change: Literal["compare_on_current", "refuse"] = "compare_on_current"
+    # The candidate is on another base model than the champion (model.base changed): its adapter cannot wrap the
+    # champion's base, nor the champion's adapter this one. compare_to_base judges the candidate against its own
+    # base, with the old champion's merged model scored on the same docs side by side (logged); refuse stops.
+    on_base_change: Literal["compare_to_base", "refuse"] = "compare_to_base"
 
 
 class Params(_Section):

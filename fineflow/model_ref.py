@@ -97,6 +97,26 @@ def base_identity(reference: str, cache_dir: Path | None = None) -> dict:
     return identity
 
 
+def base_digest(identity: dict) -> str:
+    """One short id for a base model's identity (``base_identity``'s dict, or the fingerprint stage's JSON): the
+    same files by content, or the same hub id and snapshot; not where the base lies (the "base" key)."""
+    import hashlib
+
+    content = {key: value for key, value in identity.items() if key != "base"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def read_base_digest(reference: str, fingerprint: Path | None = None, cache_dir: Path | None = None) -> str:
+    """The base's digest from the fingerprint stage's JSON when given (it hashed the base this run), else by
+    hashing the base itself (cached in cache_dir)."""
+    if fingerprint is not None:
+        try:
+            return base_digest(read_json(fingerprint))
+        except (OSError, ValueError) as exc:
+            raise FineflowError(f"{fingerprint}: cannot read the base fingerprint ({exc}); run the fingerprint stage")
+    return base_digest(base_identity(reference, cache_dir))
+
+
 def _hidden(relative: Path) -> bool:
     return any(part.startswith(".") for part in relative.parts)  # .cache/, .git/: not the model
 

@@ -3,6 +3,9 @@
 
 import json
 import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 import yaml
@@ -19,6 +22,33 @@ def _params(**evaluate):
     raw = yaml.safe_load(yaml.safe_dump(TINY_PARAMS))
     raw["evaluate"].update(evaluate)
     return parse_params(raw)
+
+
+def _params_with(overrides: dict):
+    from fineflow.config import parse_params
+    from tests.conftest import write_params
+
+    return parse_params(yaml.safe_load(write_params(Path(tempfile.mkdtemp()) / "params.yaml", overrides).read_text()))
+
+
+def _scores_by_hand(candidate_right: int, base_right: int, n: int = 40) -> dict:
+    """scores.json as evaluate writes it, with per-doc exact matches made up (no lm-eval run)."""
+
+    def entry(right):
+        samples = [{"doc_id": i, "target": "t", "prediction": "p", "exact_match": float(i < right)} for i in range(n)]
+        return {
+            "status": "ok",
+            "metrics": {"fineflow_synth": {"exact_match": right / n}},
+            "samples": {"fineflow_synth": samples},
+        }
+
+    return {
+        "tasks": ["fineflow_synth"],
+        "eval_rows": "data/validated/eval.jsonl",
+        "eval_data_sha256": "e" * 64,
+        "base": entry(base_right),
+        "candidate": entry(candidate_right),
+    }
 
 
 def _rows(built):
@@ -54,12 +84,12 @@ def _champion(adapter, path, record: dict, corrupt: bool = False):
     return path
 
 
-def _run(built, adapter, tmp_path, params, champion=None):
+def _run(built, adapter, tmp_path, params, champion=None, base_dir=None):
     from fineflow.stages import evaluate
 
     return evaluate.run(
         params,
-        built / "models/base",
+        base_dir or built / "models/base",
         adapter,
         built / "data/validated/eval.jsonl",
         tmp_path / "eval",
@@ -92,7 +122,7 @@ def test_base_candidate_and_champion_on_one_base(built, adapter, tmp_path):
     report = _run(built, adapter, tmp_path, _params(), champion)
     scores = json.loads((tmp_path / "eval/scores.json").read_text())
     rows = _rows(built)
-    assert set(scores) == {"tasks", "eval_rows", "eval_data_sha256", "base", "candidate", "champion"}
+    assert set(scores) == {"tasks", "eval_rows", "eval_data_sha256", "base_digest", "base", "candidate", "champion"}
     assert scores["tasks"] == TASKS and scores["champion"]["id"] == "abc"
     assert scores["eval_data_sha256"] == hashlib.sha256((built / "data/validated/eval.jsonl").read_bytes()).hexdigest()
     for name in ("base", "candidate", "champion"):
@@ -209,3 +239,168 @@ def test_registry_task_offline_says_it_needs_its_dataset_before_any_model_is_loa
     assert "Traceback" not in message and not (tmp_path / "eval/scores.json").exists()
     assert task_managers == [False, True]  # a registry name does need lm-eval's full index ...
     assert loads == []  # ... but the task is built and refused before the base model is loaded
+
+
+def test_a_failing_candidate_fails_the_stage_and_records_nothing(built, adapter, tmp_path):
+    """A recorded failure would be a cached success to DVC: later runs would skip the evaluation. The stage exits 2
+    (a user error, with the record the layers above read), writes no scores, and says what to do."""
+    from fineflow.reports import read_error_record
+    from fineflow.stages import evaluate
+    from tests.conftest import write_params
+
+    broken = tmp_path / "candidate"
+    shutil.copytree(adapter, broken)
+    (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    params = write_params(tmp_path / "params.yaml", {"evaluate.tasks": ["fineflow_synth_mc"]})
+    report = tmp_path / "reports/evaluate.json"
+    argv = ["--params", str(params), "--report", str(report), "--base-dir", str(built / "models/base")]
+    argv += ["--adapter", str(broken), "--eval-rows", str(built / "data/validated/eval.jsonl")]
+    argv += ["--out", str(tmp_path / "eval"), "--raw-results", str(tmp_path / "lm_eval")]
+    assert evaluate.main(argv) == 2
+    assert not (tmp_path / "eval/scores.json").exists() and not report.exists()
+    message = read_error_record(report)["message"]
+    assert "the candidate's evaluation failed" in message and "SafetensorError" in message and str(broken) in message
+
+
+def _lora_on(base_dir, path, seed: int):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base_dir), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])
+    )
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "lora_B" in name:
+                weight.normal_(0, 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+def _git_checkout(root):
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "README.md").write_text("fixture\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost"]
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "fixture"]):
+        subprocess.run((git if command[0] != "init" else ["git"]) + command, cwd=root, check=True)
+    return root
+
+
+def test_a_new_base_model_is_judged_against_its_own_base_with_the_old_champion_side_by_side(built, adapter, tmp_path):
+    """model.base changed to a base of another shape while the champion is an adapter for the old one. Before: the
+    champion's adapter was wrapped around the new base ("size mismatch"), its evaluation failed, and promotion was
+    refused for ever. Now: the registry knows each champion's base by content; evaluate scores the old champion as
+    its merged model (its own base and tokenizer) on the same docs; promote.on_base_change decides, and the log
+    entry records the switch."""
+    from fineflow.model_ref import base_digest, base_identity
+    from fineflow.registry.store import read_log
+    from fineflow.stages import base, promote
+
+    root = _git_checkout(tmp_path / "project")
+    champion, registry = root / "models/champion", root / "models/registry"
+    old_base, new_base = built / "models/base", tmp_path / "new_base"
+    base.run(_params_with({"model.hidden_size": 48, "model.intermediate_size": 96}), new_base)
+    old_digest, new_digest = (base_digest(base_identity(str(b))) for b in (old_base, new_base))
+    assert old_digest != new_digest
+    kw = dict(shards_dir=built / "data/shards", root=root, lineage_dir=root / "reports/lineage")
+
+    # the old champion: `adapter` (on the old base), promoted over the old base on hand-written scores
+    first = tmp_path / "first_scores.json"
+    first.write_text(json.dumps({**_scores_by_hand(30, 5), "base_digest": old_digest}))
+    assert promote.run(_params(), first, adapter, champion, registry, base_dir=old_base, **kw)["decision"] == "promoted"
+    assert json.loads((champion / "champion.json").read_text())["base_digest"] == old_digest
+
+    candidate = _lora_on(new_base, tmp_path / "candidate", seed=3)
+    report = _run(built, candidate, tmp_path, _params(tasks=["fineflow_synth"]), champion, base_dir=new_base)
+    scores = json.loads((tmp_path / "eval/scores.json").read_text())
+    assert scores["base_digest"] == new_digest
+    assert scores["champion"]["status"] == "ok", scores["champion"]  # before: "size mismatch ... PeftModel"
+    assert (scores["champion"]["evaluated_as"], scores["champion"]["base_digest"]) == ("merged model", old_digest)
+    docs = [[s["doc_id"] for s in scores[m]["samples"]["fineflow_synth"]] for m in ("candidate", "champion")]
+    assert docs[0] == docs[1] == list(range(6)) and report["models"]["champion"]["status"] == "ok"
+
+    decisions = {}
+    for policy in ("refuse", "compare_to_base"):
+        params = _params_with({"evaluate.tasks": ["fineflow_synth"], "promote.on_base_change": policy})
+        decisions[policy] = promote.run(
+            params, tmp_path / "eval/scores.json", candidate, champion, registry, base_dir=new_base, **kw
+        )
+    refused, compared = decisions["refuse"], decisions["compare_to_base"]
+    assert refused["decision"] == "refused" and "promote.on_base_change is refuse" in refused["reason"]
+    assert compared["reference"] == "base model" and "the base model changed" in compared["reason"]
+    assert compared["base_change"] == {"from": old_digest, "to": new_digest, "policy": "compare_to_base"}
+    assert compared["vs_old_champion"]["evaluated_as"] == "merged model"
+    assert "fineflow_synth/exact_match" in compared["vs_old_champion"]["candidate_vs_champion"]
+    logged = read_log(registry)[-1]
+    assert logged["context"]["base_change"]["to"] == new_digest and logged["reference_name"] == "base model"
+
+
+def test_a_changed_eval_set_is_judged_by_the_eval_change_policy_and_reported(built, adapter, tmp_path):
+    """The eval rows changed since the champion's promotion (hashes e... then f...). Before: every candidate was
+    refused for ever. Now: with compare_on_current the candidate is judged against the champion re-scored on the
+    new rows in this run; with refuse it is refused; the report and the log say the eval set changed, from what
+    to what."""
+    from fineflow.registry.store import read_log
+    from fineflow.stages import promote
+
+    root = _git_checkout(tmp_path / "project")
+    champion, registry = root / "models/champion", root / "models/registry"
+    kw = dict(base_dir=built / "models/base", shards_dir=built / "data/shards", root=root, lineage_dir=root / "lin")
+    first = tmp_path / "first.json"
+    first.write_text(json.dumps(_scores_by_hand(20, 5)))
+    champion_id = promote.run(_params(), first, adapter, champion, registry, **kw)["candidate_id"]
+    candidate = _lora_on(built / "models/base", tmp_path / "candidate", seed=4)
+    rescored = _scores_by_hand(36, 5)
+    rescored["eval_data_sha256"] = "f" * 64
+    rescored["champion"] = {**_scores_by_hand(20, 5)["candidate"], "id": champion_id}
+    second = tmp_path / "second.json"
+    second.write_text(json.dumps(rescored))
+    for policy, decision in (("refuse", "refused"), ("compare_on_current", "promoted")):
+        report = promote.run(
+            _params_with({"promote.on_eval_change": policy}), second, candidate, champion, registry, **kw
+        )
+        assert report["decision"] == decision, report["reason"]
+        assert report["eval_change"] == {"from": "e" * 64, "to": "f" * 64, "policy": policy}
+        assert read_log(registry)[-1]["context"]["eval_change"]["policy"] == policy
+    assert "promote.on_eval_change is refuse" in read_log(registry)[-2]["reason"]
+
+
+def test_chat_eval_rows_are_prompted_exactly_as_training_rendered_them(built, adapter, tmp_path):
+    """The base's tokenizer has a chat template (the embedded one does, as instruct models do) and the rows are
+    chat `messages`: training renders them with that template. Before: evaluation prompted with the fineflow
+    template ("### Instruction: ..."), a format training never used. Now every evaluated prompt is the training
+    prompt, token for token, and a multiple-choice option is scored as the response training saw."""
+    from transformers import AutoTokenizer
+
+    from fineflow.stages import evaluate
+    from fineflow.tokenize.template import chat_template_of, encode_batch
+
+    base = built / "models/base"
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    assert chat_template_of(tokenizer)
+    rows = []
+    for row in _rows(built):
+        user = row["instruction"] + (f"\n{row['input']}" if row.get("input") else "")
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": row["output"]}]
+        rows.append({"instruction": user, "input": "", "output": row["output"], "messages": messages})
+    eval_rows = tmp_path / "eval.jsonl"
+    eval_rows.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    evaluate.run(_params(), base, adapter, eval_rows, tmp_path / "eval", tmp_path / "lm_eval")
+    for task in ("fineflow_synth", "fineflow_synth_mc"):
+        logged = (tmp_path / f"eval/samples/candidate/{task}.jsonl").read_text().splitlines()
+        assert len(logged) == 6
+        for sample in map(json.loads, logged):
+            row = rows[sample["doc_id"]]
+            trained = encode_batch(tokenizer, [row])  # what the tokenize stage wrote for this row
+            mask = trained.mask.tolist()
+            prompt_tokens, response_tokens = trained.ids[: mask.index(1)].tolist(), trained.ids[mask.index(1) :]
+            for request in sample["arguments"]:
+                context = request[0] if isinstance(request, list) else request["arg_0"]
+                assert not context.startswith("### Instruction")
+                assert tokenizer.encode(context, add_special_tokens=False) == prompt_tokens
+            if task == "fineflow_synth_mc":  # the gold option is scored as the trained response begins
+                gold = [r[1] if isinstance(r, list) else r["arg_1"] for r in sample["arguments"]][sample["target"]]
+                gold_tokens = tokenizer.encode(gold, add_special_tokens=False)
+                assert response_tokens[: len(gold_tokens)].tolist() == gold_tokens

@@ -146,7 +146,7 @@ def test_a_champion_build_that_fails_midway_leaves_the_old_champion_and_the_log_
 
 # ---- the whole gate: paired bootstrap, refusals ----------------------------------------------------
 
-from fineflow.registry.gate import paired_bootstrap, promotion_decision  # noqa: E402
+from fineflow.registry.gate import decision_record, paired_bootstrap, promotion_decision  # noqa: E402
 
 H = "e" * 64
 GATE = dict(
@@ -253,12 +253,51 @@ def test_gate_refuses_a_failed_champion_evaluation():
     assert not d.promote and "evaluation failed: corrupt adapter" in d.reason
 
 
-def test_gate_refuses_different_eval_data_than_the_champions():
+def test_gate_follows_the_eval_change_policy():
+    """The eval set changed since the champion's promotion. Before: every candidate was refused, for ever. Now
+    promote.on_eval_change decides, and the decision says what changed, from what to what."""
+    new_data = "f" * 64
+    rescored = {"champion": {**entry({P: hits(10)}), "id": CHAMPION["id"]}}  # the champion on the current data
     scores = {"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)})}
-    d = promotion_decision(scores, CHAMPION, [], **{**GATE, "eval_data_sha256": "f" * 64})
-    assert not d.promote and "different eval data" in d.reason and "ffffffffffff" in d.reason
+    change = {"from": H, "to": new_data}
+    on_current = {**GATE, "eval_data_sha256": new_data, "on_eval_change": "compare_on_current"}
+    refuse = {**GATE, "eval_data_sha256": new_data, "on_eval_change": "refuse"}
+
+    d = promotion_decision({**scores, **rescored}, CHAMPION, [], **on_current)
+    assert d.promote and d.reference == 0.25 and d.context["eval_change"] == {**change, "policy": "compare_on_current"}
+    d = promotion_decision({**scores, **rescored}, CHAMPION, [], **refuse)
+    assert not d.promote and "promote.on_eval_change is refuse" in d.reason and "ffffffffffff now" in d.reason
+    assert d.context["eval_change"] == {**change, "policy": "refuse"}
+    # the champion's metrics recorded at promotion were computed on the old data: never compared with the new
+    d = promotion_decision(scores, CHAMPION, [], **on_current)
+    assert not d.promote and "was not re-scored on it in this run" in d.reason
     unknown = promotion_decision(scores, CHAMPION, [], **{**GATE, "eval_data_sha256": None})
     assert not unknown.promote and "eval_data_sha256" in unknown.reason
+
+
+def test_gate_follows_the_base_change_policy():
+    """model.base changed: the champion is an adapter for another base. Before: the gate compared with it as if
+    nothing had changed (and evaluate had failed wrapping it). Now promote.on_base_change decides; compare_to_base
+    judges against the candidate's own base and reports the old champion's merged model side by side."""
+    champion = {**CHAMPION, "base_digest": "a" * 16}
+    scores = {
+        "base": entry({P: hits(0)}),
+        "candidate": entry({P: hits(30)}),
+        "champion": {**entry({P: hits(35)}), "id": CHAMPION["id"], "evaluated_as": "merged model"},
+        "base_digest": "b" * 16,
+    }
+    d = promotion_decision(scores, champion, [], **{**GATE, "on_base_change": "compare_to_base"})
+    assert d.promote and d.reference_name == "base model" and d.reference == 0.0
+    assert "the base model changed: champion cccccccccccccccc was trained on base aaaa" in d.reason
+    assert d.context["base_change"] == {"from": "a" * 16, "to": "b" * 16, "policy": "compare_to_base"}
+    side = d.context["vs_old_champion"]
+    assert side["evaluated_as"] == "merged model" and side["metrics"] == {P: 35 / 40}
+    assert side["candidate_vs_champion"][P]["delta"] == pytest.approx(-5 / 40)  # reported, not gating
+    d = promotion_decision(scores, champion, [], **{**GATE, "on_base_change": "refuse"})
+    assert not d.promote and "promote.on_base_change is refuse" in d.reason and d.context["base_change"]
+    # the same base: the champion is the reference, as before
+    same = promotion_decision({**scores, "base_digest": "a" * 16}, champion, [], **GATE)
+    assert not same.promote and same.reference_name.startswith("champion") and "base_change" not in same.context
 
 
 def test_gate_refuses_a_champion_mismatch_and_a_legacy_champion_without_evidence():
@@ -318,3 +357,32 @@ def test_verify_names_the_first_edited_line(tmp_path):
     path.write_text("\n".join([lines[0], lines[1], lines[2].replace("0.5", "0.9")]) + "\n")  # the last line
     [problem] = verify_log(tmp_path)
     assert "promotions.jsonl:3:" in problem and "last line was edited" in problem
+
+
+def test_a_promote_re_run_after_its_decision_was_logged_does_not_judge_again(tmp_path):
+    """promote killed after its log entry (or DVC re-running it with nothing changed): the re-run finds the same
+    candidate judged on the same scores and params as the log's last entry and reuses that verdict. Before: it
+    judged again and logged a second verdict (for a promoted candidate, against itself: refused)."""
+    from fineflow.config import parse_params
+    from fineflow.registry.champion import already_decided, decided_as
+    from fineflow.registry.store import append_log
+    from tests.conftest import TINY_PARAMS
+
+    params = parse_params(TINY_PARAMS)
+    decision = promotion_decision({"base": entry({P: hits(5)}), "candidate": entry({P: hits(30)})}, None, [], **GATE)
+    logged = append_log(
+        tmp_path,
+        {
+            "candidate_id": "a" * 16,
+            "decision": "promoted",
+            **decision_record(decision),
+            "scores_sha256": "s" * 64,
+            "params": params.model_dump(mode="json", by_alias=True),
+        },
+    )
+    again = already_decided(tmp_path, "a" * 16, "s" * 64, params)
+    assert again == logged and decided_as(again) == decision
+    assert already_decided(tmp_path, "b" * 16, "s" * 64, params) is None  # another candidate
+    assert already_decided(tmp_path, "a" * 16, "t" * 64, params) is None  # other scores
+    other = parse_params({**TINY_PARAMS, "promote": {**TINY_PARAMS["promote"], "min_delta": 0.2}})
+    assert already_decided(tmp_path, "a" * 16, "s" * 64, other) is None  # another gate: judged anew

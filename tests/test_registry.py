@@ -7,17 +7,26 @@ YAML front matter; the registry keeps every candidate by id; a tampered log fail
 rollback reinstalls the previous champion, is logged, and verify still passes; `fineflow lineage` prints
 the tree with the git commit and package versions. The promoted project is built once per module; every test
 gets its own copy, so the tests pass in any order.
+
+The registry's durability through real processes: the promote stage SIGKILLed at points inside its registry
+write (tests/registry_crash.py) leaves a state `verify` names and the next writer repairs; a rollback survives
+the next `dvc repro` and `dvc checkout` in a git+DVC checkout; a rolled-back candidate is not promoted again;
+promote holds the registry lock for every write. (The same on fake candidates, in milliseconds:
+tests/test_registry_durability.py.)
 """
 
+import fcntl
 import json
 import shutil
+import signal
 import subprocess
+import sys
 
 import pytest
 import yaml
 
 from fineflow import cli
-from fineflow.registry.store import candidate_id, read_log, verify_log
+from fineflow.registry.store import alias_id, candidate_id, champion_files_hash, read_log, verify_log
 
 P = "fineflow_synth/exact_match"
 EVAL_SHA = "e" * 64
@@ -152,11 +161,14 @@ def test_decisions_and_registry_layout(promoted, adapters):
     record = json.loads((registry / "candidates" / id2 / "record.json").read_text())
     assert record["eval_data_sha256"] == EVAL_SHA and record["metrics"] == {P: 1.0}
     assert record["lineage"]["artefacts"]["adapter"]["files"] and "run" not in record["lineage"]  # deterministic
-    assert json.loads((registry / "champion.json").read_text()) == {"id": id2, "seq": 3}
+    alias = json.loads((registry / "champion.json").read_text())
+    assert (alias["id"], alias["seq"]) == (id2, 3) and alias["files_sha256"] == champion_files_hash(
+        promoted["champion"]
+    )
     log = read_log(registry)
     assert [e["decision"] for e in log] == ["promoted", "refused", "promoted"]
     assert log[1]["stats"]["ci_low"] <= 0 and log[2]["champion_before"] == id1
-    assert verify_log(registry) == []
+    assert verify_log(registry, promoted["champion"]) == []
     # the full manifest (git, times, user, host) is outside the registry
     manifest = json.loads((promoted["runs"] / f"{id2}.json").read_text())
     assert manifest["run"]["git"]["commit"] and manifest["run"]["user"] and manifest["packages"]["peft"]
@@ -245,12 +257,12 @@ def test_rollback_reinstalls_the_previous_champion_and_is_logged(promoted, capsy
     assert (champion / "merged/model.safetensors").is_file()
     last = read_log(registry)[-1]
     assert last["decision"] == "rollback" and last["candidate_id"] == id1 and last["champion_before"] == id2
-    assert verify_log(registry) == []
+    assert verify_log(registry, champion) == []
     assert (
         cli.main(["registry", "rollback", "--to", id2[:6], "--registry", str(registry), "--champion", str(champion)])
         == 0
     )  # and forward again, by id prefix
-    assert json.loads((registry / "champion.json").read_text())["id"] == id2 and verify_log(registry) == []
+    assert json.loads((registry / "champion.json").read_text())["id"] == id2 and verify_log(registry, champion) == []
 
 
 def test_stage_refuses_missing_scores_and_incomplete_lineage(promoted, adapters, built, tmp_path, tiny_params_module):
@@ -279,7 +291,9 @@ def test_stage_refuses_missing_scores_and_incomplete_lineage(promoted, adapters,
     )
     assert no_shards["decision"] == "refused" and "lineage is incomplete" in no_shards["reason"]
     assert "data.tokenizer_hash" in no_shards["reason"]
-    assert [e["decision"] for e in read_log(registry)] == ["refused", "refused"] and verify_log(registry) == []
+    assert [e["decision"] for e in read_log(registry)] == ["refused", "refused"] and verify_log(
+        registry, champion
+    ) == []
     assert json.loads((champion / "champion.json").read_text()) == {"candidate_id": None}  # nothing installed
 
 
@@ -319,5 +333,222 @@ def test_promotion_whose_champion_build_fails_leaves_champion_log_and_alias_as_t
             root=root,
         )
     assert (files(champion), (registry / "promotions.jsonl").read_bytes()) == before
-    assert alias_id(registry) == id2 and verify_log(registry) == []
+    assert alias_id(registry) == id2 and verify_log(registry, champion) == []
     assert (champion.parent / ".champion.staging/adapter_model.safetensors").is_file()  # it failed mid-build
+
+
+# ---- durability through real processes ----------------------------------------------------------------
+
+from tests.conftest import ROOT, copy_project, venv_env, write_params  # noqa: E402
+
+CRASH = ROOT / "tests/registry_crash.py"
+
+
+def _promote_argv(promoted, built, scores) -> list[str]:
+    """The promote stage's arguments on the promoted copy, adapter1 (the first champion) as the candidate."""
+    root = promoted["root"]
+    write_params(root / "params.yaml")
+    return [
+        *("--params", str(root / "params.yaml"), "--scores", str(scores)),
+        *("--champion", str(promoted["champion"]), "--registry", str(promoted["registry"])),
+        *("--base-dir", str(built / "models/base"), "--shards", str(built / "data/shards")),
+        *("--lineage", str(promoted["runs"])),
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "point, named, committed",
+    [
+        ("mid_append", "half-written", False),
+        ("after_append", "a writer died between the log append and the install", True),
+        ("before_alias", "a writer died between the log append and the install", True),
+    ],
+)
+def test_promote_killed_inside_its_registry_write_is_named_by_verify_and_repaired(
+    point, named, committed, promoted, adapters, built, capsys
+):
+    """adapter1 comes back and beats the champion (adapter2); the stage dies at point. A promotion whose log
+    entry was committed is finished by the repair; one that was not leaves the old champion, and nothing logged."""
+    root, registry, champion = promoted["root"], promoted["registry"], promoted["champion"]
+    id1, id2 = promoted["ids"]
+    argv = _promote_argv(promoted, built, _write_scores(root / "s4.json", 40, 5, (30, id2)))
+    done = subprocess.run(
+        [sys.executable, str(CRASH), point, *argv, "--adapter", str(adapters[0])],
+        cwd=root,
+        env=venv_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+    assert read_champion_id(champion) in (id1, id2)  # the champion directory is never missing
+    paths = ["--registry", str(registry), "--champion", str(champion)]
+    assert cli.main(["registry", "verify", *paths]) == 1
+    assert named in capsys.readouterr().out
+    assert cli.main(["registry", "repair", *paths]) == 0
+    expected = (id1, 4) if committed else (id2, 3)
+    assert (read_champion_id(champion), len(read_log(registry))) == expected
+    assert verify_log(registry, champion) == [] and not list(champion.parent.glob(".champion.*"))
+
+
+def read_champion_id(champion) -> str | None:
+    return json.loads((champion / "champion.json").read_text())["candidate_id"]
+
+
+def test_the_next_promote_repairs_a_crashed_install_before_it_judges(promoted, adapters, built, tiny_params_module):
+    """The log says adapter1 was promoted (entry 4) but the writer died before the swap: the next promote run
+    finishes that install first, then judges its own candidate against adapter1, the champion the log names."""
+    from fineflow.registry.champion import promote
+    from fineflow.registry.store import append_log
+
+    root, registry, champion = promoted["root"], promoted["registry"], promoted["champion"]
+    id1, id2 = promoted["ids"]
+    append_log(registry, {"candidate_id": id1, "decision": "promoted", "promote": True, "champion_before": id2})
+    assert alias_id(registry) == id2 and verify_log(registry, champion)
+    messages = []
+    report = promote(
+        tiny_params_module,
+        _write_scores(root / "s5.json", 30, 5, (30, id1)),
+        adapters[1],
+        champion,
+        registry,
+        base_dir=built / "models/base",
+        lineage_dir=promoted["runs"],
+        shards_dir=built / "data/shards",
+        root=root,
+        log=messages.append,
+    )
+    assert any("entry 4" in m and id1 in m for m in messages), messages
+    assert report["reference"] == f"champion {id1}" and report["decision"] == "refused"
+    assert alias_id(registry) == id1 and verify_log(registry, champion) == []
+
+
+def test_promote_writes_only_while_holding_the_registry_lock(
+    promoted, adapters, built, tiny_params_module, monkeypatch
+):
+    from fineflow.registry import champion as champion_mod
+    from fineflow.registry.store import lock_path
+
+    registry = promoted["registry"]
+    seen = []
+
+    def probe(name, real):
+        def wrapper(*args, **kwargs):
+            with open(lock_path(registry), "a") as fh, pytest.raises(BlockingIOError):
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: by this promote
+            seen.append(name)
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    for name in ("current_champion", "store_candidate", "append_log", "swap_in", "set_alias"):
+        monkeypatch.setattr(champion_mod, name, probe(name, getattr(champion_mod, name)))
+    report = champion_mod.promote(
+        tiny_params_module,
+        _write_scores(promoted["root"] / "s6.json", 40, 5, (30, promoted["ids"][1])),
+        adapters[0],
+        promoted["champion"],
+        registry,
+        base_dir=built / "models/base",
+        lineage_dir=promoted["runs"],
+        shards_dir=built / "data/shards",
+        root=promoted["root"],
+        log=lambda m: None,
+    )
+    assert report["decision"] == "promoted"
+    assert seen == ["current_champion", "store_candidate", "append_log", "swap_in", "set_alias"]
+
+
+def test_a_rolled_back_candidate_is_not_promoted_again_on_its_old_scores(promoted, adapters, built, tiny_params_module):
+    """promote run again on the scores that promoted adapter2 (as `dvc repro` does when promote's inputs
+    changed) would undo the rollback; the gate refuses it, naming the rollback entry."""
+    from fineflow.registry.champion import promote, rollback
+
+    registry, champion = promoted["registry"], promoted["champion"]
+    id1, id2 = promoted["ids"]
+    seq = rollback(registry, champion, log=lambda m: None)["log_seq"]
+    report = promote(
+        tiny_params_module,
+        _write_scores(promoted["root"] / "s3.json", 40, 5, (30, id1)),
+        adapters[1],
+        champion,
+        registry,
+        base_dir=built / "models/base",
+        lineage_dir=promoted["runs"],
+        shards_dir=built / "data/shards",
+        root=promoted["root"],
+        log=lambda m: None,
+    )
+    assert report["decision"] == "refused" and f"rolled back by entry {seq}" in report["reason"]
+    assert alias_id(registry) == id1 and verify_log(registry, champion) == []
+
+
+# ---- a rollback in a git+DVC checkout -----------------------------------------------------------------
+
+
+def _dvc(project, *args) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, "-m", "dvc", *args], cwd=project, env=venv_env(), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def _promote_status(project) -> dict:
+    return json.loads(_dvc(project, "status", "--json", "promote").stdout or "{}")
+
+
+def _repro_promote(project) -> bool:
+    """`dvc repro --single-item promote`, as the flow runs it; whether the stage ran."""
+    return "Running stage 'promote'" in _dvc(project, "repro", "--single-item", "promote").stdout
+
+
+def _rollback(project, monkeypatch, capsys) -> str:
+    """`fineflow registry rollback` with its default paths, run from the project (in this process: the
+    stage's recorded base model, models/base, is relative to it)."""
+    monkeypatch.chdir(project)
+    assert cli.main(["registry", "rollback"]) == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_rollback_survives_the_next_dvc_repro_and_dvc_checkout(built, adapters, tmp_path, monkeypatch, capsys):
+    """In a git+DVC checkout, promote (run by `dvc repro --single-item promote`, as the flow runs it) promotes
+    adapter1, then adapter2. A rollback made while promote's inputs have changed since it ran is not recorded
+    in dvc.lock (that would mark the new inputs judged); the promote run that follows refuses the candidate
+    rolled back from, and the champion stays. A rollback made when only promote's outputs changed is recorded:
+    the next `dvc repro` has nothing to run. `dvc checkout` keeps each, and the registry's lock file is outside
+    the outputs (`dvc status` stays clean)."""
+    project = copy_project(tmp_path / "project")
+    shutil.copytree(built / "models/base", project / "models/base")
+    shutil.copytree(built / "data/shards", project / "data/shards")
+    (project / "models/base_fingerprint.json").write_text("{}\n")
+    (project / "eval").mkdir()
+    ids = []
+    for adapter, (candidate, champion) in zip(adapters, [(30, None), (40, 30)]):
+        shutil.rmtree(project / "models/candidate", ignore_errors=True)
+        shutil.copytree(adapter, project / "models/candidate")
+        _write_scores(project / "eval/scores.json", candidate, 5, (champion, ids[-1]) if ids else None)
+        assert _repro_promote(project)
+        ids.append(alias_id(project / "models/registry"))
+    id1, id2 = ids
+    assert _promote_status(project) == {}  # the registry's lock file is beside its outputs, not in them
+    registry, champion = project / "models/registry", project / "models/champion"
+
+    write_params(project / "params.yaml", {"promote.max_regression": 0.01})  # promote's inputs change
+    out = _rollback(project, monkeypatch, capsys)
+    assert f"{id2} -> {id1}" in out and "dvc.lock: not recorded" in out and "changed deps" in out
+    assert _repro_promote(project)  # promote runs on adapter2 and its old scores, and refuses it
+    last = read_log(registry)[-1]
+    assert (last["decision"], last["candidate_id"]) == ("refused", id2) and "rolled back" in last["reason"]
+    assert read_champion_id(champion) == id1 and not _repro_promote(project)
+    _dvc(project, "checkout", "--force", "promote")
+    assert read_champion_id(champion) == id1 and verify_log(registry, champion) == []
+
+    out = _rollback(project, monkeypatch, capsys)  # forward to adapter2 again, deliberately
+    assert f"{id1} -> {id2}" in out and "dvc.lock: recorded" in out
+    assert not _repro_promote(project)  # dvc.lock holds the rolled-back outputs: promote is up to date
+    _dvc(project, "checkout", "--force", "promote")
+    assert read_log(registry)[-1]["decision"] == "rollback" and read_champion_id(champion) == id2
+    assert verify_log(registry, champion) == [] and _promote_status(project) == {}

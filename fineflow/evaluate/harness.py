@@ -34,10 +34,17 @@ CHAMPION_RECORD = "champion.json"
 # ---------------------------------------------------------------- tasks
 
 
-def prepare_task_dir(work_dir: Path, eval_file: Path, max_gen_toks: int) -> Path:
-    """Copy the bundled task YAMLs into work_dir with the eval file's absolute path substituted."""
+EVAL_ROWS = "eval_rows.jsonl"  # in the task dir: the eval rows with their prompts rendered as training rendered them
+
+
+def prepare_task_dir(work_dir: Path, eval_file: Path, max_gen_toks: int, tokenizer=None) -> Path:
+    """Copy the bundled task YAMLs into work_dir with the eval file's absolute path substituted. With the base's
+    tokenizer, the tasks read a copy of the eval rows whose prompts are rendered exactly as the tokenize stage
+    rendered the training rows (``render_eval_rows``): chat rows through the tokenizer's chat template."""
     shutil.rmtree(work_dir, ignore_errors=True)
     work_dir.mkdir(parents=True)
+    if tokenizer is not None:
+        eval_file = render_eval_rows(eval_file, tokenizer, work_dir / EVAL_ROWS)
     for source in BUNDLED_TASKS.iterdir():
         if source.suffix == ".yaml":
             text = source.read_text(encoding="utf-8")
@@ -46,6 +53,28 @@ def prepare_task_dir(work_dir: Path, eval_file: Path, max_gen_toks: int) -> Path
         elif source.suffix == ".py":
             shutil.copy(source, work_dir / source.name)
     return work_dir
+
+
+def render_eval_rows(eval_file: Path, tokenizer, out: Path) -> Path:
+    """Each eval row plus ``prompt`` and ``response_prefix``: the prompt text training put before the response
+    (fineflow.tokenize.template.render_pair, the function the tokenize stage uses) and what the response text
+    starts with before the answer (" " after the fineflow template, nothing after a chat template's generation
+    prompt). The bundled tasks prompt with these, so a chat-trained model is evaluated in its chat format."""
+    from fineflow.tokenize.template import RenderError, render_pair
+
+    with eval_file.open(encoding="utf-8") as rows, out.open("w", encoding="utf-8") as fh:
+        for line_number, line in enumerate(rows, start=1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            try:
+                prompt, response = render_pair(tokenizer, row)
+            except RenderError as exc:
+                raise FineflowError(f"{eval_file}:{line_number}: cannot render the eval row's prompt: {exc}") from None
+            answer = response.find(row["output"]) if row.get("output") else -1
+            prefix = response[:answer] if answer >= 0 else ""
+            fh.write(json.dumps({**row, "prompt": prompt, "response_prefix": prefix}, ensure_ascii=False) + "\n")
+    return out
 
 
 def _registry_mentions(names: set[str]) -> set[str]:
@@ -153,13 +182,19 @@ def find_model(path: Path | None) -> tuple[str, Path] | None:
     return None
 
 
+def champion_record(champion_dir: Path | None) -> dict:
+    """The champion's champion.json ({} when there is none or it is unreadable)."""
+    try:
+        record = json.loads((Path(champion_dir) / CHAMPION_RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def champion_id(champion_dir: Path) -> str | None:
     """The champion's id from its record (``id``, or ``candidate_id`` in older records); None if unreadable."""
-    try:
-        record = json.loads((champion_dir / CHAMPION_RECORD).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return (record.get("id") or record.get("candidate_id")) if isinstance(record, dict) else None
+    record = champion_record(champion_dir)
+    return record.get("id") or record.get("candidate_id")
 
 
 class ModelScorer:
@@ -193,10 +228,11 @@ class ModelScorer:
         if kind == "base":
             return self._timed(self.base, 0.0)
         started = time.perf_counter()
-        if kind == "full":
+        if kind == "full":  # its own tokenizer when it has one (a champion merged on another base)
             model = self._load(path)
+            tokenizer = self._own_tokenizer(path)
             try:
-                return self._timed(model, time.perf_counter() - started)
+                return self._timed(model, time.perf_counter() - started, tokenizer)
             finally:
                 del model
                 self._free()
@@ -214,9 +250,16 @@ class ModelScorer:
             del model
             self._free()
 
-    def _timed(self, model, load_s: float) -> tuple[dict, float, float]:
-        results, score_s = evaluate_model(model, self.tokenizer, self.tasks, self.manager, self.batch_size, self.limit)
+    def _timed(self, model, load_s: float, tokenizer=None) -> tuple[dict, float, float]:
+        tokenizer = tokenizer or self.tokenizer
+        results, score_s = evaluate_model(model, tokenizer, self.tasks, self.manager, self.batch_size, self.limit)
         return results, load_s, score_s
+
+    def _own_tokenizer(self, path: Path):
+        from transformers import AutoTokenizer
+
+        has_one = any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+        return AutoTokenizer.from_pretrained(path) if has_one else None
 
     def _restore_base(self) -> None:
         """A failed adapter load can leave LoRA layers injected into the base: reload it clean."""
@@ -272,7 +315,8 @@ def _sample(row: dict, config: dict, metric_names: dict) -> dict:
     resps = row["filtered_resps"]
     out = {"doc_id": row["doc_id"], "target": row["target"], "prediction": resps[0] if resps else None}
     if config.get("output_type") == "multiple_choice":
-        delimiter = config.get("target_delimiter", " ")
+        # the continuation scored: the task's delimiter, the row's response prefix (bundled tasks), the option
+        delimiter = config.get("target_delimiter", " ") + ((row.get("doc") or {}).get("response_prefix") or "")
         options = [args[1].removeprefix(delimiter) for args in row["arguments"]]
         lls = [float(r[0]) for r in resps]
         best = max(range(len(lls)), key=lls.__getitem__) if lls else None

@@ -15,6 +15,7 @@ from fineflow.errors import FineflowError
 from fineflow.evaluate.harness import (
     ModelScorer,
     champion_id,
+    champion_record,
     check_tasks,
     find_model,
     prepare_task_dir,
@@ -24,6 +25,19 @@ from fineflow.evaluate.harness import (
     write_samples,
 )
 from fineflow.reports import sha256_file, write_json_atomic
+
+
+class EvaluationFailed(FineflowError):
+    """The base's or the candidate's evaluation failed. The stage fails and writes no scores: a recorded failure
+    would be a cached success to DVC, and later runs would skip the evaluation instead of retrying it. (A failed
+    champion evaluation is recorded and the stage goes on: the candidate can still be judged, and refused.)"""
+
+    def __init__(self, name: str, model, error: str):
+        super().__init__(
+            f"the {name}'s evaluation failed, so there is nothing to judge: {error} ({model}). Nothing was "
+            f"recorded: fix the cause (a corrupt adapter: re-run train; out of memory: lower evaluate.batch_size) "
+            f"and re-run the evaluate stage"
+        )
 
 
 def evaluate_models(
@@ -36,9 +50,14 @@ def evaluate_models(
     raw_dir: Path,
     champion_dir: Path | None = None,
     log=print,
+    base_digest: str | None = None,
 ) -> dict:
     """Score the base, the candidate and (when there is one) the champion on every task; write
-    ``<out_dir>/scores.json``, per-sample outputs and lm-eval's raw results; return the stage's report."""
+    ``<out_dir>/scores.json``, per-sample outputs and lm-eval's raw results; return the stage's report.
+
+    base_digest: the base by content (fineflow.model_ref.base_digest). A champion trained on another base is an
+    adapter for other weights (other shapes, even): it is scored as its merged model instead, never wrapped
+    around this base."""
     import torch
 
     torch.manual_seed(seed)
@@ -48,7 +67,7 @@ def evaluate_models(
             f"{adapter_dir}: no adapter (adapter_config.json) or model (config.json) to evaluate; run the train stage"
         )
     models = {"base": ("base", None), "candidate": candidate}
-    champion = find_model(champion_dir)
+    champion, champion_notes = champion_to_score(champion_dir, base_digest, log)
     if champion is not None:
         models["champion"] = champion
     shutil.rmtree(out_dir / "samples", ignore_errors=True)  # no stale champion samples from an earlier run
@@ -56,9 +75,12 @@ def evaluate_models(
         (raw_dir / f"{name}.json").unlink(missing_ok=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fineflow-tasks-") as tmp:
-        manager, registry = resolve_tasks(
-            cfg.tasks, prepare_task_dir(Path(tmp) / "tasks", eval_rows, cfg.max_gen_toks), cfg.task_dirs
-        )
+        from transformers import AutoTokenizer
+
+        # the prompts as training rendered them: the same tokenizer (chat template included) as the tokenize stage
+        tokenizer = AutoTokenizer.from_pretrained(base_reference)
+        task_dir = prepare_task_dir(Path(tmp) / "tasks", eval_rows, cfg.max_gen_toks, tokenizer)
+        manager, registry = resolve_tasks(cfg.tasks, task_dir, cfg.task_dirs)
         check_tasks(manager, cfg.tasks, registry)
         tasks_s = time.perf_counter() - started
         scorer = ModelScorer(base_reference, cfg.tasks, manager, cfg.batch_size, cfg.limit)
@@ -67,9 +89,12 @@ def evaluate_models(
         for name, (kind, path) in models.items():
             try:
                 results, load_s, score_s = scorer.score(kind, path)
-            except Exception as exc:  # noqa: BLE001 — recorded; the promote stage refuses on a failed evaluation
-                scores[name] = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
-                log(f"{name}: evaluation FAILED: {scores[name]['error']}")
+            except Exception as exc:  # noqa: BLE001 — the champion's is recorded; the others stop the stage
+                error = f"{type(exc).__name__}: {exc}"
+                log(f"{name}: evaluation FAILED: {error}")
+                if name != "champion":
+                    raise EvaluationFailed(name, path or base_reference, error) from exc
+                scores[name] = {"status": "failed", "error": error}  # the gate refuses to compare with it
                 continue
             metrics, samples = summarize(results)
             scores[name] = {"status": "ok", "metrics": metrics, "samples": samples}
@@ -81,13 +106,35 @@ def evaluate_models(
             write_json_atomic(raw_dir / f"{name}.json", results_file(results))
             log(f"{name}: " + ", ".join(f"{t} {m}" for t, m in metrics.items()))
     if "champion" in scores:
-        scores["champion"]["id"] = champion_id(champion_dir)
+        scores["champion"].update(id=champion_id(champion_dir), **champion_notes)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(
         out_dir / "scores.json",
-        {"tasks": cfg.tasks, "eval_rows": str(eval_rows), "eval_data_sha256": sha256_file(eval_rows), **scores},
+        {
+            "tasks": cfg.tasks,
+            "eval_rows": str(eval_rows),
+            "eval_data_sha256": sha256_file(eval_rows),
+            "base_digest": base_digest,
+            **scores,
+        },
     )
     return evaluation_report(scores, timings, tasks_s, base_load_s, time.perf_counter() - started)
+
+
+def champion_to_score(champion_dir: Path | None, base_digest: str | None, log=print) -> tuple[tuple | None, dict]:
+    """(what to score for the champion, notes for its scores entry). Its adapter, on this run's base; but when
+    its champion.json says it was trained on another base, its merged model (a whole model with its own
+    tokenizer), or nothing when it has none."""
+    champion = find_model(champion_dir)
+    if champion is None:
+        return None, {}
+    trained_on = champion_record(champion_dir).get("base_digest")
+    notes = {"base_digest": trained_on, "evaluated_as": "adapter" if champion[0] == "adapter" else "model"}
+    if champion[0] != "adapter" or not (trained_on and base_digest) or trained_on == base_digest:
+        return champion, notes
+    merged = find_model(champion_dir / "merged")
+    log(f"champion: trained on base {trained_on}, this run's base is {base_digest}: scoring its merged model")
+    return merged, {**notes, "evaluated_as": "merged model"}
 
 
 def evaluation_report(scores: dict, timings: dict, tasks_s: float, base_load_s: float, eval_s: float) -> dict:

@@ -10,9 +10,12 @@ happens before anything is logged or replaced, so a crash leaves the registry an
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from fineflow.config import Params
@@ -27,14 +30,26 @@ from fineflow.registry.store import (
     append_log,
     candidate_dir,
     candidate_id,
+    champion_files_hash,
     champion_history,
+    check_id,
+    clear_leftovers,
     current_champion,
     directory_hash,
     ensure_empty_champion,
+    last_champion_entry,
+    read_alias,
+    read_champion,
+    read_log,
     read_record,
+    registry_lock,
+    repair_log,
+    rollback_refusal,
+    same_id,
     set_alias,
     staging_dir,
     store_candidate,
+    stored_candidate,
     swap_in,
 )
 from fineflow.reports import sha256_file, write_json_atomic
@@ -70,58 +85,97 @@ def promote(
         root=root,
     )
     manifest["candidate_id"] = cid
-    champion = current_champion(registry_dir, champion_dir)
-    if unreadable:
-        decision = refusal(unreadable, params.promote.primary_metric)
-    else:
-        decision = judge(params, scores, champion, missing_fields(manifest), eval_hash)
-    record = candidate_record(params, scores, cid, adapter_dir, base_dir, eval_hash, manifest, decision)
-    stored = store_candidate(registry_dir, adapter_dir, cid, record)
-    ensure_empty_champion(champion_dir)
-    staging = None
-    if decision.promote:  # the slow, failure-prone part happens before anything is logged or replaced
-        if not record["base_model"]:
-            raise FineflowError(f"{adapter_dir}: cannot tell the base model to merge into; pass --base-dir")
-        staging = build_champion(
-            staging_dir(champion_dir), stored, record["base_model"], record, train_figures(train_report, log)
-        )
-    entry = append_log(registry_dir, log_entry(params, record, decision, champion))
-    if staging is not None:
-        install_built(staging, champion_dir, registry_dir, cid, record, entry["seq"])
+    # one writer at a time, from reading the champion to its alias; what a writer that died left is finished first
+    with registry_writes(registry_dir, champion_dir, log):
+        decided = already_decided(registry_dir, cid, manifest["eval"]["scores_sha256"], params)
+        if decided is not None:  # a re-run after a crash that came after the decision was logged (and finished)
+            log(f"{cid} was already judged on these scores and params (log entry {decided['seq']}): not again")
+            return _finish(decided_as(decided), cid, decided["seq"], lineage_dir, manifest, log)
+        champion = with_base_digest(current_champion(registry_dir, champion_dir), registry_dir)
+        retired = rollback_refusal(registry_dir, cid)  # a re-run on old scores must not undo a rollback
+        if unreadable or retired:
+            decision = refusal(unreadable or retired, params.promote.primary_metric)
+        else:
+            decision = judge(params, scores, champion, missing_fields(manifest), eval_hash)
+        record = candidate_record(params, scores, cid, adapter_dir, base_dir, eval_hash, manifest, decision)
+        stored = store_candidate(registry_dir, adapter_dir, cid, record)
+        ensure_empty_champion(champion_dir)
+        staging = None
+        if decision.promote:  # the slow, failure-prone part happens before anything is logged or replaced
+            if not record["base_model"]:
+                raise FineflowError(f"{adapter_dir}: cannot tell the base model to merge into; pass --base-dir")
+            staging = build_champion(
+                staging_dir(champion_dir), stored, record["base_model"], record, train_figures(train_report, log)
+            )
+        entry = append_log(registry_dir, log_entry(params, record, decision, champion))
+        if staging is not None:
+            install_built(staging, champion_dir, registry_dir, cid, record, entry["seq"])
+    return _finish(decision, cid, entry["seq"], lineage_dir, manifest, log)
+
+
+def _finish(decision: Decision, cid: str, seq: int, lineage_dir: Path | None, manifest: dict, log) -> dict:
+    """After the registry: the full lineage manifest, the verdict's log line, the stage's report."""
     lineage_path = None
     if lineage_dir is not None:
         lineage_path = lineage_dir / f"{cid}.json"
         write_json_atomic(lineage_path, manifest)
     log(("PROMOTED: " if decision.promote else "NOT promoted: ") + decision.reason)
-    return stage_report(decision, cid, entry["seq"], lineage_path)
+    return stage_report(decision, cid, seq, lineage_path)
 
 
-def rollback(registry_dir: Path, champion_dir: Path, to: str | None = None, base_dir: str | None = None) -> dict:
-    """Reinstall an earlier champion from candidates/<id> (default: the one before the current) atomically,
-    rebuilding its merged model, tokenizer and card, and log a "rollback" entry."""
-    current = alias_id(registry_dir)
-    source = candidate_dir(registry_dir, to if to is not None else _previous_champion(registry_dir, current))
-    cid = source.name
-    if cid == current:
-        raise FineflowError(f"{cid} is already the champion")
-    record = read_record(registry_dir, cid)
-    base_ref = base_dir or record.get("base_model")
-    if not base_ref:
-        raise FineflowError(f"{source}: the record names no base model; pass --base-dir")
-    staging = build_champion(staging_dir(champion_dir), source, base_ref, record, None)
-    entry = append_log(
-        registry_dir,
-        {
-            "candidate_id": cid,
-            "decision": "rollback",
-            "promote": True,
-            "reason": f"rollback from {current} to {cid}",
-            "champion_before": current,
-            "metrics": record.get("metrics"),
-            "eval_data_sha256": record.get("eval_data_sha256"),
-        },
+def already_decided(registry_dir: Path, cid: str, scores_sha256: str | None, params: Params) -> dict | None:
+    """The log's last entry when it judged this very candidate on these very scores and params: promote's
+    decision is then made and recorded (a crash came after it, or DVC re-runs promote with nothing changed), and
+    judging again would log a second verdict (against itself, once it is champion). Any other last entry: None."""
+    entries = read_log(registry_dir)
+    last = entries[-1] if entries else {}
+    same = (
+        last.get("decision") in ("promoted", "refused")
+        and last.get("candidate_id") == cid
+        and last.get("scores_sha256") == scores_sha256
+        and last.get("params") == params.model_dump(mode="json", by_alias=True)
     )
-    install_built(staging, champion_dir, registry_dir, cid, record, entry["seq"])
+    return last if same else None
+
+
+def decided_as(entry: dict) -> Decision:
+    """The Decision a log entry recorded (decision_record's fields)."""
+    return Decision(**{f.name: entry[f.name] for f in dataclasses.fields(Decision) if f.name in entry})
+
+
+def rollback(
+    registry_dir: Path, champion_dir: Path, to: str | None = None, base_dir: str | None = None, log=print
+) -> dict:
+    """Reinstall an earlier champion from candidates/<id> (default: the one before the current) atomically,
+    rebuilding its merged model, tokenizer and card, and log a "rollback" entry; under the registry lock,
+    after repairing what a writer that died left. The candidate rolled back from is not promoted again by the
+    gate (store.rollback_refusal) unless a later rollback reinstalls it."""
+    if to is not None:
+        check_id(to)
+    with registry_writes(registry_dir, champion_dir, log, base_dir):
+        current = alias_id(registry_dir)
+        source = candidate_dir(registry_dir, to if to is not None else _previous_champion(registry_dir, current))
+        cid = source.name
+        if cid == current:
+            raise FineflowError(f"{cid} is already the champion")
+        record = read_record(registry_dir, cid)
+        base_ref = base_dir or record.get("base_model")
+        if not base_ref:
+            raise FineflowError(f"{source}: the record names no base model; pass --base-dir")
+        staging = build_champion(staging_dir(champion_dir), source, base_ref, record, None)
+        entry = append_log(
+            registry_dir,
+            {
+                "candidate_id": cid,
+                "decision": "rollback",
+                "promote": True,
+                "reason": f"rollback from {current} to {cid}",
+                "champion_before": current,
+                "metrics": record.get("metrics"),
+                "eval_data_sha256": record.get("eval_data_sha256"),
+            },
+        )
+        install_built(staging, champion_dir, registry_dir, cid, record, entry["seq"])
     return {"from": current, "to": cid, "log_seq": entry["seq"]}
 
 
@@ -135,6 +189,72 @@ def _previous_champion(registry_dir: Path, current: str | None) -> str:
     if not earlier:
         raise FineflowError(f"{registry_dir}: no earlier champion stored in the registry to roll back to")
     return earlier[0]
+
+
+# ---- after a writer died: the log is what was decided ---------------------------------------------------
+
+
+@contextmanager
+def registry_writes(
+    registry_dir: Path, champion_dir: Path, log: Callable[[str], None] = print, base_dir: str | None = None
+) -> Iterator[None]:
+    """Hold the registry lock for a write (a promotion, a rollback) from its first read of the champion to
+    its alias, after recover() has finished what a writer that died left: two writers never interleave, and
+    each starts from a registry whose champion is the one its log names."""
+    with registry_lock(registry_dir):
+        recover(registry_dir, champion_dir, log, base_dir)
+        yield
+
+
+def recover(
+    registry_dir: Path, champion_dir: Path, log: Callable[[str], None] = print, base_dir: str | None = None
+) -> list[str]:
+    """Bring the log, the champion directory and the alias back in line after a writer died midway; returns
+    what was done, each also passed to log. The log is the record of what was decided: a half-written last line
+    was never committed and is cut (store.repair_log); a promotion or rollback that was logged is finished,
+    never undone: the champion it names is rebuilt from candidates/<id> when the directory does not hold it,
+    and the alias is pointed at it. Leftover staged or retired directories are removed."""
+    with registry_lock(registry_dir):
+        done = repair_log(registry_dir, log)
+        for path in clear_leftovers(champion_dir, registry_dir):
+            done.append(f"removed {path} (left by a writer that died)")
+            log(done[-1])
+        last = last_champion_entry(registry_dir)
+        source = stored_candidate(registry_dir, last["candidate_id"]) if last else None
+        if source is not None:
+            done += _finish_install(registry_dir, champion_dir, source, last["seq"], base_dir, log)
+    return done
+
+
+def _finish_install(
+    registry_dir: Path, champion_dir: Path, source: Path, seq: int, base_dir: str | None, log: Callable[[str], None]
+) -> list[str]:
+    """Make champion_dir and the alias the install of log entry seq (candidate source), if they are not yet."""
+    cid = source.name
+    installed = read_champion(champion_dir) or {}
+    alias = read_alias(registry_dir) or {}
+    if same_id(installed.get("candidate_id"), cid) and installed.get("promotion_seq") == seq:
+        if same_id(alias.get("id"), cid) and alias.get("seq") == seq:
+            return []
+        message = f"pointing the champion alias at {cid}, installed by entry {seq} (its writer died before it did)"
+        log(message)
+        set_alias(registry_dir, cid, seq, champion_files_hash(champion_dir))  # the swap was done: only the alias
+        return [message]
+    record = read_record(registry_dir, cid)
+    base_ref = base_dir or record.get("base_model")
+    if not base_ref:
+        raise FineflowError(
+            f"{source}: entry {seq} of the log installs {cid}, whose record names no base model to rebuild it on; "
+            "pass --base-dir to `fineflow registry repair`"
+        )
+    message = (
+        f"{champion_dir}: finishing the install of {cid} that entry {seq} of the log records (its writer died "
+        f"before the champion directory held it)"
+    )
+    log(message)
+    staging = build_champion(staging_dir(champion_dir), source, base_ref, record, None)
+    install_built(staging, champion_dir, registry_dir, cid, record, seq)
+    return [message]
 
 
 # ---- the evidence ----------------------------------------------------------------------------------
@@ -156,6 +276,18 @@ def eval_data_hash(scores: dict) -> str | None:
     return sha256_file(rows) if scores.get("eval_rows") and rows.is_file() else None
 
 
+def with_base_digest(champion: dict | None, registry_dir: Path) -> dict | None:
+    """The champion for the gate, with the digest of the base it was trained on (None: recorded before base
+    digests, or a legacy champion without a registry record)."""
+    if champion is None:
+        return None
+    try:
+        digest = read_record(registry_dir, champion["id"]).get("base_digest")
+    except FineflowError:
+        digest = None
+    return {**champion, "base_digest": digest}
+
+
 def judge(
     params: Params, scores: dict, champion: dict | None, lineage_missing: list[str] | None, eval_hash: str | None
 ) -> Decision:
@@ -172,6 +304,8 @@ def judge(
         confidence=cfg.confidence,
         seed=params.seed,
         eval_data_sha256=eval_hash,
+        on_eval_change=cfg.on_eval_change,
+        on_base_change=cfg.on_base_change,
     )
 
 
@@ -230,6 +364,7 @@ def candidate_record(
         "reason": decision.reason,
         "stats": decision.stats,
         "base_model": _base_or_none(params, base_dir, adapter_dir),
+        "base_digest": scores.get("base_digest"),  # the base by content (model_ref.base_digest), as evaluated
         "lineage": deterministic(manifest),
     }
 
@@ -274,6 +409,8 @@ def stage_report(decision: Decision, cid: str, log_seq: int, lineage_path: Path 
         "p_value": stats.get("p_value"),
         "log_seq": log_seq,
         "lineage": str(lineage_path) if lineage_path else None,
+        # what changed since the champion (eval data, base model) and how the policy handled it
+        **decision.context,
     }
 
 
@@ -306,10 +443,12 @@ def build_champion(staging: Path, source: Path, base_ref: str, record: dict, tra
 
 def install_built(staging: Path, champion_dir: Path, registry_dir: Path, cid: str, record: dict, seq: int) -> None:
     """Make the assembled staging dir the champion cid, after log entry seq was written: its champion.json,
-    the atomic swap, then the registry's alias."""
+    the atomic swap, then the registry's alias, which records the installed directory's content hash (what
+    `fineflow registry verify` checks the champion against)."""
     write_json_atomic(staging / CHAMPION_FILE, champion_json(record, seq))
+    files_sha256 = champion_files_hash(staging)
     swap_in(staging, champion_dir)
-    set_alias(registry_dir, cid, seq)
+    set_alias(registry_dir, cid, seq, files_sha256)
 
 
 def champion_json(record: dict, seq: int) -> dict:
@@ -320,5 +459,6 @@ def champion_json(record: dict, seq: int) -> dict:
         "promotion_seq": seq,
         "eval_data_sha256": record.get("eval_data_sha256"),
         "base_model": record.get("base_model"),
+        "base_digest": record.get("base_digest"),
         "stats": record.get("stats"),
     }

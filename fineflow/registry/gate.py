@@ -14,7 +14,7 @@ sets of metrics it ends with.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 
 from fineflow.registry.store import ID_LEN, same_id
 
@@ -52,6 +52,9 @@ class Decision:
     reference_name: str
     regressions: dict
     stats: dict | None = None  # the Bootstrap as a dict, when it was computed
+    # what changed since the champion and how the policy handled it: "eval_change" / "base_change" ({"from",
+    # "to", "policy"}), "vs_old_champion" (the old champion's merged model on the same docs, side by side)
+    context: dict = field(default_factory=dict)
 
 
 def refusal(
@@ -60,6 +63,7 @@ def refusal(
     reference_name: str = "reference",
     candidate: float | None = None,
     reference: float | None = None,
+    context: dict | None = None,
 ) -> Decision:
     """A refusal for want of evidence: no regressions measured, no bootstrap run."""
     return Decision(
@@ -71,6 +75,7 @@ def refusal(
         reference_name=reference_name,
         regressions={},
         stats=None,
+        context=context or {},
     )
 
 
@@ -229,26 +234,20 @@ def promotion_decision(
     confidence: float,
     seed: int,
     eval_data_sha256: str | None,
+    on_eval_change: str = "refuse",
+    on_base_change: str = "refuse",
 ) -> Decision:
     """The whole gate. scores is eval/scores.json; champion the current champion's record ({"id",
-    "metrics" flat, "samples", "eval_data_sha256"}) or None; lineage_missing the REQUIRED lineage fields
-    that are absent (None: no manifest at all). Never promotes on missing or doubtful evidence."""
+    "metrics" flat, "samples", "eval_data_sha256", "base_digest"}) or None; lineage_missing the REQUIRED lineage
+    fields that are absent (None: no manifest at all). Never promotes on missing or doubtful evidence.
+
+    on_eval_change / on_base_change (promote params): what happens when the eval data or the base model are not
+    the champion's any more; the decision's context says what changed and what the policy did."""
     candidate = scores.get("candidate")
     problem = _candidate_problem(candidate, lineage_missing)
     if problem:
         return refusal(problem, primary)
-    if champion is None:
-        reference_name = "base model"
-        reference, problem = _base_as_reference(scores)
-    else:
-        reference_name = f"champion {champion['id'][:ID_LEN]}"
-        reference, problem = _champion_as_reference(scores, champion, reference_name, eval_data_sha256)
-    if problem:
-        return refusal(problem, primary, reference_name)
-    return _compare(
-        candidate,
-        reference,
-        reference_name,
+    compare = dict(
         primary=primary,
         min_delta=min_delta,
         max_regression=max_regression,
@@ -256,6 +255,68 @@ def promotion_decision(
         confidence=confidence,
         seed=seed,
     )
+    if champion is None:
+        reference_name, context = "base model", {}
+        reference, problem = _base_as_reference(scores)
+    elif _base_changed(scores, champion):
+        return _judge_on_a_new_base(scores, champion, on_base_change, compare)
+    else:
+        reference_name = f"champion {champion['id'][:ID_LEN]}"
+        reference, problem, context = _champion_as_reference(
+            scores, champion, reference_name, eval_data_sha256, on_eval_change
+        )
+    if problem:
+        return refusal(problem, primary, reference_name, context=context)
+    decision = _compare(candidate, reference, reference_name, **compare)
+    return replace(decision, context=context)
+
+
+def _base_changed(scores: dict, champion: dict) -> bool:
+    """Both bases are known by content and differ (a champion recorded before base digests: assumed the same)."""
+    now, then = scores.get("base_digest"), champion.get("base_digest")
+    return bool(now and then and now != then)
+
+
+def _judge_on_a_new_base(scores: dict, champion: dict, policy: str, compare: dict) -> Decision:
+    """The candidate is on another base than the champion: refused (policy refuse), or judged against its own
+    base, with the old champion's merged model on the same docs reported side by side (compare_to_base)."""
+    cid = champion["id"][:ID_LEN]
+    change = {"from": champion["base_digest"], "to": scores["base_digest"], "policy": policy}
+    switch = (
+        f"the base model changed: champion {cid} was trained on base {change['from']}, this candidate on {change['to']}"
+    )
+    if policy == "refuse":
+        return refusal(
+            f"{switch}; promote.on_base_change is refuse (set it to compare_to_base to judge the candidate against "
+            "its own base, the old champion's merged model side by side)",
+            compare["primary"],
+            f"champion {cid}",
+            context={"base_change": change},
+        )
+    reference, problem = _base_as_reference(scores)
+    context = {"base_change": change, "vs_old_champion": _side_by_side(scores, champion, compare)}
+    if problem:
+        return refusal(f"{switch}; {problem}", compare["primary"], "base model", context=context)
+    decision = _compare(scores["candidate"], reference, "base model", **compare)
+    reason = f"{decision.reason} ({switch}; promote.on_base_change: compare_to_base)"
+    return replace(decision, reason=reason, context=context)
+
+
+def _side_by_side(scores: dict, champion: dict, compare: dict) -> dict:
+    """The old champion as the evaluate stage could score it on this run's docs (its merged model, which needs
+    no base of ours): its metrics and the candidate's paired delta per metric; or why it could not be."""
+    evaluated = scores.get("champion")
+    if not evaluated or evaluated.get("status", "ok") != "ok":
+        why = (evaluated or {}).get("error", "not evaluated in this run")
+        return {"champion": champion["id"][:ID_LEN], "status": "not compared", "why": why}
+    return {
+        "champion": champion["id"][:ID_LEN],
+        "evaluated_as": evaluated.get("evaluated_as", "adapter"),
+        "metrics": flatten(evaluated.get("metrics") or {}),
+        "candidate_vs_champion": bootstrap_per_metric(
+            scores["candidate"], evaluated, compare["bootstrap_samples"], compare["confidence"], compare["seed"]
+        ),
+    }
 
 
 def _candidate_problem(candidate: dict | None, lineage_missing: list[str] | None) -> str | None:
@@ -282,39 +343,66 @@ def _base_as_reference(scores: dict) -> tuple[dict | None, str | None]:
 
 
 def _champion_as_reference(
-    scores: dict, champion: dict, reference_name: str, eval_data_sha256: str | None
-) -> tuple[dict | None, str | None]:
+    scores: dict, champion: dict, reference_name: str, eval_data_sha256: str | None, on_eval_change: str
+) -> tuple[dict | None, str | None, dict]:
     """The champion's evaluation in these scores, else its metrics recorded at promotion, provided both were
-    computed on the same eval data as the candidate's: (entry, None) or (None, why not comparable)."""
+    computed on the same eval data as the candidate's: (entry, None, context) or (None, why not, context).
+    Changed eval data: with on_eval_change compare_on_current, the champion's evaluation in this run (on the
+    current data) is the reference; with refuse, or when the champion was not re-scored, it is refused."""
     cid = champion["id"]
     recorded = champion.get("eval_data_sha256")
+    context = {}
     if recorded and not eval_data_sha256:
-        return None, (
-            "the scores do not say which eval data they were computed on (no eval_data_sha256), "
-            f"so they cannot be compared with the {reference_name}'s"
-        )
-    if recorded and recorded != eval_data_sha256:
-        return None, (
-            f"evaluated on different eval data than the {reference_name}: sha256 "
-            f"{eval_data_sha256[:12]} now, {recorded[:12]} when it was promoted; evaluate on the "
-            "champion's eval data (or roll back / re-baseline deliberately)"
+        return (
+            None,
+            (
+                "the scores do not say which eval data they were computed on (no eval_data_sha256), "
+                f"so they cannot be compared with the {reference_name}'s"
+            ),
+            context,
         )
     evaluated = scores.get("champion")
+    if recorded and recorded != eval_data_sha256:
+        context["eval_change"] = {"from": recorded, "to": eval_data_sha256, "policy": on_eval_change}
+        changed = (
+            f"the eval data changed since the {reference_name} was promoted: sha256 {recorded[:12]} then, "
+            f"{eval_data_sha256[:12]} now"
+        )
+        if on_eval_change == "refuse":
+            return (
+                None,
+                (
+                    f"{changed}; promote.on_eval_change is refuse (set it to compare_on_current to judge the candidate "
+                    "against the champion re-scored on the current eval data, or restore the champion's eval data)"
+                ),
+                context,
+            )
+        if evaluated is None:
+            return None, f"{changed}, and the {reference_name} was not re-scored on it in this run", context
     if evaluated is not None:
         if evaluated.get("status", "ok") != "ok":
-            return None, f"the {reference_name}'s evaluation failed: {evaluated.get('error', 'no error given')}"
+            error = evaluated.get("error", "no error given")
+            return None, f"the {reference_name}'s evaluation failed: {error}", context
         if evaluated.get("id") and not same_id(evaluated["id"], cid):
-            return None, (
-                f"the scores evaluated champion {evaluated['id'][:ID_LEN]} but the registry's "
-                f"champion is {cid[:ID_LEN]}: re-run the evaluate stage"
+            return (
+                None,
+                (
+                    f"the scores evaluated champion {evaluated['id'][:ID_LEN]} but the registry's "
+                    f"champion is {cid[:ID_LEN]}: re-run the evaluate stage"
+                ),
+                context,
             )
-        return evaluated, None
+        return evaluated, None, context
     if not recorded:
-        return None, (
-            f"the {reference_name} has no recorded eval data hash and was not re-evaluated in "
-            "this run, so its metrics cannot be compared"
+        return (
+            None,
+            (
+                f"the {reference_name} has no recorded eval data hash and was not re-evaluated in "
+                "this run, so its metrics cannot be compared"
+            ),
+            context,
         )
-    return {"metrics": None, "flat": champion.get("metrics") or {}, "samples": champion.get("samples")}, None
+    return {"metrics": None, "flat": champion.get("metrics") or {}, "samples": champion.get("samples")}, None, context
 
 
 def _compare(

@@ -285,18 +285,14 @@ def resolve(target: str, registry: Path = Path("models/registry"), runs: Path = 
             if (path / name).is_file():
                 return resolve(str(path / name), registry, runs)
         raise FineflowError(f"{path}: no lineage.json or record.json here (is it a champion or candidate dir?)")
-    else:
-        matches = (
-            sorted(p for p in (registry / "candidates").glob(f"{target}*") if p.is_dir())
-            if (registry / "candidates").is_dir()
-            else []
-        )
-        if len(matches) != 1:
-            raise FineflowError(
-                f"{target}: not a file, a directory or exactly one candidate id in "
-                f"{registry}/candidates ({len(matches)} match)"
-            )
-        return resolve(str(matches[0] / "record.json"), registry, runs)
+    else:  # a candidate id (or a unique prefix): checked as an id, never used as a glob or a path
+        from fineflow.registry.store import candidate_dir
+
+        try:
+            found = candidate_dir(registry, target)
+        except FineflowError as exc:
+            raise FineflowError(f"{target}: not a file, a directory or a candidate id ({exc})") from None
+        return resolve(str(found / "record.json"), registry, runs)
     manifest = dict(record)
     cid = cid or manifest.get("candidate_id")
     if "run" not in manifest and cid and (runs / f"{cid}.json").is_file():

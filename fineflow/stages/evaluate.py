@@ -1,7 +1,8 @@
 """Stage evaluate: lm-eval on the held-out split for the base model, the candidate and the champion.
 
     python -m fineflow.stages.evaluate --base-dir models/base --adapter models/candidate \
-        --eval-rows data/validated/eval.jsonl --out eval --champion models/champion
+        --eval-rows data/validated/eval.jsonl --out eval --champion models/champion \
+        --base-fingerprint models/base_fingerprint.json
 
 Writes ``<out>/scores.json`` (deterministic; the promote stage reads it): per model (``base``,
 ``candidate``, and ``champion`` when ``--champion`` holds an adapter or a model) its status, metrics per
@@ -9,8 +10,9 @@ task and per-doc scores, plus the eval rows' sha256. lm-eval's logged samples go
 ``<out>/samples/<model>/<task>.jsonl``, its standard results JSON of each model to ``reports/lm_eval/``,
 and ``reports/evaluate.json`` gets the metrics and the loading vs scoring time of each model.
 
-A model whose evaluation fails (a corrupt champion, say) is recorded as ``{"status": "failed", "error":
-...}`` and the others go on — promotion refuses on a failed evaluation. Task problems (an unknown name, a
+A champion whose evaluation fails (a corrupt champion, say) is recorded as ``{"status": "failed", "error":
+...}`` and the others go on — promotion refuses to compare with it. A failed base or candidate evaluation fails
+the stage (exit 2) and records nothing, so DVC never caches it as a success. Task problems (an unknown name, a
 registry task whose dataset is not cached offline) are the user's to fix and stop the stage first.
 """
 
@@ -20,7 +22,7 @@ from pathlib import Path
 
 from fineflow.config import Params
 from fineflow.evaluate.recipe import evaluate_models
-from fineflow.model_ref import resolve_base_model
+from fineflow.model_ref import read_base_digest, resolve_base_model
 from fineflow.stages._entry import log, run_entry, stage_parser
 
 
@@ -32,17 +34,20 @@ def run(
     out_dir: Path,
     raw_dir: Path,
     champion_dir: Path | None = None,
+    base_fingerprint: Path | None = None,
 ) -> dict:
+    reference = resolve_base_model(params.model, base_dir)
     return evaluate_models(
         params.evaluate,
         params.seed,
-        resolve_base_model(params.model, base_dir),
+        reference,
         adapter_dir,
         eval_rows,
         out_dir,
         raw_dir,
         champion_dir,
         log=log,
+        base_digest=read_base_digest(reference, base_fingerprint),
     )
 
 
@@ -59,11 +64,26 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the current champion (adapter or model dir with champion.json); evaluated too if present",
     )
+    parser.add_argument(
+        "--base-fingerprint",
+        type=Path,
+        default=None,
+        help="the fingerprint stage's JSON (the base by content); without it the base's files are hashed here",
+    )
     args = parser.parse_args(argv)
     return run_entry(
         "evaluate",
         args,
-        lambda p: run(p, args.base_dir, args.adapter, args.eval_rows, args.out, args.raw_results, args.champion),
+        lambda p: run(
+            p,
+            args.base_dir,
+            args.adapter,
+            args.eval_rows,
+            args.out,
+            args.raw_results,
+            args.champion,
+            args.base_fingerprint,
+        ),
     )
 
 

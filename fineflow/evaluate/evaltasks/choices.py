@@ -52,7 +52,15 @@ def add_choices(rows: list[dict]) -> list[dict]:
 
 
 def process_docs(dataset):
-    """lm-eval's process_docs hook: a datasets.Dataset in, the same rows with choices and gold out."""
+    """lm-eval's process_docs hook: a datasets.Dataset in, the same rows with choices and gold out. Each choice
+    is scored as the response training saw: the row's response prefix, then the option (the task's
+    target_delimiter is empty)."""
     import datasets
 
-    return datasets.Dataset.from_list(add_choices(dataset.to_list()))
+    from fineflow.tokenize.template import RESPONSE_PREFIX
+
+    docs = add_choices(dataset.to_list())
+    for doc in docs:
+        prefix = RESPONSE_PREFIX if doc.get("response_prefix") is None else doc["response_prefix"]
+        doc["choices"] = [prefix + choice for choice in doc["choices"]]
+    return datasets.Dataset.from_list(docs)
