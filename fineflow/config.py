@@ -186,6 +186,9 @@ class CheckpointSettings(_Section):
     backend: Literal["thread", "process"] = "thread"  # where async writes run (bench/checkpoint_stall.py)
     on_write_error: Literal["stop", "retry"] = "stop"  # e.g. disk full: stop with a clear error, or retry
     retries: int = Field(3, ge=0)
+    # SIGTERM (preemption) or Ctrl-C: each rank finishes its step, saves it and exits 75 within this budget
+    # (fineflow.train.preempt); the layers above wait a few seconds more, then kill what is left
+    preempt_grace_s: float = Field(15, gt=0)
 
 
 class EvaluateParams(_Section):

@@ -11,6 +11,11 @@ library. Anything else is a crash (exit 1, a traceback, no record): a retry may 
 # (`dvc repro` exits 255 for any failed stage; the task reads the record). Never retried: retrying cannot help.
 USER_ERROR_EXIT = 2
 
+# The exit code of a run stopped on request (SIGTERM: preemption, eviction; SIGINT: Ctrl-C) after it saved the
+# step it was on (EX_TEMPFAIL: try again later). Retried like a crash; the retry resumes from that step. The
+# stage's record (kind "preempted", fineflow.train.preempt) carries it through the layers that rewrite codes.
+PREEMPTED_EXIT = 75
+
 
 class FineflowError(Exception):
     """A problem the user can fix; the message is the whole story."""

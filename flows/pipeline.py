@@ -4,18 +4,30 @@
     python -m flows.deploy              # serve it on a schedule (see flows/deploy.py)
 
 Each stage is one task that runs ``dvc repro --single-item <stage>``; unchanged stages are skipped by DVC.
-Retries: train is retried (a transient crash re-runs it; bad input or params are never retried).
+Retries: train is retried (a transient crash, or a stop of the stage alone after it saved its step: the retry
+resumes); bad input or params are never retried.
+
+Ctrl-C and SIGTERM: ``python -m flows.pipeline`` is a small supervisor that runs the flow in a process of its
+own session and forwards it the first SIGINT/SIGTERM (fineflow.train.preempt.supervise). A terminal's Ctrl-C
+would otherwise also reach Prefect's temporary server, which then dies before the run is marked, and leaves the
+client retrying into nothing for minutes. The flow stops its stage (the train stage saves its step), Prefect
+marks the run Crashed, the server stops; the supervisor then kills anything left and exits 130 / 143.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
 
 from prefect import flow
 
 from fineflow.dag import stage_names
-from tasks.stages import run_stage
+from fineflow.train import preempt
+from tasks.stages import preempt_grace_s, run_stage
+
+FLOW_PROCESS_ENV = "FINEFLOW_FLOW_SUPERVISOR"  # the supervisor's pid, in the flow process it starts
 
 RETRIES = {"train": 2}  # a crashed train stage resumes from its last valid checkpoint
 
@@ -32,9 +44,33 @@ def fineflow_pipeline(project_dir: str = ".") -> dict[str, dict]:
 
 def main() -> int:
     project = Path(__file__).resolve().parent.parent
+    if not os.environ.get(FLOW_PROCESS_ENV):
+        return supervise_flow(project)
+    return run_flow(project)
+
+
+def supervise_flow(project: Path) -> int:
+    """Run this module again as the flow process, in a session of its own (see the module docstring)."""
+    env = {**os.environ, FLOW_PROCESS_ENV: str(os.getpid())}
+    # a Prefect API call to a dead server fails within seconds (2 + 4) instead of retrying 5 times for a minute
+    env.setdefault("PREFECT_CLIENT_MAX_RETRIES", "2")
+    budget = preempt.budget_s(preempt_grace_s(project), "flow")
+    return preempt.supervise([sys.executable, "-m", "flows.pipeline", *sys.argv[1:]], env, budget)
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+
+def run_flow(project: Path) -> int:
     from fineflow.runtime import apply_offline_environment
 
     apply_offline_environment(project)
+    # SIGTERM outside Prefect's own handler (which it installs while the flow runs): an orderly stop as well,
+    # so the temporary server is stopped at exit rather than left behind
+    signal.signal(signal.SIGTERM, _interrupted)
+    # a SIGKILLed supervisor (OOM killer, kill -9) stops the flow too, in order
+    preempt.die_with_parent(signal.SIGTERM, parent=int(os.environ[FLOW_PROCESS_ENV]))
     results = fineflow_pipeline(str(project))
     ran = [stage for stage, r in results.items() if r["ran"]]
     evaluate, promote = results["evaluate"]["report"], results["promote"]["report"]

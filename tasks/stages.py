@@ -3,32 +3,52 @@
 Running the stage through DVC (rather than calling its Python entry directly) is what makes a flow run and
 a plain ``dvc repro`` leave the same ``dvc.lock``, and what skips a stage whose code, params and inputs are
 unchanged. The stage's own entry (``fineflow.stages.<stage>``) is the command DVC runs.
+
+Stopping: `dvc repro` runs in a process group of its own. When the flow is interrupted (Ctrl-C:
+KeyboardInterrupt; SIGTERM: Prefect's TerminationSignal) while a stage runs, that group gets SIGINT (DVC waits
+for its stage command, which stops: the train stage saves its step), is killed if it is still there a few
+seconds after the train grace, and the interruption goes on up: the run ends Crashed, never retried. A stage
+stopped on its own (its node preempted) exits 75 with a record: retried, it resumes from the saved step.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 from collections import deque
 from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from fineflow.errors import USER_ERROR_EXIT
+from fineflow.config import CheckpointSettings, load_params
+from fineflow.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
 from fineflow.reports import read_error_record
+from fineflow.train import preempt
 
 
 class StageFailed(RuntimeError):
-    """returncode: USER_ERROR_EXIT when the stage recorded a user error (never retried), else what failed.
-    The message: the stage's own (whole) for a user error, else the error lines of its output's tail."""
+    """returncode: USER_ERROR_EXIT when the stage recorded a user error (never retried), PREEMPTED_EXIT when it
+    recorded a stop after saving its step (retried: resumes there), else what failed. The message: the stage's
+    own (whole) for a user error or a stop, else the error lines of its output's tail."""
 
-    def __init__(self, stage: str, returncode: int, tail: list[str], user_error: dict | None = None):
-        self.returncode = USER_ERROR_EXIT if user_error else returncode
+    def __init__(
+        self,
+        stage: str,
+        returncode: int,
+        tail: list[str],
+        user_error: dict | None = None,
+        preempted: dict | None = None,
+    ):
+        self.returncode = USER_ERROR_EXIT if user_error else PREEMPTED_EXIT if preempted else returncode
         if user_error:
             super().__init__(f"stage {stage} failed (a user error, not retried): {user_error['message']}")
+        elif preempted:
+            super().__init__(f"stage {stage} was stopped (exit {PREEMPTED_EXIT}, retried): {preempted['message']}")
         else:
             lines = [line for line in tail if "error" in line.lower()] or tail
             super().__init__(f"stage {stage} failed (exit {returncode}):\n" + "\n".join(lines[-15:]))
@@ -38,6 +58,14 @@ def stage_environment() -> dict[str, str]:
     """The venv's bin first on PATH, so dvc.yaml's ``python`` is this interpreter."""
     bin_dir = str(Path(sys.executable).parent)
     return {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "PYTHONUNBUFFERED": "1"}
+
+
+def preempt_grace_s(project_dir: str | Path) -> float:
+    """checkpoint.preempt_grace_s of the project's params.yaml: what the layers' stop budgets are built on."""
+    try:
+        return load_params(Path(project_dir) / "params.yaml").checkpoint.preempt_grace_s
+    except FineflowError:  # unreadable params: the stage itself is failing on them
+        return CheckpointSettings().preempt_grace_s
 
 
 def repro_single(stage: str, project_dir: Path, log) -> bool:
@@ -55,18 +83,48 @@ def repro_single(stage: str, project_dir: Path, log) -> bool:
         stderr=subprocess.STDOUT,
         text=True,
         bufsize=1,
+        start_new_session=True,  # a terminal's Ctrl-C reaches it only through stop_stage, once
     ) as proc:
-        for line in proc.stdout:
-            line = line.rstrip()
-            if line:
-                tail.append(line)
-                ran = ran or line.startswith(f"Running stage '{stage}'")
-                log(line)
+        try:
+            for line in proc.stdout:
+                line = line.rstrip()
+                if line:
+                    tail.append(line)
+                    ran = ran or line.startswith(f"Running stage '{stage}'")
+                    log(line)
+        except BaseException:  # KeyboardInterrupt, Prefect's TerminationSignal, anything: no stage outlives it
+            stop_stage(proc, stage, project_dir, log)
+            raise
     if proc.returncode:
         # `dvc repro` exits 255 for any failed stage command: the stage's error record says which kind it was
-        record = read_error_record(Path(project_dir) / "reports" / f"{stage}.json")
-        raise StageFailed(stage, proc.returncode, list(tail), record)
+        report = Path(project_dir) / "reports" / f"{stage}.json"
+        raise StageFailed(
+            stage, proc.returncode, list(tail), read_error_record(report), preempt.read_preempted_record(report)
+        )
     return ran
+
+
+def stop_stage(proc: subprocess.Popen, stage: str, project_dir: Path, log) -> None:
+    """SIGINT to `dvc repro`'s group (DVC ignores it while its stage command runs and returns when that has
+    stopped), its output still streamed; killed, with every process under it, if it outlives the budget."""
+    log(f"stopping stage {stage}: SIGINT to dvc repro and the stage")
+    drain = threading.Thread(target=_stream, args=(proc.stdout, log), daemon=True)
+    drain.start()
+    preempt.stop_group(proc, signal.SIGINT, preempt.budget_s(preempt_grace_s(project_dir), "task"))
+    drain.join(timeout=2)  # the last lines; Popen's exit closes the pipe after this
+    record = preempt.read_preempted_record(Path(project_dir) / "reports" / f"{stage}.json")
+    if record is not None:
+        log(f"stage {stage}: {record['message']}")
+
+
+def _stream(pipe, log) -> None:
+    """The rest of a stopping stage's output to log, until the pipe ends or is closed under it."""
+    try:
+        for line in pipe:
+            if line.rstrip():
+                log(line.rstrip())
+    except (OSError, ValueError):
+        pass
 
 
 def _report_markdown(stage: str, report: dict) -> str:

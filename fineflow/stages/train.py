@@ -8,18 +8,23 @@ module under ``accelerate launch`` with ``train.accelerate_profile`` / ``train.n
 rank then trains; only rank 0 writes the model, checkpoints, step log and report. The recipe is
 ``fineflow.train.recipe``. On a cluster, run it once per machine with ``--machine-rank N
 --main-process-ip <machine 0> [--main-process-port P]`` (``train.num_machines`` > 1).
+
+SIGTERM or Ctrl-C: the ranks save the step they are on and the stage exits 75 (PREEMPTED_EXIT) within
+checkpoint.preempt_grace_s; run again, it resumes from that step (``fineflow.train.preempt``).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-from fineflow.config import load_params
-from fineflow.errors import USER_ERROR_EXIT, FineflowError
+from fineflow.config import CheckpointSettings, load_params
+from fineflow.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
 from fineflow.reports import clear_error_record, read_error_record
 from fineflow.runtime import is_train_worker
 from fineflow.stages._entry import log, run_entry, stage_parser, user_error
+from fineflow.train import preempt
 from fineflow.train.recipe import launch_ranks, train_rank
 
 
@@ -60,12 +65,26 @@ def main(argv: list[str] | None = None) -> int:
         except FineflowError as exc:
             user_error("train", args.report, exc)
             return USER_ERROR_EXIT
-        # accelerate exits 1 whatever a rank exited with: a rank's error record says it was the user's error
-        return USER_ERROR_EXIT if code and read_error_record(args.report) else code
-    return run_entry(
-        "train",
-        args,
-        lambda params: train_rank(
+        # accelerate exits 1 whatever a rank exited with: the ranks' record says a user error or a saved stop
+        if code and read_error_record(args.report):
+            return USER_ERROR_EXIT
+        preempted = preempt.read_preempted_record(args.report)
+        if code and preempted:
+            log(f"train: {preempted['message']} (exit {PREEMPTED_EXIT})")
+            return PREEMPTED_EXIT
+        return code
+    return train_worker(args)
+
+
+def train_worker(args) -> int:
+    """One rank. It dies with its launcher, and stops on SIGINT/SIGTERM after saving its step (exit 75)."""
+    preempt.die_with_parent()
+    # from the first moment: a signal while the model loads is acted on at the first step's end
+    stop = preempt.install(CheckpointSettings().preempt_grace_s)
+
+    def body(params):
+        stop.grace_s = params.checkpoint.preempt_grace_s
+        return train_rank(
             params,
             args.shards,
             args.base_dir,
@@ -75,8 +94,19 @@ def main(argv: list[str] | None = None) -> int:
             args.logs_dir,
             log=log,
             hash_cache=args.hash_cache,
-        ),
-    )
+        )
+
+    try:
+        return run_entry("train", args, body)
+    except preempt.Preempted as stopped:
+        if os.environ.get("RANK", "0") == "0":  # one record, written after rank 0's checkpoint is published
+            preempt.write_preempted_record(args.report, "train", stopped.step, stopped.signum)
+            log(f"train: {stopped} (exit {PREEMPTED_EXIT})")
+        # saved, recorded, trackers and logs closed: skip the interpreter's teardown, which with torch loaded
+        # takes seconds of garbage collection on a busy machine (the grace is for saving, not for tidying up)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(PREEMPTED_EXIT)
 
 
 if __name__ == "__main__":

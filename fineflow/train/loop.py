@@ -348,8 +348,13 @@ def fit(
 ) -> FitResult:
     """Run optimizer steps start_step+1 .. cfg.steps on the batches the loader prepares (after a resume,
     the loader's sampler, the weights and the optimizer were restored to start_step); returns the report's
-    figures."""
+    figures.
+
+    A stop signal (SIGTERM: preemption; SIGINT: Ctrl-C; noted by fineflow.train.preempt) lets the step in
+    progress finish, saves that step, waits for the write and raises preempt.Preempted: a retry resumes there."""
     import torch
+
+    from fineflow.train import preempt
 
     model.train()
     started = time.perf_counter()
@@ -402,10 +407,14 @@ def fit(
         optimizer.zero_grad(set_to_none=True)
         timer.add("optimizer_s", time.perf_counter() - t0)
 
+        # a stop signal rides on the loss all-reduce: every rank learns of it at the same step, without a
+        # collective of its own, whichever rank (or how many) got the signal
+        stop = float(preempt.stop_signal() is not None)
         reduced = accelerator.reduce(
-            torch.tensor([step_loss], dtype=torch.float64, device=accelerator.device), reduction="sum"
+            torch.tensor([step_loss, stop], dtype=torch.float64, device=accelerator.device), reduction="sum"
         )
         loss_value = float(reduced[0]) / max(1, global_targets)
+        stopping = float(reduced[1]) > 0
         if not math.isfinite(loss_value):
             raise FineflowError(
                 f"training stopped at step {step}: the loss is {loss_value}. Lower train.lr "
@@ -418,7 +427,7 @@ def fit(
             step_eval = eval_loss = evaluate_loss(
                 model, eval_shard, cfg.micro_batch_size, accelerator, varlen=cfg.attention == "varlen"
             )
-        if saver.due(step, cfg.steps, accelerator):
+        if stopping or saver.due(step, cfg.steps, accelerator):  # stopping: the same on every rank
             t0 = time.perf_counter()  # the stall: async saves block only for the copy to host memory
             saver.save(
                 accelerator,
@@ -458,6 +467,11 @@ def fit(
             accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step=step)
             if progress is not None:
                 progress.update(step, record)
+        if stopping:
+            if saver.manager is not None:
+                saver.manager.wait()  # rank 0: the step's checkpoint is published before the process exits
+            accelerator.end_training()  # trackers flushed, as at a normal end
+            raise preempt.Preempted(step, preempt.stop_signal())
     return FitResult(
         cfg.steps,
         loss_value,

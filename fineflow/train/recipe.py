@@ -10,7 +10,6 @@ checkpoint manager (``fineflow.checkpoint``), save the model. Only rank 0 writes
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 from fineflow.config import Params, TrainParams
@@ -24,6 +23,7 @@ from fineflow.train.launch import (
     resolve_profile,
 )
 from fineflow.train.model import build_model, save_model
+from fineflow.train.preempt import run_ranks
 from fineflow.train.sizing import GiB, check_hardware, fit_plan, sharding_of, world_size
 
 
@@ -58,7 +58,8 @@ def launch_ranks(params: Params, module: str, argv: list[str], placement: dict, 
         main_process_ip=placement["main_process_ip"],
     )
     log(f"launching: {' '.join(command[2:])}")
-    return subprocess.run(command, env={**os.environ, **env}).returncode
+    # its own process group: a stop signal reaches the ranks once, forwarded (fineflow.train.preempt)
+    return run_ranks(command, {**os.environ, **env}, params.checkpoint.preempt_grace_s, log)
 
 
 def init_tracker(accelerator, params: Params, cfg: TrainParams, start_step: int = 0) -> None:
