@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fineflow.errors import ConfigError
 
@@ -70,6 +70,13 @@ class DataParams(_Section):
     bad_row_share: float = Field(0.03, ge=0, lt=0.5)  # deliberately bad rows so validation has work
     format: Literal["auto", "jsonl", "csv", "parquet"] = "auto"  # auto: by file extension
     mapping: FieldMapping = Field(default_factory=lambda: FieldMapping())
+
+    @field_validator("train_path", "eval_path")
+    @classmethod
+    def _quotable(cls, path: str) -> str:
+        if "'" in path or "\n" in path:  # dvc.yaml puts the path in single quotes on the validate command line
+            raise ValueError("must not contain a single quote or a newline (dvc.yaml quotes the path with ')")
+        return path
 
 
 class FieldMapping(_Section):
@@ -126,10 +133,24 @@ class ValidateParams(_Section):
     checks: ValidationChecks = ValidationChecks()
 
 
+# Shards store position ids as uint16 (fineflow.tokenize.shards.POSITION_DTYPE): a row holds positions 0..65,535.
+MAX_SEQ_LEN = 2**16
+
+
 class TokenizeParams(_Section):
     seq_len: int = Field(512, gt=8)  # packed row length; examples longer than this are truncated
     workers: int = Field(1, gt=0)  # tokenizer processes; the output is identical for any count
     pack_window: int = Field(20000, gt=0)  # examples packed together; bounds memory, not the result much
+
+    @field_validator("seq_len")
+    @classmethod
+    def _positions_fit(cls, seq_len: int) -> int:
+        if seq_len > MAX_SEQ_LEN:
+            raise ValueError(
+                f"must be <= {MAX_SEQ_LEN:,}: shards store position ids as uint16, and a longer row's positions "
+                f"would wrap around"
+            )
+        return seq_len
 
 
 class LoraParams(_Section):

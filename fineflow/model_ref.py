@@ -113,7 +113,8 @@ def read_base_digest(reference: str, fingerprint: Path | None = None, cache_dir:
         try:
             return base_digest(read_json(fingerprint))
         except (OSError, ValueError) as exc:
-            raise FineflowError(f"{fingerprint}: cannot read the base fingerprint ({exc}); run the fingerprint stage")
+            message = f"{fingerprint}: cannot read the base fingerprint ({exc}); run the fingerprint stage"
+            raise FineflowError(message) from None
     return base_digest(base_identity(reference, cache_dir))
 
 

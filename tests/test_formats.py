@@ -43,13 +43,13 @@ def test_wrong_mapping_is_a_clear_error(tmp_path):
         match=r"data.mapping.output is 'answer', but no row has that column "
         r"\(columns found: \['completion', 'prompt'\]\)",
     ):
-        apply_mapping(read_rows(path), FieldMapping(instruction="prompt", input=None, output="answer"), str(path))
+        list(apply_mapping(read_rows(path), FieldMapping(instruction="prompt", input=None, output="answer"), str(path)))
 
 
 def test_csv_rows_are_numbered_by_file_line_and_ragged_rows_quarantined(tmp_path):
     path = tmp_path / "d.csv"
     path.write_text('instruction,output\n"multi\nline",x\na,b,EXTRA\n')
-    rows = read_rows(path)
+    rows = list(read_rows(path))
     assert [row.line for row in rows] == [3, 4]
     assert rows[1].reasons == [f"{path}:4: more cells than the header has columns"]
 
@@ -64,13 +64,13 @@ def test_non_utf8_csv_names_the_line(tmp_path):
     path = tmp_path / "d.csv"
     path.write_bytes(b"instruction,output\na,b\nc,\xff\n")
     with pytest.raises(DataError, match=rf"{path}:3: not UTF-8"):
-        read_rows(path)
+        list(read_rows(path))
 
 
 def test_not_parquet_is_a_clear_error(tmp_path):
     (tmp_path / "d.parquet").write_text("not parquet")
     with pytest.raises(DataError, match="cannot read the file as Parquet"):
-        read_rows(tmp_path / "d.parquet")
+        list(read_rows(tmp_path / "d.parquet"))
 
 
 CHAT = FieldMapping(messages="messages")
@@ -96,7 +96,7 @@ def test_chat_messages_become_instruction_and_response(tmp_path):
     ]
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    mapped = apply_mapping(read_rows(path), CHAT, str(path))
+    mapped = list(apply_mapping(read_rows(path), CHAT, str(path)))
     assert {k: v for k, v in mapped[0].data.items() if k != "messages"} == {
         "instruction": "Be brief.\nSay hi.",
         "input": "",
@@ -135,7 +135,7 @@ def test_malformed_chat_rows_are_quarantined_with_the_reason(tmp_path, messages,
 def test_chat_mapping_to_a_missing_column_is_a_clear_error(tmp_path):
     path = write_all_formats(tmp_path)[0]
     with pytest.raises(DataError, match="data.mapping.messages is 'messages', but no row has that column"):
-        apply_mapping(read_rows(path), CHAT, str(path))
+        list(apply_mapping(read_rows(path), CHAT, str(path)))
 
 
 # A strict chat template in the style of Llama-2's: roles must alternate user/assistant after an optional
@@ -169,7 +169,7 @@ def test_chat_rows_render_through_the_tokenizers_chat_template(built, tmp_path):
         {"role": "user", "content": "Say hi."},
         {"role": "assistant", "content": "hi"},
     ]
-    [row] = apply_mapping([Row(1, {"messages": messages})], CHAT, "chat.jsonl")
+    [row] = apply_mapping([Row(1, {"messages": messages})], CHAT, "chat.jsonl")  # a stream of one
     prompt, response = render_pair(tokenizer, row.data)
     assert prompt == "<<SYS>>Be brief.<</SYS>>[INST] Say hi. [/INST]" and response == " hi"
     batch = encode_batch(tokenizer, [row.data])
@@ -178,7 +178,7 @@ def test_chat_rows_render_through_the_tokenizers_chat_template(built, tmp_path):
 
 
 def test_chat_template_check_quarantines_conversations_the_template_rejects(built, tmp_path):
-    from fineflow.data.validation import TokenView
+    from fineflow.data.tokens import TokenView
 
     good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     bad = [
@@ -195,7 +195,7 @@ def test_chat_template_check_quarantines_conversations_the_template_rejects(buil
     [reason] = outcome.quarantined[0].reasons
     assert reason.startswith(f"{path}:2: failed chat_template_renders(row)") and "must alternate" in reason
     check = next(c for c in outcome.checks if c.category == "chat_template")
-    assert check.failed_lines == [2] and check.severity == "error"
+    assert (check.failed, check.first_failed_lines, check.severity) == (1, [2], "error")
     # the embedded tokenizer has no chat template: chat rows render through the fineflow template
     plain = validate_rows(
         apply_mapping(read_rows(path), CHAT, str(path)),
@@ -213,4 +213,77 @@ def test_json_nested_too_deeply_is_quarantined_not_a_crash(tmp_path):
     good = json.dumps({"instruction": "a", "output": "b"})
     path.write_text(good + "\n" + "[" * 200_000 + "]" * 200_000 + "\n" + good + "\n")
     rows = read_jsonl(path)
-    assert [row.reasons for row in rows] == [[], [f"{path}:2: JSON nested too deeply to read"], []]
+    assert [row.reasons for row in rows] == [[], [f"{path}:2: JSON nested too deeply to read (over 100 levels)"], []]
+
+
+# Hostile input: every row below is quarantined with its reason (or read as it is), never a traceback.
+
+
+def test_csv_cells_with_unicode_line_separators_stay_one_row(tmp_path):
+    import csv
+
+    path = tmp_path / "d.csv"
+    cells = [("a\u2028b", "c\u2029d"), ("e\x85f", "g\x0bh\x0ci\x1cj"), ('quoted "x"\nsecond line', "k")]
+    with path.open("w", encoding="utf-8", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["instruction", "output"])
+        writer.writerows(cells)
+    rows = list(read_rows(path))
+    assert [(row.line, row.data) for row in rows] == [
+        (2, {"instruction": "a\u2028b", "output": "c\u2029d"}),
+        (3, {"instruction": "e\x85f", "output": "g\x0bh\x0ci\x1cj"}),
+        (5, {"instruction": 'quoted "x"\nsecond line', "output": "k"}),  # a record spans lines 4-5
+    ]
+
+
+def test_json_object_with_a_duplicate_key_is_quarantined_as_ambiguous(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        '{"instruction": "a", "output": "b"}\n'
+        '{"instruction": "a", "output": "safe", "output": "other"}\n'
+        '{"messages": [{"role": "user", "role": "assistant", "content": "x"}], "instruction": "c", "output": "d"}\n'
+    )
+    outcome = validate_rows(read_rows(path), str(path), ValidateParams(max_bad_share=1.0))
+    assert [row.line for row in outcome.kept] == [1]
+    assert [row.reasons for row in outcome.quarantined] == [
+        [f'{path}:2: ambiguous JSON: key "output" appears twice in one object'],
+        [f'{path}:3: ambiguous JSON: key "role" appears twice in one object'],  # nested objects too
+    ]
+
+
+@pytest.mark.parametrize("depth", [150, 900, 100_000])
+def test_deeply_nested_values_are_quarantined_not_a_recursion_error(tmp_path, depth):
+    """900 levels parse (json's limit is ~1,000) but crashed GX's pickling of the frame with a RecursionError;
+    100,000 levels do not parse at all."""
+    path = tmp_path / "t.jsonl"
+    nested = "[" * depth + "]" * depth
+    path.write_text(
+        '{"instruction": "a", "output": "b"}\n'
+        f'{{"instruction": "a", "output": {nested}}}\n'
+        f'{{"instruction": "a", "output": "b", "unmapped": {nested}}}\n'  # checked before mapping drops it
+    )
+    outcome = validate_rows(read_rows(path), str(path), ValidateParams(max_bad_share=1.0))
+    assert [row.line for row in outcome.kept] == [1]
+    reason = "JSON nested too deeply to read (over 100 levels)"
+    assert [row.reasons for row in outcome.quarantined] == [[f"{path}:2: {reason}"], [f"{path}:3: {reason}"]]
+
+
+def test_lone_surrogate_is_quarantined_so_the_outputs_stay_writable(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        '{"instruction": "a", "output": "b"}\n'
+        '{"instruction": "a\\ud800", "output": "b"}\n'
+        '{"instruction": "emoji \\ud83d\\ude00", "output": "b"}\n'  # a whole pair is one character: fine
+    )
+    outcome = validate_rows(read_rows(path), str(path), ValidateParams(max_bad_share=1.0))
+    assert [row.line for row in outcome.kept] == [1, 3] and outcome.kept[1].data["instruction"] == "emoji \U0001f600"
+    [bad] = outcome.quarantined
+    assert bad.reasons == [f"{path}:2: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text"]
+
+
+def test_a_csv_cell_of_megabytes_is_a_row_for_the_gate_not_a_file_error(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text("instruction,output\na,b\n" + "x" * 2_000_000 + ",c\n", encoding="utf-8")
+    outcome = validate_rows(read_rows(path), str(path), ValidateParams(max_bad_share=1.0))
+    assert [row.line for row in outcome.kept] == [2]
+    assert outcome.quarantined[0].reasons == [f"{path}:3: failed length_chars(text)"]

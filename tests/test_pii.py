@@ -47,3 +47,61 @@ def test_luhn():
 def test_redact_replaces_spans_with_typed_placeholders():
     text = "mail a@b.io, card 4111111111111111, ip 8.8.8.8"
     assert redact(text, find_pii(text)) == "mail [EMAIL], card [CREDIT_CARD], ip [IPV4]"
+
+
+def test_overlapping_kinds_keep_the_first_kind_and_every_match_in_order():
+    text = "card 4111 1111 1111 1111 or call (415) 555-0100, ip 10.0.0.1 and 10.0.0.2"
+    assert [(s.kind, text[s.start : s.end]) for s in find_pii(text)] == [
+        ("credit_card", "4111 1111 1111 1111"),  # not also a phone
+        ("phone", "(415) 555-0100"),
+        ("ipv4", "10.0.0.1"),
+        ("ipv4", "10.0.0.2"),
+    ]
+
+
+@pytest.mark.parametrize("text", ["300.1.1.1", "1.2.3.04", "1.2.3.4.5", "a" * 65 + "@example.com"])
+def test_what_only_looks_like_an_address_is_not_pii(text):
+    assert find_pii(text) == []  # octets above 255 or with a leading zero; a local part longer than RFC's 64
+
+
+# Hostile rows: long runs without separators. Each input is 2 MB; the scan must take time linear in it. The
+# quadratic e-mail pattern main had needed hours on the first of them; the bound below is a hang detector
+# (fixed, all of them take a few seconds on a loaded 2-core machine), not a timing threshold.
+HOSTILE = [
+    '"a" * N',
+    '"a@" * (N // 2)',
+    '("a" * 60 + "@") * (N // 61)',
+    '"a." * (N // 2)',
+    '"a@" + "a-" * (N // 2)',
+    '"xoxb-" + "-" * N',
+    '"token=" * (N // 6)',
+    '"-----BEGIN " + "A" * N',
+    '"1 " * (N // 2)',
+    '"1.1.1.1 " * (N // 8)',
+]
+
+
+def test_scan_time_is_linear_on_long_runs_without_separators():
+    import subprocess
+    import sys
+
+    code = "\n".join(
+        ["from fineflow.data.pii import find_pii", "N = 2_000_000"]
+        + [f"find_pii({expr})" for expr in HOSTILE]
+        + ["print('done')"]
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "done", out.stderr
+
+
+def test_preview_replaces_pii_even_across_its_cut():
+    from fineflow.data.pii import PREVIEW_CHARS, redacted_preview
+
+    card = "4111 1111 1111 1111"
+    head = "x" * (PREVIEW_CHARS - 5)  # the card starts 5 characters before the cut and ends after it
+    preview = redacted_preview(f"{head}{card} and mail bob@example.com")
+    assert preview == f"{head}[CREDIT_CARD]…"
+    assert redacted_preview("mail bob@example.com now") == "mail [EMAIL] now"
+    key = "sk_live_" + "A" * 5000  # an open-ended secret longer than the scanned window still matches
+    assert redacted_preview(f"key {key}") == "key [SECRET]…"
+    assert redacted_preview("y" * 500) == "y" * PREVIEW_CHARS + "…"

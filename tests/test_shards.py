@@ -220,3 +220,30 @@ def test_loader_reraises_a_failure_from_its_thread(tmp_path):
     loader = BatchLoader(shard, sampler, 1, 1, steps=3, prefetch=2)
     with pytest.raises(OSError, match="disk went away"):
         next(loader)
+
+
+def test_seq_len_beyond_the_position_dtype_is_a_params_error():
+    """positions.bin stores position ids as uint16: a longer row would wrap them around to 0 silently."""
+    import numpy as np
+
+    from fineflow.config import MAX_SEQ_LEN, parse_params
+    from fineflow.errors import ConfigError
+    from fineflow.tokenize.shards import POSITION_DTYPE
+
+    assert MAX_SEQ_LEN == np.iinfo(POSITION_DTYPE).max + 1  # the params bound is the shard format's
+    assert parse_params({"tokenize": {"seq_len": MAX_SEQ_LEN}}).tokenize.seq_len == MAX_SEQ_LEN
+    with pytest.raises(ConfigError, match=r"tokenize\.seq_len: must be <= 65,536: shards store position ids as uint16"):
+        parse_params({"tokenize": {"seq_len": MAX_SEQ_LEN + 1}})
+
+
+def test_a_row_of_max_seq_len_keeps_every_position():
+    import numpy as np
+
+    from fineflow.config import MAX_SEQ_LEN
+    from fineflow.tokenize.shards import pack_examples
+    from fineflow.tokenize.template import EncodedBatch
+
+    ids = np.arange(MAX_SEQ_LEN, dtype=np.int64) % 100
+    batch = EncodedBatch(ids, np.ones(MAX_SEQ_LEN, dtype=np.uint8), np.array([MAX_SEQ_LEN]))
+    arrays, truncated = pack_examples(batch, MAX_SEQ_LEN, pad_id=0, dtype=np.dtype(np.uint16))
+    assert truncated == 0 and arrays.positions[0, -1] == MAX_SEQ_LEN - 1

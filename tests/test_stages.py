@@ -61,7 +61,7 @@ def test_validate_renders_data_docs_of_the_suite(built):
     assert (docs / "train/index.html").exists() and (docs / "eval/index.html").exists()
     [page] = (docs / "train/validations").rglob("*.html")
     html = page.read_text()
-    for column in ("pii_kinds", "eval_overlap", "norm_key", "output"):  # the suite's checks are on the page
+    for column in ("pii_kinds", "eval_overlap", "near_duplicate_of", "output"):  # the suite's checks are on the page
         assert column in html
 
 

@@ -194,12 +194,12 @@ def test_empty_file_is_a_clear_error(tmp_path):
     path = tmp_path / "empty.jsonl"
     path.write_text("")
     with pytest.raises(DataError, match=rf"{path}: the file is empty"):
-        read_jsonl(path)
+        list(read_jsonl(path))  # readers stream: the error comes with the first row asked for
 
 
 def test_unreadable_path_is_a_clear_error(tmp_path):
     with pytest.raises(DataError, match="cannot read the file"):
-        read_jsonl(tmp_path / "missing.jsonl")
+        list(read_jsonl(tmp_path / "missing.jsonl"))
 
 
 def test_byte_order_mark_is_accepted(tmp_path):
@@ -310,7 +310,7 @@ def test_fifty_megabyte_row_is_quarantined_not_a_crash(tmp_path):
 
 def test_token_checks_flag_truncation_and_quarantine_rows_with_nothing_to_train(tmp_path):
     from fineflow.base.model import train_tokenizer
-    from fineflow.data.validation import TokenView
+    from fineflow.data.tokens import TokenView
 
     tokenizer = train_tokenizer(
         ["say hi and bye to everyone in the room " * 3] * 50, vocab_size=300, model_max_length=128
@@ -342,7 +342,7 @@ def _tiny_tokenizer():
 
 def test_every_reported_check_is_declared_once_in_suite_order(tmp_path):
     from fineflow.data.overlap import LeakIndex
-    from fineflow.data.validation import TokenView
+    from fineflow.data.tokens import TokenView
 
     path = write(tmp_path / "t.jsonl", [json.dumps(GOOD), json.dumps({**GOOD, "output": "bye"})])
     outcome = validate_rows(
@@ -402,3 +402,142 @@ def test_a_new_declaration_alone_runs_reports_and_explains_itself(tmp_path, monk
     outcome = validate_rows(read_jsonl(path), str(path), warn)
     assert not outcome.quarantined
     assert outcome.kept[1].warnings == [f"{path}:2: failed min_output_chars(output) (2 characters)"]
+
+
+# What is kept of a rejected row, and a gate that streams in bounded chunks.
+
+
+def test_quarantine_keeps_line_reasons_hash_and_a_redacted_preview_never_the_row(tmp_path):
+    import hashlib
+
+    from fineflow.data.validation import quarantine_record
+
+    secret_row = {
+        **GOOD,
+        "input": "card 4111 1111 1111 1111, mail ann@example.org, key sk_live_4eC39HqLyjWDarjtT1zdp7dc",
+    }
+    broken = '{"instruction": "ssn 123-45-6789 and ' + "x" * 3000
+    path = write(tmp_path / "t.jsonl", [json.dumps(GOOD), json.dumps(secret_row), broken])
+    outcome = validate_rows(read_jsonl(path), str(path), ValidateParams(max_bad_share=1.0))
+    records = [quarantine_record(row, "train") for row in outcome.quarantined]
+    lines = path.read_bytes().split(b"\n")
+    assert records == [
+        {
+            "split": "train",
+            "line": 2,
+            "reasons": [f"{path}:2: failed no_pii(text) (credit_card,email,secret)"],
+            "warnings": [],
+            "sha256": hashlib.sha256(lines[1]).hexdigest(),  # the source line's bytes: find it with sha256sum
+            "preview": '{"instruction": "Say hi.", "input": "card [CREDIT_CARD], mail [EMAIL], key [SECRET]", '
+            '"output": "hi"}',
+        },
+        {
+            "split": "train",
+            "line": 3,
+            "reasons": [f"{path}:3: malformed JSON (Unterminated string starting at at column 17)"],
+            "warnings": [],
+            "sha256": hashlib.sha256(lines[2]).hexdigest(),
+            "preview": '{"instruction": "ssn [SSN] and ' + "x" * 163 + "…",  # the first 200 characters, redacted
+        },
+    ]
+
+
+def _rows_source(n: int, pulled: list[int]):
+    """n rows, built as they are pulled (pulled[0] counts them); rows 301.. copy rows 1..100."""
+    from fineflow.data.formats import Row
+
+    for i in range(1, n + 1):
+        pulled[0] += 1
+        data = {"instruction": "Say.", "input": f"row {i % 100 + 1 if i > 300 else i}", "output": "ok"}
+        yield Row(i, data=data, size=40)
+
+
+def test_rows_stream_through_in_bounded_chunks_and_duplicates_are_found_across_them():
+    from fineflow.data.validation import validate_stream
+
+    pulled, held = [0], []
+
+    class CountingSink:
+        routed = 0
+
+        def kept(self, row):
+            self.routed += 1
+            held.append(pulled[0] - self.routed)  # rows read but not yet handed on
+
+        quarantined = kept
+
+    outcome = validate_stream(
+        _rows_source(500, pulled), "rows", ValidateParams(max_bad_share=1.0), CountingSink(), chunk_rows=50
+    )
+    assert max(held) < 50  # never more than one chunk in memory, whatever the row count
+    assert (outcome.rows_in, outcome.rows_kept, outcome.rows_quarantined) == (500, 300, 200)
+    [unique] = [check for check in outcome.checks if check.name == "unique(row)"]
+    # rows 301.. repeat rows 1..100: the first copy is always in an earlier chunk
+    assert (unique.failed, unique.rows, unique.first_failed_lines[:3]) == (200, 500, [301, 302, 303])
+
+
+def test_chunked_validation_finds_exactly_what_one_chunk_finds(tiny_params, tmp_path):
+    """The bundled data (one bad row of each kind) validated 7 rows at a time: the same reasons, warnings
+    and report as in one chunk — duplicates, near-duplicates and leaks across chunk boundaries included."""
+    from fineflow.data.overlap import LeakIndex
+    from fineflow.data.validation import clean_text
+    from fineflow.stages import data
+
+    paths = {"train": tmp_path / "train.jsonl", "eval": tmp_path / "eval.jsonl"}
+    data.run(tiny_params, paths["train"], paths["eval"])
+    cfg = tiny_params.validate_
+    index = LeakIndex(
+        (clean_text(r) for r in validate_rows(read_jsonl(paths["eval"]), "e", cfg).kept), cfg.leakage_ngram
+    )
+    whole = validate_rows(read_jsonl(paths["train"]), "t", cfg, index)
+    chunked = validate_rows(read_jsonl(paths["train"]), "t", cfg, index, chunk_rows=7)
+    assert [(r.line, r.reasons, r.warnings) for r in chunked.quarantined + chunked.kept] == [
+        (r.line, r.reasons, r.warnings) for r in whole.quarantined + whole.kept
+    ]
+    assert chunked.report() == whole.report() and whole.rows_quarantined == 8
+
+
+def test_data_docs_sum_the_chunks_and_show_no_row_values(tmp_path):
+    rows = [json.dumps({**GOOD, "output": f"hi {i}"}) for i in range(30)]
+    rows[12] = json.dumps({**GOOD, "input": "mail zed@example.com"})
+    rows[25] = json.dumps({**GOOD, "output": ["card 4111 1111 1111 1111"]})  # a list: its value fails type_str
+    path = write(tmp_path / "t.jsonl", rows + [rows[3]])  # and a duplicate: GX's unique check showed the text
+    docs = tmp_path / "docs"
+    outcome = validate_rows(read_jsonl(path), str(path), CFG, docs_dir=docs, chunk_rows=8)
+    assert [row.line for row in outcome.quarantined] == [13, 26, 31]
+    [page] = (docs / "validations").rglob("*.html")
+    html = page.read_text()
+    assert "zed@example.com" not in html and "4111" not in html and "hi 3" not in html
+    assert "31" in html  # the element count of the whole file (four chunks)
+    assert sorted(p.name for p in (docs / "expectations").iterdir()) == ["fineflow_rows.html"]
+
+
+@pytest.mark.slow  # ~20 s: an 8 MB hostile row through every check, token checks included
+def test_a_huge_row_without_separators_validates_in_linear_time(tmp_path):
+    """A row of 8 MB of one letter (the PII scan's and the tokenizer's worst case): the gate runs in a
+    subprocess with a generous bound, as a hang detector — main's e-mail pattern rescanned the run from every
+    position (quadratic: days), and its tokenizer call on the whole row was superlinear too."""
+    import subprocess
+    import sys
+
+    path = write(tmp_path / "t.jsonl", [json.dumps(GOOD), json.dumps({**GOOD, "input": "a" * 8_000_000})])
+    code = f"""
+import json
+from fineflow.base.model import train_tokenizer
+from fineflow.config import ValidateParams
+from fineflow.data.formats import read_jsonl
+from fineflow.data.tokens import TokenView
+from fineflow.data.validation import validate_rows
+tok = train_tokenizer(["say hi and bye to everyone in the room " * 3] * 50, vocab_size=300, model_max_length=128)
+outcome = validate_rows(read_jsonl({str(path)!r}), "t", ValidateParams(max_bad_share=1.0), tokens=TokenView(tok, 64))
+print(json.dumps([[row.line, row.reasons, row.warnings] for row in outcome.quarantined]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    [[line, reasons, [warning]]] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert line == 2 and reasons == [
+        "t:2: failed length_chars(text)",
+        "t:2: failed label_coverage(tokens) (no response token left to train on after truncation)",
+    ]
+    tokens = int(warning.removeprefix("t:2: failed fits_seq_len(tokens) (").split()[0])
+    assert 8_000_000 <= tokens < 8_000_100  # counted in pieces: every character of the row, one token each here

@@ -3,7 +3,8 @@
 A ``Check`` carries everything the gate needs: the name reports and quarantine reasons show, the category
 whose ``validate.checks.<category>`` knob sets its severity and max_share, the column it checks (and how
 that column is derived from the rows when the rows do not have it), when it applies, its great-expectations
-expectation, whether the first copy is kept (duplicates) and the detail its reason adds.
+expectation and the detail its reason adds. The gate runs them a chunk of rows at a time; a check that
+compares a row with the rows before it (duplicates) derives its column from ``CheckContext.seen``.
 fineflow.data.validation builds the frame, the GX suite, the report and the reasons from these alone.
 
 Adding a check means:
@@ -17,17 +18,17 @@ Adding a check means:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from fineflow.config import CheckParams, ValidateParams, ValidationChecks
 from fineflow.data.formats import REQUIRED, Row, example_text
-from fineflow.data.overlap import LeakIndex, normalize
-from fineflow.data.pii import find_pii
+from fineflow.data.overlap import FirstSeen, LeakIndex, normalize, stable_hash
+from fineflow.data.pii import pii_kinds
 
-if TYPE_CHECKING:  # validation imports this module; the token view is only needed for its type here
-    from fineflow.data.validation import TokenView
+if TYPE_CHECKING:  # only its type is needed here
+    from fineflow.data.tokens import TokenView
 
 Expectation = Any  # a great_expectations Expectation; GX is imported only when a suite is built (slow import)
 
@@ -37,11 +38,22 @@ TRUNCATION = "truncation"  # the category whose share the report also shows as t
 
 
 @dataclass
-class CheckContext:
-    """What checks see besides the rows' own columns: the gate's settings and the optional views."""
+class Seen:
+    """What a split's earlier chunks held, for the checks that compare a row with every row before it:
+    64-bit hashes of each distinct text and normalized text, with the line that had it first."""
 
-    rows: list[Row]  # parsed rows only (data is not None)
+    texts: FirstSeen = field(default_factory=FirstSeen)
+    normalized: FirstSeen = field(default_factory=FirstSeen)
+
+
+@dataclass
+class CheckContext:
+    """What checks see of one chunk besides the rows' own columns: the gate's settings, the split's memory
+    of earlier chunks, and the optional views."""
+
+    rows: list[Row]  # the chunk's parsed rows only (data is not None), in file order
     cfg: ValidateParams
+    seen: Seen = field(default_factory=Seen)  # updated as the chunk's duplicate columns are derived
     leak_index: LeakIndex | None = None  # train rows only: n-grams of the eval split
     tokens: TokenView | None = None  # with a base model: rows as the tokenize stage will see them
 
@@ -54,9 +66,13 @@ class CheckContext:
         return [example_text(row.data) for row in self.rows]
 
     @cached_property
+    def normalized(self) -> list[str]:
+        return [normalize(text) for text in self.texts]
+
+    @cached_property
     def measured(self) -> list[tuple[int | None, int | None, str | None]]:
-        """TokenView.measure of every row, once: three token columns come from the same measurement."""
-        return [self.tokens.measure(row.data) for row in self.rows]
+        """TokenView.measure_many of the rows, once: three token columns come from the same measurement."""
+        return self.tokens.measure_many([row.data for row in self.rows])
 
 
 @dataclass(frozen=True, eq=False)  # never compared: it holds the whole frame
@@ -65,7 +81,6 @@ class FailedRow:
 
     frame: Any  # the pandas frame the suite ran on, indexed by source line
     line: int
-    first_line: int | None = None  # checks that keep the first copy: the line of that kept copy
 
     def __getitem__(self, column: str) -> Any:
         return self.frame.at[self.line, column]
@@ -106,8 +121,7 @@ class Check:
     column: str  # the frame column the expectation runs on
     expect: Callable[[str, CheckContext], Expectation]  # (column, context) -> the GX expectation
     derive: Callable[[CheckContext], list] | None = None  # the column's values, one per row; None: read from rows
-    applies: Callable[[CheckContext], bool] = always  # whether the check runs on this file
-    keeps_first: bool = False  # duplicates: the first copy passes, only later copies fail
+    applies: Callable[[CheckContext], bool] = always  # whether the check runs on this chunk of the file
     detail: Callable[[FailedRow], str] = no_detail  # appended to "file:line: failed <name>"
 
     def knobs(self, checks: ValidationChecks) -> CheckParams:
@@ -121,20 +135,28 @@ def _gxe():
     return gxe
 
 
-# Derived columns. Checks that share a column share its derivation; the frame computes it once.
+# Derived columns. Checks that share a column share its derivation; the frame computes it once per chunk. None
+# of them holds a row's text: the frame (and GX's results and Data Docs) carry lengths, lines, kinds, shares.
 
 
-def _texts(ctx: CheckContext) -> list[str]:
-    return ctx.texts
+def _text_chars(ctx: CheckContext) -> list[int]:
+    return [len(text) for text in ctx.texts]
 
 
-def _normalized_texts(ctx: CheckContext) -> list[str]:
-    return [normalize(text) for text in ctx.texts]
+def _duplicate_of(ctx: CheckContext) -> list[int | None]:
+    """The line of the first earlier row with the same text; None for a first copy (it is kept)."""
+    return ctx.seen.texts.first_lines([stable_hash(text) for text in ctx.texts], [row.line for row in ctx.rows])
+
+
+def _near_duplicate_of(ctx: CheckContext) -> list[int | None]:
+    """The same up to case, punctuation and spacing (fineflow.data.overlap.normalize)."""
+    hashes = [stable_hash(norm) for norm in ctx.normalized]
+    return ctx.seen.normalized.first_lines(hashes, [row.line for row in ctx.rows])
 
 
 def _pii_kinds(ctx: CheckContext) -> list[str | None]:
     """The PII kinds found in each row, comma-joined; None when the row is clean."""
-    return [",".join(sorted({span.kind for span in find_pii(text)})) or None for text in ctx.texts]
+    return [",".join(sorted(pii_kinds(text))) or None for text in ctx.texts]
 
 
 def _token_counts(ctx: CheckContext) -> list[int | None]:
@@ -151,7 +173,11 @@ def _render_errors(ctx: CheckContext) -> list[str | None]:
 
 def _eval_overlaps(ctx: CheckContext) -> list[float]:
     """The share of each row's word n-grams that the eval data already contains."""
-    return [ctx.leak_index.overlap(text) for text in ctx.texts]
+    return ctx.leak_index.overlaps(ctx.normalized, normalized=True)
+
+
+def _int(value: Any) -> int:
+    return int(value)  # pandas stores an integer column with gaps (None) as floats
 
 
 def _expect_str(column: str, ctx: CheckContext) -> Expectation:
@@ -192,29 +218,27 @@ CHECKS: list[Check] = [
     Check(
         "length_chars(text)",
         "length_chars",
-        "text",
-        lambda col, ctx: _gxe().ExpectColumnValueLengthsToBeBetween(
+        "text_chars",
+        lambda col, ctx: _gxe().ExpectColumnValuesToBeBetween(
             column=col, min_value=ctx.cfg.min_chars, max_value=ctx.cfg.max_chars
         ),
-        derive=_texts,
+        derive=_text_chars,
     ),
-    Check(
+    Check(  # the first copy passes; every later copy fails, naming the line of the first
         "unique(row)",
         "duplicate",
-        "text",
-        lambda col, ctx: _gxe().ExpectColumnValuesToBeUnique(column=col),
-        derive=_texts,
-        keeps_first=True,
-        detail=lambda row: f" (first seen at line {row.first_line})",
+        "duplicate_of",
+        lambda col, ctx: _gxe().ExpectColumnValuesToBeNull(column=col),
+        derive=_duplicate_of,
+        detail=lambda row: f" (first seen at line {_int(row['duplicate_of'])})",
     ),
     Check(
         "near_unique(normalized)",
         "near_duplicate",
-        "norm_key",
-        lambda col, ctx: _gxe().ExpectColumnValuesToBeUnique(column=col),
-        derive=_normalized_texts,
-        keeps_first=True,
-        detail=lambda row: f" (same as line {row.first_line} up to case/punctuation)",
+        "near_duplicate_of",
+        lambda col, ctx: _gxe().ExpectColumnValuesToBeNull(column=col),
+        derive=_near_duplicate_of,
+        detail=lambda row: f" (same as line {_int(row['near_duplicate_of'])} up to case/punctuation)",
     ),
     Check(
         "no_pii(text)",
@@ -232,7 +256,7 @@ CHECKS: list[Check] = [
         lambda col, ctx: _gxe().ExpectColumnValuesToBeBetween(column=col, max_value=ctx.tokens.seq_len),
         derive=_token_counts,
         applies=with_tokens,
-        detail=lambda row: f" ({row['n_tokens']} tokens, truncated to tokenize.seq_len)",
+        detail=lambda row: f" ({_int(row['n_tokens'])} tokens, truncated to tokenize.seq_len)",
     ),
     Check(
         "label_coverage(tokens)",

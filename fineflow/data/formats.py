@@ -1,21 +1,30 @@
 """Reading instruction rows: JSONL, CSV or Parquet files, chat ``messages``, and the column mapping.
 
-Readers never raise on a bad row: a line that cannot be parsed becomes a ``Row`` without data that carries
-its reason, so the gate (fineflow.data.validation) can quarantine it with everything else. They raise
-``DataError`` only when the whole file is unusable (unreadable, empty, wrong format).
+Readers stream: they yield one ``Row`` at a time, so a file of any size is read in bounded memory. They never
+raise on a bad row: a row that cannot be used becomes a ``Row`` without data that carries its reason (bad
+JSON, not UTF-8, an object with a duplicate key, nesting deeper than ``MAX_NESTING``, a lone surrogate), so
+the gate (fineflow.data.validation) can quarantine it with everything else. They raise ``DataError`` only
+when the whole file is unusable (unreadable, empty, wrong format) — when the stream reaches the problem.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fineflow.data.pii import PREVIEW_SOURCE_CHARS, redacted_preview
 from fineflow.errors import DataError
 
 # The record every source is mapped onto (apply_mapping); the gate checks it and the tokenizer renders it.
 REQUIRED = ("instruction", "output")
 OPTIONAL = ("input",)
+# Instruction data nests a few levels (chat: row -> messages -> message). Deeper rows are hostile or broken,
+# and values nested near Python's recursion limit crash whatever later walks them (pickling, repr).
+MAX_NESTING = 100
 
 
 def example_text(data: dict) -> str:
@@ -30,117 +39,217 @@ class Row:
 
     line: int  # 1-based line number in the source file
     data: dict | None = None  # parsed object, None when it could not be parsed
-    raw: str = ""  # raw text, kept for rows that could not be parsed
+    raw: str = ""  # the start of the raw text (PREVIEW_SOURCE_CHARS), kept for rows that could not be parsed
     reasons: list[str] = field(default_factory=list)  # failed error-severity checks: the row is quarantined
     warnings: list[str] = field(default_factory=list)  # failed warn-severity checks: kept, reported
     redacted: list[str] = field(default_factory=list)  # PII kinds replaced by placeholders (pii: redact)
+    digest: str = ""  # sha256 of the row's source bytes: names a rejected row without keeping it
+    size: int = 0  # source bytes: the gate bounds its chunks by them
 
 
-def read_jsonl(path: str | Path) -> list[Row]:
-    """Every line of a JSONL file as a Row; unparseable lines carry their reason instead of raising."""
-    path = Path(path)
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _object_without_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    """json's object hook: a key given twice makes the row ambiguous (json.loads would keep the last value)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(key for key, _ in pairs if key in seen or seen.add(key)))
+    return obj
+
+
+def nesting_exceeds(value: object, limit: int = MAX_NESTING) -> bool:
+    """Whether lists/dicts nest deeper than limit; iterative, so a deep value cannot exhaust the stack."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(value: object) -> bool:
+    """A string holding half of a UTF-16 pair ("\\ud800"): valid JSON, but no UTF-8 file can hold it."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
+
+
+def _short(key: str) -> str:
+    return redacted_preview(key, 40)  # a key is structure, but it is still the user's text
+
+
+def parse_json_row(raw_line: bytes, where: str) -> tuple[dict | None, str | None]:
+    """(object, None) from one JSONL line, or (None, why the line cannot be a row)."""
     try:
-        blob = path.read_bytes()
+        text = raw_line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return None, f"{where}: not UTF-8 (byte {exc.start})"
+    try:
+        obj = json.loads(text, object_pairs_hook=_object_without_duplicates)
+    except _DuplicateKey as exc:
+        return None, f'{where}: ambiguous JSON: key "{_short(str(exc))}" appears twice in one object'
+    except json.JSONDecodeError as exc:
+        return None, f"{where}: malformed JSON ({exc.msg} at column {exc.colno})"
+    except RecursionError:  # thousands of nested [ or {: Python's parser gives up
+        return None, f"{where}: JSON nested too deeply to read (over {MAX_NESTING} levels)"
+    if not isinstance(obj, dict):
+        return None, f"{where}: expected a JSON object, got {type(obj).__name__}"
+    if nesting_exceeds(obj):
+        return None, f"{where}: JSON nested too deeply to read (over {MAX_NESTING} levels)"
+    if _SURROGATE_ESCAPE.search(raw_line) and _has_lone_surrogate(obj):
+        return None, f"{where}: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text"
+    return obj, None
+
+
+def _open(path: Path):
+    try:
+        return path.open("rb")
     except OSError as exc:
         raise DataError(f"{path}: cannot read the file ({exc.strerror})") from None
-    if blob.startswith(b"\xef\xbb\xbf"):
-        blob = blob[3:]  # a UTF-8 byte-order mark is harmless; strip it rather than fail line 1
-    rows: list[Row] = []
-    for number, raw_line in enumerate(blob.split(b"\n"), start=1):
-        if not raw_line.strip():
-            continue
-        try:
-            text = raw_line.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            rows.append(
-                Row(
-                    number,
-                    raw=raw_line.decode("utf-8", "replace"),
-                    reasons=[f"{path}:{number}: not UTF-8 (byte {exc.start})"],
-                )
-            )
-            continue
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as exc:
-            rows.append(
-                Row(
-                    number,
-                    raw=text[:1000],
-                    reasons=[f"{path}:{number}: malformed JSON ({exc.msg} at column {exc.colno})"],
-                )
-            )
-            continue
-        except RecursionError:  # thousands of nested [ or {: Python's parser gives up; the row is quarantined
-            rows.append(Row(number, raw=text[:1000], reasons=[f"{path}:{number}: JSON nested too deeply to read"]))
-            continue
-        if not isinstance(obj, dict):
-            rows.append(
-                Row(
-                    number,
-                    raw=text[:1000],
-                    reasons=[f"{path}:{number}: expected a JSON object, got {type(obj).__name__}"],
-                )
-            )
-            continue
-        rows.append(Row(number, data=obj))
-    if not rows:
+
+
+def read_jsonl(path: str | Path) -> Iterator[Row]:
+    """Every line of a JSONL file as a Row, one at a time; unusable lines carry their reason."""
+    path = Path(path)
+    any_rows = False
+    with _open(path) as fh:
+        for number, raw_line in enumerate(fh, start=1):  # binary lines: split on \n only, never on U+2028
+            raw_line = raw_line.rstrip(b"\n")
+            if number == 1 and raw_line.startswith(b"\xef\xbb\xbf"):
+                raw_line = raw_line[3:]  # a UTF-8 byte-order mark is harmless; strip it rather than fail line 1
+            if not raw_line.strip():
+                continue
+            any_rows = True
+            obj, problem = parse_json_row(raw_line, f"{path}:{number}")
+            digest, size = hashlib.sha256(raw_line).hexdigest(), len(raw_line)
+            raw = raw_line[: 4 * PREVIEW_SOURCE_CHARS].decode("utf-8", "replace")[:PREVIEW_SOURCE_CHARS]
+            del raw_line  # not held while the row is checked: a line can be many megabytes
+            if problem:
+                yield Row(number, raw=raw, reasons=[problem], digest=digest, size=size)
+            else:
+                yield Row(number, data=obj, digest=digest, size=size)
+    if not any_rows:
         raise DataError(
             f"{path}: the file is empty (no rows); point data.train_path at a JSONL file with one object per line"
         )
-    return rows
 
 
-def read_csv(path: str | Path) -> list[Row]:
-    """Every record of a CSV file (header first) as a Row numbered by its line in the file."""
+class _CsvLines:
+    """A CSV file's lines for csv.reader, decoded one by one: split on \\n only (str.splitlines would also
+    split cells on U+2028, U+2029, \\x85 ...), a non-UTF-8 line named by its number, and the text of the
+    lines a record used remembered for its digest."""
+
+    def __init__(self, fh, path: Path):
+        self.fh, self.path, self.number, self.taken = fh, path, 0, []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        raw = next(self.fh)
+        self.number += 1
+        if self.number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(
+                f"{self.path}:{self.number}: not UTF-8 (byte {exc.start} of the line); re-encode the file as UTF-8"
+            ) from None
+        self.taken.append(raw)
+        return line
+
+    def take(self) -> bytes:
+        """The bytes of the lines read since the last take (one record's)."""
+        taken, self.taken = b"".join(self.taken), []
+        return taken
+
+
+def read_csv(path: str | Path) -> Iterator[Row]:
+    """Every record of a CSV file (header first) as a Row numbered by its line in the file, one at a time."""
     import csv
 
     path = Path(path)
-    try:
-        text = path.read_bytes().decode("utf-8-sig")
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read the file ({exc.strerror})") from None
-    except UnicodeDecodeError as exc:
-        line = path.read_bytes()[: exc.start].count(b"\n") + 1
-        raise DataError(f"{path}:{line}: not UTF-8 (byte {exc.start}); re-encode the file as UTF-8") from None
-    reader = csv.DictReader(text.splitlines(keepends=True))
-    rows: list[Row] = []
-    try:
-        for record in reader:
-            if None in record:  # more cells than header columns
-                rows.append(
-                    Row(
+    any_rows = False
+    # csv refuses a cell over 128 KiB by default, which would fail the whole file; an over-long row is the
+    # length check's to quarantine, as in JSONL
+    csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))
+    with _open(path) as fh:
+        lines = _CsvLines(fh, path)
+        reader = csv.DictReader(lines)
+        try:
+            if reader.fieldnames is not None:
+                lines.take()  # the header's bytes are no record's
+            for record in reader:
+                source = lines.take()
+                any_rows = True
+                digest = hashlib.sha256(source.strip(b"\r\n")).hexdigest()
+                if None in record:  # more cells than header columns
+                    yield Row(
                         reader.line_num,
-                        raw=str(record)[:1000],
+                        raw=source[: 4 * PREVIEW_SOURCE_CHARS].decode("utf-8", "replace")[:PREVIEW_SOURCE_CHARS],
                         reasons=[f"{path}:{reader.line_num}: more cells than the header has columns"],
+                        digest=digest,
+                        size=len(source),
                     )
-                )
-            else:
-                rows.append(Row(reader.line_num, data={k: v for k, v in record.items() if v is not None}))
-    except csv.Error as exc:
-        raise DataError(f"{path}:{reader.line_num}: malformed CSV ({exc})") from None
-    if not rows:
+                else:
+                    data = {k: v for k, v in record.items() if v is not None}
+                    yield Row(reader.line_num, data=data, digest=digest, size=len(source))
+        except csv.Error as exc:
+            raise DataError(f"{path}:{reader.line_num}: malformed CSV ({exc})") from None
+    if not any_rows:
         raise DataError(f"{path}: the file is empty (no rows below the header)")
-    return rows
 
 
-def read_parquet(path: str | Path) -> list[Row]:
-    """Every row of a Parquet file as a Row numbered from 1."""
+def read_parquet(path: str | Path, batch_rows: int = 10_000) -> Iterator[Row]:
+    """Every row of a Parquet file as a Row numbered from 1, read in record batches."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     path = Path(path)
     try:
-        table = pq.read_table(path)
+        batches = pq.ParquetFile(path).iter_batches(batch_size=batch_rows)
+        number = 0
+        for batch in batches:
+            for record in batch.to_pylist():
+                number += 1
+                data = {k: v for k, v in record.items() if v is not None}
+                canonical = json.dumps(data, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8", "replace")
+                digest = hashlib.sha256(canonical).hexdigest()
+                if nesting_exceeds(data):
+                    reason = f"{path}:{number}: nested too deeply to read (over {MAX_NESTING} levels)"
+                    yield Row(
+                        number,
+                        raw=canonical[:PREVIEW_SOURCE_CHARS].decode("utf-8", "replace"),
+                        reasons=[reason],
+                        digest=digest,
+                        size=len(canonical),
+                    )
+                else:
+                    yield Row(number, data=data, digest=digest, size=len(canonical))
     except (OSError, pa.ArrowException) as exc:
         raise DataError(f"{path}: cannot read the file as Parquet ({exc})") from None
-    rows = [
-        Row(i, data={k: v for k, v in record.items() if v is not None})
-        for i, record in enumerate(table.to_pylist(), start=1)
-    ]
-    if not rows:
+    if not number:
         raise DataError(f"{path}: the file is empty (no rows)")
-    return rows
 
 
 READERS = {"jsonl": read_jsonl, "csv": read_csv, "parquet": read_parquet}
@@ -154,8 +263,8 @@ EXTENSIONS = {
 }
 
 
-def read_rows(path: str | Path, fmt: str = "auto") -> list[Row]:
-    """Rows of a JSONL, CSV or Parquet file; with fmt "auto" the extension decides."""
+def read_rows(path: str | Path, fmt: str = "auto") -> Iterator[Row]:
+    """Rows of a JSONL, CSV or Parquet file, one at a time; with fmt "auto" the extension decides."""
     path = Path(path)
     if fmt == "auto":
         fmt = EXTENSIONS.get(path.suffix.lower())
@@ -202,42 +311,56 @@ def chat_to_record(messages: object) -> tuple[dict | None, str | None]:
     }, None
 
 
-def apply_mapping(rows: list[Row], mapping, source: str) -> list[Row]:
-    """Rename source columns to the internal schema (instruction, input, output), in place.
-
-    A mapped column that no row has is a wrong mapping, not bad rows: raise naming the key and the
-    columns the file does have. A chat row whose messages are malformed is quarantined with the reason.
-    """
+def _wanted_columns(mapping) -> dict[str, str | None]:
     if mapping.messages is not None:
-        wanted = {"messages": mapping.messages}
-    else:
-        wanted = {"instruction": mapping.instruction, "input": mapping.input, "output": mapping.output}
-    present = {key for row in rows if row.data is not None for key in row.data}
-    for field_name, column in wanted.items():
-        if (
-            column is not None
-            and (column != field_name or field_name == "messages")
-            and present
-            and column not in present
-        ):
-            raise DataError(
-                f"{source}: params.yaml data.mapping.{field_name} is {column!r}, but no row has that "
-                f"column (columns found: {sorted(present)})"
-            )
+        return {"messages": mapping.messages}
+    return {"instruction": mapping.instruction, "input": mapping.input, "output": mapping.output}
+
+
+def _renamed(wanted: dict[str, str | None]) -> dict[str, str]:
+    """The mapped columns a file must have somewhere: a renamed one (an identity mapping of a required
+    field that no row has is the schema check's failure, not a wrong mapping)."""
+    return {
+        name: column for name, column in wanted.items() if column is not None and (column != name or name == "messages")
+    }
+
+
+def apply_mapping(rows: Iterable[Row], mapping, source: str) -> Iterator[Row]:
+    """Rename source columns to the internal schema (instruction, input, output), row by row.
+
+    A mapped column that no row has is a wrong mapping, not bad rows: when the stream ends without having
+    seen it, raise naming the key and the columns the file does have. A chat row whose messages are
+    malformed is quarantined with the reason.
+    """
+    wanted = _wanted_columns(mapping)
+    unseen = _renamed(wanted)
+    present: set[str] = set()  # only while some mapped column is unseen, and at most 1,000 names
     for row in rows:
-        if row.data is None:
-            continue
-        if mapping.messages is None:
-            row.data = {
-                field_name: row.data[column]
-                for field_name, column in wanted.items()
-                if column is not None and column in row.data
-            }
-            continue
-        record, problem = chat_to_record(row.data.get(mapping.messages))
-        if problem:
-            row.raw, row.data = json.dumps(row.data, ensure_ascii=False, default=str)[:1000], None
-            row.reasons.append(f"{source}:{row.line}: {problem}")
-        else:
-            row.data = record
-    return rows
+        if row.data is not None and unseen:
+            present.update(list(row.data)[: max(0, 1000 - len(present))])
+            unseen = {name: column for name, column in unseen.items() if column not in row.data}
+        yield _mapped(row, mapping, wanted, source)
+    if unseen and present:
+        name, column = next(iter(unseen.items()))
+        raise DataError(
+            f"{source}: params.yaml data.mapping.{name} is {column!r}, but no row has that "
+            f"column (columns found: {sorted(present)})"
+        )
+
+
+def _mapped(row: Row, mapping, wanted: dict[str, str | None], source: str) -> Row:
+    if row.data is None:
+        return row
+    if mapping.messages is None:
+        row.data = {
+            name: row.data[column] for name, column in wanted.items() if column is not None and column in row.data
+        }
+        return row
+    record, problem = chat_to_record(row.data.get(mapping.messages))
+    if problem:
+        row.raw = json.dumps(row.data, ensure_ascii=False, default=str)[:PREVIEW_SOURCE_CHARS]
+        row.data = None
+        row.reasons.append(f"{source}:{row.line}: {problem}")
+    else:
+        row.data = record
+    return row

@@ -9,6 +9,12 @@ check has a category in ``validate.checks`` that sets its severity: ``error`` qu
 ``warn`` keeps them and reports them.
 Invariant: ``rows_in == rows_kept + rows_quarantined`` — nothing is dropped silently.
 
+The gate streams: rows are checked a chunk at a time (``CHUNK_ROWS`` rows, or fewer that hold
+``CHUNK_BYTES``), each chunk's rows go to a sink (the stage writes them out) before the next is read, and what
+the gate keeps across chunks is compact — hashes for duplicates and leakage (fineflow.data.overlap), counts
+and the first failing lines per check. Peak memory is one chunk plus that, whatever the row count. The GX
+Data Docs show one validation of the whole split: the chunks' results summed, without row values.
+
 A hard failure (a required column absent from the whole file, no rows at all, an error-severity check
 failing on more than its ``max_share`` of the rows, or more quarantined rows than
 ``validate.max_bad_share``) makes ``raise_if_blocked`` raise ``DataError`` naming the file, the first
@@ -17,17 +23,25 @@ offending lines and checks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from fineflow.config import ValidateParams
 from fineflow.data import checks
-from fineflow.data.checks import SCHEMA, TRUNCATION, Check, CheckContext, Expectation, FailedRow
+from fineflow.data.checks import SCHEMA, TRUNCATION, Check, CheckContext, FailedRow, Seen
 from fineflow.data.formats import OPTIONAL, REQUIRED, Row, apply_mapping, example_text, read_rows
+from fineflow.data.gx_suite import GxRunner
 from fineflow.data.overlap import LeakIndex
-from fineflow.data.pii import find_pii, redact
+from fineflow.data.pii import find_pii, redact, redacted_preview
+from fineflow.data.tokens import TokenView
 from fineflow.errors import DataError
-from fineflow.tokenize.template import RenderError, encode_pair, render_pair
+
+CHUNK_ROWS = 10_000  # rows checked together: GX's fixed cost per run (~0.3 s) is amortized, memory stays bounded
+CHUNK_BYTES = 32 << 20  # ... and a chunk of huge rows ends early
+FIRST_LINES = 20  # failing lines a check remembers (and the report shows); the rest are counted
 
 
 @dataclass
@@ -35,14 +49,20 @@ class CheckResult:
     name: str  # e.g. "not_null(output)"
     category: str  # the validate.checks entry that sets its severity and threshold, e.g. "non_null"
     expectation: str  # the GX expectation type
-    failed_lines: list[int]
-    rows: int  # rows the check ran on
+    failed: int = 0  # rows it failed on
+    rows: int = 0  # rows the check ran on
     severity: str = "error"
     max_share: float = 0.0
+    first_failed_lines: list[int] = field(default_factory=list)  # the first FIRST_LINES of them
+
+    def add(self, failed_lines: list[int], rows: int) -> None:
+        self.failed += len(failed_lines)
+        self.rows += rows
+        self.first_failed_lines += failed_lines[: FIRST_LINES - len(self.first_failed_lines)]
 
     @property
     def share(self) -> float:
-        return len(self.failed_lines) / self.rows if self.rows else 0.0
+        return self.failed / self.rows if self.rows else 0.0
 
     @property
     def passed(self) -> bool:
@@ -51,39 +71,40 @@ class CheckResult:
 
 @dataclass
 class ValidationOutcome:
-    source: str
-    kept: list[Row]
-    quarantined: list[Row]
-    checks: list[CheckResult]
-    schema_problems: list[str]
+    """What the report and the gate decision need, bounded in size whatever the row count. ``kept`` and
+    ``quarantined`` hold the rows themselves only when validated in memory (validate_rows)."""
 
-    @property
-    def rows_in(self) -> int:
-        return len(self.kept) + len(self.quarantined)
+    source: str
+    checks: list[CheckResult] = field(default_factory=list)
+    schema_problems: list[str] = field(default_factory=list)
+    rows_in: int = 0
+    rows_kept: int = 0
+    rows_quarantined: int = 0
+    rows_warned: int = 0
+    pii_redacted: dict[str, int] = field(default_factory=dict)
+    first_failures: list[str] = field(default_factory=list)  # reasons of the first quarantined rows
+    kept: list[Row] = field(default_factory=list)
+    quarantined: list[Row] = field(default_factory=list)
 
     def report(self) -> dict:
-        redacted: dict[str, int] = {}
-        for row in self.kept:
-            for kind in row.redacted:
-                redacted[kind] = redacted.get(kind, 0) + 1
         truncation = next((c.share for c in self.checks if c.category == TRUNCATION), None)
         return {
             "rows_in": self.rows_in,
-            "rows_kept": len(self.kept),
-            "rows_quarantined": len(self.quarantined),
+            "rows_kept": self.rows_kept,
+            "rows_quarantined": self.rows_quarantined,
             "truncation_rate": round(truncation, 5) if truncation is not None else None,
-            "rows_warned": sum(1 for row in self.kept if row.warnings),
-            "pii_redacted": redacted,
+            "rows_warned": self.rows_warned,
+            "pii_redacted": dict(sorted(self.pii_redacted.items())),
             "checks": {
                 c.name: {
                     "category": c.category,
                     "expectation": c.expectation,
                     "severity": c.severity,
-                    "failed_rows": len(c.failed_lines),
+                    "failed_rows": c.failed,
                     "share": round(c.share, 5),
                     "max_share": c.max_share,
                     "passed": c.passed,
-                    "first_failed_lines": c.failed_lines[:20],
+                    "first_failed_lines": c.first_failed_lines,
                 }
                 for c in self.checks
             },
@@ -101,28 +122,9 @@ def _redact_row(row: Row) -> None:
                 row.redacted.extend(span.kind for span in spans)
 
 
-@dataclass(frozen=True)
-class TokenView:
-    """How the tokenize stage will see a row: the tokenizer and the packed row length it truncates to."""
-
-    tokenizer: object
-    seq_len: int
-
-    def measure(self, data: dict) -> tuple[int | None, int | None, str | None]:
-        """(tokens in the rendered example, response tokens still trained on after truncation, why the
-        template could not render the row or None)."""
-        row = {c: str(data.get(c) or "") for c in ("instruction", "input", "output")}
-        try:
-            prompt, response = render_pair(self.tokenizer, {**row, "messages": data.get("messages")})
-        except RenderError as exc:
-            return None, None, str(exc)  # only the render check fails; token checks skip (null) the row
-        ids, mask = encode_pair(self.tokenizer, prompt, response)
-        return len(ids), sum(mask[: self.seq_len]), None
-
-
 def _frame(ctx: CheckContext, suite: list[Check]):
-    """The rows as a frame indexed by source line: the record columns they have, then each derived column
-    that an applying check needs, computed once in suite order."""
+    """The chunk's rows as a frame indexed by source line: the record columns they have, then each derived
+    column that an applying check needs, computed once in suite order."""
     import pandas as pd
 
     columns = [c for c in (*REQUIRED, *OPTIONAL) if c in ctx.columns_in_rows]
@@ -142,159 +144,171 @@ def _frame(ctx: CheckContext, suite: list[Check]):
     return frame
 
 
-def _names_by_expectation(suite: list[tuple[Check, Expectation]]) -> dict[tuple[str, str], str]:
-    """Check names keyed by (expectation type, column): GX does not keep the suite's order in its results,
-    so that pair is how a result finds its check; two checks must not share it."""
-    names: dict[tuple[str, str], str] = {}
-    for check, expectation in suite:
-        key = (expectation.expectation_type, expectation.column)
-        if key in names:
-            raise ValueError(
-                f"checks {names[key]} and {check.name} both run {key[0]} on column {key[1]!r}: "
-                f"GX results could not tell them apart"
+class RowSink(Protocol):
+    """Where the gate sends each row once its chunk is checked."""
+
+    def kept(self, row: Row) -> None: ...
+
+    def quarantined(self, row: Row) -> None: ...
+
+
+@dataclass
+class ListSink:
+    """Keeps every row in memory (tests, small files)."""
+
+    kept_rows: list[Row] = field(default_factory=list)
+    quarantined_rows: list[Row] = field(default_factory=list)
+
+    def kept(self, row: Row) -> None:
+        self.kept_rows.append(row)
+
+    def quarantined(self, row: Row) -> None:
+        self.quarantined_rows.append(row)
+
+
+def chunked(rows: Iterable[Row], max_rows: int = CHUNK_ROWS, max_bytes: int = CHUNK_BYTES) -> Iterator[list[Row]]:
+    """Consecutive rows in lists of at most max_rows rows and (but for a single huge row) max_bytes bytes."""
+    chunk, size = [], 0
+    for row in rows:
+        chunk.append(row)
+        size += row.size
+        if len(chunk) >= max_rows or size >= max_bytes:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+class SplitGate:
+    """The gate over one split, fed a chunk at a time: checks each chunk, routes its rows, and keeps only
+    the compact state of the split (hashes, counts, first failing lines)."""
+
+    def __init__(self, source: str, cfg: ValidateParams, leak_index=None, docs_dir=None, tokens=None):
+        self.source, self.cfg, self.leak_index, self.tokens = source, cfg, leak_index, tokens
+        self.outcome = ValidationOutcome(source)
+        self.results: dict[str, CheckResult] = {}
+        self.seen = Seen()
+        self.gx: GxRunner | None = None
+        self.docs_dir = docs_dir
+        self.columns: set[str] = set()  # required columns some parsed row had
+        self.parsed = 0
+        self.first_parsed: list[int] = []
+
+    def check(self, chunk: list[Row]) -> None:
+        """Run every applying check on the chunk's parsed rows; add reasons (error) or warnings (warn)."""
+        parsed = [row for row in chunk if row.data is not None]
+        if not parsed:
+            return
+        if self.cfg.pii == "redact":
+            for row in parsed:
+                _redact_row(row)
+        ctx = CheckContext(parsed, self.cfg, self.seen, self.leak_index, self.tokens)
+        # the declarations are the suite: read at every call, nothing else lists the checks
+        applying = [check for check in checks.CHECKS if check.applies(ctx)]
+        frame = _frame(ctx, applying)
+        suite = [(check, check.expect(check.column, ctx)) for check in applying]
+        if self.gx is None:
+            self.gx = GxRunner(self.docs_dir)
+        failing = self.gx.run(frame, suite, ctx)
+        by_line = {row.line: row for row in parsed}
+        for check, expectation in suite:
+            lines = failing[check.name]
+            knobs = check.knobs(self.cfg.checks)
+            result = self.results.setdefault(
+                check.name,
+                CheckResult(
+                    check.name,
+                    check.category,
+                    expectation.expectation_type,
+                    severity=knobs.severity,
+                    max_share=knobs.max_share,
+                ),
             )
-        names[key] = check.name
-    return names
+            if lines is None:  # a column absent from this chunk: the file-level verdict comes in finish()
+                result.rows += len(parsed)
+                continue
+            result.add(lines, len(parsed))
+            for line in lines:
+                row = by_line[line]
+                (row.reasons if knobs.severity == "error" else row.warnings).append(
+                    f"{self.source}:{line}: failed {check.name}{check.detail(FailedRow(frame, line))}"
+                )
+        for row in parsed:
+            for col in REQUIRED:
+                if col not in row.data:
+                    row.reasons.append(f'{self.source}:{row.line}: field "{col}" is missing')
+        self.columns |= ctx.columns_in_rows & set(REQUIRED)
+        self.parsed += len(parsed)
+        self.first_parsed += [row.line for row in parsed[: FIRST_LINES - len(self.first_parsed)]]
 
+    def route(self, row: Row, sink: RowSink) -> None:
+        outcome = self.outcome
+        outcome.rows_in += 1
+        if row.reasons:
+            outcome.rows_quarantined += 1
+            if outcome.rows_quarantined <= 5:  # the error message quotes the first few
+                outcome.first_failures += row.reasons[:2]
+            sink.quarantined(row)
+            return
+        outcome.rows_kept += 1
+        outcome.rows_warned += bool(row.warnings)
+        for kind in row.redacted:
+            outcome.pii_redacted[kind] = outcome.pii_redacted.get(kind, 0) + 1
+        sink.kept(row)
 
-def _run_gx(frame, suite: list[tuple[Check, Expectation]], docs_dir: Path | None = None) -> dict[str, list[int] | None]:
-    """Run the suite on the frame; return the failing index values (source line numbers) per check.
-
-    A table-level check that fails (a column absent from the file) maps to None: no single row is at fault.
-    With docs_dir, a checkpoint action also renders GX Data Docs (static HTML) there.
-    """
-    import logging
-
-    import great_expectations as gx
-    from great_expectations.checkpoint import UpdateDataDocsAction
-
-    name_of = _names_by_expectation(suite)
-    logging.getLogger("great_expectations").setLevel(logging.ERROR)
-    context = gx.get_context(mode="ephemeral")
-    context.variables.progress_bars = {"globally": False}
-    actions = []
-    if docs_dir is not None:
-        context.add_data_docs_site(
-            "fineflow",
-            {
-                "class_name": "SiteBuilder",
-                "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
-                "store_backend": {
-                    "class_name": "TupleFilesystemStoreBackend",
-                    "base_directory": str(Path(docs_dir).resolve()),
-                },
-            },
+    def finish(self, split: str = "rows") -> ValidationOutcome:
+        """The split's outcome, with the file-level schema verdict; renders the Data Docs."""
+        order = [check.name for check in checks.CHECKS]
+        for col in REQUIRED:
+            result = self.results.get(f"column_exists({col})")
+            if result is not None and col not in self.columns:  # absent from every chunk: from the file
+                self.outcome.schema_problems.append(
+                    f'{self.source}: required field "{col}" is missing from every row ({result.name})'
+                )
+                result.failed, result.first_failed_lines = self.parsed, list(self.first_parsed)
+        self.outcome.checks = sorted(
+            self.results.values(), key=lambda r: order.index(r.name) if r.name in order else len(order)
         )
-        actions.append(UpdateDataDocsAction(name="data_docs", site_names=["fineflow"]))
-    batch_def = (
-        context.data_sources.add_pandas("fineflow")
-        .add_dataframe_asset("rows")
-        .add_batch_definition_whole_dataframe("all")
-    )
-    gx_suite = context.suites.add(gx.ExpectationSuite(name="fineflow_rows"))
-    for _, expectation in suite:
-        gx_suite.add_expectation(expectation)
-    definition = context.validation_definitions.add(
-        gx.ValidationDefinition(name="rows", data=batch_def, suite=gx_suite)
-    )
-    checkpoint = context.checkpoints.add(
-        gx.Checkpoint(
-            name="fineflow",
-            validation_definitions=[definition],
-            actions=actions,
-            result_format={"result_format": "COMPLETE"},
-        )
-    )
-    [result] = checkpoint.run(batch_parameters={"dataframe": frame}).run_results.values()
-    failing: dict[str, list[int] | None] = {check.name: [] for check, _ in suite}
-    for res in result.results:
-        name = name_of[(res.expectation_config.type, res.expectation_config.kwargs["column"])]
-        if res.exception_info.get("raised_exception"):
-            raise DataError(f"validation check {name} could not run: {res.exception_info.get('exception_message')}")
-        if res.expectation_config.type == "expect_column_to_exist":
-            failing[name] = None if not res.success else []
-        else:
-            failing[name] = [int(i) for i in res.result.get("unexpected_index_list") or []]
-    return failing
+        if self.gx is not None:
+            self.gx.render_docs(split, order)
+        return self.outcome
 
 
-def _failures(check: Check, lines: list[int], frame) -> list[FailedRow]:
-    """The rows the check fails on; a keeps_first check keeps the first copy of each value and fails the rest."""
-    if not check.keeps_first:
-        return [FailedRow(frame, line) for line in lines]
-    first_line: dict = {}
-    for line, value in frame[check.column].items():
-        first_line.setdefault(value, line)
-    copies = (FailedRow(frame, line, first_line[frame.at[line, check.column]]) for line in lines)
-    return [row for row in copies if row.line != row.first_line]
+def validate_stream(
+    rows: Iterable[Row],
+    source: str,
+    cfg: ValidateParams,
+    sink: RowSink,
+    leak_index: LeakIndex | None = None,
+    docs_dir: Path | None = None,
+    tokens: TokenView | None = None,
+    split: str = "rows",
+    chunk_rows: int = CHUNK_ROWS,
+) -> ValidationOutcome:
+    """Check rows a chunk at a time, sending each to the sink (kept or quarantined) before the next chunk is
+    read; return the outcome (counts, per-check results)."""
+    gate = SplitGate(source, cfg, leak_index, docs_dir, tokens)
+    for chunk in chunked(rows, chunk_rows):
+        gate.check(chunk)
+        for row in chunk:
+            gate.route(row, sink)
+    return gate.finish(split)
 
 
 def validate_rows(
-    rows: list[Row],
+    rows: Iterable[Row],
     source: str,
     cfg: ValidateParams,
     leak_index: LeakIndex | None = None,
     docs_dir: Path | None = None,
     tokens: TokenView | None = None,
+    chunk_rows: int = CHUNK_ROWS,
 ) -> ValidationOutcome:
-    """Run every applying check on rows; quarantine (error) or flag (warn) failing rows with file:line reasons."""
-    parsed = [row for row in rows if row.data is not None]
-    schema_problems: list[str] = []
-    results: list[CheckResult] = []
-    if parsed:
-        if cfg.pii == "redact":
-            for row in parsed:
-                _redact_row(row)
-        ctx = CheckContext(parsed, cfg, leak_index, tokens)
-        # the declarations are the suite: read at every call, nothing else lists the checks
-        applying = [check for check in checks.CHECKS if check.applies(ctx)]
-        frame = _frame(ctx, applying)
-        suite = [(check, check.expect(check.column, ctx)) for check in applying]
-        failing = _run_gx(frame, suite, docs_dir)
-        by_line = {row.line: row for row in parsed}
-        for check, expectation in suite:
-            knobs = check.knobs(cfg.checks)
-            lines = failing[check.name]
-            if lines is None:  # table-level failure: the column is absent from the whole file
-                schema_problems.append(
-                    f'{source}: required field "{check.column}" is missing from every row ({check.name})'
-                )
-                results.append(
-                    CheckResult(
-                        check.name,
-                        check.category,
-                        expectation.expectation_type,
-                        [row.line for row in parsed],
-                        len(parsed),
-                        knobs.severity,
-                        knobs.max_share,
-                    )
-                )
-                continue
-            failures = _failures(check, lines, frame)
-            results.append(
-                CheckResult(
-                    check.name,
-                    check.category,
-                    expectation.expectation_type,
-                    [failed.line for failed in failures],
-                    len(parsed),
-                    knobs.severity,
-                    knobs.max_share,
-                )
-            )
-            for failed in failures:
-                row = by_line[failed.line]
-                (row.reasons if knobs.severity == "error" else row.warnings).append(
-                    f"{source}:{failed.line}: failed {check.name}{check.detail(failed)}"
-                )
-        for row in parsed:
-            for col in REQUIRED:
-                if col not in row.data:
-                    row.reasons.append(f'{source}:{row.line}: field "{col}" is missing')
-    kept = [row for row in rows if not row.reasons]
-    quarantined = [row for row in rows if row.reasons]
-    return ValidationOutcome(source, kept, quarantined, results, schema_problems)
+    """The gate over rows held in memory (tests, small files): the outcome keeps every row it routed."""
+    sink = ListSink()
+    outcome = validate_stream(rows, source, cfg, sink, leak_index, docs_dir, tokens, chunk_rows=chunk_rows)
+    outcome.kept, outcome.quarantined = sink.kept_rows, sink.quarantined_rows
+    return outcome
 
 
 def raise_if_blocked(outcome: ValidationOutcome, cfg: ValidateParams) -> None:
@@ -303,20 +317,20 @@ def raise_if_blocked(outcome: ValidationOutcome, cfg: ValidateParams) -> None:
     for check in outcome.checks:
         if check.severity == "error" and check.category != SCHEMA and not check.passed:  # schema: above
             problems.append(
-                f"{outcome.source}: check {check.name} failed on {len(check.failed_lines)} of "
+                f"{outcome.source}: check {check.name} failed on {check.failed} of "
                 f"{check.rows} rows ({check.share:.1%}), above validate.checks.{check.category}"
-                f".max_share={check.max_share:g}; first lines: {check.failed_lines[:5]}"
+                f".max_share={check.max_share:g}; first lines: {check.first_failed_lines[:5]}"
             )
-    share = len(outcome.quarantined) / outcome.rows_in
-    if not outcome.kept:
+    share = outcome.rows_quarantined / outcome.rows_in
+    if not outcome.rows_kept:
         problems.append(f"{outcome.source}: every one of the {outcome.rows_in} rows failed validation")
     elif share > cfg.max_bad_share:
         problems.append(
-            f"{outcome.source}: {len(outcome.quarantined)} of {outcome.rows_in} rows "
+            f"{outcome.source}: {outcome.rows_quarantined} of {outcome.rows_in} rows "
             f"({share:.1%}) failed validation, above validate.max_bad_share={cfg.max_bad_share:.0%}"
         )
     if problems:
-        first = [reason for row in outcome.quarantined[:5] for reason in row.reasons[:2]]
+        first = outcome.first_failures
         detail = "\n  ".join(problems + (["first failing rows:"] + first if first else []))
         raise DataError(f"validation failed:\n  {detail}")
 
@@ -338,37 +352,64 @@ def clean_text(row: Row) -> str:
 
 
 def quarantine_record(row: Row, split: str) -> dict:
+    """What is kept of a rejected row: where it was, why, a hash to find it by, and a short preview with every
+    PII span replaced by its placeholder — never the row itself (the quarantine is a DVC output: cached,
+    pushed, shared)."""
+    text = row.raw if row.data is None else json.dumps(row.data, ensure_ascii=False, default=str)
     return {
         "split": split,
         "line": row.line,
         "reasons": row.reasons,
         "warnings": row.warnings,
-        **({"row": row.data} if row.data is not None else {"raw": row.raw}),
+        "sha256": row.digest,
+        "preview": redacted_preview(text),
     }
 
 
 def validate_splits(
-    paths: dict[str, Path], data_cfg, cfg: ValidateParams, tokens: TokenView | None = None, docs_dir: Path | None = None
+    paths: dict[str, Path],
+    data_cfg,
+    cfg: ValidateParams,
+    tokens: TokenView | None = None,
+    docs_dir: Path | None = None,
+    sinks: dict[str, RowSink] | None = None,
 ) -> dict[str, ValidationOutcome]:
-    """Read, map and validate the eval split, then the train split against it: train rows are checked for
-    leakage against what evaluation will score, so a leaked eval row is caught here."""
+    """Stream, map and validate the eval split, then the train split against it: train rows are checked for
+    leakage against what evaluation will score, so a leaked eval row is caught here. Without sinks the rows
+    are kept in memory (the outcomes' kept/quarantined)."""
+    sinks = sinks or {"eval": ListSink(), "train": ListSink()}
 
-    def load(path: Path) -> list:
+    def load(path: Path) -> Iterator[Row]:
         return apply_mapping(read_rows(path, data_cfg.format), data_cfg.mapping, str(path))
 
+    def docs(split: str) -> Path | None:
+        return docs_dir / split if docs_dir else None
+
     eval_path, train_path = Path(paths["eval"]), Path(paths["train"])
+    leak_index = LeakIndex(n=cfg.leakage_ngram)
+    eval_sink = _Tee(sinks["eval"], leak_index)
     outcomes = {
-        "eval": validate_rows(
-            load(eval_path), str(eval_path), cfg, docs_dir=docs_dir / "eval" if docs_dir else None, tokens=tokens
-        )
+        "eval": validate_stream(load(eval_path), str(eval_path), cfg, eval_sink, None, docs("eval"), tokens, "eval")
     }
-    leak_index = LeakIndex((clean_text(row) for row in outcomes["eval"].kept), cfg.leakage_ngram)
-    outcomes["train"] = validate_rows(
-        load(train_path),
-        str(train_path),
-        cfg,
-        leak_index,
-        docs_dir=docs_dir / "train" if docs_dir else None,
-        tokens=tokens,
+    outcomes["train"] = validate_stream(
+        load(train_path), str(train_path), cfg, sinks["train"], leak_index, docs("train"), tokens, "train"
     )
+    for split, outcome in outcomes.items():
+        if isinstance(sinks[split], ListSink):
+            outcome.kept, outcome.quarantined = sinks[split].kept_rows, sinks[split].quarantined_rows
     return outcomes
+
+
+@dataclass
+class _Tee:
+    """The eval split's sink that also indexes every kept eval row for the train split's leakage check."""
+
+    sink: RowSink
+    leak_index: LeakIndex
+
+    def kept(self, row: Row) -> None:
+        self.leak_index.add(clean_text(row))
+        self.sink.kept(row)
+
+    def quarantined(self, row: Row) -> None:
+        self.sink.quarantined(row)

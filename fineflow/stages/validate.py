@@ -6,23 +6,63 @@ Reads JSONL, CSV or Parquet (``data.format``), renamed to instruction/input/outp
         --out data/validated
 
 Writes ``<out>/train.jsonl`` and ``<out>/eval.jsonl`` (kept rows, normalized), ``<out>/quarantine.jsonl``
-(every rejected row with its reasons), ``<out>/redactions.jsonl`` (with ``validate.pii: redact``: which
-row had which PII kinds replaced), the report, and GX Data Docs HTML under ``reports/data_docs/<split>/``
-(its CSS/JS load from CDNs). Train rows are checked for leakage against the eval rows. The report and the
+(every rejected row: its line, reasons, sha256 and a short preview with PII replaced by placeholders — never
+the row itself), ``<out>/redactions.jsonl`` (with ``validate.pii: redact``: which row had which PII kinds
+replaced), the report, and GX Data Docs HTML under ``reports/data_docs/<split>/`` (counts, no row values; its
+CSS/JS load from CDNs). Rows stream through in chunks, each written as soon as it is checked, so memory does
+not grow with the file. Train rows are checked for leakage against the eval rows. The report and the
 quarantine are written even when the gate fails, so a failed run can be inspected; then the stage exits
 non-zero with the reason.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
+from contextlib import ExitStack
 from pathlib import Path
 
 from fineflow.config import Params
-from fineflow.data.validation import TokenView, clean_record, quarantine_record, raise_if_blocked, validate_splits
+from fineflow.data.formats import Row
+from fineflow.data.tokens import TokenView
+from fineflow.data.validation import clean_record, quarantine_record, raise_if_blocked, validate_splits
 from fineflow.errors import DataError
-from fineflow.reports import write_json_atomic, write_jsonl
+from fineflow.reports import write_json_atomic
 from fineflow.stages._entry import log, run_entry, stage_parser
+
+
+class _Files:
+    """The stage's row files, written as the gate routes each row: a split's kept rows, and the quarantine
+    and the redaction log shared by both splits."""
+
+    def __init__(self, stack: ExitStack, out_dir: Path):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir, self.stack = out_dir, stack
+        self.quarantine = self._open("quarantine.jsonl")
+        self.redactions = self._open("redactions.jsonl")
+
+    def _open(self, name: str):
+        return self.stack.enter_context((self.out_dir / name).open("w", encoding="utf-8"))
+
+    def sink(self, split: str) -> _SplitSink:
+        return _SplitSink(split, self._open(f"{split}.jsonl"), self)
+
+
+def _write(fh, record: dict) -> None:
+    fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+class _SplitSink:
+    def __init__(self, split: str, kept_file, files: _Files):
+        self.split, self.kept_file, self.files = split, kept_file, files
+
+    def kept(self, row: Row) -> None:
+        _write(self.kept_file, clean_record(row))
+        if row.redacted:  # pii: redact keeps the row; every replacement is logged (line and kinds, never the value)
+            _write(self.files.redactions, {"split": self.split, "line": row.line, "kinds": row.redacted})
+
+    def quarantined(self, row: Row) -> None:
+        _write(self.files.quarantine, quarantine_record(row, self.split))
 
 
 def run(
@@ -43,27 +83,15 @@ def run(
         tokens = TokenView(load_tokenizer(resolve_base_model(params.model, base_dir)), params.tokenize.seq_len)
     if docs_dir is not None:
         shutil.rmtree(docs_dir, ignore_errors=True)  # one run's docs, not an accumulation of old ones
-    outcomes = validate_splits({"eval": eval_path, "train": train_path}, params.data, cfg, tokens, docs_dir)
+    with ExitStack() as stack:
+        files = _Files(stack, out_dir)
+        sinks = {split: files.sink(split) for split in ("eval", "train")}
+        outcomes = validate_splits({"eval": eval_path, "train": train_path}, params.data, cfg, tokens, docs_dir, sinks)
     for split, outcome in outcomes.items():
-        write_jsonl(out_dir / f"{split}.jsonl", (clean_record(row) for row in outcome.kept))
         log(
-            f"{split}: {outcome.rows_in} rows in, {len(outcome.kept)} kept, "
-            f"{len(outcome.quarantined)} quarantined, {sum(1 for r in outcome.kept if r.warnings)} kept with warnings"
+            f"{split}: {outcome.rows_in} rows in, {outcome.rows_kept} kept, "
+            f"{outcome.rows_quarantined} quarantined, {outcome.rows_warned} kept with warnings"
         )
-    write_jsonl(
-        out_dir / "quarantine.jsonl",
-        (quarantine_record(row, split) for split, o in outcomes.items() for row in o.quarantined),
-    )
-    # pii: redact keeps the rows; every replacement is logged (line and kinds, never the value)
-    write_jsonl(
-        out_dir / "redactions.jsonl",
-        (
-            {"split": split, "line": row.line, "kinds": row.redacted}
-            for split, o in outcomes.items()
-            for row in o.kept
-            if row.redacted
-        ),
-    )
     train = outcomes["train"]
     report = {**train.report(), "eval": outcomes["eval"].report(), "passed": True}
     try:

@@ -27,6 +27,9 @@ from fineflow.tokenize.template import EncodedBatch
 
 FORMAT_VERSION = 2  # 2: exact-fill packing, content key in meta
 SHARD_FILES = ("tokens.bin", "loss_mask.bin", "positions.bin", "examples.idx")
+# Position ids restart per example and never exceed seq_len - 1: uint16 halves positions.bin, and params refuse
+# a tokenize.seq_len above what it holds (fineflow.config.MAX_SEQ_LEN).
+POSITION_DTYPE = np.dtype(np.uint16)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -158,7 +161,7 @@ def pack_examples(encoded: EncodedBatch, seq_len: int, pad_id: int, dtype: np.dt
     mask = np.zeros((len(layout), seq_len), dtype=np.uint8)
     columns = np.arange(seq_len)
     # padding is its own segment (positions from 0 after the last example), never trained on
-    positions = np.where(columns >= used[:, None], columns - used[:, None], 0).astype(np.uint16)
+    positions = np.where(columns >= used[:, None], columns - used[:, None], 0).astype(POSITION_DTYPE)
     tokens.reshape(-1)[target] = encoded.ids[source]
     mask.reshape(-1)[target] = encoded.mask[source]
     positions.reshape(-1)[target] = within
@@ -213,7 +216,7 @@ def expected_sizes(meta: dict) -> dict[str, int]:
     return {
         "tokens.bin": cells * np.dtype(meta["dtype"]).itemsize,
         "loss_mask.bin": cells,
-        "positions.bin": cells * 2,
+        "positions.bin": cells * POSITION_DTYPE.itemsize,
         "examples.idx": meta["examples"] * 3 * 8,
     }
 
@@ -252,7 +255,7 @@ class PackedShard:
         shape = (self.meta["rows"], self.meta["seq_len"])
         self.tokens = np.memmap(self.dir / "tokens.bin", dtype=self.meta["dtype"], mode="r", shape=shape)
         self.loss_mask = np.memmap(self.dir / "loss_mask.bin", dtype=np.uint8, mode="r", shape=shape)
-        self.positions = np.memmap(self.dir / "positions.bin", dtype=np.uint16, mode="r", shape=shape)
+        self.positions = np.memmap(self.dir / "positions.bin", dtype=POSITION_DTYPE, mode="r", shape=shape)
         examples = np.fromfile(self.dir / "examples.idx", dtype=np.int64).reshape(-1, 3)
         # non-pad tokens per row, so throughput counts real tokens, not padding
         self.real_per_row = np.bincount(examples[:, 0], weights=examples[:, 2], minlength=shape[0]).astype(np.int64)
