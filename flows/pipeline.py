@@ -67,8 +67,11 @@ def run_flow(project: Path) -> int:
 
     apply_offline_environment(project)
     # SIGTERM outside Prefect's own handler (which it installs while the flow runs): an orderly stop as well,
-    # so the temporary server is stopped at exit rather than left behind
+    # so the temporary server is stopped at exit rather than left behind. SIGINT gets a handler of its own too:
+    # asyncio swaps its own in for Python's default one (and cancels a coroutine instead of raising) whenever
+    # a coroutine runs in this thread, and that stop could be lost
     signal.signal(signal.SIGTERM, _interrupted)
+    signal.signal(signal.SIGINT, _interrupted)
     # a SIGKILLed supervisor (OOM killer, kill -9) stops the flow too, in order
     preempt.die_with_parent(signal.SIGTERM, parent=int(os.environ[FLOW_PROCESS_ENV]))
     results = fineflow_pipeline(str(project))

@@ -75,25 +75,32 @@ def repro_single(stage: str, project_dir: Path, log) -> bool:
     command = [sys.executable, "-m", "dvc", "repro", "--single-item", stage]
     tail: deque[str] = deque(maxlen=60)
     ran = False  # seen DVC's "Running stage" line (a chatty stage pushes it out of the tail)
-    with subprocess.Popen(
-        command,
-        cwd=project_dir,
-        env=stage_environment(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        bufsize=1,
-        start_new_session=True,  # a terminal's Ctrl-C reaches it only through stop_stage, once
-    ) as proc:
+    with (
+        subprocess.Popen(
+            command,
+            cwd=project_dir,
+            env=stage_environment(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,  # a terminal's Ctrl-C reaches it only through StopStage, once
+        ) as proc,
+        preempt.StopStage(proc.pid) as stop,
+    ):
         try:
             for line in proc.stdout:
+                if stop.signum is not None:  # the flow was stopped but the exception got lost above the handler
+                    raise KeyboardInterrupt(f"stopped by {preempt.signal_name(stop.signum)}")
                 line = line.rstrip()
                 if line:
                     tail.append(line)
                     ran = ran or line.startswith(f"Running stage '{stage}'")
                     log(line)
+            if stop.signum is not None:  # the stage ended on the stop before the lost exception could be raised
+                raise KeyboardInterrupt(f"stopped by {preempt.signal_name(stop.signum)}")
         except BaseException:  # KeyboardInterrupt, Prefect's TerminationSignal, anything: no stage outlives it
-            stop_stage(proc, stage, project_dir, log)
+            stop_stage(proc, stage, project_dir, log, sent=stop.signum is not None)
             raise
     if proc.returncode:
         # `dvc repro` exits 255 for any failed stage command: the stage's error record says which kind it was
@@ -104,13 +111,14 @@ def repro_single(stage: str, project_dir: Path, log) -> bool:
     return ran
 
 
-def stop_stage(proc: subprocess.Popen, stage: str, project_dir: Path, log) -> None:
+def stop_stage(proc: subprocess.Popen, stage: str, project_dir: Path, log, sent: bool = False) -> None:
     """SIGINT to `dvc repro`'s group (DVC ignores it while its stage command runs and returns when that has
-    stopped), its output still streamed; killed, with every process under it, if it outlives the budget."""
+    stopped; sent: StopStage's handler sent it already), its output still streamed; killed, with every process
+    under it, if it outlives the budget."""
     log(f"stopping stage {stage}: SIGINT to dvc repro and the stage")
     drain = threading.Thread(target=_stream, args=(proc.stdout, log), daemon=True)
     drain.start()
-    preempt.stop_group(proc, signal.SIGINT, preempt.budget_s(preempt_grace_s(project_dir), "task"))
+    preempt.stop_group(proc, signal.SIGINT, preempt.budget_s(preempt_grace_s(project_dir), "task"), sent=sent)
     drain.join(timeout=2)  # the last lines; Popen's exit closes the pipe after this
     record = preempt.read_preempted_record(Path(project_dir) / "reports" / f"{stage}.json")
     if record is not None:

@@ -13,6 +13,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -219,6 +220,32 @@ def test_ctrl_c_in_the_task_stops_the_stage_through_dvc_and_reads_its_saved_step
         stages.repro_single("train", tmp_path, _interrupt_at("step 1", tmp_path, seen))
     assert time.monotonic() - seen["at"] < GRACE_S  # the stage stopped at once: no budget ran out
     assert len(seen["processes"]) == 3 and _wait_gone(seen["processes"], 5) == []
+    assert "stage train: stopped by SIGINT after step 7, which is saved: a re-run resumes from it" in seen["lines"]
+
+
+def test_a_ctrl_c_whose_exception_is_swallowed_above_the_task_still_stops_the_stage(tmp_path, monkeypatch):
+    """Seen in the suite: Ctrl-C of the flow, and the train stage ran on to its end. The signal reached the flow
+    process, but its KeyboardInterrupt never reached the task's `except` (code between the handler and the task
+    swallowed it: asyncio cancels a coroutine instead of raising while it runs in the main thread), and the
+    SIGINT for `dvc repro` was only sent from there. Now the handler sends it itself."""
+    stages = _fake_dvc(tmp_path, monkeypatch, "stopping", grace_s=GRACE_S)
+    seen = {"lines": []}
+
+    def log(line):  # a real SIGINT to this process, while "library code" that swallows it runs
+        seen["lines"].append(line)
+        if line == "step 1":
+            seen.update(processes=_pids(tmp_path), at=time.monotonic())
+            threading.Timer(30, lambda: [p.kill() for p in _alive(seen["processes"])]).start()  # never hang
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.5)  # the handler runs here
+            except KeyboardInterrupt:
+                pass
+
+    with pytest.raises(KeyboardInterrupt):  # raised once the stage is down: the flow still ends Crashed
+        stages.repro_single("train", tmp_path, log)
+    assert time.monotonic() - seen["at"] < 20  # stopped by the signal, not by the timer's kill
+    assert _wait_gone(seen["processes"], 5) == []
     assert "stage train: stopped by SIGINT after step 7, which is saved: a re-run resumes from it" in seen["lines"]
 
 

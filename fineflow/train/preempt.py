@@ -203,6 +203,42 @@ class Forwarder:
         return self.at is not None and time.monotonic() - self.at > seconds
 
 
+class StopStage:
+    """The Prefect task's part while `dvc repro` runs (a context manager; inert outside the main thread): the
+    first SIGINT/SIGTERM sends SIGINT to the stage's process group (pid's) from the handler itself, then goes on
+    as the handler it replaced would (KeyboardInterrupt, Prefect's TerminationSignal). Sending it here, not in
+    the code that catches the exception, means the stage stops even when that exception is lost on its way up
+    (library code that catches BaseException; asyncio, which swaps in its own SIGINT handler while a coroutine
+    runs in the main thread, cancels the coroutine instead). Later signals are only noted: one must not cut
+    the stop's bounded wait short. ``signum`` tells the task afterwards that the flow was stopped."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopStage:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._stop)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _stop(self, signum, frame) -> None:
+        if self.signum is not None:
+            return
+        self.signum = signum
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGINT)
+        previous = self._previous.get(signum)
+        if callable(previous):
+            previous(signum, frame)  # raises: KeyboardInterrupt, TerminationSignal
+        raise KeyboardInterrupt(f"stopped by {signal_name(signum)}")
+
+
 def descendants(pid: int) -> list:
     """psutil.Process objects of pid's descendants (they remember their start time: never a reused pid)."""
     import psutil
@@ -263,12 +299,13 @@ def run_ranks(argv: list[str], env: dict[str, str], grace_s: float, log=print) -
     return 128 - code if code < 0 else code
 
 
-def stop_group(proc: subprocess.Popen, sig: int, seconds: float) -> None:
-    """Send sig to proc's process group, give it `seconds` to exit, then SIGKILL the group and every descendant
-    seen when the stop began (those in sessions of their own too)."""
+def stop_group(proc: subprocess.Popen, sig: int, seconds: float, sent: bool = False) -> None:
+    """Send sig to proc's process group (unless it was sent already), give it `seconds` to exit, then SIGKILL
+    the group and every descendant seen when the stop began (those in sessions of their own too)."""
     tree = descendants(proc.pid)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, sig)
+    if not sent:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
     try:
         proc.wait(timeout=seconds)
     except subprocess.TimeoutExpired:
