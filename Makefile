@@ -1,7 +1,9 @@
 # fineflow — the two commands of the quickstart:
 #   make run    bootstrap .venv, install, run the whole Prefect flow on the embedded default
-#   make test   bootstrap .venv (with dev extras), lint (make lint), then run the test suite
-# Also: make repro (plain `dvc repro`, no Prefect), make serve (the scheduled deployment), make clean.
+#   make test   bootstrap .venv (with dev extras), lint (make lint), then run the test suite but the
+#               whole-run fault scenarios (pytest -m scenario: make test-scenarios)
+# Also: make test-all (both tiers, what CI runs), make repro (plain `dvc repro`, no Prefect), make serve (the
+# scheduled deployment), make clean.
 
 PYTHON ?= python3
 VENV := .venv
@@ -22,7 +24,7 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: run lint test repro serve venv clean
+.PHONY: run lint test test-scenarios test-all repro serve venv clean
 
 venv: $(STAMP)
 
@@ -43,14 +45,25 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 # Lint first: a style or import error fails in seconds, before the minutes of tests.
+# The scenarios (pytest -m scenario, ~24 min on 2 cores) run the whole flow, kill a run over and over, or train
+# under DeepSpeed; `make test` runs the rest (~10 min). Sequential: the tests' processes already use both cores
+# (pytest-xdist's -n 2 measured no faster, each worker building its own fixtures).
 test: $(STAMP) lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m "not scenario"
+
+test-scenarios: $(STAMP)
+	$(BIN)/python -m pytest -m scenario
+
+test-all: test test-scenarios
 
 repro: $(STAMP)
 	$(BIN)/dvc repro
 
+# make serve CRON="0 */6 * * *" TIMEZONE=Europe/Berlin
+CRON ?= 0 2 * * *
+TIMEZONE ?= UTC
 serve: $(STAMP)
-	$(BIN)/python -m flows.deploy
+	$(BIN)/python -m flows.deploy --cron "$(CRON)" --timezone "$(TIMEZONE)"
 
 clean:
 	rm -rf models/base models/candidate checkpoints data/raw data/validated data/shards eval reports .prefect

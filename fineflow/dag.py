@@ -7,6 +7,7 @@ stages in the order they run (each after the stages it depends on).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
@@ -14,10 +15,11 @@ import yaml
 from fineflow.errors import FineflowError
 
 DVC_FILE = "dvc.yaml"
+PARAMS_FILE = "params.yaml"
+_TEMPLATE = re.compile(r"\$\{([\w.-]+)\}")
 
 
-def stage_names(project_dir: str | Path = ".") -> list[str]:
-    """The names under ``stages:`` in ``<project_dir>/dvc.yaml``, in the file's order."""
+def _stages(project_dir: str | Path) -> dict:
     path = Path(project_dir) / DVC_FILE
     try:
         pipeline = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
@@ -26,4 +28,45 @@ def stage_names(project_dir: str | Path = ".") -> list[str]:
     stages = pipeline.get("stages") if isinstance(pipeline, dict) else None
     if not isinstance(stages, dict) or not stages:
         raise FineflowError(f"{path}: no `stages:` mapping, so there is no pipeline to run")
-    return list(stages)
+    return stages
+
+
+def stage_names(project_dir: str | Path = ".") -> list[str]:
+    """The names under ``stages:`` in ``<project_dir>/dvc.yaml``, in the file's order."""
+    return list(_stages(project_dir))
+
+
+def _paths(entries, params: dict) -> list[str]:
+    """The paths of a stage's ``deps``/``outs`` list (plain strings, or one-key mappings with options), with
+    DVC's ``${dotted.key}`` templating resolved from params.yaml."""
+    paths = [next(iter(e)) if isinstance(e, dict) else str(e) for e in entries or []]
+    return [_TEMPLATE.sub(lambda m: str(_lookup(params, m.group(1))), path) for path in paths]
+
+
+def _lookup(params: dict, dotted: str):
+    node = params
+    for key in dotted.split("."):
+        node = node.get(key, "") if isinstance(node, dict) else ""
+    return node
+
+
+def _overlap(a: str, b: str) -> bool:
+    """One path is the other or lies under it (a stage may depend on a file inside another's output dir)."""
+    a, b = a.rstrip("/"), b.rstrip("/")
+    return a == b or a.startswith(b + "/") or b.startswith(a + "/")
+
+
+def upstream_stages(project_dir: str | Path = ".") -> dict[str, list[str]]:
+    """{stage: the stages whose outputs it depends on}, as DVC builds its graph from ``dvc.yaml``: what the
+    Prefect flow hands each task as its upstream, so the run graph draws the pipeline's edges."""
+    stages = _stages(project_dir)
+    params_file = Path(project_dir) / PARAMS_FILE
+    params = (yaml.safe_load(params_file.read_text(encoding="utf-8")) or {}) if params_file.exists() else {}
+    outs = {name: _paths(spec.get("outs"), params) for name, spec in stages.items()}
+    deps = {name: _paths(spec.get("deps"), params) for name, spec in stages.items()}
+    return {
+        name: [
+            other for other in stages if other != name and any(_overlap(d, o) for d in deps[name] for o in outs[other])
+        ]
+        for name in stages
+    }

@@ -10,21 +10,25 @@ from collections.abc import Iterable
 from pathlib import Path
 
 
-def write_json_atomic(path: str | Path, payload: dict) -> None:
-    """Write JSON via a temp file + rename so a reader never sees half a report."""
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write via a temp file + fsync + rename: a reader (or a crash) sees the old text or the new, whole."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(payload, fh, indent=2, sort_keys=True)
-            fh.write("\n")
+            fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_json_atomic(path: str | Path, payload: dict) -> None:
+    """Write JSON via a temp file + rename so a reader never sees half a report."""
+    write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
 
 def read_json(path: str | Path) -> dict:

@@ -1,11 +1,13 @@
 """Serve the fineflow flow on a schedule (a long-running process; Ctrl-C stops it).
 
-    python -m flows.deploy                          # nightly at 02:00, see the Prefect UI
-    python -m flows.deploy --cron "0 */6 * * *"     # every six hours
+    python -m flows.deploy                                        # nightly at 02:00 UTC
+    python -m flows.deploy --cron "0 */6 * * *"                   # every six hours
+    python -m flows.deploy --cron "0 2 * * *" --timezone Europe/Berlin
+    make serve CRON="0 */6 * * *" TIMEZONE=America/New_York       # the same through make
 
-For a work pool (Kubernetes, Slurm via a process worker, ...) use the same flow with
-``fineflow_pipeline.from_source(<repo>, "flows/pipeline.py:fineflow_pipeline").deploy(work_pool_name=...)``;
-the README shows both.
+The schedule's time zone is explicit (default UTC, whatever the server's or the machine's). Runs appear in the
+UI of the server PREFECT_API_URL names (``prefect server start --port 4300``, then
+``PREFECT_API_URL=http://127.0.0.1:4300/api``); without it, in a temporary local server's.
 """
 
 from __future__ import annotations
@@ -19,13 +21,20 @@ from flows.pipeline import fineflow_pipeline
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m flows.deploy", description=__doc__)
     parser.add_argument("--name", default="fineflow-nightly")
-    parser.add_argument("--cron", default="0 2 * * *", help="schedule (cron syntax, server time zone)")
+    parser.add_argument("--cron", default="0 2 * * *", help="schedule, cron syntax (default: %(default)s)")
+    parser.add_argument("--timezone", default="UTC", help="the cron's IANA time zone (default: %(default)s)")
     args = parser.parse_args(argv)
+    from prefect.schedules import Cron
+
     from fineflow.runtime import apply_offline_environment
 
     project = Path(__file__).resolve().parent.parent
     apply_offline_environment(project)
-    fineflow_pipeline.serve(name=args.name, cron=args.cron, parameters={"project_dir": str(project)})
+    fineflow_pipeline.serve(
+        name=args.name,
+        schedules=[Cron(args.cron, timezone=args.timezone)],
+        parameters={"project_dir": str(project)},
+    )
 
 
 if __name__ == "__main__":

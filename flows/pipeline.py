@@ -23,8 +23,9 @@ from pathlib import Path
 
 from prefect import flow
 
-from fineflow.dag import stage_names
+from fineflow.dag import stage_names, upstream_stages
 from fineflow.train import preempt
+from tasks import runs
 from tasks.stages import preempt_grace_s, run_stage
 
 FLOW_PROCESS_ENV = "FINEFLOW_FLOW_SUPERVISOR"  # the supervisor's pid, in the flow process it starts
@@ -32,13 +33,24 @@ FLOW_PROCESS_ENV = "FINEFLOW_FLOW_SUPERVISOR"  # the supervisor's pid, in the fl
 RETRIES = {"train": 2}  # a crashed train stage resumes from its last valid checkpoint
 
 
-@flow(name="fineflow", log_prints=True)
+@flow(name="fineflow", log_prints=True, flow_run_name=runs.flow_run_name)
 def fineflow_pipeline(project_dir: str = ".") -> dict[str, dict]:
-    """Run every stage of the project's dvc.yaml in order; returns {stage: {"stage", "ran", "report"}}."""
-    results = {}
-    for stage in stage_names(project_dir):
-        task = run_stage.with_options(retries=RETRIES.get(stage, 0), retry_delay_seconds=5)
-        results[stage] = task(stage, project_dir)
+    """Run every stage of the project's dvc.yaml in order, one run at a time per workspace (a second run
+    waits); returns {stage: {"stage", "ran", "report"}}. Each task waits for the stages whose outputs it
+    depends on (dvc.yaml's graph), so the run graph draws the pipeline."""
+    from prefect.runtime import flow_run
+
+    runs.claim_workspace(project_dir, owner=f"flow run {flow_run.name!r}")
+    try:
+        upstream = upstream_stages(project_dir)
+        results = {}
+        for stage in stage_names(project_dir):
+            task = run_stage.with_options(retries=RETRIES.get(stage, 0), retry_delay_seconds=5)
+            results[stage] = task(stage, project_dir, wait_for=[results[name] for name in upstream[stage]])
+    finally:
+        runs.release_workspace(project_dir)
+    ran = [stage for stage, result in results.items() if result["ran"]]
+    runs.rename_run(f"{flow_run.name}: {', '.join(ran) if ran else 'nothing changed'}")
     return results
 
 

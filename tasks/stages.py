@@ -13,8 +13,10 @@ stopped on its own (its node preempted) exits 75 with a record: retried, it resu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,12 +25,23 @@ from collections import deque
 from pathlib import Path
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from fineflow.config import CheckpointSettings, load_params
 from fineflow.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
 from fineflow.reports import read_error_record
 from fineflow.train import preempt
+
+# The lines of a failed stage's output that its message keeps: errors, and DVC's "is busy, it is being blocked
+# by: (PID …) <command>" that names the process holding the workspace.
+_SALIENT = re.compile(r"error|busy|blocked by|\(PID \d+\)", re.IGNORECASE)
+# A tqdm redraw ("Map:  40%|████      | 2/5 [00:01<00:01, ...]"); Popen's text mode splits at its \r. Only the
+# finished bar (100%) reaches the log.
+_PROGRESS_REDRAW = re.compile(r"(?<!100)%\|[^|]*\|\s*\d+/\d+")
+
+
+def is_progress_redraw(line: str) -> bool:
+    return bool(_PROGRESS_REDRAW.search(line))
 
 
 class StageFailed(RuntimeError):
@@ -50,7 +63,7 @@ class StageFailed(RuntimeError):
         elif preempted:
             super().__init__(f"stage {stage} was stopped (exit {PREEMPTED_EXIT}, retried): {preempted['message']}")
         else:
-            lines = [line for line in tail if "error" in line.lower()] or tail
+            lines = [line for line in tail if _SALIENT.search(line)] or tail
             super().__init__(f"stage {stage} failed (exit {returncode}):\n" + "\n".join(lines[-15:]))
 
 
@@ -93,7 +106,7 @@ def repro_single(stage: str, project_dir: Path, log) -> bool:
                 if stop.signum is not None:  # the flow was stopped but the exception got lost above the handler
                     raise KeyboardInterrupt(f"stopped by {preempt.signal_name(stop.signum)}")
                 line = line.rstrip()
-                if line:
+                if line and not is_progress_redraw(line):
                     tail.append(line)
                     ran = ran or line.startswith(f"Running stage '{stage}'")
                     log(line)
@@ -129,15 +142,72 @@ def _stream(pipe, log) -> None:
     """The rest of a stopping stage's output to log, until the pipe ends or is closed under it."""
     try:
         for line in pipe:
-            if line.rstrip():
+            if line.rstrip() and not is_progress_redraw(line):
                 log(line.rstrip())
     except (OSError, ValueError):
         pass
 
 
-def _report_markdown(stage: str, report: dict) -> str:
-    rows = [f"| {key} | {json.dumps(value)[:200]} |" for key, value in sorted(report.items())]
-    return f"### fineflow {stage}\n\n| figure | value |\n|---|---|\n" + "\n".join(rows)
+def report_table(report: dict) -> list[dict]:
+    """A stage report as rows of (figure, value): nested sections flattened to dotted names, each value whole
+    (lists and mappings below the first level as compact JSON)."""
+    rows = []
+
+    def add(prefix: str, value) -> None:
+        if isinstance(value, dict) and value and prefix.count(".") < 1:
+            for key, inner in sorted(value.items()):
+                add(f"{prefix}.{key}", inner)
+        else:
+            text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
+            rows.append({"figure": prefix, "value": text})
+
+    for key, value in sorted(report.items()):
+        add(key, value)
+    return rows
+
+
+def promotion_markdown(report: dict, project: Path) -> str:
+    """The gate's decision with its evidence, for the promotion artifact."""
+    card = project / "models" / "champion" / "README.md"
+    lines = [
+        f"### Promotion: **{report.get('decision', '?')}**",
+        "",
+        str(report.get("reason", "")),
+        "",
+        "| | |",
+        "|---|---|",
+        f"| candidate id | `{report.get('candidate_id')}` |",
+        f"| metric | `{report.get('primary_metric')}` |",
+        f"| candidate | {report.get('candidate_value')} |",
+        f"| {report.get('reference')} | {report.get('reference_value')} |",
+        f"| delta (95% bootstrap CI) | {report.get('delta')} [{report.get('ci_low')}, {report.get('ci_high')}] |",
+        f"| p-value | {report.get('p_value')} |",
+        f"| model card | [{card}]({card.as_uri()}) |",
+    ]
+    return "\n".join(lines)
+
+
+def publish_report(stage: str, project: Path, report: dict, ran: bool) -> None:
+    """reports/<stage>.json as a table artifact (and promote's decision as markdown): the run page's figures."""
+    create_table_artifact(
+        key=f"fineflow-{stage}",
+        table=report_table(report),
+        description=f"reports/{stage}.json after the {stage} stage" + ("" if ran else " (unchanged, skipped by DVC)"),
+    )
+    if stage == "promote" and report.get("decision"):
+        create_markdown_artifact(
+            key="fineflow-promotion", markdown=promotion_markdown(report, project), description="the promotion gate"
+        )
+
+
+def publish_failure(stage: str, exc: BaseException) -> None:
+    """A failed stage's error on the run page (the task's state message holds it too, cut to one line)."""
+    with contextlib.suppress(Exception):  # a dead API must not replace the stage's own error
+        create_markdown_artifact(
+            key=f"fineflow-{stage}-failed",
+            markdown=f"### fineflow {stage} failed\n\n```\n{exc}\n```",
+            description=f"the {stage} stage's error",
+        )
 
 
 def _retry_unless_user_error(task, task_run, state) -> bool:
@@ -157,12 +227,12 @@ def run_stage(stage: str, project_dir: str = ".") -> dict:
     Returns {"stage", "ran", "report"}: ran is False when DVC skipped the unchanged stage."""
     logger = get_run_logger()
     project = Path(project_dir).resolve()
-    ran = repro_single(stage, project, logger.info)
+    try:
+        ran = repro_single(stage, project, logger.info)
+    except StageFailed as exc:
+        publish_failure(stage, exc)
+        raise
     report_path = project / "reports" / f"{stage}.json"
     report = json.loads(report_path.read_text(encoding="utf-8")) if report_path.exists() else {}
-    create_markdown_artifact(
-        key=f"fineflow-{stage}",
-        markdown=_report_markdown(stage, report),
-        description=f"reports/{stage}.json after the {stage} stage" + ("" if ran else " (unchanged, skipped by DVC)"),
-    )
+    publish_report(stage, project, report, ran)
     return {"stage": stage, "ran": ran, "report": report}

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -377,3 +378,39 @@ def reference_run(built, tmp_path_factory):
     yield get
     for ranks, (project, before) in runs.items():
         assert _snapshot(project) == before, f"a test changed the shared {ranks}-process reference run"
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
+    """A Prefect server on 127.0.0.1 for the flows the test starts (PREFECT_API_URL), stopped by its PID."""
+    home = tmp_path_factory.mktemp("prefect-server")
+    port = free_port()
+    env = {**venv_env(), "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false"}
+    argv = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    with (home / "server.log").open("w") as log:
+        server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        _wait_healthy(server, url, home / "server.log")
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def _wait_healthy(server: subprocess.Popen, url: str, log: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert server.poll() is None, f"the Prefect server exited: {log.read_text()[-3000:]}"
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    pytest.fail(f"the Prefect server was not healthy after {timeout} s: {log.read_text()[-3000:]}")

@@ -163,6 +163,7 @@ def _engine_files(checkpoint) -> list[str]:
     return sorted(name for name in manifest["files"] if name.startswith("sharded/"))
 
 
+@pytest.mark.scenario
 @pytest.mark.parametrize("name", ZERO)
 def test_deepspeed_steps_once_per_grad_accum_micro_batches(name, deepspeed_run, reference_run):
     """The train stage under DeepSpeed's engine: the engine takes train.steps optimizer steps (before the fix: one
@@ -184,6 +185,7 @@ def test_deepspeed_steps_once_per_grad_accum_micro_batches(name, deepspeed_run, 
     }
 
 
+@pytest.mark.scenario
 @pytest.mark.parametrize("name", ZERO)
 def test_deepspeed_checkpoints_resume_bit_exact(name, deepspeed_run, built, tmp_path):
     """ZeRO's state (fp32 master partitions, AdamW moments, step counters) is each rank's own part, written by

@@ -23,11 +23,9 @@ import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +35,8 @@ import pytest
 import yaml
 
 from fineflow.registry.store import read_log, verify_log
-from tests.conftest import ROOT, copy_project, free_port, venv_env
+from fineflow.workspace import WorkspaceLock
+from tests.conftest import ROOT, copy_project, venv_env
 from tests.faults import fault_env
 
 STAGES = list(yaml.safe_load((ROOT / "dvc.yaml").read_text(encoding="utf-8"))["stages"])
@@ -107,42 +106,6 @@ KILL_POINTS = [
 
 
 # ---- running the flow ------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory):
-    """A Prefect server on 127.0.0.1 for the flows the test starts (PREFECT_API_URL), stopped by its PID."""
-    home = tmp_path_factory.mktemp("prefect-server")
-    port = free_port()
-    env = {**venv_env(), "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false"}
-    argv = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    with (home / "server.log").open("w") as log:
-        server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}/api"
-    try:
-        _wait_healthy(server, url, home / "server.log")
-        yield url
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-
-
-def _wait_healthy(server: subprocess.Popen, url: str, log: Path, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert server.poll() is None, f"the Prefect server exited: {log.read_text()[-3000:]}"
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    pytest.fail(f"the Prefect server was not healthy after {timeout} s: {log.read_text()[-3000:]}")
 
 
 def flow_env(api_url: str, chaos: bool) -> dict[str, str]:
@@ -336,6 +299,7 @@ def test_the_kill_points_cover_every_stage_in_pipeline_order():
     assert order == sorted(order)  # each re-run meets the next point: none is skipped over
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 def test_sigkills_in_every_stage_leave_what_an_uninterrupted_run_leaves(prefect_server, tmp_path):
     reference, chaos = copy_project(tmp_path / "reference"), copy_project(tmp_path / "chaos")
@@ -378,5 +342,8 @@ def test_sigkills_in_every_stage_leave_what_an_uninterrupted_run_leaves(prefect_
     assert half_written(chaos) == []
     assert sorted(p.name for p in (chaos / "reports").glob("*.error.json")) == []
     assert live_lock_holders(chaos) == []
+    workspace = WorkspaceLock(chaos, "the test")  # the killed runs' hold on the workspace died with them
+    assert workspace.try_acquire(), workspace.holder()
+    workspace.release()
     assert corrupt_cache_objects(chaos) == []
     assert dvc_status(chaos) == {"fingerprint": ["always changed"]}  # dvc status takes DVC's lock: not held

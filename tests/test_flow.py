@@ -43,6 +43,7 @@ def _dvc_wait(proc, log) -> str:
     return output
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 def test_flow_then_dvc_repro(prefect_harness, tmp_path, monkeypatch):
     """The Prefect flow in one copy while plain `dvc repro` runs the same DAG in a fresh copy alongside (two
@@ -126,23 +127,42 @@ class _RecordingTask:
 
     def __init__(self):
         self.calls: list[tuple[str, int]] = []
+        self.upstream: dict[str, list[str]] = {}  # stage -> the stages whose results it was told to wait for
 
     def with_options(self, *, retries: int, **_):
-        def run(stage: str, project_dir: str) -> dict:
+        def run(stage: str, project_dir: str, wait_for=()) -> dict:
             self.calls.append((stage, retries))
+            self.upstream[stage] = [result["stage"] for result in wait_for]
             return {"stage": stage, "ran": False, "report": {}}
 
         return run
 
 
-def _stages_the_flow_runs(project_dir, monkeypatch) -> list[tuple[str, int]]:
-    """The flow's body without Prefect (``.fn``), with a recorder in place of the task."""
+def _run_the_flow_body(project_dir, monkeypatch) -> _RecordingTask:
+    """The flow's body without Prefect (``.fn``), with a recorder in place of the task and the run's own
+    bookkeeping (the workspace's lock, the run's name) left out."""
     import flows.pipeline as pipeline
 
     recorder = _RecordingTask()
     monkeypatch.setattr(pipeline, "run_stage", recorder)
+    monkeypatch.setattr(pipeline.runs, "claim_workspace", lambda project_dir, owner: {"waited_s": 0})
+    monkeypatch.setattr(pipeline.runs, "rename_run", lambda name: name)
     pipeline.fineflow_pipeline.fn(str(project_dir))
-    return recorder.calls
+    return recorder
+
+
+def _stages_the_flow_runs(project_dir, monkeypatch) -> list[tuple[str, int]]:
+    return _run_the_flow_body(project_dir, monkeypatch).calls
+
+
+def test_each_task_waits_for_the_stages_whose_outputs_it_reads(monkeypatch):
+    """The run graph draws dvc.yaml's edges: each task is handed its upstream stages' results (wait_for)."""
+    upstream = _run_the_flow_body(ROOT, monkeypatch).upstream
+    assert upstream["base"] == [] and upstream["data"] == []
+    assert set(upstream["validate"]) == {"base", "fingerprint", "data"}  # data.*_path: dvc.yaml's ${...} resolved
+    assert set(upstream["tokenize"]) == {"base", "fingerprint", "validate"}
+    assert set(upstream["train"]) == {"base", "fingerprint", "tokenize"}
+    assert "train" in upstream["evaluate"] and {"train", "evaluate"} <= set(upstream["promote"])
 
 
 def test_stage_entries_are_exactly_dvc_yamls_stages():
@@ -205,6 +225,7 @@ def test_a_user_error_is_not_retried_through_dvc_and_prefect(prefect_harness, tm
     assert record["kind"] == "user_error" and "train.lr" in record["message"]
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 def test_a_crash_is_retried_through_dvc_and_prefect_and_the_retry_resumes(prefect_harness, tmp_path, monkeypatch):
     """The train stage's process dies (SIGKILL, injected at step 4's checkpoint write, once): `dvc repro` fails

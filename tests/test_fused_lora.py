@@ -2,7 +2,6 @@
 wherever it is not the plain case, and leaves saved adapters loadable by stock peft."""
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
 
 from fineflow.train.fused_lora import FusedLoraLinear, fusable, fuse_lora_layers
 
@@ -37,6 +36,8 @@ def _lora_model(dropout: float = 0.0, seed: int = 0):
             max_position_embeddings=64,
         )
     )
+    from peft import LoraConfig, get_peft_model  # here, not at the top: peft's import costs ~10 s of collection
+
     model = get_peft_model(
         base, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=TARGETS, task_type="CAUSAL_LM")
     )
@@ -107,6 +108,8 @@ def test_disabled_and_merged_adapters_fall_back_to_peft():
 
 
 def test_a_fused_adapter_saves_and_loads_with_stock_peft(tmp_path):
+    from peft import PeftModel
+
     ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(3))
     model = _lora_model()
     fuse_lora_layers(model)

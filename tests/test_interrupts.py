@@ -452,6 +452,7 @@ def _assert_stopped_cleanly(run: dict, signame: str):
     assert last_logged_step(run["project"]) == record["step"]
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 def test_ctrl_c_of_the_flow_ends_every_process_within_seconds(flow_project):
     """SIGINT to the flow's whole process group, what Ctrl-C in a terminal does."""
@@ -460,6 +461,7 @@ def test_ctrl_c_of_the_flow_ends_every_process_within_seconds(flow_project):
     _assert_stopped_cleanly(run, "SIGINT")  # the task forwards SIGINT to dvc's group, the launcher to the ranks
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 def test_sigterm_to_the_flows_pid_alone_ends_every_process_within_seconds(flow_project):
     """SIGTERM to one PID, what `kill` or a Kubernetes eviction (PID 1) does."""
@@ -468,6 +470,7 @@ def test_sigterm_to_the_flows_pid_alone_ends_every_process_within_seconds(flow_p
     _assert_stopped_cleanly(run, "SIGINT")  # the task stops `dvc repro` with SIGINT, whatever stopped the flow
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 def test_a_dead_prefect_server_does_not_hang_the_stop(flow_project):
     """The temporary server dies (here: SIGKILL) and then the flow is stopped: every call to report the stop

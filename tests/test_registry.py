@@ -512,6 +512,7 @@ def _rollback(project, monkeypatch, capsys) -> str:
     return capsys.readouterr().out
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 def test_a_rollback_survives_the_next_dvc_repro_and_dvc_checkout(built, adapters, tmp_path, monkeypatch, capsys):
     """In a git+DVC checkout, promote (run by `dvc repro --single-item promote`, as the flow runs it) promotes

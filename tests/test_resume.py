@@ -99,6 +99,7 @@ KILL_POINTS = [
 ]
 
 
+@pytest.mark.scenario
 @pytest.mark.parametrize("ranks", [1, 2], ids=["1-process", "2-process-ddp"])
 def test_sigkill_at_many_points_then_resume_is_bit_exact(built, reference_run, tmp_path, ranks):
     reference = reference_run(ranks)

@@ -38,14 +38,13 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from fineflow.errors import FineflowError
-from fineflow.reports import sha256_file, write_json_atomic
+from fineflow.reports import sha256_file, write_json_atomic, write_text_atomic
 
 CHAMPION_FILE = "champion.json"
 LOG_FILE = "promotions.jsonl"
@@ -373,22 +372,8 @@ def append_log(registry_dir: Path, entry: dict) -> dict:
             fh.write(line + "\n")
             fh.flush()
             os.fsync(fh.fileno())
-        _write_text_atomic(registry_dir / HEAD_FILE, _entry_hash(line) + "\n")
+        write_text_atomic(registry_dir / HEAD_FILE, _entry_hash(line) + "\n")
     return full
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    """Write via a temp file + fsync + rename: a reader (or a crash) sees the old text or the new, whole."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def read_log(registry_dir: Path) -> list[dict]:
@@ -476,7 +461,7 @@ def repair_log(registry_dir: Path, log: Callable[[str], None] = print) -> list[s
     lines = path.read_text(encoding="utf-8").splitlines()
     head = registry_dir / HEAD_FILE
     if lines and (not head.exists() or _head_behind(registry_dir, lines)):
-        _write_text_atomic(head, _entry_hash(lines[-1]) + "\n")
+        write_text_atomic(head, _entry_hash(lines[-1]) + "\n")
         done.append(f"{head}: now names entry {len(lines)}, the last one (a writer died before updating it)")
     for message in done:
         log(message)

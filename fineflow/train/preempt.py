@@ -174,65 +174,53 @@ def read_preempted_record(report: str | Path) -> dict | None:
 
 
 class Forwarder:
-    """While active (a context manager, main thread): the first SIGINT/SIGTERM is forwarded to pid (its whole
-    process group when group is true) and noted; later ones are only noted, since a second signal would abort
-    torch elastic's own orderly shutdown of the ranks."""
+    """While active (a context manager; inert outside the main thread, the only one that may set signal
+    handlers): the first SIGINT/SIGTERM is sent on to pid (its whole process group when group is true) and
+    noted; later ones are only noted, since a second signal would abort torch elastic's own orderly shutdown of
+    the ranks. ``send`` replaces the signal sent on (None: the one received)."""
 
-    def __init__(self, pid: int, group: bool):
-        self.pid, self.group = pid, group
+    def __init__(self, pid: int, group: bool, send: int | None = None):
+        self.pid, self.group, self.send = pid, group, send
         self.signum: int | None = None
         self.at: float | None = None  # time.monotonic() of the first signal
         self._previous: dict = {}
 
     def __enter__(self) -> Forwarder:
-        for sig in STOP_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._forward)
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
-    def _forward(self, signum, frame) -> None:
+    def _handle(self, signum, frame) -> None:
         if self.signum is None:
             self.signum, self.at = signum, time.monotonic()
             with contextlib.suppress(ProcessLookupError):
-                (os.killpg if self.group else os.kill)(self.pid, signum)
+                (os.killpg if self.group else os.kill)(self.pid, self.send or signum)
 
     def overdue(self, seconds: float) -> bool:
         return self.at is not None and time.monotonic() - self.at > seconds
 
 
-class StopStage:
-    """The Prefect task's part while `dvc repro` runs (a context manager; inert outside the main thread): the
-    first SIGINT/SIGTERM sends SIGINT to the stage's process group (pid's) from the handler itself, then goes on
-    as the handler it replaced would (KeyboardInterrupt, Prefect's TerminationSignal). Sending it here, not in
-    the code that catches the exception, means the stage stops even when that exception is lost on its way up
-    (library code that catches BaseException; asyncio, which swaps in its own SIGINT handler while a coroutine
-    runs in the main thread, cancels the coroutine instead). Later signals are only noted: one must not cut
-    the stop's bounded wait short. ``signum`` tells the task afterwards that the flow was stopped."""
+class StopStage(Forwarder):
+    """The Prefect task's part while `dvc repro` runs: the first SIGINT/SIGTERM sends SIGINT to the stage's
+    process group (pid's) from the handler itself, then goes on as the handler it replaced would
+    (KeyboardInterrupt, Prefect's TerminationSignal). Sending it here, not in the code that catches the
+    exception, means the stage stops even when that exception is lost on its way up (library code that catches
+    BaseException; asyncio, which swaps in its own SIGINT handler while a coroutine runs in the main thread,
+    cancels the coroutine instead). Later signals are only noted: one must not cut the stop's bounded wait
+    short. ``signum`` tells the task afterwards that the flow was stopped."""
 
     def __init__(self, pid: int):
-        self.pid = pid
-        self.signum: int | None = None
-        self._previous: dict = {}
+        super().__init__(pid, group=True, send=signal.SIGINT)
 
-    def __enter__(self) -> StopStage:
-        if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._stop)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _stop(self, signum, frame) -> None:
+    def _handle(self, signum, frame) -> None:
         if self.signum is not None:
             return
-        self.signum = signum
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signal.SIGINT)
+        super()._handle(signum, frame)
         previous = self._previous.get(signum)
         if callable(previous):
             previous(signum, frame)  # raises: KeyboardInterrupt, TerminationSignal

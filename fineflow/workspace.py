@@ -1,0 +1,78 @@
+"""One pipeline run at a time per workspace: an exclusive lock that a second run waits for.
+
+Two flow runs in one checkout (a scheduled run and one started by hand, two CI triggers) would otherwise meet
+inside DVC, which refuses the second at once ("'models/base' is busy") and fails it; two trainings could also
+share one GPU. The run holds ``.dvc/tmp/fineflow-run.lock`` (flock) from its first stage to its end, with its
+holder (pid, run name, since) written inside; a second run waits for it and says whom it waits for. The kernel
+drops the lock when the holder's process dies, SIGKILL included, so a crashed run never blocks the next one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOCK_FILE = Path(".dvc") / "tmp" / "fineflow-run.lock"
+
+
+@dataclass
+class WorkspaceLock:
+    project: Path
+    owner: str  # what the holder is, for whoever waits (a flow run's name)
+    _fd: int | None = field(default=None, repr=False)
+
+    @property
+    def path(self) -> Path:
+        return self.project / LOCK_FILE
+
+    def holder(self) -> dict:
+        """Who holds the workspace now, as it wrote itself in the lock file ({} before it has)."""
+        try:
+            return json.loads(self.path.read_text(encoding="utf-8") or "{}")
+        except (OSError, ValueError):
+            return {}
+
+    def try_acquire(self) -> bool:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # CLOEXEC: no child inherits it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        record = {"pid": os.getpid(), "owner": self.owner, "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        self._fd = fd
+        return True
+
+    def acquire(self, on_wait: Callable[[dict, float], None], poll_s: float = 1.0, report_every_s: float = 30.0):
+        """Block until the workspace is this run's; on_wait(holder, waited_s) at once and every report_every_s."""
+        began = time.monotonic()
+        reported = None
+        while not self.try_acquire():
+            now = time.monotonic()
+            if reported is None or now - reported >= report_every_s:
+                on_wait(self.holder(), now - began)
+                reported = now
+            time.sleep(poll_s)
+        return time.monotonic() - began
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, 0)
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+
+def describe(holder: dict) -> str:
+    if not holder:
+        return "another run (it has not named itself yet)"
+    return f"{holder.get('owner', '?')} (pid {holder.get('pid', '?')}, since {holder.get('since', '?')})"

@@ -1,0 +1,241 @@
+"""A flow run's bookkeeping and what it shows in the Prefect UI (issue 16): one run at a time per workspace
+(a second run waits and names the one it waits for; a killed holder frees the workspace), the run's name, the
+stage reports as whole tables, the promotion's evidence, progress-bar redraws kept out of the logs, and a busy
+workspace named in a failed stage's message."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from fineflow.dag import upstream_stages
+from fineflow.workspace import WorkspaceLock, describe
+from tasks.runs import commit_label
+from tasks.stages import StageFailed, is_progress_redraw, promotion_markdown, report_table
+from tests.conftest import copy_project
+
+
+def test_a_second_holder_waits_and_is_told_who_holds_the_workspace(tmp_path):
+    first = WorkspaceLock(tmp_path, "flow run 'nightly'")
+    assert first.try_acquire()
+    second = WorkspaceLock(tmp_path, "flow run 'by hand'")
+    assert not second.try_acquire()
+    assert first.holder()["owner"] == "flow run 'nightly'" and first.holder()["pid"] == os.getpid()
+    told, acquired = [], {}
+
+    def wait():
+        acquired["waited_s"] = second.acquire(on_wait=lambda holder, waited: told.append(describe(holder)), poll_s=0.05)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.5)
+    assert waiter.is_alive() and told and told[0].startswith("flow run 'nightly' (pid ")  # waits, says for whom
+    first.release()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and acquired["waited_s"] >= 0.4
+    assert second.holder()["owner"] == "flow run 'by hand'"
+    second.release()
+
+
+def test_a_sigkilled_holder_never_blocks_the_next_run(tmp_path):
+    """The kernel drops a flock with its process: a crashed run leaves nothing to clean up by hand."""
+    holder = textwrap.dedent(
+        f"""
+        import time
+        from pathlib import Path
+        from fineflow.workspace import WorkspaceLock
+        assert WorkspaceLock(Path({str(tmp_path)!r}), "doomed").try_acquire()
+        print("held", flush=True)
+        time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        lock = WorkspaceLock(tmp_path, "next")
+        assert not lock.try_acquire() and lock.holder()["pid"] == proc.pid
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert lock.try_acquire()
+    lock.release()
+
+
+def test_the_lock_is_not_inherited_by_the_stages_a_run_starts(tmp_path):
+    """A stage process that outlives its run (an orphan) must not keep the workspace: the fd is close-on-exec."""
+    lock = WorkspaceLock(tmp_path, "parent")
+    assert lock.try_acquire()
+    try:
+        child = subprocess.run(["ls", f"/proc/self/fd/{lock._fd}"], capture_output=True)
+        assert child.returncode != 0
+    finally:
+        lock.release()
+
+
+def test_upstream_stages_resolve_dvc_templating_and_paths_inside_outputs(tmp_path):
+    (tmp_path / "params.yaml").write_text("data:\n  path: raw/rows.jsonl\n", encoding="utf-8")
+    (tmp_path / "dvc.yaml").write_text(
+        textwrap.dedent(
+            """
+            stages:
+              fetch: {cmd: a, outs: [raw]}
+              check: {cmd: b, deps: ['${data.path}', code.py], outs: [{checked: {persist: true}}]}
+              use: {cmd: c, deps: [checked/part-0.jsonl]}
+            """
+        ),
+        encoding="utf-8",
+    )
+    assert upstream_stages(tmp_path) == {"fetch": [], "check": ["fetch"], "use": ["check"]}
+
+
+def test_a_run_is_named_after_its_commit_and_uncommitted_edits(tmp_path):
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost"]
+    assert commit_label(str(tmp_path)) == "no-git"
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "params.yaml").write_text("seed: 1\n")
+    subprocess.run(git + ["add", "-A"], cwd=tmp_path, check=True)
+    subprocess.run(git + ["commit", "-qm", "x"], cwd=tmp_path, check=True)
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True, text=True)
+    assert commit_label(str(tmp_path)) == sha.stdout.strip()
+    (tmp_path / "params.yaml").write_text("seed: 2\n")
+    assert commit_label(str(tmp_path)) == sha.stdout.strip() + "+edits"
+
+
+def test_a_report_is_a_table_of_whole_values():
+    plan = {"micro_batch_size": 8, "why": "fits in 80 GiB with activation checkpointing " * 10}
+    rows = report_table({"stage": "train", "tokens_per_s": 12920.5, "plan": plan, "losses": [0.5, 0.25]})
+    table = {row["figure"]: row["value"] for row in rows}
+    assert table["stage"] == "train" and table["tokens_per_s"] == "12920.5" and table["losses"] == "[0.5, 0.25]"
+    assert table["plan.why"] == plan["why"]  # nothing cut off (it was at 200 characters)
+    assert table["plan.micro_batch_size"] == "8"
+
+
+def test_the_promotion_artifact_carries_the_gates_evidence(tmp_path):
+    report = {
+        "decision": "promoted",
+        "reason": "exact_match 0.7650 beats the base model's 0.0000",
+        "candidate_id": "215b44c9bc1e947a",
+        "primary_metric": "fineflow_synth/exact_match",
+        "reference": "base model",
+        "candidate_value": 0.765,
+        "reference_value": 0.0,
+        "delta": 0.765,
+        "ci_low": 0.71,
+        "ci_high": 0.825,
+        "p_value": 0.0,
+    }
+    markdown = promotion_markdown(report, tmp_path)
+    shown = ("**promoted**", "215b44c9bc1e947a", "[0.71, 0.825]", "| p-value | 0.0 |", "models/champion/README.md")
+    for text in shown:
+        assert text in markdown
+
+
+@pytest.mark.parametrize(
+    ("line", "redraw"),
+    [
+        ("Map:  40%|████      | 2/5 [00:01<00:01,  2.30 examples/s]", True),
+        ("  0%|          | 0/3 [00:00<?, ?it/s]", True),
+        ("Map: 100%|██████████| 5/5 [00:01<00:00,  4.10 examples/s]", False),  # the finished bar stays
+        ("step 40/800 loss 0.3120 tokens/s 12920", False),
+        ("Running stage 'train':", False),
+    ],
+)
+def test_progress_bar_redraws_are_kept_out_of_the_logs(line, redraw):
+    assert is_progress_redraw(line) is redraw
+
+
+def test_a_busy_workspace_is_named_in_the_failed_stages_message():
+    """DVC's line naming the process that holds the workspace was filtered out of the task's state message."""
+    tail = [
+        "Running stage 'base':",
+        "ERROR: failed to reproduce 'base': 'models/base' is busy, it is being blocked by:",
+        "  (PID 4242): dvc repro --single-item evaluate",
+        "",
+        "If there are no processes with such PIDs, you can manually remove '.dvc/tmp/rwlock' and try again.",
+    ]
+    message = str(StageFailed("base", 255, tail))
+    assert "is being blocked by" in message and "(PID 4242): dvc repro --single-item evaluate" in message
+
+
+def _post(api_url: str, path: str, body: dict | None = None) -> list | dict:
+    request = urllib.request.Request(
+        f"{api_url}{path}", data=json.dumps(body or {}).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def _flow_runs(api_url: str) -> list[dict]:
+    return _post(api_url, "/flow_runs/filter")
+
+
+@pytest.mark.scenario
+@pytest.mark.slow
+def test_two_flow_runs_started_at_once_in_one_workspace_run_one_after_the_other(prefect_server, tmp_path):
+    """What failed on main: a run started by hand while another ran died at once ("'models/base' is busy").
+    Now the second waits for the first (its log says for which run), then finds everything done; both succeed,
+    `dvc status` is clean, and each run is named after its commit and what it re-ran."""
+    from tests.test_chaos import STAGES, dvc_status, finish_flow, flow_env, start_flow
+
+    project = copy_project(tmp_path / "project")
+    env = flow_env(prefect_server, chaos=False)
+    logs = tmp_path / "first.log", tmp_path / "second.log"
+    first = start_flow(project, env, logs[0])
+    deadline = time.monotonic() + 300
+    while "Running stage 'base'" not in logs[0].read_text() and time.monotonic() < deadline:
+        assert first.poll() is None, logs[0].read_text()[-3000:]
+        time.sleep(0.2)
+    second = start_flow(project, env, logs[1])
+    outputs = finish_flow(first, logs[0]), finish_flow(second, logs[1])
+    ran = [[stage for stage in STAGES if f"Running stage '{stage}'" in output] for output in outputs]
+    assert ran == [STAGES, ["fingerprint"]]  # the second found the first's work done (fingerprint always runs)
+    assert "waiting for the workspace" in outputs[1] and "held by flow run '" in outputs[1], outputs[1][-3000:]
+    assert "is busy" not in outputs[1]
+    assert dvc_status(project) == {"fingerprint": ["always changed"]}
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=project, capture_output=True, text=True)
+    names = sorted(r["name"] for r in _flow_runs(prefect_server) if r["parameters"].get("project_dir") == str(project))
+    assert names == sorted([f"{sha.stdout.strip()}: {', '.join(STAGES)}", f"{sha.stdout.strip()}: fingerprint"])
+
+
+@pytest.mark.scenario
+@pytest.mark.slow
+def test_make_serves_schedule_is_in_its_own_time_zone_and_its_scheduled_run_fires(prefect_server, tmp_path):
+    """`python -m flows.deploy` (what `make serve CRON=… TIMEZONE=…` runs), in a copy of the project, against a
+    server on loopback: the deployment carries the cron and its explicit time zone, and the schedule fires a
+    run that starts the pipeline in that copy. The serve process is then stopped by its PID."""
+    from tests.test_chaos import flow_env, kill_tree
+
+    project = copy_project(tmp_path / "project")
+    log = tmp_path / "serve.log"
+    argv = [sys.executable, "-m", "flows.deploy", "--name", "t", "--cron", "* * * * *", "--timezone", "Europe/Berlin"]
+    with log.open("w") as fh:
+        serve = subprocess.Popen(
+            argv, cwd=project, env=flow_env(prefect_server, chaos=False), stdout=fh, stderr=subprocess.STDOUT
+        )
+    try:
+        deadline = time.monotonic() + 180
+        started = []
+        while not started and time.monotonic() < deadline:
+            assert serve.poll() is None, log.read_text()[-3000:]
+            time.sleep(2)
+            runs = [r for r in _flow_runs(prefect_server) if r["deployment_id"]]
+            started = [r for r in runs if r["state_type"] in ("RUNNING", "COMPLETED")]
+        assert started, log.read_text()[-3000:]
+        [deployment] = _post(prefect_server, "/deployments/filter")
+        [schedule] = deployment["schedules"]
+        assert schedule["schedule"]["cron"] == "* * * * *" and schedule["schedule"]["timezone"] == "Europe/Berlin"
+        assert started[0]["deployment_id"] == deployment["id"] and started[0]["parameters"]["project_dir"] == str(
+            project
+        )
+        assert (project / ".dvc/tmp/fineflow-run.lock").exists()  # the run took its turn in the copy's workspace
+    finally:
+        kill_tree(serve)  # the serve process and the run it started, with every stage process under it
