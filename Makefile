@@ -3,7 +3,7 @@
 #   make test   bootstrap .venv (with dev extras), lint (make lint), then run the test suite but the
 #               whole-run fault scenarios (pytest -m scenario: make test-scenarios)
 # Also: make test-all (both tiers, what CI runs), make repro (plain `dvc repro`, no Prefect), make serve (the
-# scheduled deployment), make clean.
+# scheduled deployment, served from this process), make deploy + make worker (prefect.yaml on a work pool), make clean.
 
 PYTHON ?= python3
 VENV := .venv
@@ -24,7 +24,7 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: run lint test test-scenarios test-all repro serve venv clean
+.PHONY: run lint test test-scenarios test-all repro serve deploy worker venv clean
 
 venv: $(STAMP)
 
@@ -45,11 +45,12 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 # Lint first: a style or import error fails in seconds, before the minutes of tests.
-# The scenarios (pytest -m scenario, ~24 min on 2 cores) run the whole flow, kill a run over and over, or train
-# under DeepSpeed; `make test` runs the rest (~10 min). Sequential: the tests' processes already use both cores
-# (pytest-xdist's -n 2 measured no faster, each worker building its own fixtures).
+# The scenarios (pytest -m scenario, ~25 min on 2 cores) run the whole flow, a worker or a server, kill a run
+# over and over, or train under DeepSpeed; `make test` runs the rest (~10 min) on two workers, a file each
+# (loadfile: a module's fixtures are built once). The scenarios run one at a time: each already uses both cores,
+# and some time how fast a stop is.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -m "not scenario"
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not scenario"
 
 test-scenarios: $(STAMP)
 	$(BIN)/python -m pytest -m scenario
@@ -58,6 +59,16 @@ test-all: test test-scenarios
 
 repro: $(STAMP)
 	$(BIN)/dvc repro
+
+# prefect.yaml's deployments (nightly, on-new-data) on a process work pool, on the server PREFECT_API_URL names;
+# `make worker` runs them (in this checkout: prefect.yaml has no pull section).
+POOL ?= fineflow-process
+deploy: $(STAMP)
+	$(BIN)/prefect work-pool inspect $(POOL) >/dev/null 2>&1 || $(BIN)/prefect work-pool create $(POOL) --type process
+	$(BIN)/prefect --no-prompt deploy --all
+
+worker: $(STAMP)
+	$(BIN)/prefect worker start --pool $(POOL)
 
 # make serve CRON="0 */6 * * *" TIMEZONE=Europe/Berlin
 CRON ?= 0 2 * * *

@@ -1,6 +1,7 @@
 """The ``fineflow`` command. Subcommands: ``plan`` (the GPU memory planner, fineflow.train.planner),
 ``registry verify|rollback|repair|list`` (the model registry: fineflow.registry.store, rollback and repair in
-fineflow.registry.champion) and ``lineage`` (fineflow.registry.lineage).
+fineflow.registry.champion), ``lineage`` (fineflow.registry.lineage) and ``data add`` (new training data for the
+on-new-data deployment).
 
     fineflow plan --model 7B --method lora --precision bf16 --micro-batch 4 --seq-len 2048
     fineflow plan --model models/base --method full --gpus 8 --sharding fsdp --device-gib 80 --auto-fit
@@ -11,6 +12,7 @@ fineflow.registry.champion) and ``lineage`` (fineflow.registry.lineage).
     fineflow registry repair             # finish what a promote or rollback that died left (they do it too)
     fineflow registry list
     fineflow lineage models/champion     # or a candidate id, or reports/lineage/<id>.json
+    fineflow data add data/mine/train.jsonl   # dvc add it, then tell Prefect (the on-new-data deployment runs)
     python -m fineflow.cli plan ...     # the same, without the installed script
 
 Exit status of plan: 0 when the plan fits (or no --device-gib was given), 1 when it does not; of registry
@@ -343,12 +345,56 @@ def _run_lineage(args) -> int:
     return 0
 
 
+def _data_parser(sub) -> None:
+    p = sub.add_parser("data", help="register new training data")
+    actions = p.add_subparsers(dest="action", required=True)
+    add = actions.add_parser(
+        "add",
+        help="track a data file with DVC and emit the fineflow.data.added event",
+        description="`dvc add FILE`, then the Prefect event fineflow.data.added (resource fineflow.data.<FILE>, "
+        "payload: path, md5, bytes) to the server PREFECT_API_URL names: prefect.yaml's on-new-data deployment "
+        "runs the pipeline on it. Point data.train_path (or eval_path) at FILE in params.yaml.",
+    )
+    add.add_argument("file", help="the data file, inside the project")
+    add.set_defaults(run=_run_data_add)
+
+
+def _run_data_add(args) -> int:
+    import os
+    import subprocess
+    from pathlib import Path
+
+    import yaml
+
+    path = Path(args.file)
+    if not path.is_file():
+        raise FineflowError(f"{path}: no such file")
+    done = subprocess.run([sys.executable, "-m", "dvc", "add", str(path)], capture_output=True, text=True)
+    if done.returncode != 0:  # e.g. the file is a stage's output (the embedded data stage's): DVC says so
+        raise FineflowError(f"dvc add {path} failed: {(done.stdout + done.stderr).strip()[-1500:]}")
+    [out] = yaml.safe_load(Path(f"{path}.dvc").read_text(encoding="utf-8"))["outs"]
+    payload = {"path": path.as_posix(), "md5": out["md5"], "bytes": out.get("size")}
+    print(f"tracked {path} (md5 {out['md5']}): commit {path}.dvc, and `dvc push` if you use a remote")
+    if not os.environ.get("PREFECT_API_URL"):
+        print("no PREFECT_API_URL: no event sent (run the flow yourself: make run)")
+        return 0
+    from prefect.events import emit_event
+    from prefect.events.worker import EventsWorker
+
+    resource = {"prefect.resource.id": f"fineflow.data.{path.as_posix()}"}
+    event = emit_event(event="fineflow.data.added", resource=resource, payload=payload)
+    EventsWorker.drain_all(timeout=30)  # sent before this process exits
+    print(f"sent fineflow.data.added ({event.id if event else 'not sent: events are off'})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fineflow", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command")
     _plan_parser(sub)
     _registry_parser(sub)
     _lineage_parser(sub)
+    _data_parser(sub)
     return parser
 
 

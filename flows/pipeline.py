@@ -4,6 +4,8 @@
     python -m flows.deploy              # serve it on a schedule (see flows/deploy.py)
 
 Each stage is one task that runs ``dvc repro --single-item <stage>``; unchanged stages are skipped by DVC.
+A run holds the workspace (a second one waits), pulls from and pushes to the project's default DVC remote when
+it has one, and is named after its commit and what it re-ran (tasks/runs.py).
 Retries: train is retried (a transient crash, or a stop of the stage alone after it saved its step: the retry
 resumes); bad input or params are never retried.
 
@@ -40,13 +42,18 @@ def fineflow_pipeline(project_dir: str = ".") -> dict[str, dict]:
     depends on (dvc.yaml's graph), so the run graph draws the pipeline."""
     from prefect.runtime import flow_run
 
+    from fineflow.runtime import apply_offline_environment
+
+    apply_offline_environment(project_dir)  # a worker's run starts here, not in run_flow: offline for its stages
     runs.claim_workspace(project_dir, owner=f"flow run {flow_run.name!r}")
     try:
+        runs.pull_state(project_dir)
         upstream = upstream_stages(project_dir)
         results = {}
         for stage in stage_names(project_dir):
             task = run_stage.with_options(retries=RETRIES.get(stage, 0), retry_delay_seconds=5)
             results[stage] = task(stage, project_dir, wait_for=[results[name] for name in upstream[stage]])
+        runs.push_state(project_dir, wait_for=list(results.values()))
     finally:
         runs.release_workspace(project_dir)
     ran = [stage for stage, result in results.items() if result["ran"]]

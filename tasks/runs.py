@@ -1,15 +1,22 @@
-"""The flow run's own bookkeeping: its turn in the workspace (one run at a time) and its name.
+"""The flow run's own bookkeeping: its turn in the workspace (one run at a time), its name, and the state it
+moves to and from the DVC remote.
 
 A run waits for the workspace in a task of its own (``wait for the workspace``, Running while it waits, its log
 naming the run it waits for), so the UI shows a queued run as waiting, not as failed. Runs are named after
 what they are: the commit (``a1b2c3d``, ``+edits`` for uncommitted changes) and, once the stages have run,
 what DVC re-ran (``a1b2c3d: train, evaluate, promote`` or ``a1b2c3d: nothing changed``).
+
+With a default DVC remote configured (``dvc remote add -d``), a run starts with ``dvc pull`` and ends with
+``dvc push``: a run in a fresh clone (a work-pool worker's) reuses the base, the shards, the checkpoints'
+results, the champion and the registry, and retrains only what changed; the next one finds this one's. Without
+a remote both are skipped (the embedded default keeps its state in the workspace).
 """
 
 from __future__ import annotations
 
 import contextlib
 import subprocess
+import sys
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -69,3 +76,57 @@ def rename_run(name: str) -> None:
 
     with contextlib.suppress(Exception), get_client(sync_client=True) as client:
         client.update_flow_run(flow_run.id, name=name)
+
+
+def default_remote(project_dir: str) -> str | None:
+    """The project's default DVC remote (``core.remote`` in its, the user's or the system's DVC config), or
+    None when it has none."""
+    from dvc.repo import Repo
+
+    with Repo(project_dir) as repo:
+        return repo.config["core"].get("remote") or None
+
+
+def _dvc(project_dir: str, *args: str) -> str:
+    from tasks.stages import stage_environment
+
+    done = subprocess.run(
+        [sys.executable, "-m", "dvc", *args], cwd=project_dir, env=stage_environment(), capture_output=True, text=True
+    )
+    output = (done.stdout + done.stderr).strip()
+    if done.returncode != 0:
+        raise RuntimeError(f"dvc {' '.join(args)} failed (exit {done.returncode}):\n{output[-3000:]}")
+    return output
+
+
+def pull(project_dir: str, log) -> str | None:
+    """``dvc pull`` from the default remote (None: no remote, nothing done). What the remote lacks (a first run,
+    a stage never pushed) is left for the stages to build: DVC re-runs a stage whose outputs are missing."""
+    remote = default_remote(project_dir)
+    if remote is None:
+        return None
+    try:
+        log(_dvc(project_dir, "pull", "--allow-missing"))
+    except RuntimeError as exc:  # a partial pull is fine: the stages rebuild what is missing
+        log(f"{exc} (the stages rebuild what is missing)")
+    return remote
+
+
+def push(project_dir: str, log) -> str | None:
+    """``dvc push`` of every stage's outputs to the default remote (None: no remote)."""
+    remote = default_remote(project_dir)
+    if remote is None:
+        return None
+    log(_dvc(project_dir, "push"))
+    return remote
+
+
+@task(task_run_name="pull from the DVC remote", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10)
+def pull_state(project_dir: str) -> str | None:
+    return pull(project_dir, get_run_logger().info)
+
+
+@task(task_run_name="push to the DVC remote", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10)
+def push_state(project_dir: str) -> str | None:
+    """Retried: a push is idempotent (content-addressed)."""
+    return push(project_dir, get_run_logger().info)

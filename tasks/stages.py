@@ -21,11 +21,17 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from pathlib import Path
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 
 from fineflow.config import CheckpointSettings, load_params
 from fineflow.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
@@ -200,6 +206,39 @@ def publish_report(stage: str, project: Path, report: dict, ran: bool) -> None:
         )
 
 
+# The train stage's progress line when its output is not a terminal (fineflow.train.loop.Progress)
+_TRAIN_STEP = re.compile(r"step (\d+)/(\d+) loss \S+ ([\d,.]+) tok/s.*ETA (\d+)s")
+
+
+class TrainingProgress:
+    """A progress artifact on the run page while training runs: step of total, tokens/s, ETA, from the stage's
+    own progress lines. Updated at most every `every_s` seconds; an API error never stalls the stage's output."""
+
+    def __init__(self, stage: str, every_s: float = 5.0):
+        self.stage, self.every_s = stage, every_s
+        self.artifact_id = None
+        self.updated = float("-inf")
+
+    def see(self, line: str) -> None:
+        match = _TRAIN_STEP.search(line)
+        if match is None:
+            return
+        step, total, tokens_per_s, eta = match.groups()
+        finished = step == total
+        if not finished and time.monotonic() - self.updated < self.every_s:
+            return
+        self.updated = time.monotonic()
+        percent = 100.0 * int(step) / max(1, int(total))
+        description = f"{self.stage}: step {step}/{total}, {tokens_per_s} tokens/s, ETA {eta} s"
+        with contextlib.suppress(Exception):
+            if self.artifact_id is None:
+                self.artifact_id = create_progress_artifact(
+                    progress=percent, key=f"fineflow-{self.stage}-progress", description=description
+                )
+            else:
+                update_progress_artifact(self.artifact_id, progress=percent, description=description)
+
+
 def publish_failure(stage: str, exc: BaseException) -> None:
     """A failed stage's error on the run page (the task's state message holds it too, cut to one line)."""
     with contextlib.suppress(Exception):  # a dead API must not replace the stage's own error
@@ -227,8 +266,14 @@ def run_stage(stage: str, project_dir: str = ".") -> dict:
     Returns {"stage", "ran", "report"}: ran is False when DVC skipped the unchanged stage."""
     logger = get_run_logger()
     project = Path(project_dir).resolve()
+    progress = TrainingProgress(stage)
+
+    def log(line: str) -> None:
+        logger.info(line)
+        progress.see(line)
+
     try:
-        ran = repro_single(stage, project, logger.info)
+        ran = repro_single(stage, project, log)
     except StageFailed as exc:
         publish_failure(stage, exc)
         raise

@@ -404,3 +404,23 @@ def test_chat_eval_rows_are_prompted_exactly_as_training_rendered_them(built, ad
                 gold = [r[1] if isinstance(r, list) else r["arg_1"] for r in sample["arguments"]][sample["target"]]
                 gold_tokens = tokenizer.encode(gold, add_special_tokens=False)
                 assert response_tokens[: len(gold_tokens)].tolist() == gold_tokens
+
+
+def test_task_dirs_outside_the_folder_dvc_tracks_are_refused_by_the_stage(tmp_path):
+    """dvc.yaml declares eval_tasks/ as the evaluate stage's task dependency (DVC takes no list param as deps):
+    a task folder elsewhere would let an edited task hand back the old scores. The stage refuses it up front,
+    as a user error naming the folder, before any model is loaded."""
+    from fineflow.reports import read_error_record
+    from fineflow.stages import evaluate
+    from tests.conftest import write_params
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    params = write_params(tmp_path / "params.yaml", {"evaluate.task_dirs": [str(elsewhere)]})
+    report = tmp_path / "reports/evaluate.json"
+    argv = ["--params", str(params), "--report", str(report), "--task-root", str(tmp_path / "eval_tasks")]
+    argv += ["--base-dir", "models/base", "--adapter", "models/candidate", "--eval-rows", "eval.jsonl", "--out", "eval"]
+    assert evaluate.main(argv) == 2
+    message = read_error_record(report)["message"]
+    assert str(elsewhere) in message and "outside" in message and "dvc.yaml" in message
+    evaluate.check_tracked_task_dirs([str(tmp_path / "eval_tasks/mine")], tmp_path / "eval_tasks")  # under it: fine

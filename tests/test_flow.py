@@ -140,13 +140,15 @@ class _RecordingTask:
 
 def _run_the_flow_body(project_dir, monkeypatch) -> _RecordingTask:
     """The flow's body without Prefect (``.fn``), with a recorder in place of the task and the run's own
-    bookkeeping (the workspace's lock, the run's name) left out."""
+    bookkeeping (the workspace's lock, the run's name, the DVC remote) left out."""
     import flows.pipeline as pipeline
 
     recorder = _RecordingTask()
     monkeypatch.setattr(pipeline, "run_stage", recorder)
     monkeypatch.setattr(pipeline.runs, "claim_workspace", lambda project_dir, owner: {"waited_s": 0})
     monkeypatch.setattr(pipeline.runs, "rename_run", lambda name: name)
+    monkeypatch.setattr(pipeline.runs, "pull_state", lambda project_dir: None)
+    monkeypatch.setattr(pipeline.runs, "push_state", lambda project_dir, wait_for=(): None)
     pipeline.fineflow_pipeline.fn(str(project_dir))
     return recorder
 

@@ -290,6 +290,7 @@ def test_a_stage_stopped_on_its_own_after_saving_is_retried(tmp_path, monkeypatc
 STEPS = 12  # conftest.TRAIN_OVERRIDES: the reference run's length
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 def test_sigterm_to_the_train_launcher_saves_the_current_step_and_the_rerun_is_bit_exact(
     built, reference_run, tmp_path

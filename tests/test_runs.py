@@ -239,3 +239,147 @@ def test_make_serves_schedule_is_in_its_own_time_zone_and_its_scheduled_run_fire
         assert (project / ".dvc/tmp/fineflow-run.lock").exists()  # the run took its turn in the copy's workspace
     finally:
         kill_tree(serve)  # the serve process and the run it started, with every stage process under it
+
+
+def test_training_progress_becomes_a_progress_artifact_throttled_and_finished(monkeypatch):
+    """The train stage's plain progress lines (fineflow.train.loop.Progress, no terminal) drive one progress
+    artifact: created on the first step line, updated at most every few seconds, and always at the last step."""
+    import tasks.stages as stages
+
+    calls = []
+    monkeypatch.setattr(stages, "create_progress_artifact", lambda **kw: calls.append(("create", kw)) or "id-1")
+    monkeypatch.setattr(stages, "update_progress_artifact", lambda aid, **kw: calls.append(("update", aid, kw)))
+    progress = stages.TrainingProgress("train", every_s=3600)
+    progress.see("Running stage 'train':")
+    progress.see("[train] step 100/800 loss 0.5123 12,920 tok/s lr 3.00e-04 ETA 52s")
+    progress.see("[train] step 200/800 loss 0.4021 13,001 tok/s lr 3.00e-04 ETA 45s")  # within every_s: skipped
+    progress.see("[train] step 800/800 loss 0.3640 12,950 tok/s eval_loss 0.2630 lr 3.00e-04 ETA 0s")
+    assert [c[0] for c in calls] == ["create", "update"]
+    assert calls[0][1]["progress"] == 12.5 and calls[0][1]["key"] == "fineflow-train-progress"
+    assert calls[0][1]["description"] == "train: step 100/800, 12,920 tokens/s, ETA 52 s"
+    assert calls[1][1] == "id-1" and calls[1][2]["progress"] == 100.0
+
+
+def test_a_failing_progress_api_never_breaks_the_stage(monkeypatch):
+    import tasks.stages as stages
+
+    def dead(**kw):
+        raise ConnectionError("the API is gone")
+
+    monkeypatch.setattr(stages, "create_progress_artifact", dead)
+    stages.TrainingProgress("train").see("step 1/2 loss 0.5 10 tok/s lr 1.00e-03 ETA 1s")
+
+
+def _dvc(project, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=project, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_a_run_pushes_to_the_dvc_remote_and_a_fresh_clone_pulls_what_it_pushed(tmp_path):
+    """The flow's first and last tasks (pull_state, push_state): a worker's fresh clone gets the last run's
+    outputs from the default remote instead of rebuilding them, and leaves its own there. Without a remote
+    neither does anything."""
+    from tasks.runs import pull, push
+
+    assert pull(str(copy_project(tmp_path / "no-remote")), print) is None
+    remote = tmp_path / "remote"
+    first = copy_project(tmp_path / "first")
+    _dvc(first, "remote", "add", "-d", "store", str(remote))
+    _dvc(first, "repro", "--single-item", "data")
+    logs = []
+    assert push(str(first), logs.append) == "store" and any(remote.rglob("*")), logs
+    fresh = copy_project(tmp_path / "fresh")  # a new clone of the commit the first run's dvc.lock was pushed with
+    (fresh / "dvc.lock").write_bytes((first / "dvc.lock").read_bytes())
+    _dvc(fresh, "remote", "add", "-d", "store", str(remote))
+    assert pull(str(fresh), logs.append) == "store"
+    for split in ("train", "eval"):
+        assert (fresh / f"data/raw/{split}.jsonl").read_bytes() == (first / f"data/raw/{split}.jsonl").read_bytes()
+    assert json.loads(_dvc(fresh, "status", "--json", "data")) == {}  # nothing to rebuild
+
+
+def _prefect(project, env, *args: str) -> str:
+    argv = [sys.executable, "-m", "prefect", *args]
+    done = subprocess.run(argv, cwd=project, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def _wait_for(what, timeout: float, proc, log):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        found = what()
+        if found:
+            return found
+        time.sleep(2)
+    pytest.fail(f"timed out after {timeout} s: {log.read_text()[-3000:]}")
+
+
+@pytest.mark.scenario
+@pytest.mark.slow
+def test_prefect_yaml_deploys_both_deployments_a_worker_runs_them_and_new_data_triggers_a_run(prefect_server, tmp_path):
+    """From a fresh copy: `prefect deploy --all` (what `make deploy` runs) registers nightly (cron in UTC) and
+    on-new-data on the process pool, both limited to one run at a time; a process worker (`make worker`) runs
+    a nightly run to completion with its artifacts (a table per stage, the promotion, training progress) and
+    the stages' edges; `fineflow data add` then emits fineflow.data.added and the trigger starts an
+    on-new-data run. The worker and everything under it is stopped by PID."""
+    from tests.test_chaos import flow_env, kill_tree
+
+    project = copy_project(tmp_path / "project")
+    env = {**flow_env(prefect_server, chaos=False), "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    _prefect(project, env, "work-pool", "create", "fineflow-process", "--type", "process")
+    _prefect(project, env, "--no-prompt", "deploy", "--all")
+    deployments = {d["name"]: d for d in _post(prefect_server, "/deployments/filter")}
+    assert set(deployments) == {"nightly", "on-new-data"}
+    [nightly] = deployments["nightly"]["schedules"]
+    assert (nightly["schedule"]["cron"], nightly["schedule"]["timezone"]) == ("0 2 * * *", "UTC")
+    for deployment in deployments.values():
+        assert deployment["work_pool_name"] == "fineflow-process"
+        assert deployment["global_concurrency_limit"]["limit"] == 1
+        assert deployment["concurrency_options"]["collision_strategy"] == "ENQUEUE"
+
+    log = tmp_path / "worker.log"
+    with log.open("w") as fh:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", "fineflow-process"],
+            cwd=project,
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        run = _post(prefect_server, f"/deployments/{deployments['nightly']['id']}/create_flow_run")
+
+        def finished():
+            [state] = [r["state_type"] for r in _flow_runs(prefect_server) if r["id"] == run["id"]]
+            assert state not in ("FAILED", "CRASHED", "CANCELLED"), log.read_text()[-4000:]
+            return state == "COMPLETED"
+
+        _wait_for(finished, 600, worker, log)
+        artifacts = {a["key"]: a["type"] for a in _post(prefect_server, "/artifacts/filter") if a["key"]}
+        assert artifacts["fineflow-train"] == "table" and artifacts["fineflow-promotion"] == "markdown"
+        assert artifacts["fineflow-train-progress"] == "progress"
+        tasks = {t["name"]: t for t in _post(prefect_server, "/task_runs/filter") if t["flow_run_id"] == run["id"]}
+        waited = {i["id"] for i in tasks["train"]["task_inputs"]["wait_for"]}
+        assert tasks["tokenize"]["id"] in waited and tasks["base"]["id"] in waited  # the graph's edges
+
+        new_rows = project / "data/incoming/rows.jsonl"
+        new_rows.parent.mkdir(parents=True)
+        new_rows.write_text('{"instruction": "Say hi.", "output": "hi"}\n', encoding="utf-8")
+        cli = subprocess.run(
+            [sys.executable, "-m", "fineflow.cli", "data", "add", "data/incoming/rows.jsonl"],
+            cwd=project,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert cli.returncode == 0 and "sent fineflow.data.added" in cli.stdout, cli.stdout + cli.stderr
+        assert (project / "data/incoming/rows.jsonl.dvc").exists()
+        on_new_data = deployments["on-new-data"]["id"]
+        triggered = lambda: [r for r in _flow_runs(prefect_server) if r["deployment_id"] == on_new_data]  # noqa: E731
+        _wait_for(triggered, 120, worker, log)
+    finally:
+        kill_tree(worker)

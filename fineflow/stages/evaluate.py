@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fineflow.config import Params
+from fineflow.errors import FineflowError
 from fineflow.evaluate.recipe import evaluate_models
 from fineflow.model_ref import read_base_digest, resolve_base_model
 from fineflow.stages._entry import log, run_entry, stage_parser
@@ -51,6 +52,21 @@ def run(
     )
 
 
+def check_tracked_task_dirs(task_dirs: list[str], task_root: Path | None) -> None:
+    """A task folder DVC does not track would let an edited task hand back the stale evaluation of the old one."""
+    if task_root is None:
+        return
+    root = task_root.resolve()
+    outside = [d for d in task_dirs if not Path(d).resolve().is_relative_to(root)]
+    if outside:
+        raise FineflowError(
+            f"params.yaml: evaluate.task_dirs {outside} lie outside {task_root}/, the folder dvc.yaml declares as "
+            f"the evaluate stage's dependency: DVC would not see an edit to those tasks and would keep the old "
+            f"scores. Move the folders under {task_root}/ (or add them to the evaluate stage's deps in dvc.yaml "
+            f"and its --task-root)"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = stage_parser("evaluate", __doc__)
     parser.add_argument("--base-dir", type=Path, required=True)
@@ -70,12 +86,19 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the fingerprint stage's JSON (the base by content); without it the base's files are hashed here",
     )
+    parser.add_argument(
+        "--task-root",
+        type=Path,
+        default=None,
+        help="the folder dvc.yaml declares as the stage's dependency for task YAMLs: every evaluate.task_dirs "
+        "entry must lie under it (DVC sees no other folder change)",
+    )
     args = parser.parse_args(argv)
-    return run_entry(
-        "evaluate",
-        args,
-        lambda p: run(
-            p,
+
+    def body(params: Params) -> dict:
+        check_tracked_task_dirs(params.evaluate.task_dirs, args.task_root)
+        return run(
+            params,
             args.base_dir,
             args.adapter,
             args.eval_rows,
@@ -83,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             args.raw_results,
             args.champion,
             args.base_fingerprint,
-        ),
-    )
+        )
+
+    return run_entry("evaluate", args, body)
 
 
 if __name__ == "__main__":
