@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from prefect import flow
 
@@ -36,10 +37,11 @@ RETRIES = {"train": 2}  # a crashed train stage resumes from its last valid chec
 
 
 @flow(name="fineflow", log_prints=True, flow_run_name=runs.flow_run_name)
-def fineflow_pipeline(project_dir: str = ".") -> dict[str, dict]:
+def fineflow_pipeline(project_dir: str = ".", overrides: dict[str, Any] | None = None) -> dict[str, dict]:
     """Run every stage of the project's dvc.yaml in order, one run at a time per workspace (a second run
     waits); returns {stage: {"stage", "ran", "report"}}. Each task waits for the stages whose outputs it
-    depends on (dvc.yaml's graph), so the run graph draws the pipeline."""
+    depends on (dvc.yaml's graph), so the run graph draws the pipeline. overrides: dotted params.yaml keys
+    ({"train.lr": 0.001}), validated at once and written into params.yaml as `dvc exp run -S` writes them."""
     from prefect.runtime import flow_run
 
     from fineflow.runtime import apply_offline_environment
@@ -47,6 +49,7 @@ def fineflow_pipeline(project_dir: str = ".") -> dict[str, dict]:
     apply_offline_environment(project_dir)  # a worker's run starts here, not in run_flow: offline for its stages
     runs.claim_workspace(project_dir, owner=f"flow run {flow_run.name!r}")
     try:
+        applied = runs.apply_overrides(project_dir, overrides or {})
         runs.pull_state(project_dir)
         upstream = upstream_stages(project_dir)
         results = {}
@@ -57,7 +60,8 @@ def fineflow_pipeline(project_dir: str = ".") -> dict[str, dict]:
     finally:
         runs.release_workspace(project_dir)
     ran = [stage for stage, result in results.items() if result["ran"]]
-    runs.rename_run(f"{flow_run.name}: {', '.join(ran) if ran else 'nothing changed'}")
+    name = f"{flow_run.name}" + (f" ({', '.join(applied)})" if applied else "")
+    runs.rename_run(f"{name}: {', '.join(ran) if ran else 'nothing changed'}")
     return results
 
 

@@ -42,6 +42,27 @@ def claim_workspace(project_dir: str, owner: str) -> dict:
     return {"waited_s": round(waited, 1)}
 
 
+@task(task_run_name="apply param overrides", cache_policy=NO_CACHE)
+def apply_overrides(project_dir: str, overrides: dict) -> list[str]:
+    """The run's dotted-key overrides, validated all at once and written into the workspace's params.yaml as
+    `dvc exp run -S` writes them (fineflow.overrides); published as an artifact. A refused override fails the
+    run before any stage, naming every problem."""
+    from prefect.artifacts import create_markdown_artifact
+
+    from fineflow import overrides as params_overrides
+
+    applied = params_overrides.apply(Path(project_dir) / "params.yaml", overrides)
+    if applied:
+        get_run_logger().info(f"params.yaml overridden for this run: {', '.join(applied)}")
+        create_markdown_artifact(
+            key="fineflow-overrides",
+            markdown="### Param overrides (written into params.yaml, as `dvc exp run -S`)\n\n"
+            + "\n".join(f"- `{a}`" for a in applied),
+            description="the run's param overrides",
+        )
+    return applied
+
+
 def release_workspace(project_dir: str) -> None:
     lock = _HELD.pop(str(Path(project_dir).resolve()), None)
     if lock is not None:

@@ -147,6 +147,7 @@ def _run_the_flow_body(project_dir, monkeypatch) -> _RecordingTask:
     monkeypatch.setattr(pipeline, "run_stage", recorder)
     monkeypatch.setattr(pipeline.runs, "claim_workspace", lambda project_dir, owner: {"waited_s": 0})
     monkeypatch.setattr(pipeline.runs, "rename_run", lambda name: name)
+    monkeypatch.setattr(pipeline.runs, "apply_overrides", lambda project_dir, overrides: [])
     monkeypatch.setattr(pipeline.runs, "pull_state", lambda project_dir: None)
     monkeypatch.setattr(pipeline.runs, "push_state", lambda project_dir, wait_for=(): None)
     pipeline.fineflow_pipeline.fn(str(project_dir))
@@ -257,3 +258,29 @@ def test_a_crash_is_retried_through_dvc_and_prefect_and_the_retry_resumes(prefec
     assert marker.exists() and calls == ["train", "train"]  # crashed once, retried once
     assert not (project / "reports/train.error.json").exists()  # a crash leaves no user-error record
     assert result["ran"] and result["report"]["resumed_from_step"] == 2 and result["report"]["steps"] == 6
+
+
+@pytest.mark.slow
+def test_param_overrides_are_applied_by_their_task_or_refused_all_at_once(prefect_harness, tmp_path):
+    """The flow's `overrides` parameter (what the UI's run form sets) through its Prefect task."""
+    from prefect import flow
+
+    from fineflow.config import ConfigError, load_params
+    from tasks import runs
+
+    project = copy_project(tmp_path / "project")
+
+    @flow
+    def apply_only(overrides: dict):
+        return runs.apply_overrides(str(project), overrides)
+
+    assert apply_only({"train.lr": 0.002, "train.steps": 5}) == ["train.lr=0.002", "train.steps=5"]
+    params = load_params(project / "params.yaml")
+    assert (params.train.lr, params.train.steps) == (0.002, 5)
+    before = (project / "params.yaml").read_bytes()
+    with pytest.raises(ConfigError) as refused:
+        apply_only({"train.lrr": 1, "train.warmup_steps": -3})
+    assert "train.lrr is not a known key" in str(refused.value) and "train.warmup_steps must be >= 0" in str(
+        refused.value
+    )
+    assert (project / "params.yaml").read_bytes() == before
