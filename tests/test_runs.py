@@ -227,10 +227,11 @@ def test_make_serves_schedule_is_in_its_own_time_zone_and_its_scheduled_run_fire
         while not started and time.monotonic() < deadline:
             assert serve.poll() is None, log.read_text()[-3000:]
             time.sleep(2)
-            runs = [r for r in _flow_runs(prefect_server) if r["deployment_id"]]
+            # this copy's runs (the module's server also holds the other tests' runs and deployments)
+            runs = [r for r in _flow_runs(prefect_server) if r["parameters"].get("project_dir") == str(project)]
             started = [r for r in runs if r["state_type"] in ("RUNNING", "COMPLETED")]
         assert started, log.read_text()[-3000:]
-        [deployment] = _post(prefect_server, "/deployments/filter")
+        [deployment] = [d for d in _post(prefect_server, "/deployments/filter") if d["name"] == "t"]
         [schedule] = deployment["schedules"]
         assert schedule["schedule"]["cron"] == "* * * * *" and schedule["schedule"]["timezone"] == "Europe/Berlin"
         assert started[0]["deployment_id"] == deployment["id"] and started[0]["parameters"]["project_dir"] == str(
@@ -331,7 +332,8 @@ def test_prefect_yaml_deploys_both_deployments_a_worker_runs_them_and_new_data_t
     env = {**flow_env(prefect_server, chaos=False), "PREFECT_HOME": str(tmp_path / "prefect-home")}
     _prefect(project, env, "work-pool", "create", "fineflow-process", "--type", "process")
     _prefect(project, env, "--no-prompt", "deploy", "--all")
-    deployments = {d["name"]: d for d in _post(prefect_server, "/deployments/filter")}
+    ours = ("nightly", "on-new-data")  # the module's server also holds the other tests' deployments
+    deployments = {d["name"]: d for d in _post(prefect_server, "/deployments/filter") if d["name"] in ours}
     assert set(deployments) == {"nightly", "on-new-data"}
     [nightly] = deployments["nightly"]["schedules"]
     assert (nightly["schedule"]["cron"], nightly["schedule"]["timezone"]) == ("0 2 * * *", "UTC")
