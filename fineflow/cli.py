@@ -276,12 +276,17 @@ def _run_verify(args) -> int:
 
 
 def _run_rollback(args) -> int:
+    from pathlib import Path
+
     from fineflow.registry.champion import rollback
     from fineflow.registry.dvc_record import record_outputs
     from fineflow.registry.store import registry_lock
+    from fineflow.workspace import held_for
 
     registry, champion = _registry_paths(args)
-    with registry_lock(registry):  # no other write between the rollback and what dvc.lock records of it
+    # not while a run holds the workspace (its promote, and the dvc.lock it writes, would race the rollback's)
+    with held_for(Path.cwd(), "registry rollback"), registry_lock(registry):
+        # no other write between the rollback and what dvc.lock records of it
         result = rollback(registry, champion, args.to, args.base_dir)
         note = record_outputs(registry, champion)
     print(f"rolled back: champion {result['from']} -> {result['to']} (log entry {result['log_seq']})")

@@ -238,6 +238,11 @@ class PromoteParams(_Section):
     # champion's base, nor the champion's adapter this one. compare_to_base judges the candidate against its own
     # base, with the old champion's merged model scored on the same docs side by side (logged); refuse stops.
     on_base_change: Literal["compare_to_base", "refuse"] = "compare_to_base"
+    # A person approves what the gate would promote: the flow run pauses at promote with the gate's evidence and
+    # waits for approve/reject with a comment (in the Prefect UI); the decision and the approver go into the
+    # registry log. A refusal by the gate is never put to a person. Outside a flow: FINEFLOW_APPROVAL (README).
+    require_approval: bool = False
+    approval_timeout_h: float = Field(24.0, gt=0)  # no answer by then: the run fails, nothing is promoted or logged
 
 
 class Params(_Section):

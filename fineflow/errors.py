@@ -16,6 +16,11 @@ USER_ERROR_EXIT = 2
 # stage's record (kind "preempted", fineflow.train.preempt) carries it through the layers that rewrite codes.
 PREEMPTED_EXIT = 75
 
+# The exit code of a promote stage whose candidate passed the gate and waits for a person's approval
+# (promote.require_approval): nothing was logged or installed. The stage's record (kind "approval_needed") holds
+# the gate's evidence; the flow pauses on it and runs the stage again with the answer (FINEFLOW_APPROVAL).
+APPROVAL_NEEDED_EXIT = 3
+
 
 class FineflowError(Exception):
     """A problem the user can fix; the message is the whole story."""
@@ -27,3 +32,16 @@ class ConfigError(FineflowError):
 
 class DataError(FineflowError):
     """Input data is unreadable or fails a blocking check; the message names file:line and field."""
+
+
+class WorkspaceBusy(FineflowError):
+    """Another run holds the workspace (fineflow.workspace); the message names it."""
+
+
+class ApprovalNeeded(FineflowError):
+    """The candidate passed the gate and promote.require_approval asks a person first; evidence: what the
+    stage's report would hold (decision, delta, CI, p-value, candidate id)."""
+
+    def __init__(self, message: str, evidence: dict):
+        super().__init__(message)
+        self.evidence = evidence

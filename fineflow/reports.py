@@ -68,13 +68,28 @@ def write_error_record(report: str | Path, stage: str, message: str) -> None:
     write_json_atomic(error_record_path(report), {"stage": stage, "kind": "user_error", "message": message})
 
 
-def read_error_record(report: str | Path) -> dict | None:
-    """The record of a user error met by the stage's current run, or None (no record: success or a crash)."""
+def read_record(report: str | Path, kind: str) -> dict | None:
+    """The stage's record of this kind from its current run (reports/<stage>.error.json), or None."""
     try:
         record = read_json(error_record_path(report))
     except (OSError, ValueError):
         return None
-    return record if isinstance(record, dict) and record.get("kind") == "user_error" else None
+    return record if isinstance(record, dict) and record.get("kind") == kind else None
+
+
+def read_error_record(report: str | Path) -> dict | None:
+    """The record of a user error met by the stage's current run, or None (no record: success or a crash)."""
+    return read_record(report, "user_error")
+
+
+def write_approval_request(report: str | Path, stage: str, message: str, evidence: dict) -> None:
+    """The record of a candidate that passed the gate and waits for a person (fineflow.registry.approval)."""
+    record = {"stage": stage, "kind": "approval_needed", "message": message, "evidence": evidence}
+    write_json_atomic(error_record_path(report), record)
+
+
+def read_approval_request(report: str | Path) -> dict | None:
+    return read_record(report, "approval_needed")
 
 
 def clear_error_record(report: str | Path) -> None:

@@ -5,6 +5,11 @@ inside DVC, which refuses the second at once ("'models/base' is busy") and fails
 share one GPU. The run holds ``.dvc/tmp/fineflow-run.lock`` (flock) from its first stage to its end, with its
 holder (pid, run name, since) written inside; a second run waits for it and says whom it waits for. The kernel
 drops the lock when the holder's process dies, SIGKILL included, so a crashed run never blocks the next one.
+
+What runs outside a flow takes its turn too (``held_for``): a stage started by a plain ``dvc repro`` or by hand
+holds the workspace while it runs (a flow run waits for it), and ``registry rollback`` does; either one stops at
+once with a message that names the holder when another run has the workspace. A stage the holding run started
+itself (``HOLDER_ENV`` names it) goes on.
 """
 
 from __future__ import annotations
@@ -15,10 +20,16 @@ import json
 import os
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fineflow.errors import WorkspaceBusy
+
 LOCK_FILE = Path(".dvc") / "tmp" / "fineflow-run.lock"
+# The pid of the run that holds the workspace, in the environment of every process it starts: its stages know
+# the lock they find held is their own run's.
+HOLDER_ENV = "FINEFLOW_WORKSPACE_HOLDER"
 
 
 @dataclass
@@ -76,3 +87,28 @@ def describe(holder: dict) -> str:
     if not holder:
         return "another run (it has not named itself yet)"
     return f"{holder.get('owner', '?')} (pid {holder.get('pid', '?')}, since {holder.get('since', '?')})"
+
+
+@contextmanager
+def held_for(project: Path, owner: str):
+    """Hold the project's workspace while the block runs, for a process that does not wait its turn (a stage
+    started by `dvc repro` or by hand, a registry rollback): WorkspaceBusy naming the holder when another run
+    has it, nothing when the holder is the run that started this process, nothing outside a DVC workspace."""
+    if not (project / ".dvc").is_dir():  # a library caller's folder, not a pipeline workspace
+        yield
+        return
+    lock = WorkspaceLock(project, owner)
+    if lock.try_acquire():
+        try:
+            yield
+        finally:
+            lock.release()
+        return
+    holder = lock.holder()
+    if holder and str(holder.get("pid")) == os.environ.get(HOLDER_ENV):
+        yield  # started by the run that holds the workspace
+        return
+    raise WorkspaceBusy(
+        f"the workspace {project} is in use by {describe(holder)}; running the {owner} now would race it "
+        f"(both write the same outputs). Wait until it ends, or stop it, then run again."
+    )

@@ -6,6 +6,7 @@
 Each stage is one task that runs ``dvc repro --single-item <stage>``; unchanged stages are skipped by DVC.
 A run holds the workspace (a second one waits), pulls from and pushes to the project's default DVC remote when
 it has one, and is named after its commit and what it re-ran (tasks/runs.py).
+With promote.require_approval, the run pauses at promote for a person's answer (tasks/approval.py).
 Retries: train is retried (a transient crash, or a stop of the stage alone after it saved its step: the retry
 resumes); bad input or params are never retried.
 
@@ -29,6 +30,7 @@ from prefect import flow
 from fineflow.dag import stage_names, upstream_stages
 from fineflow.train import preempt
 from tasks import runs
+from tasks.approval import answered_task_name, ask_for_approval
 from tasks.stages import preempt_grace_s, run_stage
 
 FLOW_PROCESS_ENV = "FINEFLOW_FLOW_SUPERVISOR"  # the supervisor's pid, in the flow process it starts
@@ -55,7 +57,13 @@ def fineflow_pipeline(project_dir: str = ".", overrides: dict[str, Any] | None =
         results = {}
         for stage in stage_names(project_dir):
             task = run_stage.with_options(retries=RETRIES.get(stage, 0), retry_delay_seconds=5)
-            results[stage] = task(stage, project_dir, wait_for=[results[name] for name in upstream[stage]])
+            upstream_results = [results[name] for name in upstream[stage]]
+            result = task(stage, project_dir, wait_for=upstream_results)
+            if result.get("approval_needed"):  # promote.require_approval: the run pauses for a person's answer
+                approval = ask_for_approval(result["approval_needed"], project_dir)
+                answered = task.with_options(task_run_name=answered_task_name(stage, approval))
+                result = answered(stage, project_dir, approval=approval, wait_for=upstream_results)
+            results[stage] = result
         runs.push_state(project_dir, wait_for=list(results.values()))
     finally:
         runs.release_workspace(project_dir)
@@ -99,7 +107,8 @@ def run_flow(project: Path) -> int:
     preempt.die_with_parent(signal.SIGTERM, parent=int(os.environ[FLOW_PROCESS_ENV]))
     results = fineflow_pipeline(str(project))
     ran = [stage for stage, r in results.items() if r["ran"]]
-    evaluate, promote = results["evaluate"]["report"], results["promote"]["report"]
+    # a project's dvc.yaml may leave stages out
+    evaluate, promote = (results.get(stage, {}).get("report", {}) for stage in ("evaluate", "promote"))
     print(f"stages run: {', '.join(ran) or 'none (everything up to date)'}")
     print(f"base {evaluate.get('base')} -> candidate {evaluate.get('candidate')}")
     print(f"promote: {promote.get('decision')} ({promote.get('reason')})")

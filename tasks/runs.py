@@ -15,6 +15,7 @@ a remote both are skipped (the embedded default keeps its state in the workspace
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from fineflow.workspace import WorkspaceLock, describe
+from fineflow.workspace import HOLDER_ENV, WorkspaceLock, describe
 
 _HELD: dict[str, WorkspaceLock] = {}  # project path -> the lock this process holds for it
 
@@ -39,6 +40,7 @@ def claim_workspace(project_dir: str, owner: str) -> dict:
 
     waited = lock.acquire(on_wait=waiting)
     _HELD[project] = lock
+    os.environ[HOLDER_ENV] = str(os.getpid())  # this run's stages know the lock they find is their run's
     return {"waited_s": round(waited, 1)}
 
 
@@ -67,6 +69,8 @@ def release_workspace(project_dir: str) -> None:
     lock = _HELD.pop(str(Path(project_dir).resolve()), None)
     if lock is not None:
         lock.release()
+    if not _HELD:
+        os.environ.pop(HOLDER_ENV, None)
 
 
 def commit_label(project_dir: str) -> str:

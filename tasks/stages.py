@@ -35,7 +35,8 @@ from prefect.artifacts import (
 
 from fineflow.config import CheckpointSettings, load_params
 from fineflow.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
-from fineflow.reports import read_error_record
+from fineflow.registry.approval import APPROVAL_ENV
+from fineflow.reports import read_approval_request, read_error_record
 from fineflow.train import preempt
 
 # The lines of a failed stage's output that its message keeps: errors, and DVC's "is busy, it is being blocked
@@ -87,7 +88,7 @@ def preempt_grace_s(project_dir: str | Path) -> float:
         return CheckpointSettings().preempt_grace_s
 
 
-def repro_single(stage: str, project_dir: Path, log) -> bool:
+def repro_single(stage: str, project_dir: Path, log, extra_env: dict[str, str] | None = None) -> bool:
     """Run the stage through DVC, streaming every output line to log; raise StageFailed on failure.
 
     Returns whether the stage's command ran (False when DVC found it unchanged and skipped it)."""
@@ -98,7 +99,7 @@ def repro_single(stage: str, project_dir: Path, log) -> bool:
         subprocess.Popen(
             command,
             cwd=project_dir,
-            env=stage_environment(),
+            env={**stage_environment(), **(extra_env or {})},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -260,24 +261,30 @@ def _retry_unless_user_error(task, task_run, state) -> bool:
 
 
 @task(task_run_name="{stage}", retry_condition_fn=_retry_unless_user_error)
-def run_stage(stage: str, project_dir: str = ".") -> dict:
+def run_stage(stage: str, project_dir: str = ".", approval: dict | None = None) -> dict:
     """Reproduce one stage (skipped by DVC when unchanged) and publish reports/<stage>.json as an artifact.
 
-    Returns {"stage", "ran", "report"}: ran is False when DVC skipped the unchanged stage."""
+    Returns {"stage", "ran", "report"}: ran is False when DVC skipped the unchanged stage. A promote stage
+    whose candidate waits for a person (promote.require_approval) returns {"approval_needed": the gate's
+    evidence} instead; the flow asks and runs it again with approval, the answer (FINEFLOW_APPROVAL)."""
     logger = get_run_logger()
     project = Path(project_dir).resolve()
     progress = TrainingProgress(stage)
+    report_path = project / "reports" / f"{stage}.json"
 
     def log(line: str) -> None:
         logger.info(line)
         progress.see(line)
 
+    extra_env = {APPROVAL_ENV: json.dumps(approval)} if approval else None
     try:
-        ran = repro_single(stage, project, log)
+        ran = repro_single(stage, project, log, extra_env)
     except StageFailed as exc:
+        request = read_approval_request(report_path)
+        if request is not None:
+            return {"stage": stage, "ran": True, "report": {}, "approval_needed": request["evidence"]}
         publish_failure(stage, exc)
         raise
-    report_path = project / "reports" / f"{stage}.json"
     report = json.loads(report_path.read_text(encoding="utf-8")) if report_path.exists() else {}
     publish_report(stage, project, report, ran)
     return {"stage": stage, "ran": ran, "report": report}

@@ -171,6 +171,26 @@ def copy_project(dest: Path, overrides: dict | None = None) -> Path:
     return dest
 
 
+def random_adapter(
+    base_dir: Path, out: Path, seed: int, std: float = 0.2, targets=("q_proj", "v_proj", "down_proj")
+) -> Path:
+    """A LoRA adapter on base_dir with random lora_B (so it changes the model), saved like train's: a stand-in
+    for a trained candidate where only the registry, the evaluation or the flow around it is under test."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, std)
+    model.save_pretrained(out)
+    return out
+
+
 def venv_env() -> dict[str, str]:
     """Environment for subprocesses: this interpreter's bin first on PATH (dvc.yaml calls `python`)."""
     return {**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"]}

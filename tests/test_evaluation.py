@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from fineflow.errors import FineflowError
-from tests.conftest import TINY_PARAMS
+from tests.conftest import TINY_PARAMS, random_adapter
 
 TASKS = ["fineflow_synth", "fineflow_synth_mc"]
 
@@ -263,20 +263,7 @@ def test_a_failing_candidate_fails_the_stage_and_records_nothing(built, adapter,
 
 
 def _lora_on(base_dir, path, seed: int):
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(base_dir), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])
-    )
-    with torch.no_grad():
-        for name, weight in model.named_parameters():
-            if "lora_B" in name:
-                weight.normal_(0, 0.5)
-    model.save_pretrained(path)
-    return path
+    return random_adapter(base_dir, path, seed, std=0.5, targets=("q_proj",))
 
 
 def _git_checkout(root):

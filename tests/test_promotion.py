@@ -386,3 +386,53 @@ def test_a_promote_re_run_after_its_decision_was_logged_does_not_judge_again(tmp
     assert already_decided(tmp_path, "a" * 16, "t" * 64, params) is None  # other scores
     other = parse_params({**TINY_PARAMS, "promote": {**TINY_PARAMS["promote"], "min_delta": 0.2}})
     assert already_decided(tmp_path, "a" * 16, "s" * 64, other) is None  # another gate: judged anew
+
+
+# ---- a person's approval (promote.require_approval) ------------------------------------------------------
+
+
+def test_an_approval_answers_for_what_the_gate_would_promote_and_never_overturns_a_refusal():
+    from fineflow.errors import ApprovalNeeded
+    from fineflow.registry.approval import Approval, apply_approval
+
+    passed = promotion_decision({"base": entry({P: hits(5)}), "candidate": entry({P: hits(25)})}, None, [], **GATE)
+    refused = promotion_decision({"base": entry({P: hits(20)}), "candidate": entry({P: hits(21)})}, None, [], **GATE)
+    assert passed.promote and not refused.promote
+    assert apply_approval(refused, "c1", None, {}) == refused  # no one is asked about a refusal
+    assert apply_approval(refused, "c1", Approval(True, "alice"), {}) == refused  # nor can overturn it
+    for unanswered in (None, Approval(True, "alice", candidate_id="c0")):  # none, or for another candidate
+        with pytest.raises(ApprovalNeeded, match="c1 passed the gate") as waiting:
+            apply_approval(passed, "c1", unanswered, {"candidate_id": "c1"})
+        assert waiting.value.evidence == {"candidate_id": "c1"}
+    approved = apply_approval(passed, "c1", Approval(True, "alice", "read 20 samples", "c1"), {})
+    assert approved.promote and approved.reason == f"{passed.reason}; approved by alice: read 20 samples"
+    assert approved.context["approval"] == {"approved": True, "approver": "alice", "comment": "read 20 samples"}
+    rejected = apply_approval(passed, "c1", Approval(False, "bob", "eval set too small"), {})
+    assert not rejected.promote and rejected.stats == passed.stats  # the gate's evidence stays on record
+    assert rejected.reason.startswith("rejected by bob: eval set too small (the gate alone: ")
+
+
+@pytest.mark.parametrize(
+    "text, problems",
+    [
+        ("yes", ["not JSON"]),
+        ("[true]", ["expected a JSON object"]),
+        ('{"approved": "yes", "approver": " ", "by": 1}', ["approved: must be", "approver: must name", "'by'"]),
+    ],
+)
+def test_a_malformed_approval_is_refused_naming_the_variable_and_every_problem(text, problems):
+    from fineflow.errors import FineflowError
+    from fineflow.registry.approval import approval_from_env
+
+    with pytest.raises(FineflowError) as refused:
+        approval_from_env({"FINEFLOW_APPROVAL": text})
+    assert str(refused.value).startswith("FINEFLOW_APPROVAL: ")
+    assert all(problem in str(refused.value) for problem in problems), str(refused.value)
+
+
+def test_an_approval_from_the_environment():
+    from fineflow.registry.approval import Approval, approval_from_env
+
+    assert approval_from_env({}) is None and approval_from_env({"FINEFLOW_APPROVAL": " "}) is None
+    given = approval_from_env({"FINEFLOW_APPROVAL": '{"approved": false, "approver": "bob ", "candidate_id": "c1"}'})
+    assert given == Approval(False, "bob", "", "c1")

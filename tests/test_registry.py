@@ -27,6 +27,7 @@ import yaml
 
 from fineflow import cli
 from fineflow.registry.store import alias_id, candidate_id, champion_files_hash, read_log, verify_log
+from tests.conftest import ROOT, copy_project, random_adapter, venv_env, write_params
 
 P = "fineflow_synth/exact_match"
 EVAL_SHA = "e" * 64
@@ -58,25 +59,8 @@ def _write_scores(path, candidate: int, base: int, champion: tuple[int, str] | N
 
 @pytest.fixture(scope="module")
 def adapters(built, tmp_path_factory):
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     out = tmp_path_factory.mktemp("adapters")
-    made = []
-    for seed in (1, 2):
-        torch.manual_seed(seed)
-        base = AutoModelForCausalLM.from_pretrained(built / "models/base")
-        model = get_peft_model(
-            base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM")
-        )
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0.0, 0.2)
-        model.save_pretrained(out / f"adapter{seed}")
-        made.append(out / f"adapter{seed}")
-    return made
+    return [random_adapter(built / "models/base", out / f"adapter{seed}", seed) for seed in (1, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -339,7 +323,6 @@ def test_promotion_whose_champion_build_fails_leaves_champion_log_and_alias_as_t
 
 # ---- durability through real processes ----------------------------------------------------------------
 
-from tests.conftest import ROOT, copy_project, venv_env, write_params  # noqa: E402
 
 CRASH = ROOT / "tests/registry_crash.py"
 
@@ -553,3 +536,62 @@ def test_a_rollback_survives_the_next_dvc_repro_and_dvc_checkout(built, adapters
     _dvc(project, "checkout", "--force", "promote")
     assert read_log(registry)[-1]["decision"] == "rollback" and read_champion_id(champion) == id2
     assert verify_log(registry, champion) == [] and _promote_status(project) == {}
+
+
+# ---- a person's approval (promote.require_approval) ------------------------------------------------------
+
+
+def _promote_stage(root, argv, adapter, approval: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m fineflow.stages.promote` as DVC runs it, with FINEFLOW_APPROVAL set to approval when given."""
+    env = {k: v for k, v in venv_env().items() if k != "FINEFLOW_APPROVAL"}
+    if approval is not None:
+        env["FINEFLOW_APPROVAL"] = json.dumps(approval)
+    command = [sys.executable, "-m", "fineflow.stages.promote", *argv, "--adapter", str(adapter)]
+    return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_with_require_approval_the_gates_promotion_waits_for_a_person_whose_answer_goes_into_the_log(
+    promoted, adapters, built
+):
+    """adapter1 comes back and beats the champion (adapter2). With promote.require_approval the stage writes
+    nothing and exits 3 with the gate's evidence on record, also for an answer given for another candidate; a
+    rejection is logged as a refusal with the approver's reason; on new scores the gate passes it again and an
+    approval promotes it, the approver in the log and the report."""
+    root, registry, champion = promoted["root"], promoted["registry"], promoted["champion"]
+    id1, id2 = promoted["ids"]
+    argv = _promote_argv(promoted, built, _write_scores(root / "s4.json", 40, 5, (30, id2)))
+    write_params(root / "params.yaml", {"promote.require_approval": True})
+    argv += ["--report", str(root / "reports/promote.json")]
+    log_before = (registry / "promotions.jsonl").read_bytes()
+
+    for answer in (None, {"approved": True, "approver": "alice", "candidate_id": id2}):
+        waiting = _promote_stage(root, argv, adapters[0], answer)
+        assert waiting.returncode == 3, waiting.stdout + waiting.stderr
+        assert "waiting for approval" in waiting.stderr and "FINEFLOW_APPROVAL=" in waiting.stderr
+        record = json.loads((root / "reports/promote.error.json").read_text())
+        evidence = record["evidence"]
+        assert record["kind"] == "approval_needed" and evidence["candidate_id"] == id1
+        assert evidence["decision"] == "promoted" and evidence["ci_low"] > 0 and evidence["p_value"] is not None
+        assert (registry / "promotions.jsonl").read_bytes() == log_before and read_champion_id(champion) == id2
+
+    bad = _promote_stage(root, argv, adapters[0], {"approved": "yes"})
+    assert bad.returncode == 2 and "approved: must be true or false" in bad.stderr and "approver:" in bad.stderr
+
+    rejected = _promote_stage(root, argv, adapters[0], {"approved": False, "approver": "bob", "comment": "n=40"})
+    assert rejected.returncode == 0, rejected.stdout + rejected.stderr
+    last = read_log(registry)[-1]
+    assert (last["decision"], last["candidate_id"]) == ("refused", id1)
+    assert last["reason"].startswith("rejected by bob: n=40 (the gate alone: ")
+    assert last["context"]["approval"] == {"approved": False, "approver": "bob", "comment": "n=40"}
+    assert read_champion_id(champion) == id2 and not (root / "reports/promote.error.json").exists()
+
+    argv[argv.index("--scores") + 1] = str(_write_scores(root / "s5.json", 39, 5, (30, id2)))
+    approved = _promote_stage(root, argv, adapters[0], {"approved": True, "approver": "alice", "candidate_id": id1})
+    assert approved.returncode == 0, approved.stdout + approved.stderr
+    last = read_log(registry)[-1]
+    assert (last["decision"], last["candidate_id"]) == ("promoted", id1) and "approved by alice" in last["reason"]
+    assert last["context"]["approval"]["approver"] == "alice"
+    report = json.loads((root / "reports/promote.json").read_text())
+    assert report["decision"] == "promoted" and report["approval"]["approver"] == "alice"
+    assert read_champion_id(champion) == id1 and verify_log(registry, champion) == []

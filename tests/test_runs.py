@@ -81,6 +81,59 @@ def test_the_lock_is_not_inherited_by_the_stages_a_run_starts(tmp_path):
         lock.release()
 
 
+@pytest.mark.slow
+def test_a_stage_dvc_repro_or_rollback_outside_the_holding_run_stops_with_one_message_naming_it(tmp_path):
+    """While a flow run holds the workspace: a stage called by hand, `dvc repro` and `fineflow registry rollback`
+    each stop at once (exit 2) with one message naming the run, its pid and since when, and write nothing; the
+    holding run's own stages (FINEFLOW_WORKSPACE_HOLDER: its pid) go on. Once it is free, the stage runs and
+    gives the workspace back when it ends."""
+    from tests.conftest import venv_env
+
+    project = copy_project(tmp_path / "project")
+    flow = WorkspaceLock(project, "flow run 'a1b2c3d'")
+    assert flow.try_acquire()
+    env = {k: v for k, v in venv_env().items() if k != "FINEFLOW_WORKSPACE_HOLDER"}
+    stage = [sys.executable, "-m", "fineflow.stages.data", "--train", "data/raw/train.jsonl", "--eval", "e.jsonl"]
+    commands = {
+        "by hand": stage,
+        "dvc repro": [sys.executable, "-m", "dvc", "repro", "data"],
+        "rollback": [sys.executable, "-m", "fineflow.cli", "registry", "rollback"],
+    }
+    holder = f"in use by flow run 'a1b2c3d' (pid {os.getpid()}, since "
+    for caller, command in commands.items():
+        done = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=300)
+        output = done.stdout + done.stderr
+        assert done.returncode != 0 and output.count(holder) == 1, (caller, output[-3000:])
+        assert "Wait until it ends, or stop it" in output and "Traceback" not in output, (caller, output[-3000:])
+        assert not (project / "data/raw/train.jsonl").exists() and not (project / "models/registry").exists()
+    own = subprocess.run(stage, cwd=project, env={**env, "FINEFLOW_WORKSPACE_HOLDER": str(os.getpid())})
+    assert own.returncode == 0 and (project / "data/raw/train.jsonl").exists()  # the holding run's own stage
+    flow.release()
+    (project / "data/raw/train.jsonl").unlink()
+    done = subprocess.run(stage, cwd=project, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and (project / "data/raw/train.jsonl").exists(), done.stderr
+    assert WorkspaceLock(project, "next run").try_acquire()  # the stage gave it back
+
+
+def test_approval_with_prefects_temporary_server_fails_at_once_saying_how_to_answer(tmp_path):
+    """Nobody can resume a run on the temporary server `make run` starts without PREFECT_API_URL: rather than
+    wait for hours, the flow says where to run it, or how to give the answer up front."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from fineflow.errors import FineflowError
+    from tasks import approval
+    from tests.conftest import write_params
+
+    write_params(tmp_path / "params.yaml", {"promote.require_approval": True})
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        assert not approval.api_is_a_server()
+        with pytest.raises(FineflowError, match="temporary server") as failed:
+            approval.ask_for_approval({"candidate_id": "c1"}, str(tmp_path))
+    assert "PREFECT_API_URL=" in str(failed.value) and "FINEFLOW_APPROVAL=" in str(failed.value)
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:4200/api"}):
+        assert approval.api_is_a_server()
+
+
 def test_upstream_stages_resolve_dvc_templating_and_paths_inside_outputs(tmp_path):
     (tmp_path / "params.yaml").write_text("data:\n  path: raw/rows.jsonl\n", encoding="utf-8")
     (tmp_path / "dvc.yaml").write_text(
@@ -385,3 +438,91 @@ def test_prefect_yaml_deploys_both_deployments_a_worker_runs_them_and_new_data_t
         _wait_for(triggered, 120, worker, log)
     finally:
         kill_tree(worker)
+
+
+def _promote_only_project(built, path, overrides: dict):
+    """A copy of the project whose candidate (a random adapter on the tiny base, scored 30/40 against the base's
+    5/40) is evaluated and waits for promote, the one stage its dvc.yaml keeps: the flow's promotion alone."""
+    import shutil
+
+    import yaml
+
+    from tests.conftest import random_adapter
+    from tests.test_registry import _write_scores
+
+    project = copy_project(path, overrides)
+    pipeline = yaml.safe_load((project / "dvc.yaml").read_text(encoding="utf-8"))
+    pipeline["stages"] = {"promote": pipeline["stages"]["promote"]}
+    (project / "dvc.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False), encoding="utf-8")
+    shutil.copytree(built / "models/base", project / "models/base")
+    shutil.copytree(built / "data/shards", project / "data/shards")
+    (project / "models/base_fingerprint.json").write_text("{}\n")
+    (project / "eval").mkdir()
+    _write_scores(project / "eval/scores.json", 30, 5)
+    random_adapter(built / "models/base", project / "models/candidate", seed=1)
+    return project
+
+
+def _answer_when_paused(api_url: str, project, proc, log, answer: dict, seen: set) -> dict:
+    """Wait for this copy's next flow run to pause at promotion, check what it shows, resume it with answer
+    through the API (as the UI's Resume form does); the run as it was while paused."""
+    from fineflow.workspace import WorkspaceLock
+
+    def paused():
+        runs = [r for r in _flow_runs(api_url) if r["parameters"].get("project_dir") == str(project)]
+        return [r for r in runs if r["state_type"] == "PAUSED" and r["id"] not in seen]
+
+    [run] = _wait_for(paused, 300, proc, log)
+    seen.add(run["id"])
+    [shown] = [
+        a
+        for a in _post(api_url, "/artifacts/filter")
+        if a["flow_run_id"] == run["id"] and a["key"] == "fineflow-promotion-approval"
+    ]
+    assert "waits for your approval" in shown["data"] and "p-value" in shown["data"] and "CI" in shown["data"]
+    assert not WorkspaceLock(project, "another run").try_acquire()  # a paused run keeps the workspace
+    resumed = _post(api_url, f"/flow_runs/{run['id']}/resume", {"run_input": answer})
+    assert resumed["status"] == "ACCEPT", resumed
+    return run
+
+
+@pytest.mark.scenario
+@pytest.mark.slow
+def test_a_flow_run_pauses_at_promotion_for_a_persons_answer_rejected_then_approved_through_the_api(
+    prefect_server, built, tmp_path
+):
+    """promote.require_approval: the run pauses at promote (Paused, the gate's evidence as an artifact, the
+    workspace still held) until a person answers through the server's API. Rejected by bob: the candidate is
+    refused, bob and his comment in the registry log, no champion. One param edit later (min_delta) the next
+    run re-runs promote only, pauses again, and alice's approval installs the champion, logged as hers."""
+    from fineflow.registry.store import read_log, verify_log
+    from tests.conftest import write_params
+    from tests.test_chaos import dvc_status, finish_flow, flow_env, start_flow
+
+    project = _promote_only_project(built, tmp_path / "project", {"promote.require_approval": True})
+    registry, champion = project / "models/registry", project / "models/champion"
+    env, seen = flow_env(prefect_server, chaos=False), set()
+
+    log = tmp_path / "rejected.log"
+    proc = start_flow(project, env, log)
+    bob = {"approve": False, "approver": "bob", "comment": "too few eval rows"}
+    run = _answer_when_paused(prefect_server, project, proc, log, bob, seen)
+    finish_flow(proc, log)
+    last = read_log(registry)[-1]
+    assert last["decision"] == "refused" and last["reason"].startswith("rejected by bob: too few eval rows")
+    assert last["context"]["approval"] == {"approved": False, "approver": "bob", "comment": "too few eval rows"}
+    assert json.loads((champion / "champion.json").read_text())["candidate_id"] is None  # no champion
+    tasks = [t["name"] for t in _post(prefect_server, "/task_runs/filter") if t["flow_run_id"] == run["id"]]
+    assert "promote" in tasks and "promote (rejected by bob)" in tasks
+
+    write_params(project / "params.yaml", {"promote.require_approval": True, "promote.min_delta": 0.04})
+    log = tmp_path / "approved.log"
+    proc = start_flow(project, env, log)
+    alice = {"approve": True, "approver": "alice", "comment": "checked 20 samples"}
+    _answer_when_paused(prefect_server, project, proc, log, alice, seen)
+    finish_flow(proc, log)
+    last = read_log(registry)[-1]
+    assert last["decision"] == "promoted" and "approved by alice: checked 20 samples" in last["reason"]
+    assert last["context"]["approval"]["approver"] == "alice"
+    assert json.loads((champion / "champion.json").read_text())["candidate_id"] == last["candidate_id"]
+    assert verify_log(registry, champion) == [] and dvc_status(project) == {}

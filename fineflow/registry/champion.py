@@ -20,6 +20,7 @@ from pathlib import Path
 
 from fineflow.config import Params
 from fineflow.errors import FineflowError
+from fineflow.registry.approval import Approval, apply_approval
 from fineflow.registry.card import model_card, train_figures
 from fineflow.registry.gate import Decision, bootstrap_per_metric, decision_record, flatten, promotion_decision, refusal
 from fineflow.registry.lineage import build_manifest, deterministic, missing_fields
@@ -67,9 +68,12 @@ def promote(
     shards_dir: Path = Path("data/shards"),
     root: Path = Path("."),
     log=print,
+    approval: Approval | None = None,
 ) -> dict:
     """Judge the candidate at adapter_dir against the champion (or the base) on the evaluate stage's scores,
     record the decision in the registry, install the candidate as champion if it passed; the stage's report.
+    With promote.require_approval, a candidate the gate passes needs approval, a person's answer for it (see
+    fineflow.registry.approval); without one, ApprovalNeeded is raised before anything is written.
 
     root is the checkout the lineage's git state and dvc.lock are read from; the full manifest (with git,
     times, user, host) goes to ``<lineage_dir>/<candidate id>.json``, outside DVC's outputs."""
@@ -97,6 +101,8 @@ def promote(
             decision = refusal(unreadable or retired, params.promote.primary_metric)
         else:
             decision = judge(params, scores, champion, missing_fields(manifest), eval_hash)
+        if params.promote.require_approval:  # a person answers for what the gate would promote, before any write
+            decision = apply_approval(decision, cid, approval, stage_report(decision, cid, None, None))
         record = candidate_record(params, scores, cid, adapter_dir, base_dir, eval_hash, manifest, decision)
         stored = store_candidate(registry_dir, adapter_dir, cid, record)
         ensure_empty_champion(champion_dir)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from fineflow.config import Params, load_params
-from fineflow.errors import USER_ERROR_EXIT, FineflowError
-from fineflow.reports import clear_error_record, write_error_record, write_json_atomic
+from fineflow.errors import APPROVAL_NEEDED_EXIT, USER_ERROR_EXIT, ApprovalNeeded, FineflowError
+from fineflow.reports import clear_error_record, write_approval_request, write_error_record, write_json_atomic
 from fineflow.runtime import apply_offline_environment, is_train_worker
+from fineflow.workspace import held_for
 
 
 def stage_parser(stage: str, description: str) -> argparse.ArgumentParser:
@@ -31,16 +34,29 @@ def user_error(stage: str, report: str, exc: FineflowError) -> None:
     write_error_record(report, stage, str(exc))
 
 
+def workspace_turn(stage: str):
+    """The stage holds the workspace while it runs (fineflow.workspace.held_for): DVC runs it from the project
+    root. A rank of the train stage runs under its launcher, which holds it."""
+    if is_train_worker():
+        return contextlib.nullcontext()
+    return held_for(Path.cwd(), f"{stage} stage (started outside a flow run: dvc repro or by hand)")
+
+
 def run_entry(stage: str, args: argparse.Namespace, body: Callable[[Params], dict]) -> int:
-    """Run body(params), write its report with the wall time, and turn user errors into one clean line, an
-    error record and exit 2."""
+    """Run body(params) holding the workspace, write its report with the wall time, and turn user errors into
+    one clean line, an error record and exit 2 (a candidate waiting for approval: its record and exit 3)."""
     apply_offline_environment()
     started = time.perf_counter()
     if not is_train_worker():  # a rank leaves it to its launcher: another rank may have written it already
         clear_error_record(args.report)
     try:
-        params = load_params(args.params)
-        report = body(params)
+        with workspace_turn(stage):
+            params = load_params(args.params)
+            report = body(params)
+    except ApprovalNeeded as exc:  # before FineflowError: not a user error, the run waits for a person
+        print(f"fineflow {stage}: waiting for approval: {exc}", file=sys.stderr, flush=True)
+        write_approval_request(args.report, stage, str(exc), exc.evidence)
+        return APPROVAL_NEEDED_EXIT
     except FineflowError as exc:
         user_error(stage, args.report, exc)
         return USER_ERROR_EXIT

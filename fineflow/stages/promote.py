@@ -11,6 +11,10 @@ success installs the champion atomically: the PEFT adapter, the merged model (``
 a model card (``README.md``) and the deterministic lineage (``lineage.json``). The full manifest (with git,
 times, user, host) goes to ``<lineage>/<candidate id>.json``, outside DVC's outputs. The procedure is
 ``fineflow.registry.champion.promote``.
+
+With ``promote.require_approval``, a candidate the gate passes waits for a person: without an answer in
+FINEFLOW_APPROVAL the stage writes nothing, records the gate's evidence and exits 3 (the Prefect flow pauses for
+the answer and runs the stage again with it; fineflow.registry.approval).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fineflow.config import Params
+from fineflow.registry.approval import Approval, approval_from_env
 from fineflow.registry.champion import promote
 from fineflow.stages._entry import log, run_entry, stage_parser
 
@@ -33,6 +38,7 @@ def run(
     lineage_dir: Path | None = None,
     shards_dir: Path = Path("data/shards"),
     root: Path = Path("."),
+    approval: Approval | None = None,
 ) -> dict:
     return promote(
         params,
@@ -46,6 +52,7 @@ def run(
         shards_dir,
         root,
         log=log,
+        approval=approval,
     )
 
 
@@ -83,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             args.train_report,
             args.lineage,
             args.shards,
+            approval=approval_from_env(),  # a person's answer (promote.require_approval), given by the flow
         ),
     )
 

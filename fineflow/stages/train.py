@@ -15,6 +15,7 @@ checkpoint.preempt_grace_s; run again, it resumes from that step (``fineflow.tra
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ from fineflow.config import CheckpointSettings, load_params
 from fineflow.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
 from fineflow.reports import clear_error_record, read_error_record
 from fineflow.runtime import is_train_worker
-from fineflow.stages._entry import log, run_entry, stage_parser, user_error
+from fineflow.stages._entry import log, run_entry, stage_parser, user_error, workspace_turn
 from fineflow.train import preempt
 from fineflow.train.recipe import launch_ranks, train_rank
 
@@ -50,18 +51,21 @@ def main(argv: list[str] | None = None) -> int:
     if not is_train_worker():  # the launcher: accelerate launch runs this module again per rank
         clear_error_record(args.report)
         try:
-            code = launch_ranks(
-                load_params(args.params),
-                "fineflow.stages.train",
-                argv,
-                {
-                    "base_dir": args.base_dir,
-                    "machine_rank": args.machine_rank,
-                    "main_process_ip": args.main_process_ip,
-                    "main_process_port": args.main_process_port,
-                },
-                log=log,
-            )
+            # machine 0's launcher holds it for every rank; another machine's may share its folder (a shared
+            # file system) and is part of the same run
+            with workspace_turn("train") if not args.machine_rank else contextlib.nullcontext():
+                code = launch_ranks(
+                    load_params(args.params),
+                    "fineflow.stages.train",
+                    argv,
+                    {
+                        "base_dir": args.base_dir,
+                        "machine_rank": args.machine_rank,
+                        "main_process_ip": args.main_process_ip,
+                        "main_process_port": args.main_process_port,
+                    },
+                    log=log,
+                )
         except FineflowError as exc:
             user_error("train", args.report, exc)
             return USER_ERROR_EXIT

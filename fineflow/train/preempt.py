@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from fineflow.errors import PREEMPTED_EXIT
-from fineflow.reports import error_record_path, read_json, write_json_atomic
+from fineflow.reports import error_record_path, read_record, write_json_atomic
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # Seconds each layer waits, after the signal, beyond the ranks' grace before it kills the layer below.
@@ -163,11 +163,7 @@ def write_preempted_record(report: str | Path, stage: str, step: int, signum: in
 
 
 def read_preempted_record(report: str | Path) -> dict | None:
-    try:
-        record = read_json(error_record_path(report))
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) and record.get("kind") == "preempted" else None
+    return read_record(report, "preempted")
 
 
 # --- the layers above the ranks --------------------------------------------------------------------------
