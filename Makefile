@@ -10,12 +10,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fineflow-installed
 
-# Hubs offline, telemetry off, Prefect/HF state inside the project (see fineflow/runtime.py).
-export HF_HUB_OFFLINE := 1
-export HF_DATASETS_OFFLINE := 1
-export TRANSFORMERS_OFFLINE := 1
+# Telemetry off, Prefect state inside the project. The Hugging Face hub is not set here: every stage and the
+# flow put it offline, with a project-local cache, unless model.base is a hub id (fineflow/runtime.py); then
+# your own HF_HOME and network apply, and HF_HUB_OFFLINE=1 keeps an air-gapped cluster off the network.
 export HF_HUB_DISABLE_TELEMETRY := 1
-export HF_HOME := $(CURDIR)/.cache/huggingface
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DVC_NO_ANALYTICS := 1

@@ -165,6 +165,14 @@ class TrainParams(_Section):
     # mixed precision. auto: the accelerate profile's mixed_precision, else bf16 on a bf16 GPU, else "no" (fp32);
     # an explicit value wins over the profile (a conflict is logged and reported). fp16 needs a GPU (loss scaling)
     precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+
+    @field_validator("precision", mode="before")
+    @classmethod
+    def _bare_no(cls, value):
+        # YAML 1.1 reads a bare `no` as false, and DVC writes "no" back bare whenever it rewrites params.yaml
+        # (`dvc exp run -S`, the flow's overrides): read as what it was written from
+        return "no" if value is False else value
+
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
     # attention over packed rows. varlen: per example, cost sum(len^2) (fineflow.train.attention; any device);
     # sdpa: transformers' block-diagonal (L x L) mask over the whole row; flash_attention_2: flash-attn's

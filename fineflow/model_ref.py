@@ -38,24 +38,73 @@ def resolve_base_model(model_cfg: ModelParams, base_dir: str | Path) -> str:
     return model_cfg.base
 
 
-def check_base_reference(reference: str) -> None:
-    """model.base must be a local model directory, or a hub id the local cache holds when the hub is offline:
-    anything else fails here, naming the param, before a stage loads anything (not as a traceback from
-    from_pretrained)."""
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub reads it (read here, not from its constants, which are frozen at its
+    import)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def hub_cache_dir() -> Path:
+    """Where huggingface_hub keeps models: HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    return Path(os.environ.get("HF_HOME") or "~/.cache/huggingface").expanduser() / "hub"
+
+
+def hub_model_cached(reference: str) -> bool:
+    """Whether the HF cache holds a usable snapshot of the hub id: its config.json, not just a folder (a
+    download cut short, or one of the README alone, leaves a snapshot folder without it)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(reference, "config.json", cache_dir=hub_cache_dir())
+    except Exception:  # not a valid repo id
+        return False
+    return isinstance(found, str)
+
+
+def base_source(reference: str) -> str:
+    """Where model.base comes from: "dir" (a local model directory), "cache" (a hub id the HF cache holds), or
+    "download" (a hub id to fetch once into the user's HF cache; the hub is online). Anything else is a user
+    error naming the param, raised before a stage loads anything (not a traceback from from_pretrained)."""
     if Path(reference).expanduser().is_dir():
-        return
+        return "dir"
     if reference.startswith((".", "/", "~")) or reference.count("/") > 1:
         raise FineflowError(
             f"params.yaml: model.base {reference!r} is not a directory (looked in {Path.cwd()}): point it at a "
             f"Hugging Face model directory (config.json, weights, tokenizer), or at a hub id such as org/name"
         )
-    if os.environ.get("HF_HUB_OFFLINE") == "1" and _hub_revision(reference) is None:
+    if hub_model_cached(reference):
+        return "cache"
+    if hub_offline():
         raise FineflowError(
-            f"params.yaml: model.base {reference!r} is neither a local directory nor a model in the Hugging Face "
-            f"cache ({os.environ.get('HF_HOME', '~/.cache/huggingface')}), and the hub is offline (HF_HUB_OFFLINE=1): "
-            f"fix the name, download it once (`huggingface-cli download {reference}` with that HF_HOME), or "
-            f"point model.base at a local model directory"
+            f"params.yaml: model.base {reference!r} is not in the Hugging Face cache ({hub_cache_dir()}) and the "
+            f"hub is offline (HF_HUB_OFFLINE=1). Fetch it once where there is network: `huggingface-cli download "
+            f"{reference}` with the same HF_HOME (or copy that cache here); or unset HF_HUB_OFFLINE and the base "
+            f"stage downloads it; or fix the name, or point model.base at a local model directory"
         )
+    return "download"
+
+
+def check_base_reference(reference: str) -> None:
+    """model.base must be a local model directory, a hub id the HF cache holds, or one the hub can serve."""
+    base_source(reference)
+
+
+def download_hub_base(reference: str, log) -> str:
+    """Fetch the hub id's snapshot into the user's HF cache, once (the base stage, when the hub is online); its
+    commit. A failure is a user error naming the id and the cache."""
+    from huggingface_hub import snapshot_download
+
+    log(f"model.base {reference!r}: downloading it once into the Hugging Face cache {hub_cache_dir()}")
+    try:
+        return Path(snapshot_download(reference, cache_dir=hub_cache_dir())).name
+    except Exception as exc:
+        raise FineflowError(
+            f"params.yaml: model.base {reference!r}: download into {hub_cache_dir()} failed ({type(exc).__name__}: "
+            f"{exc}); check the name, your network and HF_TOKEN for a gated model, or set HF_HUB_OFFLINE=1 and "
+            f"fetch it yourself"
+        ) from None
 
 
 def file_sha256(path: Path, cache: dict) -> str:
@@ -73,7 +122,7 @@ def _hub_revision(reference: str) -> str | None:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(reference, local_files_only=True)).name
+        return Path(snapshot_download(reference, local_files_only=True, cache_dir=hub_cache_dir())).name
     except Exception:  # not cached, or not a hub id: the id alone identifies it
         return None
 

@@ -46,9 +46,10 @@ def fineflow_pipeline(project_dir: str = ".", overrides: dict[str, Any] | None =
     ({"train.lr": 0.001}), validated at once and written into params.yaml as `dvc exp run -S` writes them."""
     from prefect.runtime import flow_run
 
-    from fineflow.runtime import apply_offline_environment
+    from fineflow.runtime import RUN_NAME_ENV, apply_offline_environment
 
     apply_offline_environment(project_dir)  # a worker's run starts here, not in run_flow: offline for its stages
+    os.environ[RUN_NAME_ENV] = flow_run.name  # its stages name their tracker runs after it
     runs.claim_workspace(project_dir, owner=f"flow run {flow_run.name!r}")
     try:
         applied = runs.apply_overrides(project_dir, overrides or {})

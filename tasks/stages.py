@@ -159,18 +159,16 @@ def report_table(report: dict) -> list[dict]:
     """A stage report as rows of (figure, value): nested sections flattened to dotted names, each value whole
     (lists and mappings below the first level as compact JSON)."""
     rows = []
-
-    def add(prefix: str, value) -> None:
-        if isinstance(value, dict) and value and prefix.count(".") < 1:
-            for key, inner in sorted(value.items()):
-                add(f"{prefix}.{key}", inner)
-        else:
-            text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
-            rows.append({"figure": prefix, "value": text})
-
     for key, value in sorted(report.items()):
-        add(key, value)
+        if isinstance(value, dict) and value:  # a section (train's "plan"): one row per field
+            rows += [{"figure": f"{key}.{inner}", "value": _cell(v)} for inner, v in sorted(value.items())]
+        else:
+            rows.append({"figure": key, "value": _cell(value)})
     return rows
+
+
+def _cell(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
 def promotion_markdown(report: dict, project: Path) -> str:

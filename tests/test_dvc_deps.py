@@ -114,3 +114,18 @@ def test_library_never_imports_a_stage_entry():
         rel = path.relative_to(ROOT).as_posix()
         offenders += [f"{rel} imports {n}" for n in _imported_names(path) if n.startswith("fineflow.stages")]
     assert not offenders, offenders
+
+
+@pytest.mark.parametrize("stage", sorted(DVC_STAGES))
+def test_every_output_dvc_records_travels_with_dvc_push(stage):
+    """Seen on main (issue 17): checkpoints/ was a `cache: false` output, so it never reached the remote; a
+    clone that pulled everything saw `train: changed outs: deleted: checkpoints` and would retrain with nothing
+    changed, and the lock hashed every checkpoint left over from other configurations (52 files in the committed
+    lock, 18 after a fresh run). Checkpoints are the train stage's scratch, read only by its resume: not an
+    output. Every output DVC records must go to the cache, so `dvc pull` brings back all that the lock names."""
+    for out in DVC_STAGES[stage].get("outs", []):
+        path, options = (out, {}) if isinstance(out, str) else next(iter(out.items()))
+        assert options.get("cache", True), f"dvc.yaml stage {stage}: output {path} is `cache: false`"
+    assert "--checkpoints" not in DVC_STAGES[stage]["cmd"] or all(
+        "checkpoints" not in (out if isinstance(out, str) else next(iter(out))) for out in DVC_STAGES[stage]["outs"]
+    )

@@ -7,6 +7,7 @@ order and lineage's stage reports all follow it.
 """
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -106,6 +107,52 @@ def test_flow_then_dvc_repro(prefect_harness, tmp_path, monkeypatch):
         "evaluate",
         "promote",
     ]
+    # the metrics a PR comment shows: a few figures per stage, not every field of every report (issue 17)
+    shown = json.loads(_dvc(repro_copy, "metrics", "show", "--json"))
+    [metrics] = [entry["data"] for entry in shown.values()]
+    figures = {f"{path}:{key}" for path, data in metrics.items() for key in _leaves(data["data"])}
+    assert 15 <= len(figures) <= 45, sorted(figures)
+    for expected in (
+        "promote.json:decision",
+        "promote.json:p_value",
+        "train.json:final_loss",
+        "train.json:tokens_per_s",
+        "validate.json:rows_quarantined",
+        "evaluate.json:candidate.",
+    ):
+        assert any(expected in figure for figure in figures), (expected, sorted(figures))
+    diff = _dvc(repro_copy, "metrics", "diff", "--md", "HEAD")
+    assert len(diff.splitlines()) <= 50, diff
+    # Seen on main (issue 17): a clone that pulled every output still saw `train: changed outs: deleted:
+    # checkpoints` (a `cache: false` output never travels) and would retrain; the lock also listed the
+    # checkpoints of every configuration run in the workspace. Now the pulled clone has nothing to reproduce.
+    assert "checkpoints" not in json.dumps(rerun_lock["stages"]["train"]["outs"])
+    remote = tmp_path / "remote"
+    for copy in (repro_copy, copy_project(tmp_path / "pulled")):
+        _dvc(copy, "remote", "add", "-d", "store", str(remote))
+    pulled = tmp_path / "pulled"
+    _dvc(repro_copy, "push")
+    shutil.copy(repro_copy / "params.yaml", pulled / "params.yaml")  # the commit the lock belongs to
+    shutil.copy(repro_copy / "dvc.lock", pulled / "dvc.lock")
+    _dvc(pulled, "pull")
+    assert json.loads(_dvc(pulled, "status", "--json")) == {"fingerprint": ["always changed"]}
+    assert _ran_stages(_dvc(pulled, "repro")) == ["fingerprint"]
+
+
+def _leaves(data: dict, prefix: str = "") -> list[str]:
+    return [
+        leaf
+        for key, value in data.items()
+        for leaf in (_leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"])
+    ]
+
+
+def _dvc(project, *args) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "dvc", *args], cwd=project, env=venv_env(), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
 
 
 def test_a_stage_counts_as_run_even_when_its_output_pushes_dvcs_line_out_of_the_log_tail(tmp_path, monkeypatch):

@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -292,3 +294,22 @@ def test_a_port_taken_before_the_launch_binds_it_is_retried(tmp_path, monkeypatc
 
         ok, text = launch_with_free_port(launch)
     assert ok and len(tried) == 2 and tried[0] == held, text[-4000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlflow") is not None, reason="mlflow is installed here")
+def test_a_tracker_whose_package_is_missing_stops_the_launch_with_one_message(built, tmp_path):
+    """Seen on main (issue 17): `train.tracker: mlflow` without mlflow only warned (accelerate skips a tracker it
+    cannot import) and trained untracked. Now the train stage's launcher stops before any rank starts, with a
+    user error naming the param and the install."""
+    from tests.conftest import train_project, venv_env
+
+    project = train_project(built, tmp_path, {"train.tracker": "mlflow"})
+    argv = ["--shards", "data/shards", "--base-dir", "models/base", "--checkpoints", "checkpoints"]
+    argv += ["--out", "models/candidate", "--steps-log", "reports/train_steps.jsonl"]
+    env = {k: v for k, v in venv_env().items() if k != "FINEFLOW_TRAIN_WORKER"}
+    done = subprocess.run(
+        [sys.executable, "-m", "fineflow.stages.train", *argv], cwd=project, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "train.tracker is 'mlflow' but the mlflow package is not installed (pip install '.[mlflow]')" in done.stderr
+    assert "launching:" not in done.stdout and not (project / "models/candidate").exists()

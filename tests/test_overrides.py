@@ -38,3 +38,51 @@ def test_every_refused_override_is_named_at_once_and_nothing_is_written(tmp_path
     assert "nothing applied" in message
     assert "train.lrr" in message and "train.lr" in message and "seed.value: seed is a value" in message
     assert params.read_bytes() == before
+
+
+@pytest.mark.slow
+def test_params_survive_dvc_exp_runs_rewrite_of_one_key_in_every_section(tmp_path):
+    """Seen on main (issue 17): the README's `dvc exp run -S train.lr=1e-3` failed before training started. DVC
+    rewrites params.yaml to set the value: `precision: "no"` came back as a bare `no`, which YAML reads as false
+    (`train.precision: Input should be 'auto', 'no', 'bf16' or 'fp16' (got False)`), and every `null` came back
+    empty. A real `dvc exp run` in a fresh copy sets one key of every section (train.precision to "no" among
+    them) and runs the data stage, whose entry validates the whole file; then the values are as set."""
+    import json
+    import re
+    import subprocess
+    import sys
+
+    from tests.conftest import copy_project, venv_env
+
+    project = copy_project(tmp_path / "project")
+    sets = {
+        "seed": "7",
+        "model.base": "models/base",
+        "base.steps": "5",
+        "data.n_train": "120",
+        "validate.max_bad_share": "0.2",
+        "tokenize.pack_window": "64",
+        "train.precision": "no",
+        "train.lr": "1e-3",
+        "checkpoint.every_minutes": "null",
+        "evaluate.limit": "4",
+        "promote.min_delta": "0.1",
+    }
+    assert {key.split(".")[0] for key in sets} >= set(load_params(project / "params.yaml").model_dump(by_alias=True))
+    argv = [sys.executable, "-m", "dvc", "exp", "run", "--name", "every-section", "data"]
+    for key, value in sets.items():
+        argv += ["-S", f"{key}={value}"]
+    done = subprocess.run(argv, cwd=project, env=venv_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Running stage 'data'" in done.stdout
+    written = (project / "params.yaml").read_text(encoding="utf-8")
+    assert re.search(r"^ +precision: no$", written, re.MULTILINE), written  # bare, as DVC writes it
+    loaded = load_params(project / "params.yaml")
+    assert (loaded.seed, loaded.train.precision, loaded.train.lr, loaded.data.n_train) == (7, "no", 1e-3, 120)
+    assert (loaded.checkpoint.every_minutes, loaded.evaluate.limit, loaded.promote.min_delta) == (None, 4, 0.1)
+    assert len((project / "data/raw/train.jsonl").read_text().splitlines()) >= 120  # plus the injected bad rows
+    shown = subprocess.run(
+        [sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=project, env=venv_env(), capture_output=True
+    )
+    assert b"every-section" in shown.stdout, shown.stderr
+    json.loads(shown.stdout)

@@ -175,7 +175,14 @@ def test_tensorboard_curves_have_no_duplicate_steps_after_a_resume(built, tmp_pa
     project = train_project(built, tmp_path, {"train.tracker": "tensorboard"})
     assert _kill_when(project, 1, lambda p: last_logged_step(p) >= 7 and not _writing(p))
     _finish(project, 1)
-    events = EventAccumulator(str(project / "logs/fineflow"))
+    [run] = (project / "logs/fineflow").iterdir()  # the resumed attempt went on in the crashed one's run
+    assert run.name.endswith("-dvc-repro")  # started outside a flow (a flow run's name otherwise)
+    events = EventAccumulator(str(run))
     events.Reload()
     steps = [event.step for event in events.Scalars("loss")]
     assert steps == list(range(1, STEPS + 1))  # the crashed attempt's steps after its checkpoint were purged
+    # Seen on main (issue 17): every run appended to logs/fineflow, mixing the curves of different runs
+    write_params(project / "params.yaml", {**TRAIN_OVERRIDES, "train.tracker": "tensorboard", "train.lr": 1e-3})
+    _finish(project, 1, env={**_env(1), "FINEFLOW_RUN_NAME": "a1b2c3d: train, evaluate"})
+    runs = sorted(p.name for p in (project / "logs/fineflow").iterdir())
+    assert len(runs) == 2 and run.name in runs and any(r.endswith("-a1b2c3d-train-evaluate") for r in runs), runs

@@ -353,6 +353,23 @@ def test_a_run_pushes_to_the_dvc_remote_and_a_fresh_clone_pulls_what_it_pushed(t
     assert json.loads(_dvc(fresh, "status", "--json", "data")) == {}  # nothing to rebuild
 
 
+def test_a_failing_remote_fails_the_pull_so_its_task_retries_instead_of_rebuilding_everything(tmp_path, monkeypatch):
+    """Before: any failed `dvc pull` was logged and the run went on, so an unreachable remote or expired
+    credentials meant rebuilding the base and retraining from scratch (and pull_state's retries never ran)."""
+    from tasks import runs
+
+    project = copy_project(tmp_path / "project")
+    _dvc(project, "remote", "add", "-d", "store", str(tmp_path / "remote"))
+
+    def unreachable(project_dir, *args):
+        raise RuntimeError("dvc pull --allow-missing failed (exit 1): ERROR: unexpected error - Unable to connect")
+
+    monkeypatch.setattr(runs, "_dvc", unreachable)
+    with pytest.raises(RuntimeError, match="Unable to connect"):
+        runs.pull(str(project), print)
+    assert runs.pull_state.retries == 2
+
+
 def _prefect(project, env, *args: str) -> str:
     argv = [sys.executable, "-m", "prefect", *args]
     done = subprocess.run(argv, cwd=project, env=env, capture_output=True, text=True)

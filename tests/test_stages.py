@@ -1,8 +1,10 @@
 """Each stage's real code on the tiny config: the files it promises exist and its report has its figures."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -226,7 +228,7 @@ def test_a_user_error_leaves_a_record_that_the_next_run_of_the_stage_removes(tmp
     "base, problem",
     [
         ("./my-modle", "is not a directory"),
-        ("some-org/never-downloaded-model", "neither a local directory nor a model in the Hugging Face cache"),
+        ("some-org/never-downloaded-model", "is not in the Hugging Face cache"),
     ],
 )
 def test_a_base_that_is_not_there_is_a_user_error_before_anything_loads(tmp_path, monkeypatch, capsys, base, problem):
@@ -239,3 +241,122 @@ def test_a_base_that_is_not_there_is_a_user_error_before_anything_loads(tmp_path
     assert base_stage.main(["--out", "models/base"]) == 2
     assert problem in capsys.readouterr().err and "model.base" in read_error_record("reports/base.json")["message"]
     assert not (tmp_path / "models/base").exists()
+
+
+def _hub_snapshot(cache: Path, repo_id: str, files: dict[str, bytes]) -> Path:
+    """A Hugging Face cache entry for repo_id as huggingface_hub lays it out (refs/main -> snapshots/<commit>)."""
+    folder = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = folder / "snapshots" / ("c" * 40)
+    snapshot.mkdir(parents=True)
+    (folder / "refs").mkdir()
+    (folder / "refs/main").write_text("c" * 40)
+    for name, data in files.items():
+        (snapshot / name).write_bytes(data)
+    return snapshot
+
+
+def test_a_hub_id_cached_only_in_part_is_refused_offline_naming_the_id_the_cache_and_how_to_fetch_it(
+    tmp_path, monkeypatch, capsys
+):
+    """Seen on main (issue 17): with model.base a hub id and the hub offline, the base stage said "using it as
+    the base, nothing to build" because the cache held a snapshot folder (a download cut short), and validate
+    then crashed in transformers (`OSError: We couldn't connect to 'https://huggingface.co'`). Now the base
+    stage needs the snapshot's config.json, and says what to do."""
+    from fineflow.stages import base as base_stage
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    _hub_snapshot(tmp_path / "hf/hub", "Qwen/Qwen2.5-0.5B", {"README.md": b"# partial\n"})
+    write_params(tmp_path / "params.yaml", {"model.base": "Qwen/Qwen2.5-0.5B"})
+    assert base_stage.main(["--out", "models/base"]) == 2
+    err = capsys.readouterr().err
+    assert "'Qwen/Qwen2.5-0.5B' is not in the Hugging Face cache" in err and str(tmp_path / "hf/hub") in err
+    assert "huggingface-cli download Qwen/Qwen2.5-0.5B" in err and "unset HF_HUB_OFFLINE" in err
+    assert "Traceback" not in err and not (tmp_path / "models/base").exists()
+
+
+def test_a_hub_id_in_the_users_cache_is_used_offline_and_online_one_not_cached_is_downloaded(tmp_path, monkeypatch):
+    """The decision, without a network: a cached snapshot is used as it is (offline or not); an uncached hub id
+    is downloaded once by the base stage when the hub is online, refused when it is offline; a local dir is a
+    dir. The cache is the user's (HF_HOME, or HF_HUB_CACHE when set)."""
+    from fineflow.errors import FineflowError
+    from fineflow.model_ref import base_source, hub_cache_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    assert hub_cache_dir() == tmp_path / "home/hub"
+    _hub_snapshot(tmp_path / "home/hub", "org/cached", {"config.json": b"{}"})
+    (tmp_path / "local-model").mkdir()
+    for offline in ("1", "0"):
+        monkeypatch.setenv("HF_HUB_OFFLINE", offline)
+        assert base_source("org/cached") == "cache" and base_source("local-model") == "dir"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    assert base_source("org/not-cached") == "download"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "true")
+    with pytest.raises(FineflowError, match="is not in the Hugging Face cache"):
+        base_source("org/not-cached")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))
+    assert hub_cache_dir() == tmp_path / "elsewhere"
+
+
+def test_fineflow_puts_the_hub_offline_only_where_nothing_needs_it(tmp_path, monkeypatch):
+    """Seen on main (issue 17): the Makefile and every process forced HF_HUB_OFFLINE=1 and a project HF_HOME, so a
+    hub model could not be used through the README's commands and the user's own HF cache was ignored. Now the
+    embedded default and a local base run offline with a project cache; with a hub id the user's settings
+    apply (an air-gapped cluster sets HF_HUB_OFFLINE=1 itself); a value the caller set always wins."""
+    from fineflow.runtime import HUB_VARIABLES, apply_offline_environment, params_model_base, process_environment
+
+    (tmp_path / "models/mine").mkdir(parents=True)
+    for base in ("embedded", "models/mine", "/abs/model", None):
+        env = process_environment(tmp_path, base)
+        assert env["HF_HUB_OFFLINE"] == "1" and env["HF_HOME"] == str(tmp_path.resolve() / ".cache/huggingface")
+    hub = process_environment(tmp_path, "Qwen/Qwen2.5-0.5B")
+    assert not set(HUB_VARIABLES) & set(hub) and hub["DO_NOT_TRACK"] == "1"
+
+    write_params(tmp_path / "params.yaml", {"model.base": "Qwen/Qwen2.5-0.5B"})
+    assert params_model_base(tmp_path) == "Qwen/Qwen2.5-0.5B" and params_model_base(tmp_path / "none") is None
+    for name in HUB_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", "/home/me/.cache/huggingface")
+    apply_offline_environment(tmp_path)  # model.base from the project's params.yaml: a hub id
+    assert "HF_HUB_OFFLINE" not in os.environ and os.environ["HF_HOME"] == "/home/me/.cache/huggingface"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    apply_offline_environment(tmp_path, model_base="embedded")
+    assert os.environ["HF_HUB_OFFLINE"] == "0" and os.environ["HF_DATASETS_OFFLINE"] == "1"  # the caller's wins
+
+
+def test_a_stage_writes_the_few_figures_worth_diffing_beside_its_full_report(tmp_path, monkeypatch):
+    """Seen on main (issue 17): `dvc metrics show` printed ~400 columns, every nested field of every report (GX
+    expectation names, planner byte counts, the decision's sentence). Now each stage writes its curated
+    figures to reports/metrics/<stage>.json, what dvc.yaml declares as metrics; the full report is unchanged."""
+    import argparse
+
+    import yaml
+
+    from fineflow.stages._entry import run_entry
+
+    monkeypatch.delenv("FINEFLOW_TRAIN_WORKER", raising=False)
+    args = argparse.Namespace(
+        params=str(write_params(tmp_path / "params.yaml")), report=str(tmp_path / "r/promote.json")
+    )
+    report = {"decision": "promoted", "reason": "a sentence", "delta": 0.4, "ci_low": 0.3, "ci_high": 0.5}
+    report |= {"p_value": 0.0, "candidate_value": 0.5, "reference_value": 0.1, "lineage": "reports/lineage/x.json"}
+    assert run_entry("promote", args, lambda params: dict(report)) == 0
+    metrics = json.loads((tmp_path / "r/metrics/promote.json").read_text())
+    assert metrics == {
+        k: report[k]
+        for k in ("decision", "delta", "ci_low", "ci_high", "p_value", "candidate_value", "reference_value")
+    }
+    assert json.loads((tmp_path / "r/promote.json").read_text())["reason"] == "a sentence"  # the full report
+    args.report = str(tmp_path / "r/evaluate.json")
+    scores = {"base": {"t/em": 0.1}, "candidate": {"t/em": 0.4}, "models": {"base": {"load_s": 3.0}}}
+    assert run_entry("evaluate", args, lambda params: dict(scores)) == 0
+    assert json.loads((tmp_path / "r/metrics/evaluate.json").read_text()) == {
+        "base": {"t/em": 0.1},
+        "candidate": {"t/em": 0.4},
+    }
+    declared = yaml.safe_load((ROOT / "dvc.yaml").read_text())["metrics"]
+    assert declared and all(path.startswith("reports/metrics/") for path in declared)

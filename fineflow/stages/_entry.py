@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fineflow.config import Params, load_params
 from fineflow.errors import APPROVAL_NEEDED_EXIT, USER_ERROR_EXIT, ApprovalNeeded, FineflowError
+from fineflow.metrics import curated, metrics_path
 from fineflow.reports import clear_error_record, write_approval_request, write_error_record, write_json_atomic
 from fineflow.runtime import apply_offline_environment, is_train_worker
 from fineflow.workspace import held_for
@@ -45,13 +46,13 @@ def workspace_turn(stage: str):
 def run_entry(stage: str, args: argparse.Namespace, body: Callable[[Params], dict]) -> int:
     """Run body(params) holding the workspace, write its report with the wall time, and turn user errors into
     one clean line, an error record and exit 2 (a candidate waiting for approval: its record and exit 3)."""
-    apply_offline_environment()
     started = time.perf_counter()
     if not is_train_worker():  # a rank leaves it to its launcher: another rank may have written it already
         clear_error_record(args.report)
     try:
         with workspace_turn(stage):
             params = load_params(args.params)
+            apply_offline_environment(model_base=params.model.base)  # before any HF library is imported
             report = body(params)
     except ApprovalNeeded as exc:  # before FineflowError: not a user error, the run waits for a person
         print(f"fineflow {stage}: waiting for approval: {exc}", file=sys.stderr, flush=True)
@@ -63,5 +64,8 @@ def run_entry(stage: str, args: argparse.Namespace, body: Callable[[Params], dic
     if report is not None:
         report = {"stage": stage, **report, "wall_s": round(time.perf_counter() - started, 3)}
         write_json_atomic(args.report, report)
+        metrics = curated(stage, report)
+        if metrics is not None:  # the few figures `dvc metrics diff` shows (fineflow.metrics)
+            write_json_atomic(metrics_path(args.report, stage), metrics)
         log(f"{stage}: report written to {args.report}")
     return 0

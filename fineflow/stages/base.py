@@ -9,14 +9,17 @@ from pathlib import Path
 
 from fineflow.base.model import build_embedded_base
 from fineflow.config import Params
-from fineflow.model_ref import check_base_reference, write_external_marker
+from fineflow.model_ref import base_source, download_hub_base, write_external_marker
 from fineflow.stages._entry import log, run_entry, stage_parser
 
 
 def run(params: Params, out_dir: Path) -> dict:
     if not params.model.is_embedded:
-        check_base_reference(params.model.base)
-        log(f"model.base is {params.model.base!r}: using it as the base, nothing to build")
+        source = base_source(params.model.base)
+        if source == "download":  # a hub id, the hub online: into the user's own HF cache, once
+            download_hub_base(params.model.base, log)
+        where = {"dir": "a local directory", "cache": "in the Hugging Face cache", "download": "downloaded"}
+        log(f"model.base is {params.model.base!r} ({where[source]}): using it as the base, nothing to build")
         return write_external_marker(out_dir, params.model.base)
     return {"skipped": False, **build_embedded_base(params.model, params.base, params.seed, out_dir, log=log)}
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from fineflow.config import CheckpointSettings, load_params
 from fineflow.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
 from fineflow.reports import clear_error_record, read_error_record
-from fineflow.runtime import is_train_worker
+from fineflow.runtime import apply_offline_environment, is_train_worker
 from fineflow.stages._entry import log, run_entry, stage_parser, user_error, workspace_turn
 from fineflow.train import preempt
 from fineflow.train.recipe import launch_ranks, train_rank
@@ -54,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
             # machine 0's launcher holds it for every rank; another machine's may share its folder (a shared
             # file system) and is part of the same run
             with workspace_turn("train") if not args.machine_rank else contextlib.nullcontext():
+                params = load_params(args.params)
+                apply_offline_environment(model_base=params.model.base)  # the launcher's, and its ranks'
                 code = launch_ranks(
-                    load_params(args.params),
+                    params,
                     "fineflow.stages.train",
                     argv,
                     {

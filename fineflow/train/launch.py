@@ -256,6 +256,20 @@ def is_deepspeed_profile(profile: Path | None) -> bool:
     return profile is not None and read_profile(profile)["distributed_type"].upper() == "DEEPSPEED"
 
 
+def require_tracker(tracker: str) -> None:
+    """The tracker's package, checked before any rank starts: otherwise accelerate only warns and trains
+    untracked."""
+    from importlib.util import find_spec
+
+    package = {"tensorboard": "tensorboard", "mlflow": "mlflow"}.get(tracker)
+    if package and find_spec(package) is None:
+        extra = " (pip install '.[mlflow]')" if tracker == "mlflow" else ""
+        raise FineflowError(
+            f"params.yaml: train.tracker is {tracker!r} but the {package} package is not installed{extra}: "
+            f"install it, or set train.tracker to another tracker or none; nothing was trained"
+        )
+
+
 def require_engine(profile: Path | None) -> None:
     """A DeepSpeed profile without the deepspeed package: one message, before anything loads (accelerate's own
     launcher would raise an ImportError traceback, and only after the memory planner ran)."""

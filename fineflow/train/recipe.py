@@ -20,6 +20,7 @@ from fineflow.train.launch import (
     check_deepspeed_profile,
     configure_deepspeed,
     require_engine,
+    require_tracker,
     resolve_profile,
 )
 from fineflow.train.model import build_model, save_model
@@ -36,6 +37,7 @@ def launch_ranks(params: Params, module: str, argv: list[str], placement: dict, 
     cfg = params.train
     profile = resolve_profile(cfg.accelerate_profile)
     require_engine(profile)  # a DeepSpeed profile without deepspeed: one message before anything loads
+    require_tracker(cfg.tracker)
     check_hardware(cfg, has_gpu)
     planned, plan, changes = fit_plan(params, resolve_base_model(params.model, Path(placement["base_dir"])), has_gpu)
     check_deepspeed_profile(profile, planned, world_size(planned, profile))  # params vs profile, before any rank
@@ -62,15 +64,40 @@ def launch_ranks(params: Params, module: str, argv: list[str], placement: dict, 
     return run_ranks(command, {**os.environ, **env}, params.checkpoint.preempt_grace_s, log)
 
 
-def init_tracker(accelerator, params: Params, cfg: TrainParams, start_step: int = 0) -> None:
-    """accelerate's tracker; after a resume from step N, TensorBoard purges the events a crashed attempt
-    logged after N, so no step appears twice in the curves."""
+TRACKER_RUN_FILE = "tracker_run.txt"  # in a checkpoint run directory: the tracker run its attempts log to
+
+
+def tracker_run_name(run_dir: Path, resuming: bool) -> str:
+    """Each training run its own tracker run, so curves of different runs never mix: the time it started and
+    the flow run's name (FINEFLOW_RUN_NAME; "dvc-repro" outside a flow). Kept in the checkpoint run directory,
+    so a resumed run goes on in its own curves (a finished run trained again starts a new one)."""
+    import re
+    import time
+
+    from fineflow.reports import write_text_atomic
+    from fineflow.runtime import RUN_NAME_ENV
+
+    path = Path(run_dir) / TRACKER_RUN_FILE
+    if resuming and path.is_file():
+        return path.read_text(encoding="utf-8").strip()
+    label = re.sub(r"[^A-Za-z0-9._+-]+", "-", os.environ.get(RUN_NAME_ENV) or "dvc-repro").strip("-")
+    name = f"{time.strftime('%Y%m%d-%H%M%S')}-{label}"
+    write_text_atomic(path, name + "\n")
+    return name
+
+
+def init_tracker(accelerator, params: Params, cfg: TrainParams, run_dir: Path, start_step: int = 0) -> None:
+    """accelerate's tracker, one run per training run (tracker_run_name): TensorBoard under
+    logs/fineflow/<run>, MLflow as run <run> of experiment fineflow. After a resume from step N, TensorBoard
+    purges the events a crashed attempt logged after N, so no step appears twice in the curves."""
     if cfg.tracker == "none":
         return
+    name = tracker_run_name(run_dir, resuming=start_step > 0)
     flat = {f"train.{k}": v for k, v in cfg.model_dump().items() if isinstance(v, (int, float, str, bool))}
     init_kwargs = {"tensorboard": {"purge_step": start_step + 1}} if start_step else {}
+    init_kwargs["mlflow"] = {"run_name": name}
     accelerator.init_trackers(
-        "fineflow",
+        f"fineflow/{name}" if cfg.tracker == "tensorboard" else "fineflow",
         config={**flat, "seed": params.seed, "tokenize.seq_len": params.tokenize.seq_len},
         init_kwargs=init_kwargs,
     )
@@ -205,7 +232,7 @@ def train_rank(
         if resumed is not None:
             manager.protect(resumed.path)
             log(f"resuming from {resumed.path} (step {start_step} of {cfg.steps})")
-        init_tracker(accelerator, params, cfg, start_step)
+        init_tracker(accelerator, params, cfg, run_dir, start_step)
         log(
             f"training {cfg.method}"
             + (f" r={cfg.lora.r}" if cfg.method != "full" else "")
