@@ -49,8 +49,8 @@ def fineflow_pipeline(project_dir: str = ".", overrides: dict[str, Any] | None =
     from fineflow.runtime import RUN_NAME_ENV, apply_offline_environment
 
     apply_offline_environment(project_dir)  # a worker's run starts here, not in run_flow: offline for its stages
-    os.environ[RUN_NAME_ENV] = flow_run.name  # its stages name their tracker runs after it
     runs.claim_workspace(project_dir, owner=f"flow run {flow_run.name!r}")
+    os.environ[RUN_NAME_ENV] = flow_run.name or ""  # its stages name their tracker runs after it
     try:
         applied = runs.apply_overrides(project_dir, overrides or {})
         runs.pull_state(project_dir)
@@ -67,6 +67,7 @@ def fineflow_pipeline(project_dir: str = ".", overrides: dict[str, Any] | None =
             results[stage] = result
         runs.push_state(project_dir, wait_for=list(results.values()))
     finally:
+        os.environ.pop(RUN_NAME_ENV, None)
         runs.release_workspace(project_dir)
     ran = [stage for stage, result in results.items() if result["ran"]]
     name = f"{flow_run.name}" + (f" ({', '.join(applied)})" if applied else "")

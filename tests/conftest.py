@@ -434,3 +434,54 @@ def _wait_healthy(server: subprocess.Popen, url: str, log: Path, timeout: float 
             pass
         time.sleep(0.3)
     pytest.fail(f"the Prefect server was not healthy after {timeout} s: {log.read_text()[-3000:]}")
+
+
+S3_BUCKET = "fineflow"
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory):
+    """An S3 API server on 127.0.0.1 (moto's, as DVC's own S3 plugin tests use), with the bucket S3_BUCKET;
+    its endpoint URL. Started as a process of its own and stopped by its PID."""
+    home = tmp_path_factory.mktemp("s3-server")
+    port = free_port()
+    argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    with (home / "server.log").open("w") as log:
+        server = subprocess.Popen(argv, env=venv_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None, f"the S3 server exited: {(home / 'server.log').read_text()[-3000:]}"
+            try:  # CreateBucket is a PUT of /<bucket>; moto checks no signature
+                request = urllib.request.Request(f"{endpoint}/{S3_BUCKET}", method="PUT")
+                with urllib.request.urlopen(request, timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"no S3 server at {endpoint}: {(home / 'server.log').read_text()[-3000:]}")
+                time.sleep(0.3)
+        yield endpoint
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def add_s3_remote(project: Path, endpoint: str, prefix: str) -> None:
+    """The project's default DVC remote: s3://S3_BUCKET/<prefix> on the test's S3 server, as a user configures
+    MinIO or Ceph (endpointurl; the keys in the untracked .dvc/config.local)."""
+    for args in (
+        ["remote", "add", "-d", "store", f"s3://{S3_BUCKET}/{prefix}"],
+        ["remote", "modify", "store", "endpointurl", endpoint],
+        ["remote", "modify", "store", "region", "us-east-1"],
+        ["remote", "modify", "--local", "store", "access_key_id", "testing"],
+        ["remote", "modify", "--local", "store", "secret_access_key", "testing"],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "dvc", *args], cwd=project, env=venv_env(), capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stdout + done.stderr

@@ -14,7 +14,7 @@ import sys
 import pytest
 import yaml
 
-from tests.conftest import ROOT, copy_project, venv_env
+from tests.conftest import ROOT, add_s3_remote, copy_project, venv_env
 
 STAGES = list(yaml.safe_load((ROOT / "dvc.yaml").read_text(encoding="utf-8"))["stages"])  # in the file's order
 
@@ -46,7 +46,7 @@ def _dvc_wait(proc, log) -> str:
 
 @pytest.mark.scenario
 @pytest.mark.slow
-def test_flow_then_dvc_repro(prefect_harness, tmp_path, monkeypatch):
+def test_flow_then_dvc_repro(prefect_harness, s3_server, tmp_path, monkeypatch):
     """The Prefect flow in one copy while plain `dvc repro` runs the same DAG in a fresh copy alongside (two
     independent checkouts: a stage's processes are mostly single-threaded imports, so two copies at once take
     little more than one on 2 cores)."""
@@ -127,15 +127,20 @@ def test_flow_then_dvc_repro(prefect_harness, tmp_path, monkeypatch):
     # checkpoints` (a `cache: false` output never travels) and would retrain; the lock also listed the
     # checkpoints of every configuration run in the workspace. Now the pulled clone has nothing to reproduce.
     assert "checkpoints" not in json.dumps(rerun_lock["stages"]["train"]["outs"])
-    remote = tmp_path / "remote"
+    # The remote is an S3 API on 127.0.0.1 (moto's server): the round trip a team makes through object storage.
     for copy in (repro_copy, copy_project(tmp_path / "pulled")):
-        _dvc(copy, "remote", "add", "-d", "store", str(remote))
+        add_s3_remote(copy, s3_server, prefix="flow")
     pulled = tmp_path / "pulled"
     _dvc(repro_copy, "push")
     shutil.copy(repro_copy / "params.yaml", pulled / "params.yaml")  # the commit the lock belongs to
     shutil.copy(repro_copy / "dvc.lock", pulled / "dvc.lock")
     _dvc(pulled, "pull")
     assert json.loads(_dvc(pulled, "status", "--json")) == {"fingerprint": ["always changed"]}
+    assert json.loads(_dvc(pulled, "status", "--cloud", "--json")) == {}  # the remote holds all the lock names
+    verify = subprocess.run(
+        [sys.executable, "-m", "fineflow.cli", "registry", "verify"], cwd=pulled, env=venv_env(), capture_output=True
+    )
+    assert verify.returncode == 0 and verify.stdout.startswith(b"OK: "), verify.stdout + verify.stderr
     assert _ran_stages(_dvc(pulled, "repro")) == ["fingerprint"]
 
 

@@ -115,7 +115,8 @@ def test_train_writes_adapter_checkpoints_and_step_log(trained):
     assert config["base_model_name_or_path"] == str(built / "models/base")  # as passed in, not resolved
     [run_dir] = run_dirs(out / "checkpoints")  # one directory per training configuration
     # keep_last 2, and the run marked finished: a later run of the same inputs trains again, never resumes it
-    assert sorted(p.name for p in run_dir.iterdir()) == ["FINISHED", "step-0000002", "step-0000004"]
+    # tracker_run.txt: the TensorBoard run its attempts log to (logs/fineflow/<that name>)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["FINISHED", "step-0000002", "step-0000004", "tracker_run.txt"]
     assert report["resumed_from_step"] == 0 and report["checkpoint_write_s"] is not None
     steps = [json.loads(x) for x in (out / "reports/train_steps.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3, 4] and all("data_wait_s" in s for s in steps)
