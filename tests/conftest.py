@@ -414,12 +414,17 @@ def prefect_server(tmp_path_factory):
         _wait_healthy(server, url, home / "server.log")
         yield url
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop_by_pid(server)
+
+
+def stop_by_pid(server: subprocess.Popen) -> None:
+    """SIGTERM to a server the test started (its own process group), SIGKILL if it is still there after 20 s."""
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
 
 
 def _wait_healthy(server: subprocess.Popen, url: str, log: Path, timeout: float = 120) -> None:
@@ -463,12 +468,7 @@ def s3_server(tmp_path_factory):
                 time.sleep(0.3)
         yield endpoint
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop_by_pid(server)
 
 
 def add_s3_remote(project: Path, endpoint: str, prefix: str) -> None:
