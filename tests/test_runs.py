@@ -83,10 +83,10 @@ def test_the_lock_is_not_inherited_by_the_stages_a_run_starts(tmp_path):
 
 @pytest.mark.slow
 def test_a_stage_dvc_repro_or_rollback_outside_the_holding_run_stops_with_one_message_naming_it(tmp_path):
-    """While a flow run holds the workspace: a stage called by hand, `dvc repro` and `fineflow registry rollback`
-    each stop at once (exit 2) with one message naming the run, its pid and since when, and write nothing; the
-    holding run's own stages (FINEFLOW_WORKSPACE_HOLDER: its pid) go on. Once it is free, the stage runs and
-    gives the workspace back when it ends."""
+    """While a flow run holds the workspace: a stage called by hand, `dvc repro`, `fineflow registry rollback` and
+    the train launcher each stop at once (exit 2) with one message naming the run, its pid and since when, and
+    write nothing, not even an error record over the holder's; the holding run's own stages
+    (FINEFLOW_WORKSPACE_HOLDER: its pid) go on. Once it is free, the stage runs and gives the workspace back."""
     from tests.conftest import venv_env
 
     project = copy_project(tmp_path / "project")
@@ -98,14 +98,21 @@ def test_a_stage_dvc_repro_or_rollback_outside_the_holding_run_stops_with_one_me
         "by hand": stage,
         "dvc repro": [sys.executable, "-m", "dvc", "repro", "data"],
         "rollback": [sys.executable, "-m", "fineflow.cli", "registry", "rollback"],
+        "train launcher": [sys.executable, "-m", "fineflow.stages.train", "--shards", "data/shards", "--base-dir"]
+        + ["models/base", "--checkpoints", "checkpoints", "--out", "models/candidate", "--steps-log", "s.jsonl"],
     }
     holder = f"in use by flow run 'a1b2c3d' (pid {os.getpid()}, since "
+    # the holding run's own stage record (its task reads it): a stopped stage must neither remove nor replace it
+    record = project / "reports/data.error.json"
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text('{"stage": "data", "kind": "preempted", "message": "the holding run\'s"}')
     for caller, command in commands.items():
         done = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=300)
         output = done.stdout + done.stderr
         assert done.returncode != 0 and output.count(holder) == 1, (caller, output[-3000:])
         assert "Wait until it ends, or stop it" in output and "Traceback" not in output, (caller, output[-3000:])
         assert not (project / "data/raw/train.jsonl").exists() and not (project / "models/registry").exists()
+        assert "the holding run's" in record.read_text(), caller
     own = subprocess.run(stage, cwd=project, env={**env, "FINEFLOW_WORKSPACE_HOLDER": str(os.getpid())})
     assert own.returncode == 0 and (project / "data/raw/train.jsonl").exists()  # the holding run's own stage
     flow.release()

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fineflow.config import Params, load_params
-from fineflow.errors import APPROVAL_NEEDED_EXIT, USER_ERROR_EXIT, ApprovalNeeded, FineflowError
+from fineflow.errors import APPROVAL_NEEDED_EXIT, USER_ERROR_EXIT, ApprovalNeeded, FineflowError, WorkspaceBusy
 from fineflow.metrics import curated, metrics_path
 from fineflow.reports import clear_error_record, write_approval_request, write_error_record, write_json_atomic
 from fineflow.runtime import apply_offline_environment, is_train_worker
@@ -35,6 +35,12 @@ def user_error(stage: str, report: str, exc: FineflowError) -> None:
     write_error_record(report, stage, str(exc))
 
 
+def workspace_busy(stage: str, exc: WorkspaceBusy) -> None:
+    """The one line for a stage that found another run in the workspace; no error record (the record file is
+    the holder's stage's: its task reads it)."""
+    print(f"fineflow {stage}: error: {exc}", file=sys.stderr, flush=True)
+
+
 def workspace_turn(stage: str):
     """The stage holds the workspace while it runs (fineflow.workspace.held_for): DVC runs it from the project
     root. A rank of the train stage runs under its launcher, which holds it."""
@@ -47,13 +53,16 @@ def run_entry(stage: str, args: argparse.Namespace, body: Callable[[Params], dic
     """Run body(params) holding the workspace, write its report with the wall time, and turn user errors into
     one clean line, an error record and exit 2 (a candidate waiting for approval: its record and exit 3)."""
     started = time.perf_counter()
-    if not is_train_worker():  # a rank leaves it to its launcher: another rank may have written it already
-        clear_error_record(args.report)
     try:
         with workspace_turn(stage):
+            if not is_train_worker():  # a rank leaves it to its launcher: another rank may have written it already
+                clear_error_record(args.report)
             params = load_params(args.params)
             apply_offline_environment(model_base=params.model.base)  # before any HF library is imported
             report = body(params)
+    except WorkspaceBusy as exc:  # another run's workspace: its reports and records are not this process's
+        workspace_busy(stage, exc)
+        return USER_ERROR_EXIT
     except ApprovalNeeded as exc:  # before FineflowError: not a user error, the run waits for a person
         print(f"fineflow {stage}: waiting for approval: {exc}", file=sys.stderr, flush=True)
         write_approval_request(args.report, stage, str(exc), exc.evidence)

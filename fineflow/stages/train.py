@@ -21,10 +21,10 @@ import sys
 from pathlib import Path
 
 from fineflow.config import CheckpointSettings, load_params
-from fineflow.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
+from fineflow.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError, WorkspaceBusy
 from fineflow.reports import clear_error_record, read_error_record
 from fineflow.runtime import apply_offline_environment, is_train_worker
-from fineflow.stages._entry import log, run_entry, stage_parser, user_error, workspace_turn
+from fineflow.stages._entry import log, run_entry, stage_parser, user_error, workspace_busy, workspace_turn
 from fineflow.train import preempt
 from fineflow.train.recipe import launch_ranks, train_rank
 
@@ -49,11 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if not is_train_worker():  # the launcher: accelerate launch runs this module again per rank
-        clear_error_record(args.report)
         try:
             # machine 0's launcher holds it for every rank; another machine's may share its folder (a shared
             # file system) and is part of the same run
             with workspace_turn("train") if not args.machine_rank else contextlib.nullcontext():
+                clear_error_record(args.report)
                 params = load_params(args.params)
                 apply_offline_environment(model_base=params.model.base)  # the launcher's, and its ranks'
                 code = launch_ranks(
@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
                     },
                     log=log,
                 )
+        except WorkspaceBusy as exc:
+            workspace_busy("train", exc)
+            return USER_ERROR_EXIT
         except FineflowError as exc:
             user_error("train", args.report, exc)
             return USER_ERROR_EXIT
