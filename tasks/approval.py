@@ -21,6 +21,7 @@ from pydantic import Field
 from fineflow.config import load_params
 from fineflow.errors import FineflowError
 from fineflow.registry.approval import APPROVAL_ENV
+from tasks.stages import evidence_table
 
 
 class PromotionApproval(RunInput):
@@ -44,13 +45,7 @@ def approval_markdown(evidence: dict) -> str:
             "",
             f"The gate would promote it: {evidence.get('reason', '')}",
             "",
-            "| | |",
-            "|---|---|",
-            f"| metric | `{evidence.get('primary_metric')}` |",
-            f"| candidate | {evidence.get('candidate_value')} |",
-            f"| {evidence.get('reference')} | {evidence.get('reference_value')} |",
-            f"| delta (bootstrap CI) | {evidence.get('delta')} [{evidence.get('ci_low')}, {evidence.get('ci_high')}] |",
-            f"| p-value | {evidence.get('p_value')} |",
+            *evidence_table(evidence),
             "",
             "Resume the run to answer: tick **approve** (or leave it to reject), name the **approver**, add a "
             "**comment**. Both go into the registry log.",

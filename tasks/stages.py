@@ -179,6 +179,15 @@ def promotion_markdown(report: dict, project: Path) -> str:
         "",
         str(report.get("reason", "")),
         "",
+        *evidence_table(report),
+        f"| model card | [{card}]({card.as_uri()}) |",
+    ]
+    return "\n".join(lines)
+
+
+def evidence_table(report: dict) -> list[str]:
+    """The gate's evidence as markdown table rows: the promotion artifact's and the approval request's."""
+    return [
         "| | |",
         "|---|---|",
         f"| candidate id | `{report.get('candidate_id')}` |",
@@ -187,9 +196,7 @@ def promotion_markdown(report: dict, project: Path) -> str:
         f"| {report.get('reference')} | {report.get('reference_value')} |",
         f"| delta (95% bootstrap CI) | {report.get('delta')} [{report.get('ci_low')}, {report.get('ci_high')}] |",
         f"| p-value | {report.get('p_value')} |",
-        f"| model card | [{card}]({card.as_uri()}) |",
     ]
-    return "\n".join(lines)
 
 
 def publish_report(stage: str, project: Path, report: dict, ran: bool) -> None:
