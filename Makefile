@@ -2,8 +2,9 @@
 #   make run    bootstrap .venv, install, run the whole Prefect flow on the embedded default
 #   make test   bootstrap .venv (with dev extras), lint (make lint), then run the test suite but the
 #               whole-run fault scenarios (pytest -m scenario: make test-scenarios)
-# Also: make test-all (both tiers, what CI runs), make repro (plain `dvc repro`, no Prefect), make serve (the
-# scheduled deployment, served from this process), make deploy + make worker (prefect.yaml on a work pool), make clean.
+# Also: make test-all (both tiers, what CI runs), make repro (plain `dvc repro`, no Prefect), make ci (the CI
+# retraining job: fineflow ci), make serve (the scheduled deployment, served from this process), make deploy +
+# make worker (prefect.yaml on a work pool), make clean.
 
 PYTHON ?= python3
 VENV := .venv
@@ -22,7 +23,7 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: run lint test test-scenarios test-all repro serve deploy worker venv clean
+.PHONY: run lint test test-scenarios test-all repro ci serve deploy worker venv clean
 
 venv: $(STAMP)
 
@@ -58,6 +59,12 @@ test-all: test test-scenarios
 repro: $(STAMP)
 	$(BIN)/dvc repro
 
+# The CI retraining job (fineflow/ci.py): pull, dvc repro with its gate, push, a summary; what
+# .github/workflows/retrain.yml runs. make ci CI_ARGS="--fail-on-refusal --commit"
+CI_ARGS ?=
+ci: $(STAMP)
+	$(BIN)/fineflow ci $(CI_ARGS)
+
 # prefect.yaml's deployments (nightly, on-new-data) on a process work pool, on the server PREFECT_API_URL names;
 # `make worker` runs them (in this checkout: prefect.yaml has no pull section).
 POOL ?= fineflow-process
@@ -75,4 +82,5 @@ serve: $(STAMP)
 	$(BIN)/python -m flows.deploy --cron "$(CRON)" --timezone "$(TIMEZONE)"
 
 clean:
-	rm -rf models/base models/candidate checkpoints data/raw data/validated data/shards eval reports .prefect
+	rm -rf models/base models/candidate checkpoints data/raw data/validated data/shards eval .prefect
+	find reports -mindepth 1 -maxdepth 1 ! -name metrics -exec rm -rf {} + 2>/dev/null || true

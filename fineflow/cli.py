@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from fineflow.errors import FineflowError
 
@@ -393,6 +394,44 @@ def _run_data_add(args) -> int:
     return 0
 
 
+def _ci_parser(sub) -> None:
+    from fineflow import ci
+
+    p = sub.add_parser(
+        "ci",
+        help="the CI retraining job: pull, the pipeline and its gate, push, a summary",
+        description=ci.__doc__.split("\n\nExit codes")[0],
+        epilog="Exit codes: 0 promoted, up to date, or refused; 4 refused with --fail-on-refusal; 3 the candidate "
+        "waits for approval; 2 bad params or input; 1 a crash.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--fail-on-refusal", action="store_true", help=f"exit {ci.REFUSED_EXIT} when the gate refuses")
+    p.add_argument(
+        "--commit",
+        action="store_true",
+        help="commit dvc.lock and reports/metrics when they changed ([skip ci]) and push them to the job's branch",
+    )
+    p.add_argument(
+        "--base-ref",
+        help="compare metrics against this git revision (default: the PR's base branch, "
+        "else the commit the job started from)",
+    )
+    p.add_argument(
+        "--summary",
+        type=Path,
+        help="the summary's file when $GITHUB_STEP_SUMMARY is not set (default: reports/ci-summary.md)",
+    )
+    p.add_argument("--project", type=Path, default=Path("."), help="the project (default: .)")
+    p.set_defaults(run=_run_ci)
+
+
+def _run_ci(args) -> int:
+    from fineflow import ci
+
+    options = ci.Options(args.project, args.fail_on_refusal, args.commit, args.base_ref, args.summary)
+    return ci.run_ci(options).exit_code
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fineflow", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command")
@@ -400,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     _registry_parser(sub)
     _lineage_parser(sub)
     _data_parser(sub)
+    _ci_parser(sub)
     return parser
 
 

@@ -21,6 +21,10 @@ PREEMPTED_EXIT = 75
 # the gate's evidence; the flow pauses on it and runs the stage again with the answer (FINEFLOW_APPROVAL).
 APPROVAL_NEEDED_EXIT = 3
 
+# The exit code of `fineflow ci --fail-on-refusal` when the gate refused the candidate (fineflow.ci): the job
+# went well (artefacts pushed, lock recorded), the model did not improve. Without the flag a refusal exits 0.
+REFUSED_EXIT = 4
+
 
 class FineflowError(Exception):
     """A problem the user can fix; the message is the whole story."""

@@ -94,3 +94,18 @@ def read_approval_request(report: str | Path) -> dict | None:
 
 def clear_error_record(report: str | Path) -> None:
     error_record_path(report).unlink(missing_ok=True)
+
+
+def gate_evidence_table(report: dict) -> list[str]:
+    """The gate's evidence as markdown table rows: the Prefect promotion artifact's, the approval
+    request's and the CI summary's."""
+    return [
+        "| | |",
+        "|---|---|",
+        f"| candidate id | `{report.get('candidate_id')}` |",
+        f"| metric | `{report.get('primary_metric')}` |",
+        f"| candidate | {report.get('candidate_value')} |",
+        f"| {report.get('reference')} | {report.get('reference_value')} |",
+        f"| delta (95% bootstrap CI) | {report.get('delta')} [{report.get('ci_low')}, {report.get('ci_high')}] |",
+        f"| p-value | {report.get('p_value')} |",
+    ]

@@ -10,6 +10,11 @@ What runs outside a flow takes its turn too (``held_for``): a stage started by a
 holds the workspace while it runs (a flow run waits for it), and ``registry rollback`` does; either one stops at
 once with a message that names the holder when another run has the workspace. A stage the holding run started
 itself (``HOLDER_ENV`` names it) goes on.
+
+A DVC experiment run from the queue (``dvc exp run --queue`` then ``dvc queue start``, or ``--temp``) runs in a
+copy under ``<project>/.dvc/tmp/exps``, with DVC_ROOT naming the project: its stages take the project's turn,
+and wait for it rather than stop (a queued experiment runs unattended), so an experiment never trains on the
+GPUs a flow run is training on. Such an experiment does not promote (``queued_experiment``, the promote stage).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import contextlib
 import fcntl
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -89,11 +95,40 @@ def describe(holder: dict) -> str:
     return f"{holder.get('owner', '?')} (pid {holder.get('pid', '?')}, since {holder.get('since', '?')})"
 
 
+# What DVC puts in a stage's environment under `dvc exp run` (dvc/env.py): the experiment's name, and the
+# project's root, which for a queued experiment is not the folder the stage runs in.
+DVC_EXP_NAME_ENV = "DVC_EXP_NAME"
+DVC_ROOT_ENV = "DVC_ROOT"
+
+
+def queued_experiment(cwd: Path | None = None) -> tuple[str, Path] | None:
+    """(name, project) when this process is a stage of a DVC experiment run in a temporary copy of the project
+    (the queue's, or --temp); None for anything run in the project itself (`dvc repro`, `dvc exp run`)."""
+    name, root = os.environ.get(DVC_EXP_NAME_ENV), os.environ.get(DVC_ROOT_ENV)
+    if not name or not root:
+        return None
+    here = (cwd or Path.cwd()).resolve()
+    project = Path(root).resolve()
+    return (name, project) if project != here else None
+
+
+def _say_waiting(project: Path):
+    def on_wait(holder: dict, waited_s: float) -> None:
+        print(
+            f"fineflow: waiting for the workspace {project}: in use by {describe(holder)}, waited {waited_s:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return on_wait
+
+
 @contextmanager
-def held_for(project: Path, owner: str):
-    """Hold the project's workspace while the block runs, for a process that does not wait its turn (a stage
-    started by `dvc repro` or by hand, a registry rollback): WorkspaceBusy naming the holder when another run
-    has it, nothing when the holder is the run that started this process, nothing outside a DVC workspace."""
+def held_for(project: Path, owner: str, wait: bool = False):
+    """Hold the project's workspace while the block runs, for a process that does not queue like a flow run (a
+    stage started by `dvc repro` or by hand, a registry rollback): WorkspaceBusy naming the holder when another
+    run has it (with wait, it waits its turn instead, saying for whom), nothing when the holder is the run that
+    started this process, nothing outside a DVC workspace."""
     if not (project / ".dvc").is_dir():  # a library caller's folder, not a pipeline workspace
         yield
         return
@@ -107,6 +142,13 @@ def held_for(project: Path, owner: str):
     holder = lock.holder()
     if holder and str(holder.get("pid")) == os.environ.get(HOLDER_ENV):
         yield  # started by the run that holds the workspace
+        return
+    if wait:
+        lock.acquire(_say_waiting(project))
+        try:
+            yield
+        finally:
+            lock.release()
         return
     raise WorkspaceBusy(
         f"the workspace {project} is in use by {describe(holder)}; running the {owner} now would race it "

@@ -21,7 +21,7 @@ from pydantic import Field
 from fineflow.config import load_params
 from fineflow.errors import FineflowError
 from fineflow.registry.approval import APPROVAL_ENV
-from tasks.stages import evidence_table
+from fineflow.reports import gate_evidence_table
 
 
 class PromotionApproval(RunInput):
@@ -45,7 +45,7 @@ def approval_markdown(evidence: dict) -> str:
             "",
             f"The gate would promote it: {evidence.get('reason', '')}",
             "",
-            *evidence_table(evidence),
+            *gate_evidence_table(evidence),
             "",
             "Resume the run to answer: tick **approve** (or leave it to reject), name the **approver**, add a "
             "**comment**. Both go into the registry log.",

@@ -17,12 +17,12 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from fineflow.remote import pull, push
 from fineflow.workspace import HOLDER_ENV, WorkspaceLock, describe
 
 _HELD: dict[str, WorkspaceLock] = {}  # project path -> the lock this process holds for it
@@ -101,47 +101,6 @@ def rename_run(name: str) -> None:
 
     with contextlib.suppress(Exception), get_client(sync_client=True) as client:
         client.update_flow_run(flow_run.id, name=name)
-
-
-def default_remote(project_dir: str) -> str | None:
-    """The project's default DVC remote (``core.remote`` in its, the user's or the system's DVC config), or
-    None when it has none. DVC's config alone, not a whole Repo: it is read twice a run."""
-    from dvc.config import Config
-
-    return Config(dvc_dir=str(Path(project_dir) / ".dvc"))["core"].get("remote") or None
-
-
-def _dvc(project_dir: str, *args: str) -> str:
-    from tasks.stages import stage_environment
-
-    done = subprocess.run(
-        [sys.executable, "-m", "dvc", *args], cwd=project_dir, env=stage_environment(), capture_output=True, text=True
-    )
-    output = (done.stdout + done.stderr).strip()
-    if done.returncode != 0:
-        raise RuntimeError(f"dvc {' '.join(args)} failed (exit {done.returncode}):\n{output[-3000:]}")
-    return output
-
-
-def pull(project_dir: str, log) -> str | None:
-    """``dvc pull`` from the default remote (None: no remote, nothing done). What the remote lacks (a first run,
-    a stage never pushed) is left for the stages to build: DVC re-runs a stage whose outputs are missing. A
-    remote that fails (unreachable, bad credentials) raises: going on would rebuild everything from scratch
-    (hours of GPU on a real model) for what is most often a passing fault, so the task retries, then fails."""
-    remote = default_remote(project_dir)
-    if remote is None:
-        return None
-    log(_dvc(project_dir, "pull", "--allow-missing"))
-    return remote
-
-
-def push(project_dir: str, log) -> str | None:
-    """``dvc push`` of every stage's outputs to the default remote (None: no remote)."""
-    remote = default_remote(project_dir)
-    if remote is None:
-        return None
-    log(_dvc(project_dir, "push"))
-    return remote
 
 
 @task(task_run_name="pull from the DVC remote", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=10)

@@ -13,9 +13,9 @@ stopped on its own (its node preempted) exits 75 with a record: retried, it resu
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
-import os
 import re
 import signal
 import subprocess
@@ -36,7 +36,8 @@ from prefect.artifacts import (
 from fineflow.config import CheckpointSettings, load_params
 from fineflow.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
 from fineflow.registry.approval import APPROVAL_ENV
-from fineflow.reports import read_approval_request, read_error_record
+from fineflow.remote import dvc_environment
+from fineflow.reports import gate_evidence_table, read_approval_request, read_error_record
 from fineflow.train import preempt
 
 # The lines of a failed stage's output that its message keeps: errors, and DVC's "is busy, it is being blocked
@@ -74,12 +75,6 @@ class StageFailed(RuntimeError):
             super().__init__(f"stage {stage} failed (exit {returncode}):\n" + "\n".join(lines[-15:]))
 
 
-def stage_environment() -> dict[str, str]:
-    """The venv's bin first on PATH, so dvc.yaml's ``python`` is this interpreter."""
-    bin_dir = str(Path(sys.executable).parent)
-    return {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "PYTHONUNBUFFERED": "1"}
-
-
 def preempt_grace_s(project_dir: str | Path) -> float:
     """checkpoint.preempt_grace_s of the project's params.yaml: what the layers' stop budgets are built on."""
     try:
@@ -99,7 +94,7 @@ def repro_single(stage: str, project_dir: Path, log, extra_env: dict[str, str] |
         subprocess.Popen(
             command,
             cwd=project_dir,
-            env={**stage_environment(), **(extra_env or {})},
+            env={**dvc_environment(), **(extra_env or {})},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -179,24 +174,10 @@ def promotion_markdown(report: dict, project: Path) -> str:
         "",
         str(report.get("reason", "")),
         "",
-        *evidence_table(report),
+        *gate_evidence_table(report),
         f"| model card | [{card}]({card.as_uri()}) |",
     ]
     return "\n".join(lines)
-
-
-def evidence_table(report: dict) -> list[str]:
-    """The gate's evidence as markdown table rows: the promotion artifact's and the approval request's."""
-    return [
-        "| | |",
-        "|---|---|",
-        f"| candidate id | `{report.get('candidate_id')}` |",
-        f"| metric | `{report.get('primary_metric')}` |",
-        f"| candidate | {report.get('candidate_value')} |",
-        f"| {report.get('reference')} | {report.get('reference_value')} |",
-        f"| delta (95% bootstrap CI) | {report.get('delta')} [{report.get('ci_low')}, {report.get('ci_high')}] |",
-        f"| p-value | {report.get('p_value')} |",
-    ]
 
 
 def publish_report(stage: str, project: Path, report: dict, ran: bool) -> None:
@@ -210,6 +191,22 @@ def publish_report(stage: str, project: Path, report: dict, ran: bool) -> None:
         create_markdown_artifact(
             key="fineflow-promotion", markdown=promotion_markdown(report, project), description="the promotion gate"
         )
+    charts = charts_markdown(project / "reports" / "plots")
+    if stage == "train" and ran and charts:
+        create_markdown_artifact(key="fineflow-train-charts", markdown=charts, description="the run's charts")
+
+
+def charts_markdown(plots_dir: Path) -> str | None:
+    """The train stage's PNG charts (fineflow.train.plots) embedded in markdown, so the run page shows them
+    without reaching the worker's disk, each with a link to its file."""
+    charts = sorted(plots_dir.glob("*.png"))
+    if not charts:
+        return None
+    lines = ["### Training charts", ""]
+    for chart in charts:
+        data = base64.b64encode(chart.read_bytes()).decode("ascii")
+        lines += [f"![{chart.stem}](data:image/png;base64,{data})", "", f"[{chart.name}]({chart.as_uri()})", ""]
+    return "\n".join(lines)
 
 
 # The train stage's progress line when its output is not a terminal (fineflow.train.loop.Progress)

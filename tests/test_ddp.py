@@ -3,7 +3,9 @@
 saves one adapter."""
 
 import json
+import shutil
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -47,6 +49,36 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(referenc
     assert [s["lr"] for s in two_steps] == pytest.approx(lrs, rel=1e-9)  # not compressed by the world size
     for key in ("loss", "grad_norm"):
         assert [s[key] for s in two_steps] == pytest.approx([s[key] for s in one_steps], rel=1e-4), key
+
+
+def test_dvc_plots_show_has_points_for_every_declared_plot_and_the_run_has_png_charts(reference_run, tmp_path):
+    """Seen on main (issue 18): `dvc plots show` failed for all four declared plots: DVC 3.67 reads JSON, YAML,
+    CSV and TSV, not the step log's JSONL ("'reports/train_steps.jsonl' - file type error"). The launcher now
+    writes the step log as JSON plot data and PNG charts (fineflow/train/plots.py); in a project with this
+    dvc.yaml, every declared plot has one point per step."""
+    from tests.conftest import copy_project
+
+    two = reference_run(2)  # through the launcher, as dvc.yaml runs it
+    steps = _steps(two)
+    plots = two / "reports/plots"
+    assert [r["step"] for r in json.loads((plots / "train_steps.json").read_text())] == [s["step"] for s in steps]
+    evals = json.loads((plots / "eval_loss.json").read_text())
+    assert evals and [e["step"] for e in evals] == [s["step"] for s in steps if "eval_loss" in s]
+    for chart in ("loss.png", "tokens_per_s.png", "memory.png"):
+        assert (plots / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", chart
+    project = copy_project(tmp_path / "project")
+    shutil.copytree(plots, project / "reports/plots")
+    done = subprocess.run(
+        [sys.executable, "-m", "dvc", "plots", "show", "--json"], cwd=project, env=venv_env(), capture_output=True
+    )
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout)
+    assert not shown.get("errors"), shown.get("errors")
+    declared = [next(iter(plot)) for plot in yaml.safe_load((project / "dvc.yaml").read_text())["plots"]]
+    for name in declared:
+        [plot] = shown["data"][name]
+        points = plot["content"]["data"]["values"]
+        assert len(points) >= len(steps), (name, len(points))
 
 
 def test_two_machines_on_loopback_train_one_adapter(built, reference_run, tmp_path):

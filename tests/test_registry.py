@@ -27,34 +27,10 @@ import yaml
 
 from fineflow import cli
 from fineflow.registry.store import alias_id, candidate_id, champion_files_hash, read_log, verify_log
-from tests.conftest import ROOT, copy_project, random_adapter, venv_env, write_params
+from tests.conftest import EVAL_SHA, ROOT, copy_project, random_adapter, venv_env, write_params
+from tests.conftest import write_scores as _write_scores
 
 P = "fineflow_synth/exact_match"
-EVAL_SHA = "e" * 64
-
-
-def _entry(right: int, n: int = 40, cid: str | None = None) -> dict:
-    samples = [{"doc_id": i, "target": "t", "prediction": "p", "exact_match": float(i < right)} for i in range(n)]
-    out = {
-        "status": "ok",
-        "metrics": {"fineflow_synth": {"exact_match": right / n}},
-        "samples": {"fineflow_synth": samples},
-    }
-    return {**out, "id": cid} if cid else out
-
-
-def _write_scores(path, candidate: int, base: int, champion: tuple[int, str] | None = None):
-    scores = {
-        "tasks": ["fineflow_synth"],
-        "eval_rows": "data/validated/eval.jsonl",
-        "eval_data_sha256": EVAL_SHA,
-        "base": _entry(base),
-        "candidate": _entry(candidate),
-    }
-    if champion:
-        scores["champion"] = _entry(champion[0], cid=champion[1])
-    path.write_text(json.dumps(scores))
-    return path
 
 
 @pytest.fixture(scope="module")

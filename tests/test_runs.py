@@ -199,6 +199,24 @@ def test_the_promotion_artifact_carries_the_gates_evidence(tmp_path):
         assert text in markdown
 
 
+def test_the_training_charts_are_embedded_in_the_run_page_with_links_to_their_files(tmp_path):
+    from fineflow.train.plots import write_run_plots
+    from tasks.stages import charts_markdown
+
+    steps = tmp_path / "train_steps.jsonl"
+    records = [{"step": s, "loss": 6 - s / 10, "lr": 1e-3, "tokens_per_s": 900.0, "peak_mem_mb": 400.0} for s in (1, 2)]
+    records[-1]["eval_loss"] = 5.5
+    steps.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 3, "lo')  # a torn last line
+    written = write_run_plots(steps, tmp_path / "plots")
+    assert json.loads((tmp_path / "plots/train_steps.json").read_text())[-1]["step"] == 2
+    assert json.loads((tmp_path / "plots/eval_loss.json").read_text()) == [{"step": 2, "eval_loss": 5.5}]
+    markdown = charts_markdown(tmp_path / "plots")
+    assert markdown.count("](data:image/png;base64,iVBORw0KGgo") == 3  # PNG magic, base64
+    for chart in ("loss.png", "memory.png", "tokens_per_s.png"):
+        assert f"[{chart}](file://" in markdown and tmp_path / "plots" / chart in written
+    assert charts_markdown(tmp_path / "nothing") is None
+
+
 @pytest.mark.parametrize(
     ("line", "redraw"),
     [
@@ -371,6 +389,7 @@ def test_a_run_pushes_to_the_dvc_remote_and_a_fresh_clone_pulls_what_it_pushed(k
 def test_a_failing_remote_fails_the_pull_so_its_task_retries_instead_of_rebuilding_everything(tmp_path, monkeypatch):
     """Before: any failed `dvc pull` was logged and the run went on, so an unreachable remote or expired
     credentials meant rebuilding the base and retraining from scratch (and pull_state's retries never ran)."""
+    from fineflow import remote
     from tasks import runs
 
     project = copy_project(tmp_path / "project")
@@ -379,7 +398,8 @@ def test_a_failing_remote_fails_the_pull_so_its_task_retries_instead_of_rebuildi
     def unreachable(project_dir, *args):
         raise RuntimeError("dvc pull --allow-missing failed (exit 1): ERROR: unexpected error - Unable to connect")
 
-    monkeypatch.setattr(runs, "_dvc", unreachable)
+    monkeypatch.setattr(remote, "run_dvc", unreachable)
+    assert runs.pull is remote.pull  # the flow's task and `fineflow ci` pull through the same function
     with pytest.raises(RuntimeError, match="Unable to connect"):
         runs.pull(str(project), print)
     assert runs.pull_state.retries == 2
@@ -449,6 +469,7 @@ def test_prefect_yaml_deploys_both_deployments_a_worker_runs_them_and_new_data_t
         artifacts = {a["key"]: a["type"] for a in _post(prefect_server, "/artifacts/filter") if a["key"]}
         assert artifacts["fineflow-train"] == "table" and artifacts["fineflow-promotion"] == "markdown"
         assert artifacts["fineflow-train-progress"] == "progress"
+        assert artifacts["fineflow-train-charts"] == "markdown"  # the PNGs, embedded (issue 18)
         tasks = {t["name"]: t for t in _post(prefect_server, "/task_runs/filter") if t["flow_run_id"] == run["id"]}
         waited = {i["id"] for i in tasks["train"]["task_inputs"]["wait_for"]}
         assert tasks["tokenize"]["id"] in waited and tasks["base"]["id"] in waited  # the graph's edges
@@ -473,26 +494,11 @@ def test_prefect_yaml_deploys_both_deployments_a_worker_runs_them_and_new_data_t
 
 
 def _promote_only_project(built, path, overrides: dict):
-    """A copy of the project whose candidate (a random adapter on the tiny base, scored 30/40 against the base's
-    5/40) is evaluated and waits for promote, the one stage its dvc.yaml keeps: the flow's promotion alone."""
-    import shutil
+    """A copy of the project whose candidate waits for promote, the one stage its dvc.yaml keeps: the flow's
+    promotion alone (tests/conftest.py: gate_only_project)."""
+    from tests.conftest import gate_only_project
 
-    import yaml
-
-    from tests.conftest import random_adapter
-    from tests.test_registry import _write_scores
-
-    project = copy_project(path, overrides)
-    pipeline = yaml.safe_load((project / "dvc.yaml").read_text(encoding="utf-8"))
-    pipeline["stages"] = {"promote": pipeline["stages"]["promote"]}
-    (project / "dvc.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False), encoding="utf-8")
-    shutil.copytree(built / "models/base", project / "models/base")
-    shutil.copytree(built / "data/shards", project / "data/shards")
-    (project / "models/base_fingerprint.json").write_text("{}\n")
-    (project / "eval").mkdir()
-    _write_scores(project / "eval/scores.json", 30, 5)
-    random_adapter(built / "models/base", project / "models/candidate", seed=1)
-    return project
+    return gate_only_project(built, path, overrides)
 
 
 def _answer_when_paused(api_url: str, project, proc, log, answer: dict, seen: set) -> dict:

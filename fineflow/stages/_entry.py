@@ -14,7 +14,7 @@ from fineflow.errors import APPROVAL_NEEDED_EXIT, USER_ERROR_EXIT, ApprovalNeede
 from fineflow.metrics import curated, metrics_path
 from fineflow.reports import clear_error_record, write_approval_request, write_error_record, write_json_atomic
 from fineflow.runtime import apply_offline_environment, is_train_worker
-from fineflow.workspace import held_for
+from fineflow.workspace import held_for, queued_experiment
 
 
 def stage_parser(stage: str, description: str) -> argparse.ArgumentParser:
@@ -43,9 +43,14 @@ def workspace_busy(stage: str, exc: WorkspaceBusy) -> None:
 
 def workspace_turn(stage: str):
     """The stage holds the workspace while it runs (fineflow.workspace.held_for): DVC runs it from the project
-    root. A rank of the train stage runs under its launcher, which holds it."""
+    root. A rank of the train stage runs under its launcher, which holds it. A queued DVC experiment's stage
+    runs in a copy of the project: it waits for the project's turn."""
     if is_train_worker():
         return contextlib.nullcontext()
+    experiment = queued_experiment()
+    if experiment is not None:
+        name, project = experiment
+        return held_for(project, f"{stage} stage of the queued DVC experiment '{name}'", wait=True)
     return held_for(Path.cwd(), f"{stage} stage (started outside a flow run: dvc repro or by hand)")
 
 

@@ -15,6 +15,11 @@ times, user, host) goes to ``<lineage>/<candidate id>.json``, outside DVC's outp
 With ``promote.require_approval``, a candidate the gate passes waits for a person: without an answer in
 FINEFLOW_APPROVAL the stage writes nothing, records the gate's evidence and exits 3 (the Prefect flow pauses for
 the answer and runs the stage again with it; fineflow.registry.approval).
+
+Only the project's own workspace promotes: a DVC experiment run from the queue (in a copy of the project) stops
+here with a user error that says how to promote it (queue experiments up to ``evaluate``, compare them with
+``dvc exp show``, ``dvc exp apply`` the best one and ``dvc repro``, which runs promote in the workspace). Its
+registry and champion are copies: a promotion there would be lost, or applied later over the real ones.
 """
 
 from __future__ import annotations
@@ -22,9 +27,25 @@ from __future__ import annotations
 from pathlib import Path
 
 from fineflow.config import Params
+from fineflow.errors import FineflowError
 from fineflow.registry.approval import Approval, approval_from_env
 from fineflow.registry.champion import promote
 from fineflow.stages._entry import log, run_entry, stage_parser
+from fineflow.workspace import queued_experiment
+
+
+def refuse_in_queued_experiment() -> None:
+    """FineflowError in a queued DVC experiment's copy of the project (fineflow.workspace.queued_experiment)."""
+    experiment = queued_experiment()
+    if experiment is None:
+        return
+    name, project = experiment
+    raise FineflowError(
+        f"promote does not run in the queued DVC experiment '{name}': only the workspace {project} writes the "
+        "registry and installs the champion. Queue experiments up to evaluate (`dvc exp run --queue -S ... "
+        f"evaluate`), compare them with `dvc exp show`, then `dvc exp apply {name}` and `dvc repro` in the "
+        "workspace: it runs promote on this experiment's candidate (already in the cache: nothing retrains)."
+    )
 
 
 def run(
@@ -77,11 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         help="where the full lineage manifest <candidate id>.json goes (default: reports/lineage)",
     )
     args = parser.parse_args(argv)
-    return run_entry(
-        "promote",
-        args,
-        lambda p: run(
-            p,
+
+    def promote_in_this_workspace(params: Params) -> dict:
+        refuse_in_queued_experiment()
+        return run(
+            params,
             args.scores,
             args.adapter,
             args.champion,
@@ -91,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             args.lineage,
             args.shards,
             approval=approval_from_env(),  # a person's answer (promote.require_approval), given by the flow
-        ),
-    )
+        )
+
+    return run_entry("promote", args, promote_in_this_workspace)
 
 
 if __name__ == "__main__":

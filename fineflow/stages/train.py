@@ -26,6 +26,7 @@ from fineflow.reports import clear_error_record, read_error_record
 from fineflow.runtime import apply_offline_environment, is_train_worker
 from fineflow.stages._entry import log, run_entry, stage_parser, user_error, workspace_busy, workspace_turn
 from fineflow.train import preempt
+from fineflow.train.plots import write_run_plots
 from fineflow.train.recipe import launch_ranks, train_rank
 
 
@@ -37,6 +38,12 @@ def parse_args(argv: list[str]):
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps-log", type=Path, required=True)
     parser.add_argument("--logs-dir", type=Path, default=Path("logs"), help="tracker logs (TensorBoard, MLflow)")
+    parser.add_argument(
+        "--plots",
+        type=Path,
+        default=Path("reports/plots"),
+        help="the step log as DVC plot data and PNG charts (fineflow.train.plots; default: reports/plots)",
+    )
     # not under --checkpoints: a DVC output, whose hash must not depend on this checkout's paths and mtimes
     parser.add_argument("--hash-cache", type=Path, default=None, help="cache of the base weights' content hashes")
     parser.add_argument("--machine-rank", type=int, default=None, help="this machine's rank (num_machines > 1)")
@@ -74,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         except FineflowError as exc:
             user_error("train", args.report, exc)
             return USER_ERROR_EXIT
+        if code == 0 and not args.machine_rank:  # rank 0 wrote the step log on this machine
+            write_run_plots(args.steps_log, args.plots)
         # accelerate exits 1 whatever a rank exited with: the ranks' record says a user error or a saved stop
         if code and read_error_record(args.report):
             return USER_ERROR_EXIT

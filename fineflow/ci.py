@@ -1,0 +1,343 @@
+"""The CI retraining job as one command (``fineflow ci``), so GitHub Actions, GitLab and Jenkins call the same.
+
+In order:
+1. params.yaml is checked, every error at once, before anything is pulled or run.
+2. ``dvc pull`` from the default remote: what earlier runs pushed is reused, only what changed is rebuilt.
+3. ``dvc repro``: the pipeline, the gate included (the promote stage).
+4. ``dvc push``: the new artefacts go to the remote, refused candidates too (the next run finds them).
+5. With ``commit``: ``dvc.lock`` and the curated metrics (``reports/metrics``) are committed, marked
+   ``[skip ci]``, and pushed to the branch the job runs on. The lock names the artefacts just pushed, so every
+   clone of that commit pulls them and reproduces nothing; without it they would be unreachable from git.
+6. A markdown summary: the outcome, what ran and what DVC skipped, the gate's evidence, ``dvc metrics diff``
+   against the base (the PR's base branch, else the commit the job started from) and where the lock went.
+   It goes to ``$GITHUB_STEP_SUMMARY`` when that is set, to a file otherwise; ``$GITHUB_OUTPUT`` gets the
+   outcome for later steps.
+
+Exit codes (``Outcome.exit_code``): 0 promoted, already up to date, or refused; ``REFUSED_EXIT`` (4) refused
+under ``fail_on_refusal``; ``APPROVAL_NEEDED_EXIT`` (3) the candidate waits for a person
+(promote.require_approval: answer in FINEFLOW_APPROVAL and run again, only promote re-runs); 2 bad params or
+input, or another run holds the workspace; 1 a crash (a stage's traceback, the remote unreachable, a preempted
+stage): running again resumes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fineflow import remote
+from fineflow.config import load_params
+from fineflow.errors import (
+    APPROVAL_NEEDED_EXIT,
+    PREEMPTED_EXIT,
+    REFUSED_EXIT,
+    USER_ERROR_EXIT,
+    FineflowError,
+)
+from fineflow.reports import gate_evidence_table, read_approval_request, read_error_record, read_json
+
+# What a CI commit holds: the lock, and the figures `dvc metrics diff` compares the next run against.
+COMMITTED = ("dvc.lock", "reports/metrics")
+COMMIT_MARK = "[skip ci]"  # GitHub, GitLab and most CI systems start no run for a commit that says this
+
+# DVC's own lines in `dvc repro`'s output (dvc/stage/run.py, dvc/stage/__init__.py, dvc/stage/cache.py,
+# dvc/repo/reproduce.py, dvc/stage/exceptions.py).
+_RAN = re.compile(r"^Running stage '([^']+)':")
+_UNCHANGED = re.compile(r"^Stage '([^']+)' didn't change, skipping")
+_RESTORED = re.compile(r"^Stage '([^']+)' is cached - skipping run, checking out outputs")
+_FAILED = re.compile(r"failed to reproduce '([^']+)'")
+_EXITED = re.compile(r"exited with (-?\d+)")
+
+
+@dataclass
+class Repro:
+    """What `dvc repro` did, read from its output."""
+
+    returncode: int = 0
+    stages: list[tuple[str, str]] = field(default_factory=list)  # (stage, "ran" | "skipped"), in DVC's order
+    failed: str | None = None  # the stage that failed
+    stage_exit: int | None = None  # its command's exit code
+    stage_message: str = ""  # its one-line error ("fineflow <stage>: error: ...")
+
+    @property
+    def ran(self) -> list[str]:
+        return [stage for stage, what in self.stages if what == "ran"]
+
+    def see(self, line: str) -> None:
+        if match := _RAN.match(line):
+            self.stages.append((match[1], "ran"))
+        elif match := _UNCHANGED.match(line) or _RESTORED.match(line):  # unchanged, or from DVC's run cache
+            self.stages.append((match[1], "skipped"))
+        if match := _FAILED.search(line):
+            self.failed = match[1]
+            if exited := _EXITED.search(line):
+                self.stage_exit = int(exited[1])
+        if line.startswith("fineflow ") and ": error: " in line:
+            self.stage_message = line.split(": error: ", 1)[1]
+
+
+@dataclass
+class Outcome:
+    kind: str  # promoted | refused | up_to_date | approval_needed | bad_params | bad_input | crash
+    exit_code: int
+    message: str
+    decision_report: dict | None = None  # reports/promote.json when promote ran
+
+
+def check_params(project: Path) -> str | None:
+    """Every problem in params.yaml at once (None: valid)."""
+    try:
+        load_params(project / "params.yaml")
+    except FineflowError as exc:
+        return str(exc)
+    return None
+
+
+def run_repro(project: Path, log: Callable[[str], None]) -> Repro:
+    """`dvc repro` of the whole pipeline, every line to log as it comes (the CI log is the stage's log)."""
+    repro = Repro()
+    with subprocess.Popen(
+        [sys.executable, "-m", "dvc", "repro"],
+        cwd=project,
+        env=remote.dvc_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    ) as proc:
+        for line in proc.stdout:
+            line = line.rstrip()
+            log(line)
+            repro.see(line)
+    repro.returncode = proc.returncode
+    return repro
+
+
+def failure_outcome(project: Path, repro: Repro) -> Outcome:
+    """What a failed `dvc repro` means for CI, from the failed stage's exit code and its record."""
+    stage = repro.failed or "?"
+    report = project / "reports" / f"{stage}.json"
+    if repro.stage_exit == APPROVAL_NEEDED_EXIT and read_approval_request(report) is not None:
+        return Outcome(
+            "approval_needed",
+            APPROVAL_NEEDED_EXIT,
+            "the gate passed the candidate and promote.require_approval asks a person: run again with "
+            'FINEFLOW_APPROVAL=\'{"approved": true, "approver": "<name>", "comment": "..."}\' (or "approved": '
+            "false to reject); only promote re-runs",
+        )
+    record = read_error_record(report)
+    if repro.stage_exit == USER_ERROR_EXIT:
+        message = (record or {}).get("message") or repro.stage_message or "see the log"
+        return Outcome("bad_input", USER_ERROR_EXIT, f"stage {stage}: {message}")
+    if repro.stage_exit == PREEMPTED_EXIT:
+        return Outcome("crash", 1, f"stage {stage} was stopped (preempted) after saving its step: run again")
+    if repro.failed is None:
+        return Outcome("crash", 1, f"dvc repro failed (exit {repro.returncode}) before any stage ran: see the log")
+    return Outcome("crash", 1, f"stage {stage} crashed (exit {repro.stage_exit}): its traceback is in the log")
+
+
+def success_outcome(project: Path, repro: Repro, fail_on_refusal: bool) -> Outcome:
+    """Promoted, refused, or nothing for the gate to judge (promote did not run: nothing it reads changed)."""
+    if "promote" not in repro.ran:
+        ran = ", ".join(repro.ran) or "nothing"
+        return Outcome("up_to_date", 0, f"the champion is up to date: promote had nothing new to judge (ran: {ran})")
+    report = read_json(project / "reports" / "promote.json")
+    reason = str(report.get("reason", ""))
+    if report.get("decision") == "promoted":
+        return Outcome("promoted", 0, f"promoted candidate {report.get('candidate_id')}: {reason}", report)
+    code = REFUSED_EXIT if fail_on_refusal else 0
+    return Outcome("refused", code, f"the gate refused candidate {report.get('candidate_id')}: {reason}", report)
+
+
+def git(project: Path, *args: str, check: bool = True) -> str:
+    done = subprocess.run(["git", *args], cwd=project, capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+    return done.stdout.strip()
+
+
+def current_branch(project: Path) -> str | None:
+    """The branch the job runs on: GitHub's GITHUB_REF_NAME (a push's, a dispatch's or a schedule's branch),
+    GitLab's CI_COMMIT_BRANCH, Jenkins' BRANCH_NAME, else git's; None on a detached HEAD."""
+    if os.environ.get("GITHUB_REF_TYPE", "branch") == "branch" and os.environ.get("GITHUB_REF_NAME"):
+        return os.environ["GITHUB_REF_NAME"]
+    for variable in ("CI_COMMIT_BRANCH", "BRANCH_NAME"):
+        if os.environ.get(variable):
+            return os.environ[variable]
+    name = git(project, "rev-parse", "--abbrev-ref", "HEAD", check=False)
+    return name if name and name != "HEAD" else None
+
+
+def is_pull_request() -> bool:
+    """A PR's job runs on a merge commit of the PR into its base: its lock belongs to no branch yet."""
+    return os.environ.get("GITHUB_EVENT_NAME", "").startswith("pull_request") or bool(
+        os.environ.get("CI_MERGE_REQUEST_IID")
+    )
+
+
+def commit_lock(project: Path, outcome: Outcome) -> str:
+    """Commit dvc.lock and reports/metrics when they changed and push the commit to the job's branch; what was
+    done, in words, for the summary."""
+    paths = [path for path in COMMITTED if (project / path).exists()]
+    git(project, "add", "--", *paths)
+    if not git(project, "diff", "--cached", "--name-only"):
+        return "unchanged: nothing to commit"
+    if is_pull_request():
+        return "changed, not committed: a pull request's run; the run on the branch after the merge commits it"
+    branch = current_branch(project)
+    if branch is None:
+        return "changed, not committed: the job runs on no branch (a detached HEAD; set CI_COMMIT_BRANCH)"
+    identity = []
+    if not git(project, "config", "user.name", check=False):
+        identity = ["-c", "user.name=fineflow-ci", "-c", "user.email=fineflow-ci@users.noreply.github.com"]
+    message = f"fineflow ci: dvc.lock and metrics after a retraining run ({outcome.kind}) {COMMIT_MARK}"
+    git(project, *identity, "commit", "-q", "-m", message, "--", *paths)
+    sha = git(project, "rev-parse", "--short", "HEAD")
+    git(project, "push", "-q", "origin", f"HEAD:refs/heads/{branch}")
+    return f"committed as `{sha}` and pushed to `{branch}`"
+
+
+def base_revision(project: Path, start_rev: str | None, base_ref: str | None) -> str | None:
+    """What the metrics are compared against: base_ref if given, the PR's base branch (GITHUB_BASE_REF /
+    CI_MERGE_REQUEST_TARGET_BRANCH_NAME, as origin/<branch>), else the commit the job started from."""
+    if base_ref:
+        return base_ref
+    for variable in ("GITHUB_BASE_REF", "CI_MERGE_REQUEST_TARGET_BRANCH_NAME"):
+        if os.environ.get(variable):
+            return f"origin/{os.environ[variable]}"
+    return start_rev
+
+
+def metrics_diff(project: Path, rev: str | None) -> str:
+    if rev is None:
+        return "_no git revision to compare against_"
+    try:
+        table = remote.run_dvc(project, "metrics", "diff", "--md", rev)
+    except RuntimeError as exc:
+        return f"_`dvc metrics diff {rev}` failed: {str(exc).splitlines()[-1]}_"
+    return table or f"_no metric changed since `{rev}`_"
+
+
+def stage_rows(project: Path, repro: Repro) -> list[str]:
+    rows = ["| stage | this run |", "|---|---|"]
+    for stage, what in repro.stages:
+        if stage == repro.failed:
+            rows.append(f"| {stage} | **failed** (exit {repro.stage_exit}) |")
+        elif what == "ran":
+            report = project / "reports" / f"{stage}.json"
+            wall = read_json(report).get("wall_s") if report.exists() else None
+            rows.append(f"| {stage} | ran" + (f", {wall:.1f} s |" if wall is not None else " |"))
+        else:
+            rows.append(f"| {stage} | skipped: unchanged |")
+    return rows
+
+
+def summary_markdown(project: Path, outcome: Outcome, repro: Repro | None, notes: dict[str, str], diff: str) -> str:
+    """The job summary: outcome, stages, the gate's evidence, the metrics diff, and where things went."""
+    lines = [f"## fineflow retraining: **{outcome.kind.replace('_', ' ')}** (exit {outcome.exit_code})", ""]
+    first, _, rest = outcome.message.partition("\n")
+    lines += [first, ""] + (["```", rest.strip("\n"), "```", ""] if rest.strip() else [])
+    if repro is not None and repro.stages:
+        lines += ["### Stages", "", *stage_rows(project, repro), ""]
+    if outcome.decision_report is not None:
+        lines += ["### Gate", "", *gate_evidence_table(outcome.decision_report), ""]
+    if diff:
+        lines += ["### Metrics", "", diff, ""]
+    lines += ["### Artefacts", "", *(f"- {what}: {note}" for what, note in notes.items()), ""]
+    return "\n".join(lines)
+
+
+def write_summary(project: Path, markdown: str, summary_path: Path | None) -> Path:
+    """Append to $GITHUB_STEP_SUMMARY when set (several steps may write it), else write summary_path."""
+    target = os.environ.get("GITHUB_STEP_SUMMARY")
+    if target:
+        with open(target, "a", encoding="utf-8") as out:
+            out.write(markdown + "\n")
+        return Path(target)
+    path = summary_path or project / "reports" / "ci-summary.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(markdown + "\n", encoding="utf-8")
+    return path
+
+
+def write_outputs(outcome: Outcome, repro: Repro | None, lock_note: str) -> None:
+    """$GITHUB_OUTPUT (when set): what later steps of the job can test (steps.<id>.outputs.outcome, ...)."""
+    target = os.environ.get("GITHUB_OUTPUT")
+    if not target:
+        return
+    decision = (outcome.decision_report or {}).get("decision", "")
+    values = {
+        "outcome": outcome.kind,
+        "exit_code": str(outcome.exit_code),
+        "decision": decision,
+        "ran": ",".join(repro.ran if repro else []),
+        "lock_committed": str(lock_note.startswith("committed")).lower(),
+    }
+    with open(target, "a", encoding="utf-8") as out:
+        out.writelines(f"{key}={value}\n" for key, value in values.items())
+
+
+@dataclass
+class Options:
+    project: Path = Path(".")
+    fail_on_refusal: bool = False
+    commit: bool = False
+    base_ref: str | None = None
+    summary: Path | None = None
+
+
+def run_ci(options: Options, log: Callable[[str], None] = print) -> Outcome:
+    """The whole job (module docstring); its outcome, after the summary and outputs are written."""
+    project = options.project.resolve()
+    start_rev = git(project, "rev-parse", "--short", "HEAD", check=False) or None
+    notes: dict[str, str] = {}
+    repro = None
+    problem = check_params(project)
+    if problem is not None:
+        outcome = Outcome("bad_params", USER_ERROR_EXIT, f"nothing was pulled or run: {problem}")
+    else:
+        outcome, repro = _pull_repro_push(project, options, notes, log)
+    if options.commit and outcome.kind in ("promoted", "refused", "up_to_date", "approval_needed"):
+        try:
+            notes["dvc.lock"] = commit_lock(project, outcome)
+        except RuntimeError as exc:
+            notes["dvc.lock"] = f"**not committed**: {exc}"
+            outcome = Outcome("crash", 1, f"{outcome.message}; but the lock could not be committed: {exc}")
+    elif "dvc.lock" not in notes:
+        changed = git(project, "status", "--porcelain", "--", "dvc.lock", check=False)
+        notes["dvc.lock"] = "changed, not committed (run with --commit to commit it)" if changed else "unchanged"
+    rev = base_revision(project, start_rev, options.base_ref)
+    diff = f"Against `{rev}`:\n\n{metrics_diff(project, rev)}" if outcome.kind != "bad_params" else ""
+    markdown = summary_markdown(project, outcome, repro, notes, diff)
+    where = write_summary(project, markdown, options.summary)
+    write_outputs(outcome, repro, notes["dvc.lock"])
+    log(markdown)
+    log(f"fineflow ci: {outcome.kind}, exit {outcome.exit_code} (summary: {where})")
+    return outcome
+
+
+def _pull_repro_push(project: Path, options: Options, notes: dict[str, str], log) -> tuple[Outcome, Repro | None]:
+    try:
+        name = remote.pull(project, log)
+    except RuntimeError as exc:  # unreachable, bad credentials: rebuilding everything instead would be wrong
+        notes["remote"] = f"**pull failed**: {str(exc).splitlines()[0]}"
+        return Outcome("crash", 1, f"the DVC remote failed, nothing was run: {exc}"), None
+    notes["remote"] = f"pulled from `{name}`" if name else "no default DVC remote: nothing pulled or pushed"
+    repro = run_repro(project, log)
+    if repro.returncode != 0:
+        outcome = failure_outcome(project, repro)
+    else:
+        outcome = success_outcome(project, repro, options.fail_on_refusal)
+    if name and outcome.kind != "bad_input" and (outcome.kind != "crash" or repro.ran):
+        try:  # a crash keeps what finished stages made: the next run pulls it instead of redoing it
+            remote.push(project, log)
+            notes["remote"] += f", pushed to `{name}`"
+        except RuntimeError as exc:
+            notes["remote"] += f", **push failed**: {str(exc).splitlines()[0]}"
+            outcome = Outcome("crash", 1, f"{outcome.message}; but the push to `{name}` failed")
+    return outcome, repro

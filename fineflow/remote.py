@@ -1,0 +1,59 @@
+"""DVC from fineflow's own code: the command with this interpreter's tools, and the project's default remote.
+
+The Prefect flow (tasks/runs.py) and the CI job (fineflow.ci) pull and push through these: with a default DVC
+remote configured (``dvc remote add -d``) a run starts with ``dvc pull`` and ends with ``dvc push``; without one
+both are skipped (the embedded default keeps its state in the workspace).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def dvc_environment() -> dict[str, str]:
+    """The venv's bin first on PATH, so dvc.yaml's ``python`` is this interpreter."""
+    bin_dir = str(Path(sys.executable).parent)
+    return {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "PYTHONUNBUFFERED": "1"}
+
+
+def default_remote(project_dir: str | Path) -> str | None:
+    """The project's default DVC remote (``core.remote`` in its, the user's or the system's DVC config), or
+    None when it has none. DVC's config alone, not a whole Repo: it is read twice a run."""
+    from dvc.config import Config
+
+    return Config(dvc_dir=str(Path(project_dir) / ".dvc"))["core"].get("remote") or None
+
+
+def run_dvc(project_dir: str | Path, *args: str) -> str:
+    """``dvc <args>`` in the project; its output, or RuntimeError with the command and the output's tail."""
+    done = subprocess.run(
+        [sys.executable, "-m", "dvc", *args], cwd=project_dir, env=dvc_environment(), capture_output=True, text=True
+    )
+    output = (done.stdout + done.stderr).strip()
+    if done.returncode != 0:
+        raise RuntimeError(f"dvc {' '.join(args)} failed (exit {done.returncode}):\n{output[-3000:]}")
+    return output
+
+
+def pull(project_dir: str | Path, log) -> str | None:
+    """``dvc pull`` from the default remote (None: no remote, nothing done). What the remote lacks (a first run,
+    a stage never pushed) is left for the stages to build: DVC re-runs a stage whose outputs are missing. A
+    remote that fails (unreachable, bad credentials) raises: going on would rebuild everything from scratch
+    (hours of GPU on a real model) for what is most often a passing fault, so the caller retries, then fails."""
+    remote = default_remote(project_dir)
+    if remote is None:
+        return None
+    log(run_dvc(project_dir, "pull", "--allow-missing"))
+    return remote
+
+
+def push(project_dir: str | Path, log) -> str | None:
+    """``dvc push`` of every stage's outputs to the default remote (None: no remote)."""
+    remote = default_remote(project_dir)
+    if remote is None:
+        return None
+    log(run_dvc(project_dir, "push"))
+    return remote
