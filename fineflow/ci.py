@@ -5,8 +5,9 @@ In order:
 2. ``dvc pull`` from the default remote: what earlier runs pushed is reused, only what changed is rebuilt.
 3. ``dvc repro``: the pipeline, the gate included (the promote stage).
 4. ``dvc push``: the new artefacts go to the remote, refused candidates too (the next run finds them).
-5. With ``commit``: ``dvc.lock`` and the curated metrics (``reports/metrics``) are committed, marked
-   ``[skip ci]``, and pushed to the branch the job runs on. The lock names the artefacts just pushed, so every
+5. With ``commit``: ``dvc.lock``, the curated metrics (``reports/metrics``) and the plot data
+   (``reports/plots/*.json``) are committed, marked ``[skip ci]``, and pushed to the branch the job runs on
+   (rebased onto it when it moved meanwhile). The lock names the artefacts just pushed, so every
    clone of that commit pulls them and reproduces nothing; without it they would be unreachable from git.
 6. A markdown summary: the outcome, what ran and what DVC skipped, the gate's evidence, ``dvc metrics diff``
    against the base (the PR's base branch, else the commit the job started from) and where the lock went.
@@ -22,6 +23,7 @@ stage): running again resumes.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -42,7 +44,8 @@ from fineflow.errors import (
 from fineflow.reports import gate_evidence_table, read_approval_request, read_error_record, read_json
 
 # What a CI commit holds: the lock, and the figures `dvc metrics diff` compares the next run against.
-COMMITTED = ("dvc.lock", "reports/metrics")
+COMMITTED = ("dvc.lock", "reports/metrics", "reports/plots")  # plots: their JSON (git ignores the PNGs)
+PUSH_ATTEMPTS = 3  # a push refused because the branch moved is rebased and tried again
 COMMIT_MARK = "[skip ci]"  # GitHub, GitLab and most CI systems start no run for a commit that says this
 
 # DVC's own lines in `dvc repro`'s output (dvc/stage/run.py, dvc/stage/__init__.py, dvc/stage/cache.py,
@@ -59,7 +62,7 @@ class Repro:
     """What `dvc repro` did, read from its output."""
 
     returncode: int = 0
-    stages: list[tuple[str, str]] = field(default_factory=list)  # (stage, "ran" | "skipped"), in DVC's order
+    stages: list[tuple[str, str]] = field(default_factory=list)  # (stage, "ran"|"skipped"|"restored"), DVC's order
     failed: str | None = None  # the stage that failed
     stage_exit: int | None = None  # its command's exit code
     stage_message: str = ""  # its one-line error ("fineflow <stage>: error: ...")
@@ -71,8 +74,10 @@ class Repro:
     def see(self, line: str) -> None:
         if match := _RAN.match(line):
             self.stages.append((match[1], "ran"))
-        elif match := _UNCHANGED.match(line) or _RESTORED.match(line):  # unchanged, or from DVC's run cache
+        elif match := _UNCHANGED.match(line):
             self.stages.append((match[1], "skipped"))
+        elif match := _RESTORED.match(line):  # from DVC's run cache (a failed job's finished stages)
+            self.stages.append((match[1], "restored"))
         if match := _FAILED.search(line):
             self.failed = match[1]
             if exited := _EXITED.search(line):
@@ -98,11 +103,13 @@ def check_params(project: Path) -> str | None:
     return None
 
 
-def run_repro(project: Path, log: Callable[[str], None]) -> Repro:
-    """`dvc repro` of the whole pipeline, every line to log as it comes (the CI log is the stage's log)."""
+def run_repro(project: Path, log: Callable[[str], None], pull: bool = False) -> Repro:
+    """`dvc repro` of the whole pipeline, every line to log as it comes (the CI log is the stage's log). With
+    pull, DVC fetches what a stage lacks from the remote first, its run cache included: a stage an earlier,
+    failed job finished (its push carried the run cache, no commit names its outputs) is restored, not redone."""
     repro = Repro()
     with subprocess.Popen(
-        [sys.executable, "-m", "dvc", "repro"],
+        [sys.executable, "-m", "dvc", "repro", *(["--pull"] if pull else [])],
         cwd=project,
         env=remote.dvc_environment(),
         stdout=subprocess.PIPE,
@@ -122,13 +129,18 @@ def failure_outcome(project: Path, repro: Repro) -> Outcome:
     """What a failed `dvc repro` means for CI, from the failed stage's exit code and its record."""
     stage = repro.failed or "?"
     report = project / "reports" / f"{stage}.json"
-    if repro.stage_exit == APPROVAL_NEEDED_EXIT and read_approval_request(report) is not None:
+    request = read_approval_request(report) if repro.stage_exit == APPROVAL_NEEDED_EXIT else None
+    if request is not None:
+        evidence = request.get("evidence") or {}
+        cid = evidence.get("candidate_id", "?")
+        answer = {"approved": True, "approver": "<you>", "comment": "...", "candidate_id": cid}
         return Outcome(
             "approval_needed",
             APPROVAL_NEEDED_EXIT,
-            "the gate passed the candidate and promote.require_approval asks a person: run again with "
-            'FINEFLOW_APPROVAL=\'{"approved": true, "approver": "<name>", "comment": "..."}\' (or "approved": '
-            "false to reject); only promote re-runs",
+            f"the gate passed candidate {cid} and promote.require_approval asks a person: run again with "
+            f"FINEFLOW_APPROVAL='{json.dumps(answer)}' (the workflow's `approval` input; \"approved\": false "
+            "rejects it); only promote re-runs, and an answer for another candidate is not taken",
+            evidence,
         )
     record = read_error_record(report)
     if repro.stage_exit == USER_ERROR_EXIT:
@@ -138,6 +150,8 @@ def failure_outcome(project: Path, repro: Repro) -> Outcome:
         return Outcome("crash", 1, f"stage {stage} was stopped (preempted) after saving its step: run again")
     if repro.failed is None:
         return Outcome("crash", 1, f"dvc repro failed (exit {repro.returncode}) before any stage ran: see the log")
+    if repro.stage_exit is None:
+        return Outcome("crash", 1, f"dvc repro failed at stage {stage} (exit {repro.returncode}): see the log")
     return Outcome("crash", 1, f"stage {stage} crashed (exit {repro.stage_exit}): its traceback is in the log")
 
 
@@ -151,7 +165,7 @@ def success_outcome(project: Path, repro: Repro, fail_on_refusal: bool) -> Outco
     if report.get("decision") == "promoted":
         return Outcome("promoted", 0, f"promoted candidate {report.get('candidate_id')}: {reason}", report)
     code = REFUSED_EXIT if fail_on_refusal else 0
-    return Outcome("refused", code, f"the gate refused candidate {report.get('candidate_id')}: {reason}", report)
+    return Outcome("refused", code, f"refused candidate {report.get('candidate_id')}: {reason}", report)
 
 
 def git(project: Path, *args: str, check: bool = True) -> str:
@@ -181,8 +195,8 @@ def is_pull_request() -> bool:
 
 
 def commit_lock(project: Path, outcome: Outcome) -> str:
-    """Commit dvc.lock and reports/metrics when they changed and push the commit to the job's branch; what was
-    done, in words, for the summary."""
+    """Commit COMMITTED when it changed and push the commit to the job's branch (rebased onto it, up to
+    PUSH_ATTEMPTS times, when it moved during the run); what was done, in words, for the summary."""
     paths = [path for path in COMMITTED if (project / path).exists()]
     git(project, "add", "--", *paths)
     if not git(project, "diff", "--cached", "--name-only"):
@@ -197,9 +211,23 @@ def commit_lock(project: Path, outcome: Outcome) -> str:
         identity = ["-c", "user.name=fineflow-ci", "-c", "user.email=fineflow-ci@users.noreply.github.com"]
     message = f"fineflow ci: dvc.lock and metrics after a retraining run ({outcome.kind}) {COMMIT_MARK}"
     git(project, *identity, "commit", "-q", "-m", message, "--", *paths)
-    sha = git(project, "rev-parse", "--short", "HEAD")
-    git(project, "push", "-q", "origin", f"HEAD:refs/heads/{branch}")
-    return f"committed as `{sha}` and pushed to `{branch}`"
+    for attempt in range(1, PUSH_ATTEMPTS + 1):
+        pushed = subprocess.run(["git", "push", "-q", "origin", f"HEAD:refs/heads/{branch}"], cwd=project)
+        if pushed.returncode == 0:
+            sha = git(project, "rev-parse", "--short", "HEAD")
+            moved = f" (rebased onto `{branch}`, which moved during the run)" if attempt > 1 else ""
+            return f"committed as `{sha}` and pushed to `{branch}`{moved}"
+        # the branch moved while the job ran (a person's push): replay the lock commit on its tip
+        git(project, "fetch", "-q", "origin", branch)
+        rebase = ["git", *identity, "rebase", "-q", f"origin/{branch}"]  # rewrites the commit: needs a name too
+        rebased = subprocess.run(rebase, cwd=project, capture_output=True)
+        if rebased.returncode != 0:
+            subprocess.run(["git", "rebase", "--abort"], cwd=project, capture_output=True)
+            raise RuntimeError(
+                f"`{branch}` moved during the run and its dvc.lock conflicts with this one (another run committed "
+                "one): the artefacts are pushed; run the job again on the new tip, it reuses them"
+            )
+    raise RuntimeError(f"the push to `{branch}` was refused {PUSH_ATTEMPTS} times (branch protection?)")
 
 
 def base_revision(project: Path, start_rev: str | None, base_ref: str | None) -> str | None:
@@ -220,18 +248,21 @@ def metrics_diff(project: Path, rev: str | None) -> str:
         table = remote.run_dvc(project, "metrics", "diff", "--md", rev)
     except RuntimeError as exc:
         return f"_`dvc metrics diff {rev}` failed: {str(exc).splitlines()[-1]}_"
-    return table or f"_no metric changed since `{rev}`_"
+    rows = [line for line in table.splitlines() if line.startswith("|")][2:]  # below the header and its rule
+    return table if rows else f"_no metric changed since `{rev}`_"
 
 
 def stage_rows(project: Path, repro: Repro) -> list[str]:
     rows = ["| stage | this run |", "|---|---|"]
     for stage, what in repro.stages:
         if stage == repro.failed:
-            rows.append(f"| {stage} | **failed** (exit {repro.stage_exit}) |")
+            rows.append(f"| {stage} | **failed**" + (f" (exit {repro.stage_exit}) |" if repro.stage_exit else " |"))
         elif what == "ran":
             report = project / "reports" / f"{stage}.json"
             wall = read_json(report).get("wall_s") if report.exists() else None
             rows.append(f"| {stage} | ran" + (f", {wall:.1f} s |" if wall is not None else " |"))
+        elif what == "restored":
+            rows.append(f"| {stage} | restored from DVC's run cache |")
         else:
             rows.append(f"| {stage} | skipped: unchanged |")
     return rows
@@ -252,17 +283,18 @@ def summary_markdown(project: Path, outcome: Outcome, repro: Repro | None, notes
     return "\n".join(lines)
 
 
-def write_summary(project: Path, markdown: str, summary_path: Path | None) -> Path:
-    """Append to $GITHUB_STEP_SUMMARY when set (several steps may write it), else write summary_path."""
-    target = os.environ.get("GITHUB_STEP_SUMMARY")
-    if target:
-        with open(target, "a", encoding="utf-8") as out:
-            out.write(markdown + "\n")
-        return Path(target)
+def write_summary(project: Path, markdown: str, summary_path: Path | None) -> list[Path]:
+    """The summary to its file (summary_path, else reports/ci-summary.md: what a later step posts as a PR
+    comment), and appended to $GITHUB_STEP_SUMMARY when set (each step of a job has its own)."""
     path = summary_path or project / "reports" / "ci-summary.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(markdown + "\n", encoding="utf-8")
-    return path
+    written = [path]
+    if os.environ.get("GITHUB_STEP_SUMMARY"):
+        with open(os.environ["GITHUB_STEP_SUMMARY"], "a", encoding="utf-8") as out:
+            out.write(markdown + "\n")
+        written.append(Path(os.environ["GITHUB_STEP_SUMMARY"]))
+    return written
 
 
 def write_outputs(outcome: Outcome, repro: Repro | None, lock_note: str) -> None:
@@ -291,34 +323,78 @@ class Options:
     summary: Path | None = None
 
 
+# What a job that committed a lock may leave behind: the outcomes after which the lock names finished work.
+COMMITTABLE = ("promoted", "refused", "up_to_date", "approval_needed")
+
+
 def run_ci(options: Options, log: Callable[[str], None] = print) -> Outcome:
     """The whole job (module docstring); its outcome, after the summary and outputs are written."""
     project = options.project.resolve()
     start_rev = git(project, "rev-parse", "--short", "HEAD", check=False) or None
     notes: dict[str, str] = {}
     repro = None
-    problem = check_params(project)
-    if problem is not None:
-        outcome = Outcome("bad_params", USER_ERROR_EXIT, f"nothing was pulled or run: {problem}")
-    else:
-        outcome, repro = _pull_repro_push(project, options, notes, log)
-    if options.commit and outcome.kind in ("promoted", "refused", "up_to_date", "approval_needed"):
-        try:
-            notes["dvc.lock"] = commit_lock(project, outcome)
-        except RuntimeError as exc:
-            notes["dvc.lock"] = f"**not committed**: {exc}"
-            outcome = Outcome("crash", 1, f"{outcome.message}; but the lock could not be committed: {exc}")
-    elif "dvc.lock" not in notes:
+    try:
+        outcome, repro = _checked_job(project, options, notes, log)
+    except Exception as exc:  # noqa: BLE001 - whatever broke, the job still says so in its summary
+        outcome = Outcome("crash", 1, f"fineflow ci crashed: {type(exc).__name__}: {exc}")
+    if "dvc.lock" not in notes:
         changed = git(project, "status", "--porcelain", "--", "dvc.lock", check=False)
-        notes["dvc.lock"] = "changed, not committed (run with --commit to commit it)" if changed else "unchanged"
+        if not changed:
+            notes["dvc.lock"] = "unchanged"
+        elif options.commit:
+            notes["dvc.lock"] = f"changed, not committed: the job ended {outcome.kind.replace('_', ' ')}"
+        else:
+            notes["dvc.lock"] = "changed, not committed (run with --commit to commit it)"
     rev = base_revision(project, start_rev, options.base_ref)
     diff = f"Against `{rev}`:\n\n{metrics_diff(project, rev)}" if outcome.kind != "bad_params" else ""
     markdown = summary_markdown(project, outcome, repro, notes, diff)
     where = write_summary(project, markdown, options.summary)
     write_outputs(outcome, repro, notes["dvc.lock"])
     log(markdown)
-    log(f"fineflow ci: {outcome.kind}, exit {outcome.exit_code} (summary: {where})")
+    log(f"fineflow ci: {outcome.kind}, exit {outcome.exit_code} (summary: {', '.join(map(str, where))})")
     return outcome
+
+
+def _checked_job(project: Path, options: Options, notes: dict[str, str], log) -> tuple[Outcome, Repro | None]:
+    problem = check_params(project)
+    if problem is not None:
+        return Outcome("bad_params", USER_ERROR_EXIT, f"nothing was pulled or run: {problem}"), None
+    if options.commit and remote.default_remote(project) is None:
+        message = (
+            "nothing was pulled or run: --commit records a dvc.lock whose artefacts would exist only on this "
+            "runner (every clone of that commit would rebuild them); configure a default DVC remote "
+            "(`dvc remote add -d ...`, committed in .dvc/config), or run without --commit"
+        )
+        return Outcome("bad_params", USER_ERROR_EXIT, message), None
+    outcome, repro = _pull_repro_push(project, options, notes, log)
+    if options.commit and outcome.kind in COMMITTABLE:
+        try:
+            notes["dvc.lock"] = commit_lock(project, outcome)
+        except RuntimeError as exc:
+            notes["dvc.lock"] = f"**not committed**: {exc}"
+            outcome = Outcome("crash", 1, f"{outcome.message}; but the lock could not be committed: {exc}")
+    return outcome, repro
+
+
+def missing_after_pull(project: Path) -> list[str]:
+    """The persistent outputs (dvc.yaml's `persist: true`: the champion, the registry's append-only log) that
+    the lock names but the pull did not bring: rebuilt from nothing, their history is not in this run."""
+    lock_path = project / "dvc.lock"
+    if not lock_path.exists():
+        return []
+    import yaml
+
+    stages = (yaml.safe_load((project / "dvc.yaml").read_text(encoding="utf-8")) or {}).get("stages", {})
+    locked = (yaml.safe_load(lock_path.read_text(encoding="utf-8")) or {}).get("stages", {})
+    missing = []
+    for name, stage in stages.items():
+        named = {out["path"] for out in (locked.get(name) or {}).get("outs", [])}
+        for out in stage.get("outs", []):
+            if isinstance(out, dict):
+                [(path, settings)] = out.items()
+                if (settings or {}).get("persist") and path in named and not (project / path).exists():
+                    missing.append(path)
+    return missing
 
 
 def _pull_repro_push(project: Path, options: Options, notes: dict[str, str], log) -> tuple[Outcome, Repro | None]:
@@ -328,13 +404,20 @@ def _pull_repro_push(project: Path, options: Options, notes: dict[str, str], log
         notes["remote"] = f"**pull failed**: {str(exc).splitlines()[0]}"
         return Outcome("crash", 1, f"the DVC remote failed, nothing was run: {exc}"), None
     notes["remote"] = f"pulled from `{name}`" if name else "no default DVC remote: nothing pulled or pushed"
-    repro = run_repro(project, log)
+    if name and (missing := missing_after_pull(project)):
+        notes["not in the remote"] = (
+            f"**{', '.join(missing)}**: dvc.lock names them but `{name}` lacks them (never pushed?); this run "
+            "builds them anew, without the history the lock's version had"
+        )
+    repro = run_repro(project, log, pull=name is not None)
     if repro.returncode != 0:
         outcome = failure_outcome(project, repro)
     else:
         outcome = success_outcome(project, repro, options.fail_on_refusal)
-    if name and outcome.kind != "bad_input" and (outcome.kind != "crash" or repro.ran):
-        try:  # a crash keeps what finished stages made: the next run pulls it instead of redoing it
+    if name and repro.ran:
+        # a failed run pushes too: with the run cache, the next job restores the stages that finished (train
+        # after an evaluate that failed) instead of redoing them, although no commit names them
+        try:
             remote.push(project, log)
             notes["remote"] += f", pushed to `{name}`"
         except RuntimeError as exc:

@@ -39,21 +39,24 @@ def run_dvc(project_dir: str | Path, *args: str) -> str:
 
 
 def pull(project_dir: str | Path, log) -> str | None:
-    """``dvc pull`` from the default remote (None: no remote, nothing done). What the remote lacks (a first run,
+    """``dvc pull`` from the default remote, with DVC's run cache (None: no remote, nothing done). What the
+    remote lacks (a first run,
     a stage never pushed) is left for the stages to build: DVC re-runs a stage whose outputs are missing. A
     remote that fails (unreachable, bad credentials) raises: going on would rebuild everything from scratch
     (hours of GPU on a real model) for what is most often a passing fault, so the caller retries, then fails."""
     remote = default_remote(project_dir)
     if remote is None:
         return None
-    log(run_dvc(project_dir, "pull", "--allow-missing"))
+    log(run_dvc(project_dir, "pull", "--allow-missing", "--run-cache"))
     return remote
 
 
 def push(project_dir: str | Path, log) -> str | None:
-    """``dvc push`` of every stage's outputs to the default remote (None: no remote)."""
+    """``dvc push`` of every stage's outputs to the default remote (None: no remote), with DVC's run cache: a
+    run that failed after some stages finished leaves no commit that names their outputs, but the next run
+    in a fresh clone pulls the run cache and restores those stages instead of redoing them."""
     remote = default_remote(project_dir)
     if remote is None:
         return None
-    log(run_dvc(project_dir, "push"))
+    log(run_dvc(project_dir, "push", "--run-cache"))
     return remote

@@ -11,10 +11,12 @@ holds the workspace while it runs (a flow run waits for it), and ``registry roll
 once with a message that names the holder when another run has the workspace. A stage the holding run started
 itself (``HOLDER_ENV`` names it) goes on.
 
-A DVC experiment run from the queue (``dvc exp run --queue`` then ``dvc queue start``, or ``--temp``) runs in a
-copy under ``<project>/.dvc/tmp/exps``, with DVC_ROOT naming the project: its stages take the project's turn,
-and wait for it rather than stop (a queued experiment runs unattended), so an experiment never trains on the
-GPUs a flow run is training on. Such an experiment does not promote (``queued_experiment``, the promote stage).
+A DVC experiment run from the queue (``dvc exp run --queue`` then ``dvc queue start``) runs in a copy under
+``<project>/.dvc/tmp/exps``, with DVC_ROOT naming the project: its stages take the project's turn, and wait for
+it rather than stop (a queued experiment runs unattended), so an experiment never trains on the GPUs a flow run
+is training on. Such an experiment does not promote (``queued_experiment``, the promote stage). Not for
+``dvc exp run --temp`` or ``--run-all``: those hold DVC's own lock on the project while their stages wait, and
+a flow run's next ``dvc repro`` would fail on it; queue experiments and start them with ``dvc queue start``.
 """
 
 from __future__ import annotations
@@ -99,6 +101,9 @@ def describe(holder: dict) -> str:
 # project's root, which for a queued experiment is not the folder the stage runs in.
 DVC_EXP_NAME_ENV = "DVC_EXP_NAME"
 DVC_ROOT_ENV = "DVC_ROOT"
+# where DVC runs an experiment that is not run in the workspace itself (dvc/repo/experiments: the queue's and
+# --temp's copies of the project)
+EXPERIMENTS_DIR = Path(".dvc") / "tmp" / "exps"
 
 
 def queued_experiment(cwd: Path | None = None) -> tuple[str, Path] | None:
@@ -109,7 +114,7 @@ def queued_experiment(cwd: Path | None = None) -> tuple[str, Path] | None:
         return None
     here = (cwd or Path.cwd()).resolve()
     project = Path(root).resolve()
-    return (name, project) if project != here else None
+    return (name, project) if here.is_relative_to(project / EXPERIMENTS_DIR) else None
 
 
 def _say_waiting(project: Path):

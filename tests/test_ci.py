@@ -42,7 +42,7 @@ def _repro(text: str = REPRO_OUTPUT, returncode: int = 255) -> ci.Repro:
 
 def test_what_dvc_repro_ran_skipped_and_where_it_failed_is_read_from_its_own_lines():
     repro = _repro()
-    assert repro.stages == [("base", "skipped"), ("fingerprint", "ran"), ("data", "skipped"), ("train", "ran")]
+    assert repro.stages == [("base", "skipped"), ("fingerprint", "ran"), ("data", "restored"), ("train", "ran")]
     assert (repro.failed, repro.stage_exit) == ("train", 2)
     assert repro.stage_message == "params.yaml: train.lr: Input should be greater than 0"
 
@@ -110,6 +110,52 @@ def test_bad_params_stop_the_job_before_any_pull_with_every_problem_named(tmp_pa
     assert "bad params" in text and "train.lrr" in text and "promote.min_delta" in text
     assert "outcome=bad_params\n" in outputs.read_text() and "exit_code=2\n" in outputs.read_text()
     assert not (project / "models/base").exists() and not (project / "reports/metrics/validate.json").exists()
+
+
+def test_commit_without_a_remote_stops_before_running_anything(tmp_path):
+    """A committed lock whose artefacts live on one runner only would make every clone rebuild them."""
+    project = copy_project(tmp_path / "project")
+    outcome = ci.run_ci(ci.Options(project=project, commit=True), log=lambda line: None)
+    assert (outcome.kind, outcome.exit_code) == ("bad_params", USER_ERROR_EXIT)
+    assert "configure a default DVC remote" in outcome.message
+    assert not (project / "models/base").exists()
+    assert "configure a default DVC remote" in (project / "reports/ci-summary.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_failed_jobs_finished_stages_come_back_from_the_run_cache_in_a_fresh_clone(tmp_path):
+    """A job that fails after a stage finished commits no lock; its push carries DVC's run cache, so the next
+    job's `dvc repro --pull` restores that stage ("is cached - skipping run") instead of redoing hours of
+    training. A toy DVC project, through fineflow.remote's push and pull and fineflow.ci's repro."""
+    from fineflow import remote
+
+    first = tmp_path / "first"
+    first.mkdir()
+    (first / "params.yaml").write_text("n: 3\n")
+    (first / "dvc.yaml").write_text(
+        "stages:\n  slow:\n    cmd: python -c \"open('out.txt','w').write('trained')\" && echo RAN-SLOW\n"
+        "    params: [n]\n    outs: [out.txt]\n"
+        '  fails:\n    cmd: python -c "raise SystemExit(1)"\n    deps: [out.txt]\n    outs: [never.txt]\n'
+    )
+    _git(first, "init", "-q")
+    _dvc(first, "init", "-q")
+    _dvc(first, "remote", "add", "-d", "store", str(tmp_path / "remote"))
+    _git(first, "add", "-A")
+    _git(first, "commit", "-qm", "toy")
+    failed = subprocess.run(
+        [sys.executable, "-m", "dvc", "repro"], cwd=first, env=venv_env(), capture_output=True, text=True
+    )
+    assert failed.returncode != 0 and "RAN-SLOW" in failed.stdout
+    remote.push(first, lambda output: None)
+
+    second = tmp_path / "second"
+    _git(tmp_path, "clone", "-q", str(first), str(second))  # the commit without a lock: nothing names out.txt
+    assert remote.pull(second, lambda output: None) == "store"
+    lines = []
+    again = ci.run_repro(second, lines.append, pull=True)  # what `fineflow ci` runs after its pull
+    assert again.stages[0] == ("slow", "restored") and "RAN-SLOW" not in lines, lines
+    assert (second / "out.txt").read_text() == "trained"
+    assert (again.failed, again.stage_exit) == ("fails", 1)  # and the stage that failed fails again
 
 
 # --- the workflow, run as GitHub runs it --------------------------------------------------------------------
@@ -287,10 +333,19 @@ def test_the_workflows_steps_in_fresh_clones_refuse_then_promote_then_stop_on_ba
     # 2: a person lowers the bar; the push retrains (promote re-runs) and promotes
     _push_params(origin, tmp_path / "person", {"promote.min_delta": 0.05})
     job = tmp_path / "job2"
-    code = _run_job(_clone(origin, job / "repo"), job, "push", {}, secrets)
+    clone = _clone(origin, job / "repo")
+    meanwhile = _clone(origin, tmp_path / "meanwhile")  # while the job runs, someone pushes to main
+    (meanwhile / "NOTES.md").write_text("pushed while CI trained\n")
+    _git(meanwhile, "add", "NOTES.md")
+    _git(meanwhile, "commit", "-qm", "notes")
+    _git(meanwhile, "push", "-q", "origin", "HEAD:main")
+    code = _run_job(clone, job, "push", {}, secrets)
     summary = (job / "github_step_summary").read_text()
     assert code == 0, summary + (job / "Retrain.log").read_text()[-3000:]
     assert "fineflow retraining: **promoted** (exit 0)" in summary
+    assert "which moved during the run" in summary  # rebased onto the new tip, not refused
+    assert _git(origin, "log", "-2", "--format=%s", "main").splitlines()[1] == "notes"
+    assert (clone / "reports/ci-summary.md").read_text() in summary  # the file a PR-comment step posts
     assert re.search(r"\| reports/metrics/promote.json\s*\| decision\s*\| refused\s*\| promoted", summary), summary
     assert _outputs(job)["decision"] == "promoted"
 
@@ -301,6 +356,7 @@ def test_the_workflows_steps_in_fresh_clones_refuse_then_promote_then_stop_on_ba
     summary = (job / "github_step_summary").read_text()
     assert "**up to date** (exit 0)" in summary and "| promote | skipped: unchanged |" in summary, summary
     assert "dvc.lock: unchanged" in summary and _git(origin, "rev-parse", "main") == before
+    assert "_no metric changed since `" in summary
 
     # what main now names is all in the remote: a clone pulls it and reproduces nothing; the registry holds both
     pulled = _clone(origin, tmp_path / "pulled")
@@ -428,3 +484,10 @@ def test_queued_experiments_wait_for_the_workspace_reuse_the_shards_compare_in_e
         assert "candidate" in metrics["reports/metrics/evaluate.json"]["data"]
     assert len(losses) == 2  # two trainings, two results
     assert read_log(project / "models/registry") == registry_before  # the workspace's registry: untouched
+
+    # what promote's message prescribes: the experiment into the workspace, where promote runs (nothing retrains)
+    _dvc(project, "exp", "apply", "lr-high")
+    applied = _dvc(project, "repro")
+    ran = [line.split("'")[1] for line in applied.splitlines() if line.startswith("Running stage")]
+    assert ran == ["fingerprint", "promote"], applied[-3000:]
+    assert len(read_log(project / "models/registry")) == len(registry_before) + 1

@@ -376,7 +376,7 @@ def test_a_run_pushes_to_the_dvc_remote_and_a_fresh_clone_pulls_what_it_pushed(k
     _dvc(first, "repro", "--single-item", "data")
     logs = []
     assert push(str(first), logs.append) == "store", logs
-    assert "2 files pushed" in logs[-1], logs
+    assert "3 files pushed" in logs[-1], logs  # the data stage's two files, and its run-cache entry
     fresh = copy_project(tmp_path / "fresh")  # a new clone of the commit the first run's dvc.lock was pushed with
     (fresh / "dvc.lock").write_bytes((first / "dvc.lock").read_bytes())
     add_remote(fresh)

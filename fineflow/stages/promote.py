@@ -27,20 +27,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from fineflow.config import Params
-from fineflow.errors import FineflowError
+from fineflow.errors import USER_ERROR_EXIT, FineflowError
 from fineflow.registry.approval import Approval, approval_from_env
 from fineflow.registry.champion import promote
-from fineflow.stages._entry import log, run_entry, stage_parser
+from fineflow.stages._entry import log, run_entry, stage_parser, user_error
 from fineflow.workspace import queued_experiment
 
 
-def refuse_in_queued_experiment() -> None:
-    """FineflowError in a queued DVC experiment's copy of the project (fineflow.workspace.queued_experiment)."""
+def queued_experiment_refusal() -> FineflowError | None:
+    """The error for promote in a queued DVC experiment's copy of the project (workspace.queued_experiment)."""
     experiment = queued_experiment()
     if experiment is None:
-        return
+        return None
     name, project = experiment
-    raise FineflowError(
+    return FineflowError(
         f"promote does not run in the queued DVC experiment '{name}': only the workspace {project} writes the "
         "registry and installs the champion. Queue experiments up to evaluate (`dvc exp run --queue -S ... "
         f"evaluate`), compare them with `dvc exp show`, then `dvc exp apply {name}` and `dvc repro` in the "
@@ -98,9 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         help="where the full lineage manifest <candidate id>.json goes (default: reports/lineage)",
     )
     args = parser.parse_args(argv)
+    refusal = queued_experiment_refusal()
+    if refusal is not None:  # at once: not after waiting, maybe for hours, for the project's workspace
+        user_error("promote", args.report, refusal)
+        return USER_ERROR_EXIT
 
     def promote_in_this_workspace(params: Params) -> dict:
-        refuse_in_queued_experiment()
         return run(
             params,
             args.scores,

@@ -75,14 +75,14 @@ def main(argv: list[str] | None = None) -> int:
                     },
                     log=log,
                 )
+                if code == 0 and not args.machine_rank:  # rank 0 wrote the step log on this machine
+                    write_plots(args)
         except WorkspaceBusy as exc:
             workspace_busy("train", exc)
             return USER_ERROR_EXIT
         except FineflowError as exc:
             user_error("train", args.report, exc)
             return USER_ERROR_EXIT
-        if code == 0 and not args.machine_rank:  # rank 0 wrote the step log on this machine
-            write_run_plots(args.steps_log, args.plots)
         # accelerate exits 1 whatever a rank exited with: the ranks' record says a user error or a saved stop
         if code and read_error_record(args.report):
             return USER_ERROR_EXIT
@@ -92,6 +92,17 @@ def main(argv: list[str] | None = None) -> int:
             return PREEMPTED_EXIT
         return code
     return train_worker(args)
+
+
+def write_plots(args) -> None:
+    """The step log as DVC plot data and PNG charts; a failure there is a warning, never a failed training."""
+    try:
+        written = write_run_plots(args.steps_log, args.plots)
+    except Exception as exc:  # noqa: BLE001 - the candidate and the step log are written: the charts are extra
+        log(f"train: warning: the charts in {args.plots} were not written: {type(exc).__name__}: {exc}")
+        return
+    if written:
+        log(f"train: plots written to {args.plots} ({', '.join(path.name for path in written)})")
 
 
 def train_worker(args) -> int:
