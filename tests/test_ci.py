@@ -109,7 +109,7 @@ def test_bad_params_stop_the_job_before_any_pull_with_every_problem_named(tmp_pa
     text = summary.read_text()
     assert "bad params" in text and "train.lrr" in text and "promote.min_delta" in text
     assert "outcome=bad_params\n" in outputs.read_text() and "exit_code=2\n" in outputs.read_text()
-    assert not (project / "models/base").exists() and not (project / "reports/metrics/validate.json").exists()
+    assert not (project / "models/base").exists() and not (project / "reports/validate.json").exists()
 
 
 def test_commit_without_a_remote_stops_before_running_anything(tmp_path):
