@@ -32,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from fineflow import remote
 from fineflow.config import load_params
 from fineflow.errors import (
@@ -382,8 +384,6 @@ def missing_after_pull(project: Path) -> list[str]:
     lock_path = project / "dvc.lock"
     if not lock_path.exists():
         return []
-    import yaml
-
     stages = (yaml.safe_load((project / "dvc.yaml").read_text(encoding="utf-8")) or {}).get("stages", {})
     locked = (yaml.safe_load(lock_path.read_text(encoding="utf-8")) or {}).get("stages", {})
     missing = []

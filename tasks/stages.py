@@ -191,9 +191,10 @@ def publish_report(stage: str, project: Path, report: dict, ran: bool) -> None:
         create_markdown_artifact(
             key="fineflow-promotion", markdown=promotion_markdown(report, project), description="the promotion gate"
         )
-    charts = charts_markdown(project / "reports" / "plots")
-    if stage == "train" and ran and charts:
-        create_markdown_artifact(key="fineflow-train-charts", markdown=charts, description="the run's charts")
+    if stage == "train" and ran:  # only then: the charts are read and base64-encoded, once per training
+        charts = charts_markdown(project / "reports" / "plots")
+        if charts:
+            create_markdown_artifact(key="fineflow-train-charts", markdown=charts, description="the run's charts")
 
 
 def charts_markdown(plots_dir: Path) -> str | None:
