@@ -28,13 +28,14 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from fineflow import remote
+from fineflow import journal, remote
 from fineflow.config import load_params
 from fineflow.errors import (
     APPROVAL_NEEDED_EXIT,
@@ -47,6 +48,8 @@ from fineflow.reports import gate_evidence_table, read_approval_request, read_er
 
 # What a CI commit holds: the lock, and the figures `dvc metrics diff` compares the next run against.
 COMMITTED = ("dvc.lock", "reports/metrics", "reports/plots")  # plots: their JSON (git ignores the PNGs)
+# the goodput ledger's metrics and history change on every run: committed only beside a changed lock or metric
+LEDGER_FILES = ("reports/metrics/goodput.json", "reports/plots/goodput_history.json")
 PUSH_ATTEMPTS = 3  # a push refused because the branch moved is rebased and tried again
 COMMIT_MARK = "[skip ci]"  # GitHub, GitLab and most CI systems start no run for a commit that says this
 
@@ -201,7 +204,10 @@ def commit_lock(project: Path, outcome: Outcome) -> str:
     PUSH_ATTEMPTS times, when it moved during the run); what was done, in words, for the summary."""
     paths = [path for path in COMMITTED if (project / path).exists()]
     git(project, "add", "--", *paths)
-    if not git(project, "diff", "--cached", "--name-only"):
+    staged = git(project, "diff", "--cached", "--name-only").split()
+    if not [path for path in staged if path not in LEDGER_FILES]:  # every run has a ledger: not worth a commit
+        if staged:
+            git(project, "reset", "-q", "--", *staged)
         return "unchanged: nothing to commit"
     if is_pull_request():
         return "changed, not committed: a pull request's run; the run on the branch after the merge commits it"
@@ -335,10 +341,16 @@ def run_ci(options: Options, log: Callable[[str], None] = print) -> Outcome:
     start_rev = git(project, "rev-parse", "--short", "HEAD", check=False) or None
     notes: dict[str, str] = {}
     repro = None
+    # the job is one run in the goodput ledger, from its start (the pull's time is orchestration)
+    run_env = journal.run_environment(None, time.time())
+    os.environ.update(run_env)
     try:
         outcome, repro = _checked_job(project, options, notes, log)
     except Exception as exc:  # noqa: BLE001 - whatever broke, the job still says so in its summary
         outcome = Outcome("crash", 1, f"fineflow ci crashed: {type(exc).__name__}: {exc}")
+    finally:
+        for name in run_env:
+            os.environ.pop(name, None)
     if "dvc.lock" not in notes:
         changed = git(project, "status", "--porcelain", "--", "dvc.lock", check=False)
         if not changed:

@@ -27,6 +27,15 @@ CURATED = {
         "wall_s",
     ),
     "evaluate": ("base", "candidate", "champion"),
+    "goodput": (
+        "goodput",
+        "train_goodput",
+        "total_s",
+        "mfu",
+        "cost.run_usd",
+        "cost.usd_per_1m_tokens",
+        "biggest_badput",
+    ),
     "promote": ("decision", "delta", "ci_low", "ci_high", "p_value", "candidate_value", "reference_value"),
 }
 

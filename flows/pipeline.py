@@ -22,11 +22,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from prefect import flow
 
+from fineflow import journal
 from fineflow.dag import stage_names, upstream_stages
 from fineflow.train import preempt
 from tasks import runs
@@ -48,7 +50,10 @@ def fineflow_pipeline(project_dir: str = ".", overrides: dict[str, Any] | None =
 
     from fineflow.runtime import RUN_NAME_ENV, apply_offline_environment
 
+    started = time.time()
     apply_offline_environment(project_dir)  # a worker's run starts here, not in run_flow: offline for its stages
+    # its stages' lines in the goodput journal are this run's, from its start (the wait for the workspace counts)
+    os.environ.update(journal.run_environment(f"flow-{flow_run.id}", started))
     runs.claim_workspace(project_dir, owner=f"flow run {flow_run.name!r}")
     os.environ[RUN_NAME_ENV] = flow_run.name or ""  # its stages name their tracker runs after it
     try:
@@ -67,7 +72,8 @@ def fineflow_pipeline(project_dir: str = ".", overrides: dict[str, Any] | None =
             results[stage] = result
         runs.push_state(project_dir, wait_for=list(results.values()))
     finally:
-        os.environ.pop(RUN_NAME_ENV, None)
+        for name in (RUN_NAME_ENV, journal.RUN_ID_ENV, journal.RUN_STARTED_ENV):
+            os.environ.pop(name, None)
         runs.release_workspace(project_dir)
     ran = [stage for stage, result in results.items() if result["ran"]]
     name = f"{flow_run.name}" + (f" ({', '.join(applied)})" if applied else "")
@@ -114,6 +120,11 @@ def run_flow(project: Path) -> int:
     print(f"stages run: {', '.join(ran) or 'none (everything up to date)'}")
     print(f"base {evaluate.get('base')} -> candidate {evaluate.get('candidate')}")
     print(f"promote: {promote.get('decision')} ({promote.get('reason')})")
+    ledger = results.get("goodput", {}).get("report", {})
+    if ledger.get("buckets"):  # the last line: goodput, cost, the biggest badput (fineflow doctor for the rest)
+        from fineflow.goodput.doctor import one_line
+
+        print(one_line(ledger))
     return 0
 
 

@@ -39,6 +39,7 @@ from fineflow.registry.approval import APPROVAL_ENV
 from fineflow.remote import dvc_environment
 from fineflow.reports import gate_evidence_table, read_approval_request, read_error_record
 from fineflow.train import preempt
+from fineflow.train.plots import TRAIN_CHARTS
 
 # The lines of a failed stage's output that its message keeps: errors, and DVC's "is busy, it is being blocked
 # by: (PID …) <command>" that names the process holding the workspace.
@@ -180,8 +181,79 @@ def promotion_markdown(report: dict, project: Path) -> str:
     return "\n".join(lines)
 
 
+def ledger_table(ledger: dict) -> list[dict]:
+    """The goodput ledger as table rows: every bucket's seconds, share and cost, largest first, then the totals."""
+    from fineflow.goodput.ledger import DESCRIPTIONS
+
+    total = ledger.get("total_s") or 1.0
+    bucket_usd = (ledger.get("cost") or {}).get("bucket_usd") or {}
+    rows = [
+        {
+            "bucket": name,
+            "seconds": round(seconds, 2),
+            "share": f"{seconds / total:.1%}",
+            "usd": round(bucket_usd.get(name, 0.0), 5),
+            "what": DESCRIPTIONS.get(name, ""),
+        }
+        for name, seconds in sorted(ledger.get("buckets", {}).items(), key=lambda item: -item[1])
+    ]
+    rows.append(
+        {
+            "bucket": "unaccounted",
+            "seconds": ledger.get("unaccounted_s"),
+            "share": f"{ledger.get('unaccounted_share', 0):.2%}",
+            "usd": None,
+            "what": "inside stage processes, timed by no bucket",
+        }
+    )
+    rows.append(
+        {
+            "bucket": "total",
+            "seconds": ledger.get("total_s"),
+            "share": f"goodput {ledger.get('goodput', 0):.1%}",
+            "usd": (ledger.get("cost") or {}).get("run_usd"),
+            "what": "the run, from its start to this ledger",
+        }
+    )
+    return rows
+
+
+def ledger_markdown(ledger: dict, plots_dir: Path) -> str:
+    """The doctor's findings and the stacked-bar chart, for the run page."""
+    from fineflow.goodput import doctor
+
+    lines = [f"### {doctor.one_line(ledger)}", ""]
+    for finding in ledger.get("findings") or []:
+        fix = finding["fix"]
+        lines.append(
+            f"- **{finding['severity']} {finding['cause']}** ({finding['share_of_run']:.0%} of the run, "
+            f"${finding['usd']:.4f}): {finding['evidence']}. Fix: `{fix['param']}`"
+            + (f" = `{fix['value']}`" if fix["value"] is not None else "")
+            + f" ({fix['why']})"
+        )
+    if not ledger.get("findings"):
+        lines.append("The doctor found nothing.")
+    chart = plots_dir / "goodput.png"
+    if chart.is_file():
+        data = base64.b64encode(chart.read_bytes()).decode("ascii")
+        lines += ["", f"![goodput buckets](data:image/png;base64,{data})", f"[{chart.name}]({chart.as_uri()})"]
+    return "\n".join(lines)
+
+
 def publish_report(stage: str, project: Path, report: dict, ran: bool) -> None:
     """reports/<stage>.json as a table artifact (and promote's decision as markdown): the run page's figures."""
+    if stage == "goodput" and report.get("buckets"):  # the ledger: its buckets as the table, findings and chart
+        create_table_artifact(
+            key="fineflow-goodput-ledger",
+            table=ledger_table(report),
+            description="where this run's wall time and money went (reports/goodput.json)",
+        )
+        create_markdown_artifact(
+            key="fineflow-goodput-doctor",
+            markdown=ledger_markdown(report, project / "reports" / "plots"),
+            description="fineflow doctor on this run",
+        )
+        return
     create_table_artifact(
         key=f"fineflow-{stage}",
         table=report_table(report),
@@ -200,7 +272,7 @@ def publish_report(stage: str, project: Path, report: dict, ran: bool) -> None:
 def charts_markdown(plots_dir: Path) -> str | None:
     """The train stage's PNG charts (fineflow.train.plots) embedded in markdown, so the run page shows them
     without reaching the worker's disk, each with a link to its file."""
-    charts = sorted(plots_dir.glob("*.png"))
+    charts = [plots_dir / name for name in TRAIN_CHARTS if (plots_dir / name).is_file()]
     if not charts:
         return None
     lines = ["### Training charts", ""]

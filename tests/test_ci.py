@@ -489,5 +489,5 @@ def test_queued_experiments_wait_for_the_workspace_reuse_the_shards_compare_in_e
     _dvc(project, "exp", "apply", "lr-high")
     applied = _dvc(project, "repro")
     ran = [line.split("'")[1] for line in applied.splitlines() if line.startswith("Running stage")]
-    assert ran == ["fingerprint", "promote"], applied[-3000:]
+    assert ran == ["fingerprint", "promote", "goodput"], applied[-3000:]
     assert len(read_log(project / "models/registry")) == len(registry_before) + 1

@@ -98,14 +98,15 @@ def test_flow_then_dvc_repro(prefect_harness, s3_server, tmp_path, monkeypatch):
         rerun_output = _dvc_wait(rerun, rerun_log)
     # nothing changed: only fingerprint (always_changed: it hashes a base DVC may not see) runs, and its
     # unchanged output re-runs nothing after it
-    assert [stage for stage, r in again.items() if r["ran"]] == ["fingerprint"]
+    assert [stage for stage, r in again.items() if r["ran"]] == ["fingerprint", "goodput"]  # goodput: the ledger
     assert yaml.safe_load((flow_copy / "dvc.lock").read_text()) == flow_lock
-    assert _ran_stages(rerun_output) == ["fingerprint", "train", "evaluate", "promote"]
+    assert _ran_stages(rerun_output) == ["fingerprint", "train", "evaluate", "promote", "goodput"]
     rerun_lock = yaml.safe_load((repro_copy / "dvc.lock").read_text())
     assert [stage for stage in STAGES if rerun_lock["stages"][stage] != flow_lock["stages"][stage]] == [
         "train",
         "evaluate",
         "promote",
+        "goodput",  # its dependencies (eval, the registry) changed; it has no outputs
     ]
     # the metrics a PR comment shows: a few figures per stage, not every field of every report (issue 17)
     shown = json.loads(_dvc(repro_copy, "metrics", "show", "--json"))
@@ -135,13 +136,16 @@ def test_flow_then_dvc_repro(prefect_harness, s3_server, tmp_path, monkeypatch):
     shutil.copy(repro_copy / "params.yaml", pulled / "params.yaml")  # the commit the lock belongs to
     shutil.copy(repro_copy / "dvc.lock", pulled / "dvc.lock")
     _dvc(pulled, "pull")
-    assert json.loads(_dvc(pulled, "status", "--json")) == {"fingerprint": ["always changed"]}
+    assert json.loads(_dvc(pulled, "status", "--json")) == {
+        "fingerprint": ["always changed"],
+        "goodput": ["always changed"],
+    }
     assert json.loads(_dvc(pulled, "status", "--cloud", "--json")) == {}  # the remote holds all the lock names
     verify = subprocess.run(
         [sys.executable, "-m", "fineflow.cli", "registry", "verify"], cwd=pulled, env=venv_env(), capture_output=True
     )
     assert verify.returncode == 0 and verify.stdout.startswith(b"OK: "), verify.stdout + verify.stderr
-    assert _ran_stages(_dvc(pulled, "repro")) == ["fingerprint"]
+    assert _ran_stages(_dvc(pulled, "repro")) == ["fingerprint", "goodput"]
 
 
 def _leaves(data: dict, prefix: str = "") -> list[str]:
@@ -244,7 +248,8 @@ def test_the_flow_follows_an_edited_dvc_yaml(tmp_path, monkeypatch):
 def test_lineage_times_the_run_from_every_stage_before_promote():
     from fineflow.registry.lineage import report_stages
 
-    assert report_stages(ROOT / "reports") == STAGES[:-1] and STAGES[-1] == "promote"
+    assert report_stages(ROOT / "reports") == STAGES[: STAGES.index("promote")]
+    assert STAGES[-2:] == ["promote", "goodput"]  # the ledger runs after the candidate's lineage is written
 
 
 def _count_attempts(stages, monkeypatch) -> list[str]:

@@ -275,13 +275,15 @@ def test_two_flow_runs_started_at_once_in_one_workspace_run_one_after_the_other(
     second = start_flow(project, env, logs[1])
     outputs = finish_flow(first, logs[0]), finish_flow(second, logs[1])
     ran = [[stage for stage in STAGES if f"Running stage '{stage}'" in output] for output in outputs]
-    assert ran == [STAGES, ["fingerprint"]]  # the second found the first's work done (fingerprint always runs)
+    # the second found the first's work done (fingerprint and the goodput ledger always run)
+    assert ran == [STAGES, ["fingerprint", "goodput"]]
     assert "waiting for the workspace" in outputs[1] and "held by flow run '" in outputs[1], outputs[1][-3000:]
     assert "is busy" not in outputs[1]
-    assert dvc_status(project) == {"fingerprint": ["always changed"]}
+    assert dvc_status(project) == {"fingerprint": ["always changed"], "goodput": ["always changed"]}
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=project, capture_output=True, text=True)
     names = sorted(r["name"] for r in _flow_runs(prefect_server) if r["parameters"].get("project_dir") == str(project))
-    assert names == sorted([f"{sha.stdout.strip()}: {', '.join(STAGES)}", f"{sha.stdout.strip()}: fingerprint"])
+    commit = sha.stdout.strip()
+    assert names == sorted([f"{commit}: {', '.join(STAGES)}", f"{commit}: fingerprint, goodput"])
 
 
 @pytest.mark.scenario

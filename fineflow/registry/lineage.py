@@ -65,10 +65,12 @@ MANIFEST_STAGE = "promote"  # builds the manifest while it runs: its own report 
 
 def report_stages(reports_dir: Path) -> list[str]:
     """The stages whose reports time the run: those of the project's dvc.yaml (the folder that holds
-    reports_dir) but the manifest's own; outside a DVC project, whichever stage reports reports_dir holds."""
+    reports_dir) before the manifest's own (a stage after it, the goodput ledger, has not run yet for this
+    candidate); outside a DVC project, whichever stage reports reports_dir holds."""
     project = reports_dir.parent
     if (project / DVC_FILE).is_file():
         stages = stage_names(project)
+        stages = stages[: stages.index(MANIFEST_STAGE)] if MANIFEST_STAGE in stages else stages
     else:
         stages = sorted(path.stem for path in reports_dir.glob("*.json"))
     return [stage for stage in stages if stage != MANIFEST_STAGE]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fineflow.config import Params, load_params
 from fineflow.errors import APPROVAL_NEEDED_EXIT, USER_ERROR_EXIT, ApprovalNeeded, FineflowError, WorkspaceBusy
+from fineflow.journal import Attempt, ledger_dir
 from fineflow.metrics import curated, metrics_path
 from fineflow.reports import clear_error_record, write_approval_request, write_error_record, write_json_atomic
 from fineflow.runtime import apply_offline_environment, is_train_worker
@@ -54,17 +55,52 @@ def workspace_turn(stage: str):
     return held_for(Path.cwd(), f"{stage} stage (started outside a flow run: dvc repro or by hand)")
 
 
+def journal_attempt(stage: str, report: str) -> Attempt | None:
+    """This stage process's lines in the run's journal (fineflow.journal); a training rank has none (its
+    launcher's attempt covers it), nor has a process whose journal cannot be written (a read-only checkout:
+    the stage still runs)."""
+    if is_train_worker():
+        return None
+    attempt = Attempt(ledger_dir(report), stage)
+    try:
+        attempt.start()
+    except OSError as exc:
+        print(f"fineflow {stage}: warning: the run's journal was not written: {exc}", file=sys.stderr, flush=True)
+        return None
+    return attempt
+
+
 def run_entry(stage: str, args: argparse.Namespace, body: Callable[[Params], dict]) -> int:
     """Run body(params) holding the workspace, write its report with the wall time, and turn user errors into
-    one clean line, an error record and exit 2 (a candidate waiting for approval: its record and exit 3)."""
+    one clean line, an error record and exit 2 (a candidate waiting for approval: its record and exit 3). The
+    process's start, end and timed spans go to the run's journal (the goodput ledger reads them)."""
+    attempt = journal_attempt(stage, args.report)
+    spans: dict[str, float] = {}
+    code = 1  # an exception that escapes is a crash
+    try:
+        code = _run_entry(stage, args, body, spans)
+        return code
+    finally:
+        if attempt is not None:
+            with contextlib.suppress(OSError):
+                attempt.end(code, spans)
+
+
+def _run_entry(stage: str, args: argparse.Namespace, body: Callable[[Params], dict], spans: dict) -> int:
     started = time.perf_counter()
     try:
         with workspace_turn(stage):
+            spans["workspace_wait"] = time.perf_counter() - started  # a queued experiment waits for its turn
             if not is_train_worker():  # a rank leaves it to its launcher: another rank may have written it already
                 clear_error_record(args.report)
             params = load_params(args.params)
             apply_offline_environment(model_base=params.model.base)  # before any HF library is imported
-            report = body(params)
+            body_started = time.perf_counter()
+            try:
+                report = body(params)
+            finally:
+                spans["body"] = time.perf_counter() - body_started
+                spans["params"] = body_started - started - spans["workspace_wait"]
     except WorkspaceBusy as exc:  # another run's workspace: its reports and records are not this process's
         workspace_busy(stage, exc)
         return USER_ERROR_EXIT
@@ -75,6 +111,7 @@ def run_entry(stage: str, args: argparse.Namespace, body: Callable[[Params], dic
     except FineflowError as exc:
         user_error(stage, args.report, exc)
         return USER_ERROR_EXIT
+    written = time.perf_counter()
     if report is not None:
         report = {"stage": stage, **report, "wall_s": round(time.perf_counter() - started, 3)}
         write_json_atomic(args.report, report)
@@ -82,4 +119,5 @@ def run_entry(stage: str, args: argparse.Namespace, body: Callable[[Params], dic
         if metrics is not None:  # the few figures `dvc metrics diff` shows (fineflow.metrics)
             write_json_atomic(metrics_path(args.report, stage), metrics)
         log(f"{stage}: report written to {args.report}")
+    spans["report"] = time.perf_counter() - written
     return 0

@@ -18,13 +18,22 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from pathlib import Path
 
 from fineflow.config import CheckpointSettings, load_params
 from fineflow.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError, WorkspaceBusy
-from fineflow.reports import clear_error_record, read_error_record
+from fineflow.reports import clear_error_record, read_error_record, read_json
 from fineflow.runtime import apply_offline_environment, is_train_worker
-from fineflow.stages._entry import log, run_entry, stage_parser, user_error, workspace_busy, workspace_turn
+from fineflow.stages._entry import (
+    journal_attempt,
+    log,
+    run_entry,
+    stage_parser,
+    user_error,
+    workspace_busy,
+    workspace_turn,
+)
 from fineflow.train import preempt
 from fineflow.train.plots import write_run_plots
 from fineflow.train.recipe import launch_ranks, train_rank
@@ -56,42 +65,92 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if not is_train_worker():  # the launcher: accelerate launch runs this module again per rank
+        attempt = journal_attempt("train", args.report)
+        spans: dict[str, float] = {}
+        code = 1  # an exception that escapes is a crash
         try:
-            # machine 0's launcher holds it for every rank; another machine's may share its folder (a shared
-            # file system) and is part of the same run
-            with workspace_turn("train") if not args.machine_rank else contextlib.nullcontext():
-                clear_error_record(args.report)
-                params = load_params(args.params)
-                apply_offline_environment(model_base=params.model.base)  # the launcher's, and its ranks'
-                code = launch_ranks(
-                    params,
-                    "fineflow.stages.train",
-                    argv,
-                    {
-                        "base_dir": args.base_dir,
-                        "machine_rank": args.machine_rank,
-                        "main_process_ip": args.main_process_ip,
-                        "main_process_port": args.main_process_port,
-                    },
-                    log=log,
-                )
-                if code == 0 and not args.machine_rank:  # rank 0 wrote the step log on this machine
-                    write_plots(args)
-        except WorkspaceBusy as exc:
-            workspace_busy("train", exc)
-            return USER_ERROR_EXIT
-        except FineflowError as exc:
-            user_error("train", args.report, exc)
-            return USER_ERROR_EXIT
-        # accelerate exits 1 whatever a rank exited with: the ranks' record says a user error or a saved stop
-        if code and read_error_record(args.report):
-            return USER_ERROR_EXIT
-        preempted = preempt.read_preempted_record(args.report)
-        if code and preempted:
-            log(f"train: {preempted['message']} (exit {PREEMPTED_EXIT})")
-            return PREEMPTED_EXIT
-        return code
+            code = launch(args, argv, spans)
+            return code
+        finally:
+            if attempt is not None:
+                with contextlib.suppress(OSError):
+                    attempt.end(code, spans)
     return train_worker(args)
+
+
+def launch(args, argv: list[str], spans: dict) -> int:
+    """The launcher's part: plan, run the ranks, write the charts; its time goes into spans (the journal's),
+    with rank 0's phases from its report when the training finished."""
+    started = time.perf_counter()
+    launched = time.time()
+    code = 1
+    try:
+        # machine 0's launcher holds it for every rank; another machine's may share its folder (a shared
+        # file system) and is part of the same run
+        with workspace_turn("train") if not args.machine_rank else contextlib.nullcontext():
+            spans["workspace_wait"] = time.perf_counter() - started
+            clear_error_record(args.report)
+            params = load_params(args.params)
+            apply_offline_environment(model_base=params.model.base)  # the launcher's, and its ranks'
+            launched = time.time()
+            spans["params"] = time.perf_counter() - started - spans["workspace_wait"]
+            code = launch_ranks(
+                params,
+                "fineflow.stages.train",
+                argv,
+                {
+                    "base_dir": args.base_dir,
+                    "machine_rank": args.machine_rank,
+                    "main_process_ip": args.main_process_ip,
+                    "main_process_port": args.main_process_port,
+                },
+                log=log,
+            )
+            spans.update(rank_spans(args.report, launched, time.time()) if code == 0 else {})
+            if code == 0 and not args.machine_rank:  # rank 0 wrote the step log on this machine
+                plotting = time.perf_counter()
+                write_plots(args)
+                spans["plots"] = time.perf_counter() - plotting
+    except WorkspaceBusy as exc:
+        workspace_busy("train", exc)
+        return USER_ERROR_EXIT
+    except FineflowError as exc:
+        user_error("train", args.report, exc)
+        return USER_ERROR_EXIT
+    finally:
+        if "launch" not in spans:  # no finished rank's report: the ranks' time in one span
+            spans["ranks"] = time.time() - launched
+    # accelerate exits 1 whatever a rank exited with: the ranks' record says a user error or a saved stop
+    if code and read_error_record(args.report):
+        return USER_ERROR_EXIT
+    preempted = preempt.read_preempted_record(args.report)
+    if code and preempted:
+        log(f"train: {preempted['message']} (exit {PREEMPTED_EXIT})")
+        return PREEMPTED_EXIT
+    return code
+
+
+def rank_spans(report_path: Path | str, launched: float, returned: float) -> dict:
+    """The ranks' time, split by rank 0's report of this attempt: planning and `accelerate launch` up to rank 0's
+    process, its start-up, its phases and the loop's buckets, and its exit (empty when the report is an older
+    attempt's)."""
+    try:
+        report = read_json(report_path)
+        timeline, phases, totals = report["timeline"], report["phases"], report["loop_totals"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    if timeline["proc_start"] < launched - 1:  # not this attempt's ranks
+        return {}
+    spans = {
+        "launch": timeline["proc_start"] - launched,
+        "rank_startup": timeline["entry"] - timeline["proc_start"],
+        **{key.removesuffix("_s"): value for key, value in phases.items()},
+        **{f"loop_{key.removesuffix('_s')}": value for key, value in totals.items()},
+        **{f"redo_{key.removesuffix('_s')}": value for key, value in report.get("recomputed", {}).items()},
+        "loop_other": report["loop_s"] - sum(totals.values()) - sum(report.get("recomputed", {}).values()),
+        "rank_exit": returned - timeline["done"],
+    }
+    return {key: round(value, 4) for key, value in spans.items()}
 
 
 def write_plots(args) -> None:

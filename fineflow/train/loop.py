@@ -60,19 +60,44 @@ def token_loss_sum(model, batch: dict, **forward_kwargs):
 
 @dataclass
 class StepTimer:
-    """Where a step's wall time went: waiting for data, forward+backward, optimizer, checkpoint stall."""
+    """Where a step's wall time went: waiting for data, forward+backward, optimizer, the gradient and loss
+    all-reduces, in-training evaluation, checkpoint stall, and the step log. Steps a resume trains again (a
+    crashed attempt had trained them past its last checkpoint) add to ``redo`` instead: the ledger counts them as
+    restart loss, not as useful work."""
 
     totals: dict = field(
-        default_factory=lambda: {"data_wait_s": 0.0, "compute_s": 0.0, "optimizer_s": 0.0, "checkpoint_s": 0.0}
+        default_factory=lambda: {
+            "data_wait_s": 0.0,
+            "compute_s": 0.0,
+            "optimizer_s": 0.0,
+            "grad_sync_s": 0.0,
+            "loss_sync_s": 0.0,
+            "train_eval_s": 0.0,
+            "checkpoint_s": 0.0,
+            "log_s": 0.0,
+        }
     )
     current: dict = field(default_factory=dict)
+    redo: dict = field(default_factory=dict)
+    redo_steps: int = 0
+    _redoing: bool = False
 
-    def start_step(self) -> None:
+    def start_step(self, redo: bool = False) -> None:
         self.current = {key: 0.0 for key in self.totals}
+        self._redoing = redo
+        if redo:
+            self.redo_steps += 1
 
     def add(self, key: str, seconds: float) -> None:
         self.current[key] += seconds
-        self.totals[key] += seconds
+        bucket = self.redo if self._redoing else self.totals
+        bucket[key] = bucket.get(key, 0.0) + seconds
+
+    def move(self, source: str, target: str, seconds: float) -> None:
+        """Re-file seconds a timer took for one bucket under another (gradient all-reduce inside backward)."""
+        seconds = min(seconds, self.current[source])
+        self.add(source, -seconds)
+        self.add(target, seconds)
 
 
 class StepLog:
@@ -82,16 +107,20 @@ class StepLog:
 
     def __init__(self, path: Path | None, resume_after: int = 0):
         self.path = path
+        self.dropped_through = resume_after  # the last step a crashed attempt logged: resumed, these run again
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             kept = []
             if resume_after and path.exists():
                 for line in path.read_text(encoding="utf-8").splitlines():
                     try:
-                        if json.loads(line)["step"] <= resume_after:
-                            kept.append(line + "\n")
+                        step = json.loads(line)["step"]
                     except (ValueError, KeyError, TypeError):
                         break  # a torn last line from the crash
+                    if step <= resume_after:
+                        kept.append(line + "\n")
+                    else:
+                        self.dropped_through = max(self.dropped_through, step)
             self._fh = path.open("w", encoding="utf-8")
             self._fh.writelines(kept)
             self._fh.flush()
@@ -345,6 +374,7 @@ def fit(
     progress: Progress | None = None,
     start_step: int = 0,
     tokens_seen: int = 0,
+    redo_through: int = 0,
 ) -> FitResult:
     """Run optimizer steps start_step+1 .. cfg.steps on the batches the loader prepares (after a resume,
     the loader's sampler, the weights and the optimizer were restored to start_step); returns the report's
@@ -354,7 +384,7 @@ def fit(
     progress finish, saves that step, waits for the write and raises preempt.Preempted: a retry resumes there."""
     import torch
 
-    from fineflow.train import preempt
+    from fineflow.train import gradsync, preempt
 
     model.train()
     started = time.perf_counter()
@@ -367,7 +397,7 @@ def fit(
             f"gradient_accumulation_steps in the accelerate profile)"
         )
     for step in range(start_step + 1, cfg.steps + 1):
-        timer.start_step()
+        timer.start_step(redo=step <= redo_through)
         step_start = time.perf_counter()
 
         t0 = time.perf_counter()
@@ -381,11 +411,15 @@ def fit(
             if prepared.layouts
             else [{}] * len(micro)
         )
+        counted = time.perf_counter()
         counts = accelerator.reduce(
             torch.tensor([prepared.targets, prepared.real_tokens], device=accelerator.device), reduction="sum"
         )
         global_targets, step_real = int(counts[0]), int(counts[1])
+        timer.add("loss_sync_s", time.perf_counter() - counted)  # the step's token counts, summed over ranks
+        t0 += time.perf_counter() - counted  # not compute
         step_loss = 0.0
+        sync_before = gradsync.seconds()
         for i, batch in enumerate(micro):
             # accumulate(): before the step's last micro-batch DDP/FSDP skip their gradient sync (no_sync) and
             # DeepSpeed's engine does not step; on the last one accelerator.sync_gradients turns true, and
@@ -397,7 +431,10 @@ def fit(
                 loss_sum, _ = token_loss_sum(model, batch, **extras[i])
                 accelerator.backward(loss_sum * (world * accum) / max(1, global_targets))
             step_loss += loss_sum.item()
+        gradsync.settle()
         timer.add("compute_s", time.perf_counter() - t0)
+        # the gradient all-reduce runs inside backward (DDP's comm hook timed it: fineflow.train.gradsync)
+        timer.move("compute_s", "grad_sync_s", gradsync.seconds() - sync_before)
 
         t0 = time.perf_counter()
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -409,12 +446,14 @@ def fit(
 
         # a stop signal rides on the loss all-reduce: every rank learns of it at the same step, without a
         # collective of its own, whichever rank (or how many) got the signal
+        t0 = time.perf_counter()
         stop = float(preempt.stop_signal() is not None)
         reduced = accelerator.reduce(
             torch.tensor([step_loss, stop], dtype=torch.float64, device=accelerator.device), reduction="sum"
         )
         loss_value = float(reduced[0]) / max(1, global_targets)
         stopping = float(reduced[1]) > 0
+        timer.add("loss_sync_s", time.perf_counter() - t0)
         if not math.isfinite(loss_value):
             raise FineflowError(
                 f"training stopped at step {step}: the loss is {loss_value}. Lower train.lr "
@@ -424,9 +463,11 @@ def fit(
 
         step_eval = None
         if eval_shard is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+            t0 = time.perf_counter()
             step_eval = eval_loss = evaluate_loss(
                 model, eval_shard, cfg.micro_batch_size, accelerator, varlen=cfg.attention == "varlen"
             )
+            timer.add("train_eval_s", time.perf_counter() - t0)
         if stopping or saver.due(step, cfg.steps, accelerator):  # stopping: the same on every rank
             t0 = time.perf_counter()  # the stall: async saves block only for the copy to host memory
             saver.save(
@@ -446,7 +487,8 @@ def fit(
             )
             timer.add("checkpoint_s", time.perf_counter() - t0)
 
-        step_s = time.perf_counter() - step_start
+        t0 = time.perf_counter()
+        step_s = t0 - step_start
         record = {
             "step": step,
             "loss": round(loss_value, 5),
@@ -457,7 +499,7 @@ def fit(
             "tokens": step_real,
             "tokens_per_s": round(step_real / step_s, 1),
             "step_s": round(step_s, 5),
-            **{k: round(v, 5) for k, v in timer.current.items()},
+            **{k: round(v, 5) for k, v in timer.current.items() if k != "log_s"},
             "peak_mem_mb": round(peak_memory_mb(accelerator.device), 1),
         }
         if step_eval is not None:
@@ -467,6 +509,7 @@ def fit(
             accelerator.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}, step=step)
             if progress is not None:
                 progress.update(step, record)
+        timer.add("log_s", time.perf_counter() - t0)
         if stopping:
             if saver.manager is not None:
                 saver.manager.wait()  # rank 0: the step's checkpoint is published before the process exits

@@ -32,6 +32,8 @@ PLOTTED = (
     "checkpoint_s",
 )
 
+TRAIN_CHARTS = ("loss.png", "tokens_per_s.png", "memory.png")  # write_charts' files (the goodput stage draws others)
+
 
 def read_steps(steps_log: Path) -> list[dict]:
     """The step log's records; a torn last line (a crash while writing it) is left out."""

@@ -13,7 +13,9 @@ import os
 from pathlib import Path
 
 from fineflow.config import Params, TrainParams
+from fineflow.journal import process_started
 from fineflow.model_ref import resolve_base_model
+from fineflow.train import flops, gradsync
 from fineflow.train.fsdp import prepare_model_for_fsdp, require_visible_to_every_rank
 from fineflow.train.launch import (
     accelerate_command,
@@ -135,7 +137,12 @@ def train_rank(
     hash_cache: Path | None = None,
 ) -> dict | None:
     """One rank of training; returns the report on rank 0 and None elsewhere. hash_cache: where the base
-    weights' content hashes are cached (by path, size and mtime); None hashes them every run."""
+    weights' content hashes are cached (by path, size and mtime); None hashes them every run.
+
+    Its phases are timed for the goodput ledger (fineflow.goodput.ledger): model load, set-up, a resume's
+    checkpoint load, the loop (fineflow.train.loop.StepTimer), the final save."""
+    import time
+
     import torch
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -147,6 +154,8 @@ def train_rank(
     from fineflow.train.resume import mark_finished, run_fingerprint
     from fineflow.train.schedule import build_scheduler
 
+    entered = time.time()
+    phases = {"model_load_s": 0.0, "resume_load_s": 0.0}
     has_gpu = torch.cuda.is_available()
     check_hardware(params.train, has_gpu)
     reference = resolve_base_model(params.model, base_dir)
@@ -166,12 +175,17 @@ def train_rank(
     configure_deepspeed(accelerator, cfg)  # DeepSpeed: batch sizes and clipping from params, before prepare
     set_seed(params.seed)
     # ZeRO-3 gathers each module's parameters in that module's own forward hook: leave peft's forward there
+    import peft  # noqa: F401 - imported here, not inside the model-load timer: imports are start-up
+    import transformers  # noqa: F401
+
+    loading = time.perf_counter()
     model = build_model(
         reference,
         params,
         cfg,
         fuse_lora=cfg.fused_lora and sharding_of(resolve_profile(cfg.accelerate_profile)) != "zero3",
     )
+    phases["model_load_s"] = time.perf_counter() - loading
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     fused_layers = getattr(model, "fineflow_fused_layers", 0)
     # fused: one kernel per parameter instead of ~10 small ops each (CPU and CUDA; 3.9 -> 2.4 ms/step here)
@@ -185,6 +199,7 @@ def train_rank(
     scheduler = build_scheduler(optimizer, cfg)
     fused_layers = prepare_model_for_fsdp(accelerator, model, fused_layers)  # LoRA wrapping, fp32 buffers
     model, optimizer = accelerator.prepare(model, optimizer)
+    grad_sync_measured = gradsync.register(model)  # DDP: the all-reduce timed apart from backward
     train, evaluation = PackedShard(shards / "train"), PackedShard(shards / "eval")
     sampler = RowSampler(
         len(train), params.seed, accelerator.process_index, accelerator.num_processes, row_tokens=train.real_per_row
@@ -197,12 +212,14 @@ def train_rank(
 
         fingerprint = broadcast_object_list(fingerprint)
     fingerprint = fingerprint[0]
+    resuming = time.perf_counter()
     run_dir, resumed = resume_point(accelerator, checkpoints, fingerprint, cfg.resume)
     start_step, tokens_seen = 0, 0
     if resumed is not None:  # weights, optimizer, schedule, RNG and the sampler's position: no replay
         restore(resumed, accelerator, model, optimizer, scheduler)
         sampler.load_state_dict(resumed.state["sampler"])
         start_step, tokens_seen = resumed.state["step"], resumed.state["tokens_seen"]
+        phases["resume_load_s"] = time.perf_counter() - resuming  # a cost of the restart
     batches = BatchLoader(
         train,
         sampler,
@@ -245,6 +262,7 @@ def train_rank(
     timer = StepTimer()
     step_log = StepLog(steps_log if main else None, resume_after=start_step)
     progress = Progress(cfg.steps, cfg.log_every, log, start=start_step) if main else None
+    loop_started = time.time()
     try:
         result = fit(
             model,
@@ -260,6 +278,7 @@ def train_rank(
             progress,
             start_step=start_step,
             tokens_seen=tokens_seen,
+            redo_through=step_log.dropped_through if main else 0,
         )
         if manager is not None:
             manager.close()  # the last save is complete and verified before the stage reports success
@@ -276,7 +295,82 @@ def train_rank(
     if not main:
         return None
     write_s = manager.last_result.get("write_s", 0.0) if manager.last_result else None
-    return train_report(result, cfg, plan, tokens_seen, accelerator.num_processes, trainable, fused_layers, write_s)
+    report = train_report(result, cfg, plan, tokens_seen, accelerator.num_processes, trainable, fused_layers, write_s)
+    report["device"] = device_facts(accelerator, cfg)
+    report["flops"] = run_flops(reference, cfg, train, report, accelerator)
+    report["grad_sync_measured"] = grad_sync_measured
+    finished = time.time()
+    phases["setup_s"] = loop_started - entered - phases["model_load_s"] - phases["resume_load_s"]
+    phases["save_s"] = finished - loop_started - result.wall_s
+    report["phases"] = {key: round(value, 4) for key, value in phases.items()}
+    report["timeline"] = {
+        "proc_start": process_started(),
+        "entry": entered,
+        "loop_start": loop_started,
+        "done": finished,
+    }
+    return report
+
+
+def device_facts(accelerator, cfg: TrainParams) -> dict:
+    """What the doctor and the cost need to know of the device: its type and name, how many trained, whether it
+    does bf16 fast (fineflow.goodput.flops.bf16_capable), the precision it trained in."""
+    import platform
+
+    import torch
+
+    device = accelerator.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
+    return {
+        "type": device.type,
+        "name": name,
+        "count": accelerator.num_processes,
+        "bf16_capable": flops.bf16_capable(device.type),
+        "precision": cfg.precision,
+    }
+
+
+def run_flops(reference: str, cfg: TrainParams, shard, report: dict, accelerator) -> dict:
+    """Model and hardware FLOPs per token, the device's peak and the run's MFU/HFU (fineflow.goodput.flops).
+    The attended length is the mean packed example's half (varlen) or the row's half (dense sdpa, for HFU)."""
+    from fineflow.train.planner import load_shape
+
+    try:
+        shape = load_shape(reference)
+    except Exception as exc:  # noqa: BLE001 - a model the planner cannot read: no MFU, the run is still good
+        return {"error": f"no FLOPs: {type(exc).__name__}: {exc}"}
+    matmul = shape.params - (0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size)
+    examples = max(1, int(shard.meta.get("examples", 1)))
+    mean_example = float(sum(shard.real_per_row)) / examples
+    per_token = flops.flops_per_token(
+        matmul,
+        report["trainable_parameters"],
+        cfg.method,
+        shape.num_layers,
+        shape.q_dim,
+        mean_example / 2,
+        recompute=cfg.gradient_checkpointing,
+    )
+    if cfg.attention == "sdpa":  # the dense kernel computes every (masked) score of the row
+        dense = flops.flops_per_token(
+            matmul,
+            report["trainable_parameters"],
+            cfg.method,
+            shape.num_layers,
+            shape.q_dim,
+            shard.meta["seq_len"] / 2,
+            recompute=cfg.gradient_checkpointing,
+        )
+        per_token["hardware"] = dense["hardware"]
+    device = report["device"]
+    peak = flops.peak_flops(device["type"], device["name"], cfg.precision)
+    return {
+        "model_per_token": round(per_token["model"]),
+        "hardware_per_token": round(per_token["hardware"]),
+        "peak_per_device": peak["flops_per_s"],
+        "peak_source": peak["source"],
+        **flops.utilization(per_token, report.get("tokens_per_s"), peak, accelerator.num_processes),
+    }
 
 
 def train_report(
@@ -314,7 +408,11 @@ def train_report(
         "gradient_checkpointing": cfg.gradient_checkpointing,
         "loop_s": round(result.wall_s, 3),
         **{k: round(v, 3) for k, v in totals.items()},
+        "loop_totals": {k: round(v, 4) for k, v in totals.items()},  # the goodput ledger's split of loop_s
         "data_wait_share": round(totals["data_wait_s"] / max(result.wall_s, 1e-9), 5),
+        # steps trained again after a resume (a crashed attempt had trained them past its last checkpoint)
+        "recomputed_steps": result.timer.redo_steps,
+        "recomputed": {k: round(v, 3) for k, v in result.timer.redo.items()},
         "checkpoint_write_s": round(checkpoint_write_s, 3) if checkpoint_write_s is not None else None,
         "peak_mem_mb": round(result.peak_mem_mb, 1),
         "plan": plan,

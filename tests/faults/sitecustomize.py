@@ -89,21 +89,54 @@ def fault_from_env():
     return None
 
 
-class _PatchingLoader:
-    """Wraps the write module's real loader: executes the module, then replaces its write_all. Everything
-    else (get_source for tracebacks, is_package, ...) is the real loader's."""
+def slowed(real, delay_s: float):
+    """The function, sleeping delay_s before each call (a slow data loader, a slow all-reduce)."""
 
-    def __init__(self, inner, description: str, wrap):
+    def call(*args, **kwargs):
+        time.sleep(delay_s)
+        return real(*args, **kwargs)
+
+    return call
+
+
+def bottlenecks_from_env():
+    """[(module, attribute, description, wrapper factory)]: the goodput doctor's induced bottlenecks.
+
+    FINEFLOW_TEST_LOADER_DELAY_S=<s>     fineflow.train.loader.prepare_step sleeps first: a slow data loader
+    FINEFLOW_TEST_ALLREDUCE_DELAY_S=<s>  fineflow.train.gradsync.allreduce sleeps first: a slow network
+    FINEFLOW_TEST_BF16_CAPABLE=1         fineflow.train.flops.bf16_capable says yes: a device that does bf16
+    """
+    patches = []
+    if os.environ.get("FINEFLOW_TEST_LOADER_DELAY_S"):
+        delay = float(os.environ["FINEFLOW_TEST_LOADER_DELAY_S"])
+        wrap = lambda real, delay=delay: slowed(real, delay)  # noqa: E731
+        patches.append(("fineflow.train.loader", "prepare_step", f"loader delay {delay:g}s", wrap))
+    if os.environ.get("FINEFLOW_TEST_ALLREDUCE_DELAY_S"):
+        delay = float(os.environ["FINEFLOW_TEST_ALLREDUCE_DELAY_S"])
+        wrap = lambda real, delay=delay: slowed(real, delay)  # noqa: E731
+        patches.append(("fineflow.train.gradsync", "allreduce", f"all-reduce delay {delay:g}s", wrap))
+    if os.environ.get("FINEFLOW_TEST_BF16_CAPABLE") == "1":
+        patches.append(("fineflow.train.flops", "bf16_capable", "bf16-capable device", lambda r: lambda *a: True))
+    return patches
+
+
+class _PatchingLoader:
+    """Wraps a module's real loader: executes the module, then replaces its attribute. Everything else
+    (get_source for tracebacks, is_package, ...) is the real loader's."""
+
+    def __init__(self, inner, description: str, wrap, attribute: str = "write_all", module_name: str = TARGET):
         self.inner, self.description, self.wrap = inner, description, wrap
+        self.attribute, self.module_name = attribute, module_name
 
     def create_module(self, spec):
         return self.inner.create_module(spec)
 
     def exec_module(self, module) -> None:
         self.inner.exec_module(module)
-        module.write_all = self.wrap(module.write_all)
+        setattr(module, self.attribute, self.wrap(getattr(module, self.attribute)))
         print(
-            f"tests/faults: {self.description} {MESSAGE} (pid {os.getpid()}, rank {os.environ.get('RANK', '0')})",
+            f"tests/faults: {self.description} injected into {self.module_name}.{self.attribute} "
+            f"(pid {os.getpid()}, rank {os.environ.get('RANK', '0')})",
             file=sys.stderr,
             flush=True,
         )
@@ -113,20 +146,21 @@ class _PatchingLoader:
 
 
 class _PatchWriteModule:
-    """A sys.meta_path finder that answers only for the write module: it asks the other finders for the
-    real spec and hands it back with a patching loader."""
+    """A sys.meta_path finder that answers only for one module: it asks the other finders for the real spec
+    and hands it back with a patching loader."""
 
-    def __init__(self, description: str, wrap):
+    def __init__(self, description: str, wrap, module_name: str = TARGET, attribute: str = "write_all"):
         self.description, self.wrap = description, wrap
+        self.module_name, self.attribute = module_name, attribute
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET:
+        if fullname != self.module_name:
             return None
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
             spec = find(fullname, path, target) if finder is not self and find is not None else None
             if spec is not None and spec.loader is not None:
-                spec.loader = _PatchingLoader(spec.loader, self.description, self.wrap)
+                spec.loader = _PatchingLoader(spec.loader, self.description, self.wrap, self.attribute, fullname)
                 return spec
         return None
 
@@ -135,6 +169,8 @@ def install() -> None:
     fault = fault_from_env()
     if fault is not None:
         sys.meta_path.insert(0, _PatchWriteModule(*fault))
+    for module_name, attribute, description, wrap in bottlenecks_from_env():
+        sys.meta_path.insert(0, _PatchWriteModule(description, wrap, module_name, attribute))
 
 
 install()

@@ -1,0 +1,299 @@
+"""The bottleneck doctor: reads a run's ledger and names what starved the devices, with the evidence, its share of
+the run's time and money, and the param to change.
+
+    fineflow doctor [reports/goodput.json] [--json] [--fail-on severe|warn|never]
+
+The seven causes and the evidence each reads (thresholds below, as shares of the training loop's wall time
+unless said otherwise):
+
+- data_loading: the loop waiting for batches (loop data wait); fix ``train.prefetch``.
+- cpu_preprocessing: tokenizing while training (the loader's preprocessing time), or the tokenize stage taking a
+  large share of the run; fix: pre-tokenize (the tokenize stage's shards) / ``tokenize.workers``.
+- checkpoint: the loop blocked on saves; fix ``checkpoint.mode: async`` or a larger ``checkpoint.every_steps``.
+- network_sync: the gradient and loss all-reduces; fix ``train.grad_accum`` (fewer syncs per token).
+- orchestration: DVC/Prefect gaps and process start-ups as a share of the whole run; fix: more work per run
+  (``train.steps``), fewer re-runs.
+- vram: the measured peak against the device's memory (overflow, near miss), a plan that did not fit as asked
+  (auto_fit had to change it); fix ``train.gradient_checkpointing`` / ``train.micro_batch_size`` / ``train.method``.
+- precision: fp32 on a device that computes bf16 fast; fix ``train.precision: bf16``.
+
+Findings are ordered by severity, then by their share of the run. Exit 1 when a finding reaches ``--fail-on``
+(default severe), so CI can fail a run that wasted its devices; 2 on an unreadable ledger.
+"""
+
+from __future__ import annotations
+
+SEVERITY_RANK = {"severe": 2, "warn": 1, "info": 0}
+# (warn, severe) thresholds
+LOOP_SHARE = {
+    "data_loading": (0.05, 0.15),
+    "cpu_preprocessing": (0.05, 0.15),
+    "checkpoint": (0.05, 0.15),
+    "network_sync": (0.10, 0.25),
+}
+RUN_SHARE = {"orchestration": (0.40, 0.65), "tokenize_stage": (0.25, 0.50)}
+# fixed overhead below this is never severe, whatever its share: a short run's minute of start-up is worth a
+# warning, not a failed CI job
+SEVERE_OVERHEAD_S = 120.0
+MEMORY_SHARE = (0.85, 0.95)  # the larger of measured peak and plan / device memory: near miss, (near) overflow
+
+
+def _severity(share: float, thresholds: tuple[float, float]) -> str | None:
+    warn, severe = thresholds
+    return "severe" if share >= severe else "warn" if share >= warn else None
+
+
+def _finding(cause, severity, seconds, ledger, evidence, param, value, why) -> dict:
+    total = ledger["total_s"] or 1.0
+    run_usd = (ledger.get("cost") or {}).get("run_usd") or 0.0
+    return {
+        "cause": cause,
+        "severity": severity,
+        "seconds": round(seconds, 3),
+        "share_of_run": round(seconds / total, 5),
+        "usd": round(seconds / total * run_usd, 6),
+        "evidence": evidence,
+        "fix": {"param": param, "value": value, "why": why},
+    }
+
+
+def _loop_findings(ledger: dict, train: dict) -> list[dict]:
+    findings = []
+    loop_s = float(train.get("loop_s") or 0.0)
+    totals = train.get("loop_totals") or {}
+    settings = ledger.get("settings") or {}
+    if loop_s <= 0:
+        return findings
+    preprocess = float(train.get("preprocess_s") or 0.0)
+    wait = float(totals.get("data_wait_s") or 0.0)
+    if preprocess >= 0.5 * wait and preprocess > 0:
+        share = preprocess / loop_s
+        severity = _severity(share, LOOP_SHARE["cpu_preprocessing"])
+        if severity:
+            findings.append(
+                _finding(
+                    "cpu_preprocessing",
+                    severity,
+                    preprocess,
+                    ledger,
+                    f"the loop spent {preprocess:.1f} s tokenizing batches on the fly ({share:.0%} of its "
+                    f"{loop_s:.1f} s)",
+                    "tokenize.workers",
+                    max(2, int(settings.get("tokenize.workers") or 1) * 2),
+                    "tokenize ahead of training (the tokenize stage writes packed shards; more workers make it faster)",
+                )
+            )
+    else:
+        share = wait / loop_s
+        severity = _severity(share, LOOP_SHARE["data_loading"])
+        if severity:
+            prefetch = settings.get("train.prefetch")
+            findings.append(
+                _finding(
+                    "data_loading",
+                    severity,
+                    wait,
+                    ledger,
+                    f"the loop waited {wait:.1f} s for batches ({share:.0%} of its {loop_s:.1f} s); "
+                    f"train.prefetch is {prefetch}",
+                    "train.prefetch",
+                    max(2, 2 * int(prefetch or 0)),
+                    "prepare more steps of batches ahead on the loader thread",
+                )
+            )
+    stall = float(totals.get("checkpoint_s") or 0.0)
+    share = stall / loop_s
+    severity = _severity(share, LOOP_SHARE["checkpoint"])
+    if severity:
+        mode = settings.get("checkpoint.mode")
+        every = settings.get("checkpoint.every_steps")
+        param, value, why = (
+            ("checkpoint.mode", "async", "the loop blocks only while the state is copied to host memory")
+            if mode == "sync"
+            else ("checkpoint.every_steps", 2 * int(every or 1), "save less often")
+        )
+        findings.append(
+            _finding(
+                "checkpoint",
+                severity,
+                stall,
+                ledger,
+                f"the loop was blocked {stall:.1f} s by checkpoint saves ({share:.0%} of its {loop_s:.1f} s; "
+                f"checkpoint.mode {mode}, every {every} steps)",
+                param,
+                value,
+                why,
+            )
+        )
+    sync = float(totals.get("grad_sync_s") or 0.0) + float(totals.get("loss_sync_s") or 0.0)
+    share = sync / loop_s
+    severity = _severity(share, LOOP_SHARE["network_sync"])
+    if severity:
+        accum = int(train.get("grad_accum") or 1)
+        findings.append(
+            _finding(
+                "network_sync",
+                severity,
+                sync,
+                ledger,
+                f"the ranks spent {sync:.1f} s in all-reduces ({share:.0%} of the loop's {loop_s:.1f} s) over "
+                f"{train.get('world_size')} processes; train.grad_accum is {accum}",
+                "train.grad_accum",
+                accum * 2,
+                "fewer gradient syncs per trained token (keep the global batch by lowering train.micro_batch_size)",
+            )
+        )
+    return findings
+
+
+def _run_findings(ledger: dict) -> list[dict]:
+    findings = []
+    total = ledger["total_s"] or 1.0
+    buckets = ledger["buckets"]
+    overhead = buckets["orchestration"] + buckets["startup"]
+    severity = _severity(overhead / total, RUN_SHARE["orchestration"])
+    if severity == "severe" and overhead < SEVERE_OVERHEAD_S:
+        severity = "warn"
+    if severity:
+        findings.append(
+            _finding(
+                "orchestration",
+                severity,
+                overhead,
+                ledger,
+                f"{buckets['orchestration']:.1f} s of DVC/Prefect between stages and {buckets['startup']:.1f} s of "
+                f"process start-up ({overhead / total:.0%} of the {total:.1f} s run)",
+                "train.steps",
+                None,
+                "more training per run amortizes the fixed cost; start runs from one flow (not stage by stage)",
+            )
+        )
+    tokenize = buckets["tokenization"]
+    severity = _severity(tokenize / total, RUN_SHARE["tokenize_stage"])
+    if severity:
+        workers = int((ledger.get("settings") or {}).get("tokenize.workers") or 1)
+        findings.append(
+            _finding(
+                "cpu_preprocessing",
+                severity,
+                tokenize,
+                ledger,
+                f"the tokenize stage took {tokenize:.1f} s ({tokenize / total:.0%} of the run) on {workers} worker(s)",
+                "tokenize.workers",
+                workers * 2,
+                "tokenize in more processes (the shards are identical for any count)",
+            )
+        )
+    return findings
+
+
+def _memory_findings(ledger: dict, train: dict) -> list[dict]:
+    plan = train.get("plan") or {}
+    device_bytes = plan.get("device_bytes")
+    if not device_bytes:
+        return []
+    device_gib = device_bytes / 2**30
+    peak_gib = float(train.get("peak_mem_mb") or 0.0) / 1024
+    planned = plan.get("total_gib")
+    changes = plan.get("changes") or []
+    ratio = max(peak_gib, float(planned or 0.0)) / device_gib
+    severity = _severity(ratio, MEMORY_SHARE)
+    if severity is None and changes:
+        severity = "warn"
+    if severity is None:
+        return []
+    kind = "overflow" if ratio >= 1 else "near miss" if ratio >= MEMORY_SHARE[0] else "plan over budget"
+    evidence = (
+        f"{kind}: measured peak {peak_gib:.2f} GiB and planned {planned} GiB of {device_gib:.2f} GiB per device "
+        f"({ratio:.0%})" + (f"; the plan did not fit and auto_fit changed it: {'; '.join(changes)}" if changes else "")
+    )
+    loop_s = float(train.get("loop_s") or 0.0)
+    return [
+        _finding(
+            "vram",
+            severity,
+            loop_s if severity == "severe" else 0.0,  # a run at risk of OOM: its whole training is at stake
+            ledger,
+            evidence,
+            "train.gradient_checkpointing" if not train.get("gradient_checkpointing") else "train.micro_batch_size",
+            True if not train.get("gradient_checkpointing") else max(1, int(train.get("micro_batch_size") or 2) // 2),
+            "less activation memory per device (or train.method: lora / qlora, or more devices)",
+        )
+    ]
+
+
+def _precision_findings(ledger: dict, train: dict) -> list[dict]:
+    device = train.get("device") or {}
+    if train.get("precision") != "no" or not device.get("bf16_capable"):
+        return []
+    compute = ledger["buckets"]["compute"]
+    return [
+        _finding(
+            "precision",
+            "severe",
+            compute / 2,  # bf16 matmuls run at least twice fp32's rate on such devices: half the compute, at least
+            ledger,
+            f"trained in fp32 on {device.get('name')}, which computes bf16 fast; compute took {compute:.1f} s",
+            "train.precision",
+            "bf16",
+            "bf16 autocast: at least 2x the matmul throughput and half the activation memory",
+        )
+    ]
+
+
+def diagnose(ledger: dict) -> list[dict]:
+    """The findings of a ledger, most severe and largest first (nothing when the run trained nothing)."""
+    findings = _run_findings(ledger) if ledger.get("trained") else []
+    train = ledger.get("train") or {}
+    if train:
+        findings += _loop_findings(ledger, train) + _memory_findings(ledger, train) + _precision_findings(ledger, train)
+    return sorted(findings, key=lambda f: (-SEVERITY_RANK[f["severity"]], -f["share_of_run"]))
+
+
+def worst(findings: list[dict]) -> str | None:
+    return max((f["severity"] for f in findings), key=SEVERITY_RANK.get, default=None)
+
+
+def one_line(ledger: dict) -> str:
+    """`make run`'s last line: goodput, cost, and the biggest badput bucket."""
+    cost = ledger.get("cost") or {}
+    biggest = ledger.get("biggest_badput")
+    money = f"${cost.get('run_usd', 0):.4f}"
+    if cost.get("usd_per_1m_tokens") is not None:
+        money += f" (${cost['usd_per_1m_tokens']:.4f} per 1M tokens)"
+    line = (
+        f"goodput {ledger['goodput']:.1%} of {ledger['total_s']:.0f} s, cost {money} at "
+        f"${cost.get('device_hour_usd')}/device-hour x {cost.get('devices')}"
+    )
+    if biggest:
+        line += f"; biggest badput: {biggest} {ledger['buckets'][biggest]:.1f} s (${cost['bucket_usd'][biggest]:.4f})"
+    findings = ledger.get("findings") or []
+    if findings:
+        line += f"; doctor: {findings[0]['severity']} {findings[0]['cause']}"
+    return line
+
+
+def format_text(ledger: dict, findings: list[dict]) -> str:
+    from fineflow.goodput.ledger import DESCRIPTIONS
+
+    total = ledger["total_s"] or 1.0
+    cost = ledger.get("cost") or {}
+    lines = [one_line(ledger), "", f"{'bucket':<14} {'seconds':>9} {'share':>7} {'$':>10}  what"]
+    for name, seconds in sorted(ledger["buckets"].items(), key=lambda item: -item[1]):
+        usd = (cost.get("bucket_usd") or {}).get(name, 0.0)
+        lines.append(f"{name:<14} {seconds:9.2f} {seconds / total:7.1%} {usd:10.5f}  {DESCRIPTIONS.get(name, '')}")
+    lines.append(f"{'unaccounted':<14} {ledger['unaccounted_s']:9.2f} {ledger['unaccounted_share']:7.2%}")
+    if ledger.get("mfu") is not None:
+        source = ((ledger.get("train") or {}).get("flops") or {}).get("peak_source")
+        lines.append(f"MFU {ledger['mfu']:.2%}, HFU {ledger['hfu']:.2%} (peak: {source})")
+    lines.append("")
+    if not findings:
+        lines.append("doctor: nothing found" + ("" if ledger.get("trained") else " (this run trained nothing)"))
+    for i, finding in enumerate(findings, 1):
+        fix = finding["fix"]
+        setting = f"{fix['param']}: {fix['value']}" if fix["value"] is not None else fix["param"]
+        lines.append(
+            f"{i}. [{finding['severity']}] {finding['cause']}: {finding['share_of_run']:.0%} of the run, "
+            f"${finding['usd']:.4f}\n   evidence: {finding['evidence']}\n   fix: {setting} ({fix['why']})"
+        )
+    return "\n".join(lines)

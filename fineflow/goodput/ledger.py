@@ -1,0 +1,310 @@
+"""The goodput ledger: a run's wall time, from its start to its ledger, split into buckets.
+
+Built by the goodput stage (the last in dvc.yaml, so the flow, ``dvc repro`` and ``fineflow ci`` all write it)
+from the run's journal (fineflow.journal: each stage process's start, end and timed spans) and the train
+stage's report and step log.
+
+- Between stage processes (and before the first one, after the last one) the time is **orchestration**: DVC
+  and Prefect deciding, hashing and starting, and any waiting. It closes the timeline, so the 1% check is about
+  the other side: inside each process its own timers must cover its wall time; what they miss is
+  ``unaccounted_s``, reported, never folded into a bucket.
+- An attempt that failed (a crash, a kill, a preemption, a bad input fixed later) is **restart loss**: its whole
+  wall time, the wait before its retry, and a resume's checkpoint load and recomputed steps, less the steps of
+  it that the finished training kept (its step log lines up to the step resumed from: useful work).
+- Lines a run that crashed before its ledger left in the journal are counted by the next run's ledger, whose
+  total then includes the crashed run's time (the idle time between the two runs is excluded, and said).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from fineflow import journal
+
+BUCKETS = (
+    "orchestration",
+    "startup",
+    "model_load",
+    "base_pretrain",
+    "validation",
+    "tokenization",
+    "compute",
+    "data_wait",
+    "grad_sync",
+    "checkpoint",
+    "train_eval",
+    "logging",
+    "evaluation",
+    "promotion",
+    "restart_loss",
+)
+PRODUCTIVE = "compute"
+DESCRIPTIONS = {
+    "orchestration": "DVC and Prefect between stages, workspace waits, the base fingerprint, this ledger",
+    "startup": "process start-up and imports, params, train planning, accelerate launch, rank set-up and exit",
+    "model_load": "loading the base model and building the trainable model",
+    "base_pretrain": "pretraining the embedded base model (stage base)",
+    "validation": "data generation and validation (stages data, validate)",
+    "tokenization": "tokenizing and packing shards (stage tokenize)",
+    "compute": "forward + backward + optimizer step: the useful work",
+    "data_wait": "the training loop waiting for its next batch",
+    "grad_sync": "gradient all-reduce (DDP) and the per-step loss/token-count all-reduces",
+    "checkpoint": "the loop blocked on checkpoint saves, and the final model write",
+    "train_eval": "validation loss inside training (train.eval_every)",
+    "logging": "the step log, tracker, progress lines and charts",
+    "evaluation": "the evaluation stage (lm-eval)",
+    "promotion": "the promotion gate and registry (stage promote)",
+    "restart_loss": "failed attempts, waits before retries, resume loads, recomputed steps",
+}
+STAGE_BODY = {
+    "base": "base_pretrain",
+    "fingerprint": "orchestration",
+    "data": "validation",
+    "validate": "validation",
+    "tokenize": "tokenization",
+    "evaluate": "evaluation",
+    "promote": "promotion",
+    "goodput": "orchestration",
+}
+# the train launcher's spans (fineflow.stages.train.rank_spans) and every stage's generic ones
+SPAN_BUCKET = {
+    "workspace_wait": "orchestration",
+    "params": "startup",
+    "report": "startup",
+    "launch": "startup",
+    "rank_startup": "startup",
+    "setup": "startup",
+    "rank_exit": "startup",
+    "model_load": "model_load",
+    "resume_load": "restart_loss",
+    "save": "checkpoint",
+    "plots": "logging",
+    "loop_data_wait": "data_wait",
+    "loop_compute": "compute",
+    "loop_optimizer": "compute",
+    "loop_grad_sync": "grad_sync",
+    "loop_loss_sync": "grad_sync",
+    "loop_train_eval": "train_eval",
+    "loop_checkpoint": "checkpoint",
+    "loop_log": "logging",
+}
+# the per-step keys of a step log line, and their buckets (a crashed attempt's kept steps are credited by them)
+STEP_BUCKET = {
+    "data_wait_s": "data_wait",
+    "compute_s": "compute",
+    "optimizer_s": "compute",
+    "grad_sync_s": "grad_sync",
+    "loss_sync_s": "grad_sync",
+    "train_eval_s": "train_eval",
+    "checkpoint_s": "checkpoint",
+}
+SUCCEEDED = (0, 3)  # 3: promote waits for a person's approval (the wait itself is between processes)
+
+
+def attempts_of(records: list[dict], alive_dir: Path) -> list[dict]:
+    """The journal's attempts, in start order: start and end joined; a killed one ends at its last heartbeat."""
+    starts, ends = {}, {}
+    for record in records:
+        if record.get("event") == "start":
+            starts[record["attempt"]] = record
+        elif record.get("event") == "end":
+            ends[record["attempt"]] = record
+    attempts = []
+    for key, start in starts.items():
+        end = ends.get(key)
+        if end is not None:
+            t_end, exit_code, spans = end["t"], end.get("exit"), end.get("spans", {})
+        else:
+            beat = journal.heartbeat_path(alive_dir, key)
+            t_end = beat.stat().st_mtime if beat.exists() else start["t"]
+            exit_code, spans = None, {}
+        attempts.append(
+            {
+                "attempt": key,
+                "stage": start["stage"],
+                "run": start["run"],
+                "run_started": start.get("run_started", start["proc_start"]),
+                "proc_start": start["proc_start"],
+                "entry": start["t"],
+                "end": max(t_end, start["t"]),
+                "exit": exit_code,
+                "spans": spans,
+                "finished": end is not None,
+            }
+        )
+    return sorted(attempts, key=lambda a: a["proc_start"])
+
+
+def kept_step_credit(steps_log: Path | None, resumed_from: int) -> tuple[dict, int]:
+    """Buckets of the steps a resumed training kept from its crashed attempts (step log lines <= the step it
+    resumed from), and how many."""
+    credit: dict[str, float] = defaultdict(float)
+    if not resumed_from or steps_log is None or not Path(steps_log).is_file():
+        return {}, 0
+    kept = 0
+    for line in Path(steps_log).read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("step", 0) > resumed_from:
+            break
+        kept += 1
+        for key, bucket in STEP_BUCKET.items():
+            credit[bucket] += float(record.get(key) or 0.0)
+    return dict(credit), kept
+
+
+def build(
+    records: list[dict],
+    alive_dir: Path,
+    current_run: str,
+    now: float,
+    train_report: dict | None = None,
+    steps_log: Path | None = None,
+) -> dict:
+    """The ledger of the journal's attempts (see the module docstring); current_run's time ends at `now`."""
+    attempts = attempts_of(records, alive_dir)
+    buckets = dict.fromkeys(BUCKETS, 0.0)
+    unaccounted = 0.0
+    total = 0.0
+    runs: dict[str, list[dict]] = defaultdict(list)
+    for attempt in attempts:
+        runs[attempt["run"]].append(attempt)
+    failed_train_s, failed = 0.0, []
+    train_walls = 0.0
+    for run, members in runs.items():
+        start = min(min(a["proc_start"] for a in members), members[0]["run_started"])
+        end = now if run == current_run else max(a["end"] for a in members)
+        total += end - start
+        cursor, previous_failed = start, False
+        for attempt in members:
+            gap = max(0.0, attempt["proc_start"] - cursor)
+            buckets["restart_loss" if previous_failed else "orchestration"] += gap
+            wall = attempt["end"] - attempt["proc_start"]
+            if attempt["stage"] == "train":
+                train_walls += wall
+            ok = attempt["exit"] in SUCCEEDED
+            if not ok and attempt["end"] < now and not (run == current_run and attempt["stage"] == "goodput"):
+                buckets["restart_loss"] += wall
+                failed.append({k: attempt[k] for k in ("stage", "run", "exit", "attempt")} | {"wall_s": round(wall, 3)})
+                if attempt["stage"] == "train":
+                    failed_train_s += wall
+                previous_failed = True
+            else:
+                body = attempt["end"] - attempt["entry"]
+                buckets["startup"] += attempt["entry"] - attempt["proc_start"]
+                measured = 0.0
+                for name, seconds in attempt["spans"].items():
+                    if name == "body":
+                        buckets[STAGE_BODY.get(attempt["stage"], "orchestration")] += seconds
+                    elif name.startswith("redo_"):
+                        buckets["restart_loss"] += seconds
+                    elif name in SPAN_BUCKET:
+                        buckets[SPAN_BUCKET[name]] += seconds
+                    else:  # loop_other, a rank's time without its report: no timer split it
+                        unaccounted += seconds
+                    measured += seconds
+                if attempt["finished"]:
+                    unaccounted += body - measured
+                else:  # this ledger's own process: up to now it has been building the ledger
+                    buckets["orchestration"] += body
+                previous_failed = False
+            cursor = max(cursor, attempt["end"])
+        if run != current_run:
+            continue
+        buckets["orchestration"] += max(0.0, end - cursor)
+    kept_steps = 0
+    if train_report and failed_train_s:  # the crashed attempts' steps the finished training kept: useful work
+        credit, kept_steps = kept_step_credit(steps_log, int(train_report.get("resumed_from_step") or 0))
+        scale = min(1.0, failed_train_s / max(sum(credit.values()), 1e-9))
+        for bucket, seconds in credit.items():
+            buckets[bucket] += seconds * scale
+            buckets["restart_loss"] -= seconds * scale
+    ledger = {
+        "total_s": round(total, 3),
+        "buckets": {name: round(seconds, 3) for name, seconds in buckets.items()},
+        "unaccounted_s": round(unaccounted, 3),
+        "unaccounted_share": round(unaccounted / total, 5) if total else 0.0,
+        "goodput": round(buckets[PRODUCTIVE] / total, 5) if total else 0.0,
+        "train_goodput": round(buckets[PRODUCTIVE] / train_walls, 5) if train_walls else None,
+        "runs": sorted(runs),
+        "attempts": [
+            {
+                "stage": a["stage"],
+                "run": a["run"],
+                "exit": a["exit"],
+                "wall_s": round(a["end"] - a["proc_start"], 3),
+                "status": "ok" if a["exit"] in SUCCEEDED else ("killed" if a["exit"] is None else "failed"),
+            }
+            for a in attempts
+            if not (a["run"] == current_run and a["stage"] == "goodput" and not a["finished"])
+        ],
+        "restart": {
+            "failed_attempts": failed,
+            "kept_steps_credited": kept_steps,
+            "recomputed_steps": int((train_report or {}).get("recomputed_steps") or 0) if train_walls else 0,
+        },
+    }
+    badput = {name: seconds for name, seconds in ledger["buckets"].items() if name != PRODUCTIVE}
+    ledger["biggest_badput"] = max(badput, key=badput.get) if total else None
+    return ledger
+
+
+def trained_in_window(train_report: dict | None, ledger: dict) -> bool:
+    """Whether the train report on disk is of a training this ledger's window ran (not an older run's)."""
+    return bool(train_report) and any(a["stage"] == "train" and a["status"] == "ok" for a in ledger["attempts"])
+
+
+def train_facts(train_report: dict) -> dict:
+    """What the doctor reads of the training (the ledger carries it, so the ledger alone is enough)."""
+    keys = (
+        "steps",
+        "tokens_this_attempt",
+        "tokens_per_s",
+        "loop_s",
+        "loop_totals",
+        "world_size",
+        "precision",
+        "method",
+        "attention",
+        "micro_batch_size",
+        "grad_accum",
+        "gradient_checkpointing",
+        "peak_mem_mb",
+        "device",
+        "flops",
+        "grad_sync_measured",
+        "resumed_from_step",
+        "recomputed_steps",
+        "preprocess_s",
+        "settings",
+    )
+    facts = {key: train_report.get(key) for key in keys if key in train_report}
+    plan = train_report.get("plan") or {}
+    facts["plan"] = {
+        "total_gib": (plan.get("gib") or {}).get("total"),
+        "device_bytes": plan.get("device_bytes"),
+        "changes": plan.get("changes"),
+    }
+    return facts
+
+
+def consume(directory: Path, run: str) -> Path | None:
+    """Move the journal's lines (this ledger's window) to runs/<time>-<run>.jsonl, and forget the heartbeats
+    of the attempts they hold: the next ledger starts from a clean journal."""
+    path = Path(directory) / journal.JOURNAL_FILE
+    if not path.is_file():
+        return None
+    consumed = {record.get("attempt") for record in journal.read(directory)}
+    target = Path(directory) / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{run}.jsonl"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(path, target)
+    for attempt in consumed:
+        if attempt:
+            journal.heartbeat_path(directory, attempt).unlink(missing_ok=True)
+    return target

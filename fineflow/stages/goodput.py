@@ -1,0 +1,83 @@
+"""Stage goodput: the run's ledger, where its wall time and money went (fineflow.goodput.ledger).
+
+    python -m fineflow.stages.goodput --journal reports/ledger --train-report reports/train.json \
+        --steps-log reports/train_steps.jsonl --plots reports/plots
+
+The last stage of dvc.yaml, always run: it reads the journal every stage process of this run (and of a run
+that crashed before this point) wrote, and writes ``reports/goodput.json`` (its report): the buckets, goodput,
+MFU/HFU, the cost per run / per 1M tokens / per bucket, the doctor's findings (fineflow.goodput.doctor). It adds
+the run to ``reports/plots/goodput_history.json`` (DVC plots over runs) and draws ``reports/plots/goodput.png``.
+It writes no DVC output: the lock stays a function of the inputs.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from fineflow.goodput import chart, cost, doctor, ledger
+from fineflow.journal import read, run_identity
+from fineflow.reports import read_json
+from fineflow.stages._entry import log, run_entry, stage_parser
+
+
+def parse_args(argv: list[str]):
+    parser = stage_parser("goodput", __doc__)
+    parser.add_argument("--journal", type=Path, required=True, help="the run's journal folder (reports/ledger)")
+    parser.add_argument("--train-report", type=Path, required=True)
+    parser.add_argument("--steps-log", type=Path, required=True)
+    parser.add_argument("--plots", type=Path, required=True, help="history plot data and the stacked-bar PNG")
+    return parser.parse_args(argv)
+
+
+def build_ledger(params, journal_dir: Path, train_report_path: Path, steps_log: Path) -> dict:
+    """The ledger of the journal's window, with its cost, MFU/HFU and the doctor's findings."""
+    run, _ = run_identity()
+    now = time.time()
+    try:
+        train_report = read_json(train_report_path)
+    except (OSError, ValueError):
+        train_report = None
+    result = ledger.build(read(journal_dir), journal_dir, run, now, train_report, steps_log)
+    trained = ledger.trained_in_window(train_report, result)
+    device = (train_report or {}).get("device") or {"type": "cpu", "name": "cpu", "count": 1}
+    price, source = cost.price_per_device_hour(params.cost, device)
+    tokens = train_report.get("tokens_this_attempt") if trained else None
+    result["cost"] = cost.run_cost(result, price, source, int(device.get("count") or 1), tokens)
+    result["trained"] = trained
+    result["train"] = ledger.train_facts(train_report) if trained else None
+    flops = (train_report or {}).get("flops") or {}
+    result["mfu"], result["hfu"] = (flops.get("mfu"), flops.get("hfu")) if trained else (None, None)
+    result["ended_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
+    result["run"] = run
+    result["settings"] = {  # what the doctor's fixes start from
+        "train.prefetch": params.train.prefetch,
+        "train.grad_accum": params.train.grad_accum,
+        "checkpoint.mode": params.checkpoint.mode,
+        "checkpoint.every_steps": params.checkpoint.every_steps,
+        "tokenize.workers": params.tokenize.workers,
+    }
+    result["findings"] = doctor.diagnose(result)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+
+    def body(params):
+        result = build_ledger(params, args.journal, args.train_report, args.steps_log)
+        rows = chart.append_history(result, args.plots)
+        try:
+            chart.stacked_bar(rows, args.plots / "goodput.png")
+        except Exception as exc:  # noqa: BLE001 - the ledger is written either way: the chart is extra
+            log(f"goodput: warning: {args.plots / 'goodput.png'} was not drawn: {type(exc).__name__}: {exc}")
+        ledger.consume(args.journal, result["run"])
+        log(doctor.one_line(result))
+        return result
+
+    return run_entry("goodput", args, body)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""Model FLOPs per token, the device's peak FLOP/s, and MFU/HFU.
+
+MFU (model FLOPs utilization) = the FLOPs the model's maths needs per trained token x tokens/s / the device's
+peak; HFU (hardware FLOPs utilization) counts what the hardware actually ran, recomputation included
+(gradient checkpointing runs each layer's forward twice). Per token, for a decoder of N parameters (the
+embedding lookup excluded: it is a gather, not a matmul):
+
+- full fine-tuning: 6N (forward 2N, backward 4N: gradients of activations and of weights);
+- LoRA/QLoRA: 4N + 6N_adapters (the frozen base needs activation gradients, 2N, but no weight gradients);
+- attention scores and values: 6 x layers x (2 x q_dim x attended length), the attended length being the mean
+  context a token attends to (packed examples attend within themselves);
+- gradient checkpointing adds one more forward (2N and the forward attention) to HFU.
+
+Peak FLOP/s come from ``PEAK_TFLOPS`` (dense, no sparsity: the vendors' datasheets) by device name and
+precision; on a CPU fineflow measures it (a 1024^2 fp32 matmul, best of 5, ~0.2 s) and says so in the report.
+"""
+
+from __future__ import annotations
+
+import time
+
+# dense TFLOP/s per device by precision (fp32: non-tensor-core; TF32 would be higher). Names are matched as
+# substrings of torch.cuda.get_device_name(), longest first.
+PEAK_TFLOPS = {
+    "B200": {"bf16": 2250.0, "fp16": 2250.0, "fp32": 80.0},
+    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    "GH200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "A10G": {"bf16": 70.0, "fp16": 70.0, "fp32": 31.2},
+    "A10": {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3},
+    "RTX 4090": {"bf16": 165.0, "fp16": 165.0, "fp32": 82.6},
+    "V100": {"bf16": None, "fp16": 125.0, "fp32": 15.7},
+    "T4": {"bf16": None, "fp16": 65.0, "fp32": 8.1},
+    "MI300X": {"bf16": 1307.0, "fp16": 1307.0, "fp32": 163.4},
+}
+PRECISION_KEY = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
+
+
+def table_peak(device_name: str, precision: str) -> float | None:
+    """Peak FLOP/s of a known GPU at the run's precision ("no" = fp32), or None."""
+    for name in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if name.lower() in device_name.lower():
+            tflops = PEAK_TFLOPS[name].get(PRECISION_KEY.get(precision, precision))
+            return tflops * 1e12 if tflops else None
+    return None
+
+
+def measured_cpu_peak(size: int = 1024, repeats: int = 5) -> float:
+    """This CPU's fp32 matmul FLOP/s, best of `repeats` (with the threads torch uses)."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)  # warm-up: thread pool, caches
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - started)
+    return 2 * size**3 / best
+
+
+def peak_flops(device_type: str, device_name: str, precision: str) -> dict:
+    """{"flops_per_s", "source"}: the table's figure on a known GPU, a measured one on a CPU, else None."""
+    if device_type == "cpu":
+        source = "measured: fp32 1024x1024 matmul on this CPU, best of 5"
+        return {"flops_per_s": round(measured_cpu_peak()), "source": source}
+    value = table_peak(device_name, precision)
+    if value is None:
+        return {"flops_per_s": None, "source": f"unknown device {device_name!r} at {precision}: add it to PEAK_TFLOPS"}
+    return {"flops_per_s": value, "source": f"table: {device_name} {PRECISION_KEY.get(precision, precision)} dense"}
+
+
+def flops_per_token(
+    matmul_params: int,
+    trainable: int,
+    method: str,
+    num_layers: int,
+    q_dim: int,
+    attended: float,
+    recompute: bool,
+) -> dict:
+    """{"model", "hardware"}: training FLOPs per token (see the module docstring)."""
+    attention_fwd = 2 * num_layers * 2 * q_dim * attended  # QK^T and AV, 2 FLOPs per multiply-add
+    if method == "full":
+        model = 6 * matmul_params + 3 * attention_fwd
+    else:
+        model = 4 * matmul_params + 6 * trainable + 3 * attention_fwd
+    hardware = model + (2 * matmul_params + attention_fwd if recompute else 0)
+    return {"model": model, "hardware": hardware}
+
+
+def utilization(flops: dict, tokens_per_s: float | None, peak: dict, devices: int) -> dict:
+    """MFU and HFU of the run (None where the peak or the speed is unknown)."""
+    if not tokens_per_s or not peak.get("flops_per_s"):
+        return {"mfu": None, "hfu": None}
+    total_peak = peak["flops_per_s"] * max(1, devices)
+    return {
+        "mfu": round(flops["model"] * tokens_per_s / total_peak, 5),
+        "hfu": round(flops["hardware"] * tokens_per_s / total_peak, 5),
+    }
+
+
+def bf16_capable(device_type: str) -> bool:
+    """Whether the device computes bf16 fast: a CUDA GPU that supports it, or a CPU with AMX / AVX-512 BF16
+    (elsewhere torch emulates bf16 on a CPU, slower than fp32)."""
+    if device_type == "cuda":
+        import torch
+
+        return bool(torch.cuda.is_bf16_supported())
+    try:
+        flags = open("/proc/cpuinfo", encoding="utf-8").read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags

@@ -1,0 +1,474 @@
+"""The goodput ledger, its cost and MFU, and the bottleneck doctor (issue 18).
+
+Fast: the ledger's arithmetic on journals written by hand (a clean run, a run after a killed one, a retried
+attempt), prices, FLOPs, the doctor's rules and its exit codes. Slow: each bottleneck the doctor knows, induced
+on CPU in a real train stage (the launcher, accelerate launch, the ranks) and named first; the tuned defaults,
+where it finds nothing severe. The whole pipeline (dvc repro, a SIGKILL, the resumed run) is in the scenario
+at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fineflow import journal
+from fineflow.goodput import cost, doctor, ledger
+from fineflow.train import flops
+from tests.conftest import (
+    ROOT,
+    TRAIN,
+    copy_project,
+    last_logged_step,
+    launch_with_free_port,
+    train_project,
+    venv_env,
+)
+from tests.faults import fault_env
+
+GOODPUT = [
+    sys.executable,
+    "-m",
+    "fineflow.stages.goodput",
+    "--journal",
+    "reports/ledger",
+    "--train-report",
+    "reports/train.json",
+    "--steps-log",
+    "reports/train_steps.jsonl",
+    "--plots",
+    "reports/plots",
+]
+
+
+def assert_adds_up(result: dict) -> None:
+    """The buckets add up to the run's wall time within 1%: what no timer covered is under 1%."""
+    total = result["total_s"]
+    assert total > 0
+    assert abs(sum(result["buckets"].values()) + result["unaccounted_s"] - total) <= 0.001 * total + 0.01, result
+    assert abs(result["unaccounted_s"]) <= 0.01 * total, (result["unaccounted_s"], total, result["buckets"])
+    assert all(seconds >= -1e-6 for seconds in result["buckets"].values()), result["buckets"]
+
+
+# --- the ledger's arithmetic -------------------------------------------------------------------------------------
+
+
+def _attempt(records, stage, run, proc_start, entry, end=None, exit_code=0, spans=None, run_started=None):
+    key = f"{stage}-{proc_start}"
+    records.append(
+        {
+            "event": "start",
+            "attempt": key,
+            "stage": stage,
+            "run": run,
+            "run_started": run_started if run_started is not None else proc_start,
+            "pid": 1,
+            "proc_start": proc_start,
+            "t": entry,
+        }
+    )
+    if end is not None:
+        records.append({"event": "end", "attempt": key, "t": end, "exit": exit_code, "spans": spans or {}})
+    return key
+
+
+def test_a_clean_runs_ledger_puts_gaps_in_orchestration_and_each_stage_body_in_its_bucket(tmp_path):
+    records = []
+    _attempt(records, "validate", "r", 100.0, 101.0, 110.0, spans={"params": 0.5, "body": 8.0, "report": 0.5})
+    train_spans = {"params": 0.2, "launch": 2.0, "rank_startup": 1.0, "model_load": 1.0, "setup": 0.5}
+    train_spans |= {"loop_compute": 20.0, "loop_optimizer": 4.0, "loop_data_wait": 1.0, "loop_checkpoint": 2.0}
+    train_spans |= {"loop_log": 0.1, "loop_other": 0.1, "save": 0.5, "rank_exit": 0.4}
+    _attempt(records, "train", "r", 112.0, 113.0, 146.0, spans=train_spans)  # 33 s body, 32.8 s of spans + 0.2
+    result = ledger.build(records, tmp_path, "r", now=150.0)
+    assert result["total_s"] == 50.0
+    b = result["buckets"]
+    assert b["orchestration"] == pytest.approx(2.0 + 4.0)  # 110 -> 112, 146 -> 150
+    assert b["startup"] == pytest.approx(1.0 + 1.0 + 0.5 + 0.5 + 0.2 + 2.0 + 1.0 + 0.5 + 0.4)
+    assert b["validation"] == 8.0 and b["compute"] == 24.0 and b["data_wait"] == 1.0
+    assert b["checkpoint"] == pytest.approx(2.5) and b["logging"] == pytest.approx(0.1)
+    assert result["unaccounted_s"] == pytest.approx(0.1 + 0.2)  # loop_other, and what no span covered
+    assert result["goodput"] == pytest.approx(24.0 / 50.0, abs=1e-4)
+    assert result["train_goodput"] == pytest.approx(24.0 / 34.0, abs=1e-4)
+    assert b["restart_loss"] == 0.0 and result["restart"]["failed_attempts"] == []
+    assert_adds_up(result)
+
+
+def test_a_killed_runs_attempt_is_restart_loss_less_the_steps_the_resumed_training_kept(tmp_path):
+    """Run 1 was SIGKILLed in train (no end line: its heartbeat's last touch ends it); run 2 resumed from step 2."""
+    records = []
+    _attempt(records, "tokenize", "run1", 0.0, 1.0, 5.0, spans={"body": 4.0})
+    killed = _attempt(records, "train", "run1", 6.0, 7.0)
+    beat = journal.heartbeat_path(tmp_path, killed)
+    beat.parent.mkdir(parents=True)
+    beat.touch()
+    os.utime(beat, (26.0, 26.0))
+    steps = tmp_path / "steps.jsonl"
+    steps.write_text(
+        "".join(
+            json.dumps({"step": s, "compute_s": 2.0, "data_wait_s": 0.5, "optimizer_s": 0.5}) + "\n" for s in (1, 2)
+        )
+        + json.dumps({"step": 3, "compute_s": 2.0})
+        + "\n"
+    )
+    spans = {"model_load": 1.0, "resume_load": 0.5, "loop_compute": 2.0, "redo_compute_s": 3.0, "loop_other": 0.0}
+    _attempt(records, "train", "run2", 1000.0, 1001.0, 1008.0, spans=spans | {"setup": 0.5})
+    result = ledger.build(records, tmp_path, "run2", now=1010.0, train_report={"resumed_from_step": 2}, steps_log=steps)
+    assert result["total_s"] == pytest.approx(26.0 + 10.0)  # run 1 to its last heartbeat, run 2 to now; not between
+    b = result["buckets"]
+    # killed train: 20 s of wall, 6 s of it (steps 1-2) kept by the resume; plus resume load 0.5 and redo 3.0
+    assert b["restart_loss"] == pytest.approx(20.0 - 6.0 + 0.5 + 3.0)
+    assert b["compute"] == pytest.approx(2.0 + 5.0) and b["data_wait"] == pytest.approx(1.0)
+    assert result["restart"]["kept_steps_credited"] == 2
+    assert [a["status"] for a in result["attempts"]] == ["ok", "killed", "ok"]
+    assert result["restart"]["failed_attempts"][0]["stage"] == "train"
+    assert_adds_up(result)
+
+
+def test_a_failed_attempt_and_the_wait_before_its_retry_are_restart_loss(tmp_path):
+    records = []
+    _attempt(records, "train", "r", 10.0, 11.0, 20.0, exit_code=1, spans={"ranks": 9.0})
+    _attempt(records, "train", "r", 25.0, 26.0, 40.0, spans={"loop_compute": 14.0})
+    result = ledger.build(records, tmp_path, "r", now=41.0)
+    assert result["buckets"]["restart_loss"] == pytest.approx(10.0 + 5.0)  # the attempt, then the retry delay
+    assert result["buckets"]["orchestration"] == pytest.approx(1.0)  # after the last attempt, to now
+    assert_adds_up(result)
+
+
+def test_the_journal_writes_a_start_an_end_and_a_heartbeat_and_names_the_run(tmp_path, monkeypatch):
+    monkeypatch.setenv(journal.RUN_ID_ENV, "nightly")
+    monkeypatch.setenv(journal.RUN_STARTED_ENV, "123.5")
+    attempt = journal.Attempt(tmp_path, "validate")
+    attempt.start()
+    assert journal.heartbeat_path(tmp_path, attempt.attempt).exists()
+    attempt.end(0, {"body": 1.23456})
+    start, end = journal.read(tmp_path)
+    assert (start["run"], start["run_started"], start["stage"]) == ("nightly", 123.5, "validate")
+    assert start["proc_start"] <= start["t"] <= end["t"] and end["spans"] == {"body": 1.2346}
+    assert not journal.heartbeat_path(tmp_path, attempt.attempt).exists()
+    (tmp_path / journal.JOURNAL_FILE).open("a").write('{"event": "start", "torn')  # a kill mid-write
+    assert len(journal.read(tmp_path)) == 2
+
+
+def test_a_stage_under_dvc_repro_belongs_to_that_dvc_process(tmp_path):
+    """Outside a flow, a stage's run is the `dvc repro` process above it: every stage of one repro shares it."""
+    fake_dvc = tmp_path / "dvc"
+    fake_dvc.write_text(
+        "import subprocess, sys\n"
+        "code = 'from fineflow.journal import run_identity; print(run_identity()[0])'\n"
+        "print(subprocess.run([sys.executable, '-c', code], capture_output=True, text=True).stdout.strip())\n"
+    )
+    env = {k: v for k, v in venv_env().items() if k != journal.RUN_ID_ENV}
+    out = subprocess.run([sys.executable, str(fake_dvc), "repro"], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert out.stdout.startswith("dvc-"), out.stdout + out.stderr
+
+
+# --- money and FLOPs ---------------------------------------------------------------------------------------------
+
+
+def test_prices_come_from_params_then_the_table_by_device_name_then_the_fallbacks(tiny_params):
+    table = tiny_params.cost
+    assert cost.price_per_device_hour(table, {"type": "cuda", "name": "NVIDIA H100 80GB HBM3"})[0] == 4.0
+    assert cost.price_per_device_hour(table, {"type": "cuda", "name": "NVIDIA L40S"})[0] == 1.9  # not L4's
+    assert cost.price_per_device_hour(table, {"type": "cuda", "name": "Some New GPU"})[0] == 2.0
+    assert cost.price_per_device_hour(table, {"type": "cpu", "name": "x86_64"})[0] == 0.1
+    own = table.model_copy(update={"prices": {"H100": 2.25}})
+    assert cost.price_per_device_hour(own, {"type": "cuda", "name": "NVIDIA H100"})[0] == 2.25
+    assert cost.price_per_device_hour(own, {"type": "cuda", "name": "NVIDIA A100"})[0] == 2.5  # the rest stay
+    fixed = table.model_copy(update={"device_hour_usd": 9.0})
+    assert cost.price_per_device_hour(fixed, {"type": "cuda", "name": "NVIDIA A100"}) == (9.0, "cost.device_hour_usd")
+
+
+def test_a_runs_cost_is_per_device_hour_and_splits_by_bucket():
+    run = {"total_s": 1800.0, "buckets": {"compute": 900.0, "checkpoint": 600.0, "orchestration": 300.0}}
+    money = cost.run_cost(run, 4.0, "test", devices=8, tokens=2_000_000)
+    assert money["run_usd"] == pytest.approx(0.5 * 8 * 4.0)
+    assert money["usd_per_1m_tokens"] == pytest.approx(16.0 / 2)
+    assert money["bucket_usd"]["checkpoint"] == pytest.approx(16.0 / 3)
+    assert money["badput_usd"] == pytest.approx(8.0)
+    assert sum(money["bucket_usd"].values()) == pytest.approx(money["run_usd"])
+
+
+def test_flops_per_token_mfu_and_the_peak_table():
+    n, adapters = 7_000_000_000, 40_000_000
+    full = flops.flops_per_token(n, n, "full", 32, 4096, 1024, recompute=False)
+    lora = flops.flops_per_token(n, adapters, "lora", 32, 4096, 1024, recompute=True)
+    attention = 2 * 32 * 2 * 4096 * 1024
+    assert full["model"] == full["hardware"] == 6 * n + 3 * attention
+    assert lora["model"] == 4 * n + 6 * adapters + 3 * attention
+    assert lora["hardware"] == lora["model"] + 2 * n + attention  # checkpointing runs the forward again
+    assert flops.table_peak("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert flops.table_peak("NVIDIA H100 PCIe", "bf16") == 756e12  # the longer name wins
+    assert flops.table_peak("NVIDIA A100-SXM4-80GB", "no") == 19.5e12
+    assert flops.table_peak("Tesla T4", "bf16") is None  # no bf16 there
+    use = flops.utilization(full, 1000.0, {"flops_per_s": 989e12}, devices=8)
+    assert use["mfu"] == pytest.approx(full["model"] * 1000 / (8 * 989e12), rel=1e-3)
+    measured = flops.peak_flops("cpu", "cpu", "no")
+    assert measured["flops_per_s"] > 1e8 and measured["source"].startswith("measured")
+
+
+# --- the doctor's rules ------------------------------------------------------------------------------------------
+
+
+def _ledger(buckets: dict, train: dict | None = None, settings: dict | None = None, total: float | None = None):
+    full = dict.fromkeys(ledger.BUCKETS, 0.0) | buckets
+    total = total or sum(full.values())
+    return {
+        "total_s": total,
+        "buckets": full,
+        "unaccounted_s": 0.0,
+        "unaccounted_share": 0.0,
+        "goodput": full["compute"] / total,
+        "trained": train is not None,
+        "train": train,
+        "settings": settings or {"train.prefetch": 2, "checkpoint.mode": "async", "checkpoint.every_steps": 200},
+        "cost": {"run_usd": 1.0, "device_hour_usd": 4.0, "devices": 1, "bucket_usd": dict.fromkeys(full, 0.0)},
+        "biggest_badput": "orchestration",
+    }
+
+
+def _train(loop_s=100.0, **totals):
+    base = {"compute_s": 0.0, "optimizer_s": 0.0, "data_wait_s": 0.0, "checkpoint_s": 0.0, "grad_sync_s": 0.0}
+    return {
+        "loop_s": loop_s,
+        "loop_totals": base | totals,
+        "precision": "bf16",
+        "device": {"type": "cuda", "name": "NVIDIA H100", "bf16_capable": True},
+        "plan": {"total_gib": 40.0, "device_bytes": 80 * 2**30, "changes": []},
+        "peak_mem_mb": 40 * 1024,
+        "world_size": 1,
+        "grad_accum": 1,
+    }
+
+
+@pytest.mark.parametrize(
+    ("train", "settings", "cause", "param"),
+    [
+        (_train(data_wait_s=30.0, compute_s=60.0), {"train.prefetch": 0}, "data_loading", "train.prefetch"),
+        (_train(checkpoint_s=25.0, compute_s=70.0), {"checkpoint.mode": "sync"}, "checkpoint", "checkpoint.mode"),
+        (_train(grad_sync_s=40.0, compute_s=50.0), {}, "network_sync", "train.grad_accum"),
+        (
+            _train(data_wait_s=30.0, compute_s=60.0) | {"preprocess_s": 28.0},
+            {},
+            "cpu_preprocessing",
+            "tokenize.workers",
+        ),
+        (_train(compute_s=90.0) | {"peak_mem_mb": 79 * 1024}, {}, "vram", "train.gradient_checkpointing"),
+        (_train(compute_s=90.0) | {"precision": "no"}, {}, "precision", "train.precision"),
+    ],
+)
+def test_the_doctor_names_each_cause_with_its_evidence_share_and_fix(train, settings, cause, param):
+    run = _ledger({"compute": 80.0, "data_wait": 10.0, "orchestration": 10.0}, train, settings)
+    first = doctor.diagnose(run)[0]
+    assert (first["cause"], first["severity"], first["fix"]["param"]) == (cause, "severe", param), first
+    assert first["evidence"] and 0 <= first["share_of_run"] <= 1
+
+
+def test_the_doctor_finds_nothing_in_a_clean_run_and_warns_of_short_runs_overhead_without_failing_them():
+    clean = _ledger({"compute": 80.0, "orchestration": 10.0, "startup": 10.0}, _train(compute_s=95.0))
+    assert doctor.diagnose(clean) == []
+    short = _ledger({"compute": 10.0, "orchestration": 40.0, "startup": 50.0}, _train(loop_s=10.0, compute_s=10.0))
+    [finding] = doctor.diagnose(short)
+    assert (finding["cause"], finding["severity"]) == ("orchestration", "warn")  # 90 s: not worth a failed job
+    long = _ledger({"compute": 100.0, "orchestration": 400.0, "startup": 500.0}, _train(compute_s=95.0))
+    assert doctor.diagnose(long)[0]["severity"] == "severe"
+    nothing = _ledger({"orchestration": 3.0}, None)
+    assert doctor.diagnose(nothing) == []
+
+
+def test_fineflow_doctor_prints_text_or_json_and_its_exit_code_follows_fail_on(tmp_path):
+    severe = _ledger({"compute": 60.0, "data_wait": 30.0}, _train(data_wait_s=30.0, compute_s=60.0))
+    path = tmp_path / "goodput.json"
+    path.write_text(json.dumps(severe))
+
+    def doctor_cli(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "fineflow.cli", "doctor", str(path), *args], capture_output=True, text=True
+        )
+
+    text = doctor_cli()
+    assert text.returncode == 1 and "[severe] data_loading" in text.stdout and "train.prefetch" in text.stdout
+    assert doctor_cli("--fail-on", "never").returncode == 0
+    as_json = json.loads(doctor_cli("--json", "--fail-on", "never").stdout)
+    assert as_json["findings"][0]["cause"] == "data_loading" and as_json["total_s"] == 90.0
+    path.write_text("{not json")
+    bad = doctor_cli()
+    assert bad.returncode == 2 and "goodput stage" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# --- induced bottlenecks in real training runs -------------------------------------------------------------------
+
+INDUCED = {
+    # name: (params overrides, fault variables, ranks, the cause the doctor must name first)
+    "slow loader": ({"train.steps": 30}, {"FINEFLOW_TEST_LOADER_DELAY_S": "0.6"}, 1, "data_loading"),
+    "sync checkpoints of a slow disk": (
+        {"train.steps": 16, "checkpoint.mode": "sync", "checkpoint.every_steps": 2},
+        {"FINEFLOW_TEST_WRITE_DELAY_S": "0.4"},
+        1,
+        "checkpoint",
+    ),
+    "slow all-reduce in 2-process DDP": (
+        {"train.steps": 24, "train.num_processes": 2, "train.micro_batch_size": 1},
+        {"FINEFLOW_TEST_ALLREDUCE_DELAY_S": "0.6"},
+        2,
+        "network_sync",
+    ),
+    "a plan at the edge of the device": ({"train.device_memory_gib": 0.52}, {}, 1, "vram"),
+    "fp32 on a bf16 device": ({}, {"FINEFLOW_TEST_BF16_CAPABLE": "1"}, 1, "precision"),
+}
+
+
+def train_then_ledger(project: Path, env: dict, ranks: int) -> dict:
+    """The train stage as dvc.yaml runs it, then the goodput stage, as one run; the ledger."""
+    env = {**env, journal.RUN_ID_ENV: f"test-{project.name}", journal.RUN_STARTED_ENV: repr(time.time())}
+
+    def launch(port):
+        extra = ["--main-process-port", str(port)] if ranks > 1 else []
+        done = subprocess.run(TRAIN + extra, cwd=project, env=env, capture_output=True, text=True, timeout=600)
+        return done.returncode == 0, done.stdout + done.stderr
+
+    ok, output = launch_with_free_port(launch)
+    assert ok, output[-4000:]
+    done = subprocess.run(GOODPUT, cwd=project, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads((project / "reports/goodput.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(INDUCED))
+def test_the_doctor_names_an_induced_bottleneck_first(built, tmp_path, name):
+    overrides, faults, ranks, cause = INDUCED[name]
+    project = train_project(built, tmp_path / "p", {"train.tracker": "none", **overrides})
+    env = fault_env(venv_env())
+    env.update(faults)
+    result = train_then_ledger(project, env, ranks)
+    assert_adds_up(result)
+    first = result["findings"][0]
+    assert (first["cause"], first["severity"]) == (cause, "severe"), json.dumps(result["findings"], indent=1)
+    assert result["buckets"]["restart_loss"] == 0.0
+    out = subprocess.run(
+        [sys.executable, "-m", "fineflow.cli", "doctor", "--json"], cwd=project, capture_output=True, text=True
+    )
+    assert out.returncode == 1 and json.loads(out.stdout)["findings"][0]["cause"] == cause
+
+
+@pytest.mark.slow
+def test_the_doctor_names_on_the_fly_tokenization_in_the_naive_loop_of_the_benchmark(built, tmp_path, monkeypatch):
+    """bench/goodput.py's naive job tokenizes each step's rows inside the loop; with long documents (every row's
+    input is thousands of words, truncated to tokenize.seq_len after tokenizing) that is where the loop's time
+    goes. One torch thread: the loop's many small ops share the cores with the other test worker's training."""
+    import importlib.util
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+    spec = importlib.util.spec_from_file_location("bench_goodput", ROOT / "bench/goodput.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    source = tmp_path / "source"
+    train_project(built, source)
+    rows = [json.loads(line) for line in (built / "data/validated/train.jsonl").read_text().splitlines()]
+    long_rows = [row | {"input": " ".join([row["instruction"]] * 3000)} for row in rows]
+    (source / "data/validated").mkdir(parents=True)
+    (source / "data/validated/train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in long_rows))
+    result = bench.job("naive", source, source / "params.yaml", tmp_path / "naive", steps=16, every=100, price=4.0)
+    assert_adds_up(result)
+    first = result["findings"][0]
+    assert (first["cause"], first["severity"]) == ("cpu_preprocessing", "severe"), json.dumps(result["findings"])
+    assert "on the fly" in first["evidence"] and first["fix"]["param"] == "tokenize.workers"
+
+
+@pytest.mark.slow
+def test_the_tuned_defaults_train_with_nothing_severe_and_the_ledger_adds_up(built, tmp_path):
+    """params.yaml's train and checkpoint sections as shipped (800 steps, prefetch, async checkpoints every 200),
+    on the tiny model."""
+    import yaml
+
+    defaults = yaml.safe_load((ROOT / "params.yaml").read_text())
+    overrides = {f"train.{k}": v for k, v in defaults["train"].items() if k not in ("lora", "tracker")}
+    overrides |= {f"checkpoint.{k}": v for k, v in defaults["checkpoint"].items()}
+    project = train_project(built, tmp_path / "p", overrides | {"train.tracker": "none"})
+    result = train_then_ledger(project, venv_env(), 1)
+    assert_adds_up(result)
+    assert [f for f in result["findings"] if f["severity"] == "severe"] == [], result["findings"]
+    assert result["buckets"]["restart_loss"] == 0.0 and result["restart"]["failed_attempts"] == []
+    assert result["mfu"] and 0 < result["mfu"] < 1 and "measured" in result["train"]["flops"]["peak_source"]
+    assert result["cost"]["usd_per_1m_tokens"] > 0 and result["cost"]["price_source"] == "cost.prices['cpu']"
+    assert (project / "reports/plots/goodput.png").stat().st_size > 1000
+    # consumed: the next run's ledger starts after this one (only the goodput stage's own end line is left)
+    left = journal.read(project / "reports/ledger")
+    assert [(r["event"], r["stage"]) for r in left] == [("end", "goodput")], left
+    assert len(list((project / "reports/ledger/runs").glob("*.jsonl"))) == 1
+    out = subprocess.run([sys.executable, "-m", "fineflow.cli", "doctor"], cwd=project, capture_output=True, text=True)
+    assert out.returncode == 0 and "goodput" in out.stdout.splitlines()[0], out.stdout + out.stderr
+
+
+# --- the whole pipeline: dvc repro, a SIGKILL, the run after it ----------------------------------------------------
+
+
+def dvc(project: Path, *args: str, env: dict | None = None) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "dvc", *args], cwd=project, env=env or venv_env(), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.scenario
+@pytest.mark.slow
+def test_dvc_repro_writes_the_ledger_and_after_a_sigkill_the_next_run_counts_the_lost_attempt(tmp_path):
+    project = copy_project(tmp_path / "p", {"train.steps": 40, "checkpoint.every_steps": 10, "train.tracker": "none"})
+    output = dvc(project, "repro")
+    assert "goodput " in output and "Running stage 'goodput'" in output
+    first = json.loads((project / "reports/goodput.json").read_text())
+    assert_adds_up(first)
+    assert first["buckets"]["restart_loss"] == 0.0 and first["trained"]
+    stages = [a["stage"] for a in first["attempts"]]
+    assert stages == ["base", "fingerprint", "data", "validate", "tokenize", "train", "evaluate", "promote"], stages
+    for bucket in ("base_pretrain", "validation", "tokenization", "compute", "evaluation", "promotion", "startup"):
+        assert first["buckets"][bucket] > 0, bucket
+    assert len(first["runs"]) == 1 and first["runs"][0].startswith("dvc-")
+
+    # a param edit, then `dvc repro` SIGKILLed (the whole process group: dvc, the launcher, the rank) mid-train
+    params = (project / "params.yaml").read_text().replace("lr: 0.003", "lr: 0.002")
+    (project / "params.yaml").write_text(params)
+    assert "lr: 0.002" in params
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dvc", "repro"],
+        cwd=project,
+        env=venv_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    while last_logged_step(project) < 25 and time.monotonic() < deadline:
+        assert proc.poll() is None
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(0.5)
+    output = dvc(project, "repro")
+    assert "resuming from" in output or "Running stage 'train'" in output
+    second = json.loads((project / "reports/goodput.json").read_text())
+    assert_adds_up(second)
+    train = json.loads((project / "reports/train.json").read_text())
+    assert train["resumed_from_step"] in (10, 20), train["resumed_from_step"]
+    assert second["buckets"]["restart_loss"] > 1.0, second["buckets"]
+    [killed] = second["restart"]["failed_attempts"]
+    assert killed["stage"] == "train" and killed["exit"] is None
+    assert second["restart"]["kept_steps_credited"] == train["resumed_from_step"]
+    assert len(second["runs"]) == 2  # the killed run's time is in this ledger; the time between runs is not
+    # the history over runs: DVC metrics and plots
+    shown = json.loads(dvc(project, "plots", "show", "--json"))
+    for plot in ("goodput_over_runs", "cost_over_runs"):
+        [entry] = [v for k, v in shown.items() if plot in k]
+        points = entry[0]["datapoints"] if isinstance(entry, list) else entry
+        assert len(points[next(iter(points))] if isinstance(points, dict) else points) >= 2, entry
+    metrics = json.loads(dvc(project, "metrics", "show", "--json"))
+    assert "goodput" in json.dumps(metrics)
