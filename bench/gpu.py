@@ -42,6 +42,10 @@ Measured per configuration:
 
 from __future__ import annotations
 
+import time
+
+STARTED = time.perf_counter()  # before torch's import: the ledger's start-up counts from here
+
 import argparse
 import contextlib
 import gc
@@ -55,7 +59,6 @@ import resource
 import sys
 import tempfile
 import threading
-import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -596,8 +599,10 @@ def warm_up(trainer, loader, steps: int, device) -> None:
 
 
 def run_config(config: RunConfig, shape, args, pool: Pool, device, budget: Budget, peak_tflops, scratch) -> dict:
-    """Build, warm up (halving the micro-batch on out-of-memory), time, and measure one configuration."""
+    """Build, warm up (halving the micro-batch on out-of-memory), time, and measure one configuration. Its
+    wall time is split into ``phases`` (the goodput ledger's buckets: bench_ledger)."""
     began = time.perf_counter()
+    build_s = warmup_s = 0.0
     micro = args.micro_batch
     extra = CHECKPOINT_STEPS_DURING_WRITE if config.name == CONFIGS[0].name else 0
     while True:
@@ -606,10 +611,12 @@ def run_config(config: RunConfig, shape, args, pool: Pool, device, budget: Budge
         try:
             model = build_model(shape, args.seq_len, config, args.lora_r, device, scratch)
             build_s = time.perf_counter() - began
+            warming = time.perf_counter()
             trainer = make_trainer(model, config.precision, device)
             total = args.warmup_steps + args.steps + extra
             loader = PrefetchLoader(pool, micro, total, config.attention, pin=device.type == "cuda")
             warm_up(trainer, loader, args.warmup_steps, device)
+            warmup_s = time.perf_counter() - warming
             break
         except torch.cuda.OutOfMemoryError:
             if loader is not None:
@@ -637,9 +644,20 @@ def run_config(config: RunConfig, shape, args, pool: Pool, device, budget: Budge
             **figures(tally, micro, args.seq_len, peak_tflops),
             **memory_figures(device, shape, config, micro, args.seq_len, args.lora_r),
         }
+        checkpoint_s = 0.0
         if extra:
+            saving = time.perf_counter()
             result["checkpoint"] = measure_checkpoint_stall(trainer, loader.next, scratch)
+            checkpoint_s = time.perf_counter() - saving
         result["wall_s"] = round(time.perf_counter() - began, 2)
+        result["phases"] = {
+            "model_load": round(build_s, 4),  # every attempt's build, out-of-memory retries included
+            "startup": round(warmup_s, 4),  # optimizer, loader, warm-up steps (kernels, allocator)
+            "compute": round(tally.compute_s + tally.optimizer_s, 4),
+            "data_wait": round(tally.data_wait_s, 4),
+            "checkpoint": round(checkpoint_s, 4),  # the sync and async saves measured, with steps meanwhile
+            "unaccounted": round(tally.wall_s - tally.compute_s - tally.optimizer_s - tally.data_wait_s, 4),
+        }
         return result
     finally:
         loader.close()
@@ -725,6 +743,38 @@ def table(report: dict) -> str:
             f"thread; steps meanwhile {checkpoint['step_ms_during_async_write']:.1f} ms)"
         )
     return "\n".join(lines)
+
+
+def bench_ledger(report: dict, total_s: float, device_name: str) -> dict:
+    """The bench run's own goodput ledger, in fineflow's buckets (fineflow.goodput.ledger): each configuration's
+    phases; the rest of the process (imports, the data pool, tearing down between configurations) is start-up;
+    what no timer covered inside the timed loops is unaccounted. Priced with fineflow's default table
+    (bench/gpu_mirror.PRICES)."""
+    buckets = dict.fromkeys(("startup", "model_load", "compute", "data_wait", "checkpoint"), 0.0)
+    unaccounted = 0.0
+    configs_s = 0.0
+    for result in report["configs"].values():
+        phases = result.get("phases")
+        if not phases:
+            continue
+        configs_s += result["wall_s"]
+        for name, seconds in phases.items():
+            if name == "unaccounted":
+                unaccounted += seconds
+            else:
+                buckets[name] += seconds
+        unaccounted += result["wall_s"] - sum(phases.values())  # figures, memory, closing: untimed
+    buckets["startup"] += total_s - configs_s
+    price = mirror.price_per_hour(device_name)
+    return {
+        "total_s": round(total_s, 3),
+        "buckets": {name: round(seconds, 3) for name, seconds in buckets.items()},
+        "unaccounted_s": round(unaccounted, 3),
+        "goodput": round(buckets["compute"] / total_s, 5) if total_s else 0.0,
+        "device_hour_usd": price,
+        "run_usd": round(total_s / 3600 * price, 6),
+        "bucket_usd": {name: round(seconds / 3600 * price, 6) for name, seconds in buckets.items()},
+    }
 
 
 def write_json(report: dict, path: Path) -> None:
@@ -866,7 +916,16 @@ def main(argv: list[str] | None = None) -> int:
             report["ratios"] = ratios(report["configs"])
             report["elapsed_s"] = round(time.monotonic() - budget.started, 1)
             write_json(report, args.out)
+    report["ledger"] = bench_ledger(
+        report, time.perf_counter() - STARTED, torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    )
+    write_json(report, args.out)
     print(table(report))
+    ledger = report["ledger"]
+    print(
+        f"ledger: goodput {ledger['goodput']:.1%} of {ledger['total_s']:.1f} s, ${ledger['run_usd']:.4f} at "
+        f"${ledger['device_hour_usd']}/h; " + ", ".join(f"{k} {v:.1f} s" for k, v in ledger["buckets"].items() if v)
+    )
     print(f"elapsed {report['elapsed_s']:.1f} s; JSON: {args.out}")
     failed = [n for n, r in report["configs"].items() if r["status"].startswith("error") or not r.get("finite_loss", 1)]
     return 1 if failed else 0

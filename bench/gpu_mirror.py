@@ -10,6 +10,8 @@ Each section names the fineflow module it mirrors; keep them in step when those 
   method lora|qlora, weights held in the compute dtype, one device, no sharding, no gradient
   checkpointing, optimizer adamw, attention sdpa)
 
+- the price table of the goodput ledger's cost: fineflow/config.py's DEFAULT_PRICES (fineflow.goodput.cost)
+
 tests/test_bench_gpu.py compares these copies with the originals, so a change there fails until it is
 copied here.
 """
@@ -322,3 +324,32 @@ def plan(shape: Shape, setup: Setup) -> dict:
     parts["tensors"] = tensors
     parts["total"] = tensors + CUDA_CONTEXT_BYTES + FRAGMENTATION * tensors
     return parts
+
+
+# --- fineflow/config.py DEFAULT_PRICES, fineflow/goodput/cost.py --------------------------------------------
+
+PRICES = {
+    "B200": 7.0,
+    "H200": 5.0,
+    "H100": 4.0,
+    "A100": 2.5,
+    "L40S": 1.9,
+    "A10G": 1.2,
+    "L4": 0.8,
+    "V100": 2.5,
+    "T4": 0.5,
+    "MI300X": 4.0,
+    "gpu": 2.0,
+    "cpu": 0.1,
+}
+
+
+def price_per_hour(device_name: str) -> float:
+    """$ per device-hour: the table's entry named inside the device's name (longest first), else "gpu"; "cpu"
+    for a CPU (as fineflow.goodput.cost.price_per_device_hour without params overrides)."""
+    if device_name == "cpu":
+        return PRICES["cpu"]
+    for model in sorted((m for m in PRICES if m not in ("gpu", "cpu")), key=len, reverse=True):
+        if model.lower() in device_name.lower():
+            return PRICES[model]
+    return PRICES["gpu"]

@@ -204,7 +204,7 @@ def commit_lock(project: Path, outcome: Outcome) -> str:
     PUSH_ATTEMPTS times, when it moved during the run); what was done, in words, for the summary."""
     paths = [path for path in COMMITTED if (project / path).exists()]
     git(project, "add", "--", *paths)
-    staged = git(project, "diff", "--cached", "--name-only").split()
+    staged = git(project, "diff", "--cached", "--name-only", "--relative").split()
     if not [path for path in staged if path not in LEDGER_FILES]:  # every run has a ledger: not worth a commit
         if staged:
             git(project, "reset", "-q", "--", *staged)

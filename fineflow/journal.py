@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 import uuid
@@ -36,10 +37,16 @@ def ledger_dir(report: str | Path) -> Path:
 
 
 def process_started(pid: int | None = None) -> float:
-    """When the process was created (epoch seconds): its interpreter start-up and imports count from here."""
-    import psutil
+    """When the process was created (epoch seconds): its interpreter start-up and imports count from here.
 
-    return psutil.Process(pid or os.getpid()).create_time()
+    On Linux from /proc/<pid>/stat's start time (clock ticks since boot) against CLOCK_BOOTTIME, on time.time()'s
+    clock to the tick (psutil's create_time adds a boot time truncated to whole seconds: up to 1 s early)."""
+    try:
+        fields = Path(f"/proc/{pid or os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()
+        started_since_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - started_since_boot)
+    except (OSError, ValueError, IndexError, AttributeError):  # no /proc: the best the clock allows
+        return time.time()
 
 
 def _is_dvc_run(cmdline: list[str]) -> bool:
@@ -47,26 +54,37 @@ def _is_dvc_run(cmdline: list[str]) -> bool:
     return "dvc" in names and any(arg in ("repro", "exp") for arg in cmdline[1:4])
 
 
-def run_identity() -> tuple[str, float]:
-    """(run id, when the run started): the flow's or fineflow ci's, else the ancestor dvc process's, else this
-    process's own."""
-    if os.environ.get(RUN_ID_ENV):
-        started = float(os.environ.get(RUN_STARTED_ENV) or process_started())
-        return os.environ[RUN_ID_ENV], started
-    import psutil
-
+def _parent_of(pid: int) -> int | None:
     try:
-        for parent in psutil.Process().parents():
-            try:
-                if _is_dvc_run(parent.cmdline()):
-                    started = parent.create_time()
-                    return f"dvc-{parent.pid}-{started:.3f}", started
-            except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-                continue
-    except psutil.Error:
-        pass
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) or None
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode("utf-8", "replace").split("\0")
+    except OSError:
+        return []
+
+
+def run_identity() -> tuple[str, float]:
+    """(run id, when the run started): the flow's or fineflow ci's, else the ancestor dvc process's (Linux's
+    /proc), else this process's own."""
+    if os.environ.get(RUN_ID_ENV):
+        try:
+            started = float(os.environ.get(RUN_STARTED_ENV) or "")
+        except ValueError:
+            started = process_started()
+        return os.environ[RUN_ID_ENV], started
+    pid = _parent_of(os.getpid())
+    while pid and pid > 1:
+        if _is_dvc_run(_cmdline(pid)):
+            started = process_started(pid)
+            return f"dvc-{pid}-{started:.2f}", started
+        pid = _parent_of(pid)
     started = process_started()
-    return f"process-{os.getpid()}-{started:.3f}", started
+    return f"process-{os.getpid()}-{started:.2f}", started
 
 
 def run_environment(run_id: str | None = None, started: float | None = None) -> dict[str, str]:
@@ -144,6 +162,19 @@ class Attempt:
                 path.touch()
             except OSError:  # the disk is full or the folder went away: the end record still comes
                 pass
+
+    def end_quietly(self, exit_code: int, spans: dict) -> None:
+        """end(), never raising (the stage's own exit code stands); a span "discard" drops the attempt from
+        every ledger (a stage that found another run's workspace and did nothing)."""
+        try:
+            if spans.pop("discard", None):
+                self._stop.set()
+                append(self.directory, {"event": "discard", "attempt": self.attempt, "t": time.time()})
+                heartbeat_path(self.directory, self.attempt).unlink(missing_ok=True)
+            else:
+                self.end(exit_code, spans)
+        except Exception as exc:  # noqa: BLE001 - bookkeeping
+            print(f"fineflow {self.stage}: warning: the run's journal was not written: {exc}", file=sys.stderr)
 
     def end(self, exit_code: int, spans: dict | None = None, extra: dict | None = None) -> None:
         self._stop.set()

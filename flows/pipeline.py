@@ -52,10 +52,10 @@ def fineflow_pipeline(project_dir: str = ".", overrides: dict[str, Any] | None =
 
     started = time.time()
     apply_offline_environment(project_dir)  # a worker's run starts here, not in run_flow: offline for its stages
-    # its stages' lines in the goodput journal are this run's, from its start (the wait for the workspace counts)
-    os.environ.update(journal.run_environment(f"flow-{flow_run.id}", started))
     runs.claim_workspace(project_dir, owner=f"flow run {flow_run.name!r}")
     os.environ[RUN_NAME_ENV] = flow_run.name or ""  # its stages name their tracker runs after it
+    # its stages' lines in the goodput journal are this run's, from its start (the wait for the workspace counts)
+    os.environ.update(journal.run_environment(f"flow-{flow_run.id}", started))
     try:
         applied = runs.apply_overrides(project_dir, overrides or {})
         runs.pull_state(project_dir)

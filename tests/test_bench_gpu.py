@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -157,6 +158,17 @@ def test_importing_the_bench_pulls_no_pipeline_stack(tmp_path):
 
 
 @pytest.mark.slow
+def test_mirror_prices_match_fineflows_cost_table():
+    from fineflow.config import DEFAULT_PRICES
+    from fineflow.goodput.cost import price_per_device_hour
+
+    mirror = load_mirror()
+    assert mirror.PRICES == DEFAULT_PRICES
+    cost = SimpleNamespace(device_hour_usd=None, prices={})
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA L40S", "NVIDIA L4", "Some New GPU"):
+        assert mirror.price_per_hour(name) == price_per_device_hour(cost, {"type": "cuda", "name": name})[0], name
+
+
 def test_cpu_dry_run_reports_every_figure(tmp_path):
     """bench/gpu.sh --device cpu --tiny, from a copy of bench/ outside the project with fineflow and pydantic
     unimportable: every configuration is run or skipped with its reason, every figure is in the JSON."""
@@ -189,3 +201,7 @@ def test_cpu_dry_run_reports_every_figure(tmp_path):
     assert isinstance(report["ratios"]["bf16_over_fp32_tokens_per_s"], float)
     assert report["dry_run"] is True and report["environment"]["transformers"]
     assert "bf16_over_fp32_tokens_per_s" in done.stdout  # the side-by-side table was printed
+    ledger = report["ledger"]  # the bench run's own goodput ledger, in the pipeline's buckets
+    assert abs(sum(ledger["buckets"].values()) + ledger["unaccounted_s"] - ledger["total_s"]) < 0.01
+    assert ledger["buckets"]["compute"] > 0 and ledger["buckets"]["model_load"] > 0 and ledger["run_usd"] > 0
+    assert "ledger: goodput" in done.stdout

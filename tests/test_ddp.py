@@ -78,7 +78,10 @@ def test_dvc_plots_show_has_points_for_every_declared_plot_and_the_run_has_png_c
     for name in declared:
         [plot] = shown["data"][name]
         points = plot["content"]["data"]["values"]
-        assert len(points) >= len(steps), (name, len(points))
+        if name.endswith("_over_runs"):  # the goodput ledger's history (committed): a point per run
+            assert points, name
+        else:
+            assert len(points) >= len(steps), (name, len(points))
 
 
 def test_two_machines_on_loopback_train_one_adapter(built, reference_run, tmp_path):

@@ -230,7 +230,7 @@ def _precision_findings(ledger: dict, train: dict) -> list[dict]:
     return [
         _finding(
             "precision",
-            "severe",
+            "severe" if device.get("type") == "cuda" else "warn",  # a CPU's bf16 gain varies: a warning
             compute / 2,  # bf16 matmuls run at least twice fp32's rate on such devices: half the compute, at least
             ledger,
             f"trained in fp32 on {device.get('name')}, which computes bf16 fast; compute took {compute:.1f} s",

@@ -107,12 +107,15 @@ SUCCEEDED = (0, 3)  # 3: promote waits for a person's approval (the wait itself 
 
 def attempts_of(records: list[dict], alive_dir: Path) -> list[dict]:
     """The journal's attempts, in start order: start and end joined; a killed one ends at its last heartbeat."""
-    starts, ends = {}, {}
+    starts, ends, discarded = {}, {}, set()
     for record in records:
         if record.get("event") == "start":
             starts[record["attempt"]] = record
         elif record.get("event") == "end":
             ends[record["attempt"]] = record
+        elif record.get("event") == "discard":
+            discarded.add(record["attempt"])
+    starts = {key: start for key, start in starts.items() if key not in discarded}
     attempts = []
     for key, start in starts.items():
         end = ends.get(key)
@@ -176,15 +179,20 @@ def build(
     for attempt in attempts:
         runs[attempt["run"]].append(attempt)
     failed_train_s, failed = 0.0, []
-    train_walls = 0.0
+    train_walls = excluded = 0.0
     for run, members in runs.items():
         start = min(min(a["proc_start"] for a in members), members[0]["run_started"])
         end = now if run == current_run else max(a["end"] for a in members)
         total += end - start
-        cursor, previous_failed = start, False
+        cursor, previous_failed, waited_for_person = start, False, False
         for attempt in members:
             gap = max(0.0, attempt["proc_start"] - cursor)
-            buckets["restart_loss" if previous_failed else "orchestration"] += gap
+            if waited_for_person:  # promote asked for approval: the wait for a person holds no device
+                excluded += gap
+                total -= gap
+            else:
+                buckets["restart_loss" if previous_failed else "orchestration"] += gap
+            waited_for_person = attempt["exit"] == 3
             wall = attempt["end"] - attempt["proc_start"]
             if attempt["stage"] == "train":
                 train_walls += wall
@@ -202,8 +210,6 @@ def build(
                 for name, seconds in attempt["spans"].items():
                     if name == "body":
                         buckets[STAGE_BODY.get(attempt["stage"], "orchestration")] += seconds
-                    elif name.startswith("redo_"):
-                        buckets["restart_loss"] += seconds
                     elif name in SPAN_BUCKET:
                         buckets[SPAN_BUCKET[name]] += seconds
                     else:  # loop_other, a rank's time without its report: no timer split it
@@ -219,7 +225,10 @@ def build(
             continue
         buckets["orchestration"] += max(0.0, end - cursor)
     kept_steps = 0
-    if train_report and failed_train_s:  # the crashed attempts' steps the finished training kept: useful work
+    finished_train = any(a["stage"] == "train" and a["exit"] in SUCCEEDED for a in attempts)
+    if (
+        train_report and failed_train_s and finished_train
+    ):  # the crashed attempts' steps the finished training kept: useful work
         credit, kept_steps = kept_step_credit(steps_log, int(train_report.get("resumed_from_step") or 0))
         scale = min(1.0, failed_train_s / max(sum(credit.values()), 1e-9))
         for bucket, seconds in credit.items():
@@ -247,8 +256,14 @@ def build(
         "restart": {
             "failed_attempts": failed,
             "kept_steps_credited": kept_steps,
-            "recomputed_steps": int((train_report or {}).get("recomputed_steps") or 0) if train_walls else 0,
+            # lost past the crashed attempt's last checkpoint (in its wall time above) and trained again (useful
+            # work now, in their buckets): how many, and what training them again took
+            "recomputed_steps": int((train_report or {}).get("recomputed_steps") or 0) if finished_train else 0,
+            "recomputed_s": round(sum(((train_report or {}).get("recomputed") or {}).values()), 3)
+            if finished_train
+            else 0.0,
         },
+        "excluded_s": round(excluded, 3),  # waits for a person's approval (and the idle time between runs)
     }
     badput = {name: seconds for name, seconds in ledger["buckets"].items() if name != PRODUCTIVE}
     ledger["biggest_badput"] = max(badput, key=badput.get) if total else None

@@ -64,7 +64,7 @@ def journal_attempt(stage: str, report: str) -> Attempt | None:
     attempt = Attempt(ledger_dir(report), stage)
     try:
         attempt.start()
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - the journal is bookkeeping: the stage runs without it
         print(f"fineflow {stage}: warning: the run's journal was not written: {exc}", file=sys.stderr, flush=True)
         return None
     return attempt
@@ -82,8 +82,7 @@ def run_entry(stage: str, args: argparse.Namespace, body: Callable[[Params], dic
         return code
     finally:
         if attempt is not None:
-            with contextlib.suppress(OSError):
-                attempt.end(code, spans)
+            attempt.end_quietly(code, spans)
 
 
 def _run_entry(stage: str, args: argparse.Namespace, body: Callable[[Params], dict], spans: dict) -> int:
@@ -103,6 +102,7 @@ def _run_entry(stage: str, args: argparse.Namespace, body: Callable[[Params], di
                 spans["params"] = body_started - started - spans["workspace_wait"]
     except WorkspaceBusy as exc:  # another run's workspace: its reports and records are not this process's
         workspace_busy(stage, exc)
+        spans["discard"] = 1.0  # nor is this attempt part of the holder's ledger
         return USER_ERROR_EXIT
     except ApprovalNeeded as exc:  # before FineflowError: not a user error, the run waits for a person
         print(f"fineflow {stage}: waiting for approval: {exc}", file=sys.stderr, flush=True)

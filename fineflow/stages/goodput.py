@@ -43,8 +43,11 @@ def build_ledger(params, journal_dir: Path, train_report_path: Path, steps_log: 
     trained = ledger.trained_in_window(train_report, result)
     device = (train_report or {}).get("device") or {"type": "cpu", "name": "cpu", "count": 1}
     price, source = cost.price_per_device_hour(params.cost, device)
-    tokens = train_report.get("tokens_this_attempt") if trained else None
-    result["cost"] = cost.run_cost(result, price, source, int(device.get("count") or 1), tokens)
+    # the model's tokens, those a crashed attempt trained and the resume kept included
+    tokens = train_report.get("tokens") if trained else None
+    # GPUs are priced each; ranks on a CPU share a machine, priced whole (cost.prices["cpu"])
+    devices = int(device.get("count") or 1) if device.get("type") == "cuda" else params.train.num_machines
+    result["cost"] = cost.run_cost(result, price, source, devices, tokens)
     result["trained"] = trained
     result["train"] = ledger.train_facts(train_report) if trained else None
     flops = (train_report or {}).get("flops") or {}

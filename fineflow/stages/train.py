@@ -73,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             return code
         finally:
             if attempt is not None:
-                with contextlib.suppress(OSError):
-                    attempt.end(code, spans)
+                attempt.end_quietly(code, spans)
     return train_worker(args)
 
 
@@ -83,6 +82,7 @@ def launch(args, argv: list[str], spans: dict) -> int:
     with rank 0's phases from its report when the training finished."""
     started = time.perf_counter()
     launched = time.time()
+    ranks_started = ranks_ended = None
     code = 1
     try:
         # machine 0's launcher holds it for every rank; another machine's may share its folder (a shared
@@ -94,6 +94,7 @@ def launch(args, argv: list[str], spans: dict) -> int:
             apply_offline_environment(model_base=params.model.base)  # the launcher's, and its ranks'
             launched = time.time()
             spans["params"] = time.perf_counter() - started - spans["workspace_wait"]
+            ranks_started = launched
             code = launch_ranks(
                 params,
                 "fineflow.stages.train",
@@ -106,20 +107,22 @@ def launch(args, argv: list[str], spans: dict) -> int:
                 },
                 log=log,
             )
-            spans.update(rank_spans(args.report, launched, time.time()) if code == 0 else {})
+            ranks_ended = time.time()
+            spans.update(rank_spans(args.report, launched, ranks_ended) if code == 0 else {})
             if code == 0 and not args.machine_rank:  # rank 0 wrote the step log on this machine
                 plotting = time.perf_counter()
                 write_plots(args)
                 spans["plots"] = time.perf_counter() - plotting
     except WorkspaceBusy as exc:
         workspace_busy("train", exc)
+        spans["discard"] = 1.0  # another run's workspace: this attempt is not part of its ledger
         return USER_ERROR_EXIT
     except FineflowError as exc:
         user_error("train", args.report, exc)
         return USER_ERROR_EXIT
     finally:
-        if "launch" not in spans:  # no finished rank's report: the ranks' time in one span
-            spans["ranks"] = time.time() - launched
+        if ranks_started is not None and "launch" not in spans:  # no finished rank's report: one span
+            spans["ranks"] = (ranks_ended or time.time()) - ranks_started
     # accelerate exits 1 whatever a rank exited with: the ranks' record says a user error or a saved stop
     if code and read_error_record(args.report):
         return USER_ERROR_EXIT
@@ -137,20 +140,19 @@ def rank_spans(report_path: Path | str, launched: float, returned: float) -> dic
     try:
         report = read_json(report_path)
         timeline, phases, totals = report["timeline"], report["phases"], report["loop_totals"]
-    except (OSError, ValueError, KeyError):
+        if timeline["proc_start"] < launched - 1:  # not this attempt's ranks
+            return {}
+        spans = {
+            "launch": timeline["proc_start"] - launched,
+            "rank_startup": timeline["entry"] - timeline["proc_start"],
+            **{key.removesuffix("_s"): value for key, value in phases.items()},
+            **{f"loop_{key.removesuffix('_s')}": value for key, value in totals.items()},
+            "loop_other": report["loop_s"] - sum(totals.values()),
+            "rank_exit": returned - timeline["done"],
+        }
+        return {key: round(float(value), 4) for key, value in spans.items()}
+    except Exception:  # noqa: BLE001 - a finished training's accounting never fails it: one "ranks" span then
         return {}
-    if timeline["proc_start"] < launched - 1:  # not this attempt's ranks
-        return {}
-    spans = {
-        "launch": timeline["proc_start"] - launched,
-        "rank_startup": timeline["entry"] - timeline["proc_start"],
-        **{key.removesuffix("_s"): value for key, value in phases.items()},
-        **{f"loop_{key.removesuffix('_s')}": value for key, value in totals.items()},
-        **{f"redo_{key.removesuffix('_s')}": value for key, value in report.get("recomputed", {}).items()},
-        "loop_other": report["loop_s"] - sum(totals.values()) - sum(report.get("recomputed", {}).values()),
-        "rank_exit": returned - timeline["done"],
-    }
-    return {key: round(value, 4) for key, value in spans.items()}
 
 
 def write_plots(args) -> None:

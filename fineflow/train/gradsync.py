@@ -62,10 +62,14 @@ def settle() -> None:
 
 
 def register(model) -> bool:
-    """Time a DDP-wrapped model's gradient all-reduce; False for anything else (one process, FSDP, DeepSpeed)."""
+    """Time a DDP-wrapped model's gradient all-reduce. True when the timing is a measurement: gloo, whose
+    futures complete when the reduction has; over NCCL they complete when it is queued, so the wait shows up
+    later (in compute) and the hook's figure is a lower bound. False for anything else (one process, FSDP,
+    DeepSpeed: their sync stays in compute)."""
+    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     if not isinstance(model, DistributedDataParallel):
         return False
     model.register_comm_hook(None, timed_allreduce_hook)
-    return True
+    return dist.get_backend() == "gloo"

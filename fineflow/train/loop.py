@@ -62,8 +62,8 @@ def token_loss_sum(model, batch: dict, **forward_kwargs):
 class StepTimer:
     """Where a step's wall time went: waiting for data, forward+backward, optimizer, the gradient and loss
     all-reduces, in-training evaluation, checkpoint stall, and the step log. Steps a resume trains again (a
-    crashed attempt had trained them past its last checkpoint) add to ``redo`` instead: the ledger counts them as
-    restart loss, not as useful work."""
+    crashed attempt had trained them past its last checkpoint, and lost them) add to ``redo`` as well: the
+    ledger reports how long training them again took (the loss itself is in the crashed attempt's wall time)."""
 
     totals: dict = field(
         default_factory=lambda: {
@@ -90,8 +90,9 @@ class StepTimer:
 
     def add(self, key: str, seconds: float) -> None:
         self.current[key] += seconds
-        bucket = self.redo if self._redoing else self.totals
-        bucket[key] = bucket.get(key, 0.0) + seconds
+        self.totals[key] += seconds
+        if self._redoing:
+            self.redo[key] = self.redo.get(key, 0.0) + seconds
 
     def move(self, source: str, target: str, seconds: float) -> None:
         """Re-file seconds a timer took for one bucket under another (gradient all-reduce inside backward)."""

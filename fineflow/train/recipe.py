@@ -296,8 +296,12 @@ def train_rank(
         return None
     write_s = manager.last_result.get("write_s", 0.0) if manager.last_result else None
     report = train_report(result, cfg, plan, tokens_seen, accelerator.num_processes, trainable, fused_layers, write_s)
-    report["device"] = device_facts(accelerator, cfg)
-    report["flops"] = run_flops(reference, cfg, train, report, accelerator)
+    try:  # the ledger's facts: a finished training never fails on them
+        report["device"] = device_facts(accelerator, cfg)
+        report["flops"] = run_flops(reference, cfg, train, report, accelerator)
+    except Exception as exc:  # noqa: BLE001
+        report.setdefault("device", {"type": accelerator.device.type, "count": accelerator.num_processes})
+        report["flops"] = {"error": f"{type(exc).__name__}: {exc}"}
     report["grad_sync_measured"] = grad_sync_measured
     finished = time.time()
     phases["setup_s"] = loop_started - entered - phases["model_load_s"] - phases["resume_load_s"]
