@@ -396,7 +396,10 @@ def test_the_tuned_defaults_train_with_nothing_severe_and_the_ledger_adds_up(bui
     project = train_project(built, tmp_path / "p", overrides | {"train.tracker": "none"})
     result = train_then_ledger(project, venv_env(), 1)
     assert_adds_up(result)
-    assert [f for f in result["findings"] if f["severity"] == "severe"] == [], result["findings"]
+    severe = [f for f in result["findings"] if f["severity"] == "severe"]
+    if flops.bf16_capable("cpu"):  # auto trains fp32 on any CPU; on one with AMX the doctor says to use bf16
+        severe = [f for f in severe if f["cause"] != "precision"]
+    assert severe == [], result["findings"]
     assert result["buckets"]["restart_loss"] == 0.0 and result["restart"]["failed_attempts"] == []
     assert result["mfu"] and 0 < result["mfu"] < 1 and "measured" in result["train"]["flops"]["peak_source"]
     assert result["cost"]["usd_per_1m_tokens"] > 0 and result["cost"]["price_source"] == "cost.prices['cpu']"

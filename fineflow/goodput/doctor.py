@@ -230,7 +230,9 @@ def _precision_findings(ledger: dict, train: dict) -> list[dict]:
     return [
         _finding(
             "precision",
-            "severe" if device.get("type") == "cuda" else "warn",  # a CPU's bf16 gain varies: a warning
+            # on a GPU with bf16 tensor cores and on a CPU with AMX / AVX-512 BF16 alike (train.precision auto
+            # resolves to fp32 on any CPU: set bf16 there by hand)
+            "severe",
             compute / 2,  # bf16 matmuls run at least twice fp32's rate on such devices: half the compute, at least
             ledger,
             f"trained in fp32 on {device.get('name')}, which computes bf16 fast; compute took {compute:.1f} s",
