@@ -12,7 +12,7 @@ and dvc.lock, with nothing half-written: no leftover temporary files, no DVC loc
 intact DVC cache, ``dvc status`` clean, and no process of a killed run still alive.
 
 Both flows talk to one Prefect server the test starts (a flow's own temporary server costs ~8 s per start,
-and there are eleven starts). The kill points are printed and written to kill_points.json in the test's
+and there are twelve starts). The kill points are printed and written to kill_points.json in the test's
 tmp_path (``pytest tests/test_chaos.py -s`` shows them); FINEFLOW_CHAOS_SEED=N draws other moments.
 """
 

@@ -77,6 +77,17 @@ def test_flow_then_dvc_repro(prefect_harness, s3_server, tmp_path, monkeypatch):
     assert promote["ci_low"] <= 0 <= promote["ci_high"], promote
     for stage in STAGES:
         assert (flow_copy / "reports" / f"{stage}.json").exists()
+    # the flow run's goodput ledger (issue 18): one run, every stage process in it, adding up within 1%
+    ledger = reports["goodput"]
+    assert len(ledger["runs"]) == 1 and ledger["runs"][0].startswith("flow-"), ledger["runs"]
+    assert [a["stage"] for a in ledger["attempts"]] == STAGES[:-1], ledger["attempts"]
+    assert abs(ledger["unaccounted_s"]) <= 0.01 * ledger["total_s"], ledger
+    assert ledger["buckets"]["restart_loss"] == 0 and ledger["buckets"]["compute"] > 0
+    repro_ledger = json.loads((repro_copy / "reports/goodput.json").read_text())  # and plain dvc repro's
+    assert (
+        repro_ledger["runs"][0].startswith("dvc-")
+        and abs(repro_ledger["unaccounted_s"]) <= 0.01 * repro_ledger["total_s"]
+    )
     flow_lock = yaml.safe_load((flow_copy / "dvc.lock").read_text())
     assert set(flow_lock["stages"]) == set(STAGES)
     # plain dvc repro in its fresh copy: same artefacts, same lock

@@ -472,6 +472,11 @@ def test_prefect_yaml_deploys_both_deployments_a_worker_runs_them_and_new_data_t
         assert artifacts["fineflow-train"] == "table" and artifacts["fineflow-promotion"] == "markdown"
         assert artifacts["fineflow-train-progress"] == "progress"
         assert artifacts["fineflow-train-charts"] == "markdown"  # the PNGs, embedded (issue 18)
+        # the goodput ledger as a table on the run page, and the doctor's findings with the stacked bar (issue 18)
+        assert artifacts["fineflow-goodput-ledger"] == "table" and artifacts["fineflow-goodput-doctor"] == "markdown"
+        ledger = [a for a in _post(prefect_server, "/artifacts/filter") if a["key"] == "fineflow-goodput-ledger"]
+        rows = json.loads(ledger[0]["data"]) if isinstance(ledger[0]["data"], str) else ledger[0]["data"]
+        assert {row["bucket"] for row in rows} >= {"compute", "orchestration", "restart_loss", "total"}, rows
         tasks = {t["name"]: t for t in _post(prefect_server, "/task_runs/filter") if t["flow_run_id"] == run["id"]}
         waited = {i["id"] for i in tasks["train"]["task_inputs"]["wait_for"]}
         assert tasks["tokenize"]["id"] in waited and tasks["base"]["id"] in waited  # the graph's edges
