@@ -157,7 +157,6 @@ def test_importing_the_bench_pulls_no_pipeline_stack(tmp_path):
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
 
 
-@pytest.mark.slow
 def test_mirror_prices_match_fineflows_cost_table():
     from fineflow.config import DEFAULT_PRICES
     from fineflow.goodput.cost import price_per_device_hour
@@ -169,6 +168,7 @@ def test_mirror_prices_match_fineflows_cost_table():
         assert mirror.price_per_hour(name) == price_per_device_hour(cost, {"type": "cuda", "name": name})[0], name
 
 
+@pytest.mark.slow
 def test_cpu_dry_run_reports_every_figure(tmp_path):
     """bench/gpu.sh --device cpu --tiny, from a copy of bench/ outside the project with fineflow and pydantic
     unimportable: every configuration is run or skipped with its reason, every figure is in the JSON."""

@@ -9,8 +9,9 @@ stage's report and step log.
   the other side: inside each process its own timers must cover its wall time; what they miss is
   ``unaccounted_s``, reported, never folded into a bucket.
 - An attempt that failed (a crash, a kill, a preemption, a bad input fixed later) is **restart loss**: its whole
-  wall time, the wait before its retry, and a resume's checkpoint load and recomputed steps, less the steps of
-  it that the finished training kept (its step log lines up to the step resumed from: useful work).
+  wall time, the wait before its retry, and a resume's checkpoint load, less the steps of it that the finished
+  training kept (its step log lines up to the step resumed from: useful work). The steps it lost past its last
+  checkpoint are in its wall time; the resume's training them again is useful work, counted once.
 - Lines a run that crashed before its ledger left in the journal are counted by the next run's ledger, whose
   total then includes the crashed run's time (the idle time between the two runs is excluded, and said).
 """
@@ -58,7 +59,7 @@ DESCRIPTIONS = {
     "logging": "the step log, tracker, progress lines and charts",
     "evaluation": "the evaluation stage (lm-eval)",
     "promotion": "the promotion gate and registry (stage promote)",
-    "restart_loss": "failed attempts, waits before retries, resume loads, recomputed steps",
+    "restart_loss": "failed and killed attempts (less the steps a resume kept), waits before retries, resume loads",
 }
 STAGE_BODY = {
     "base": "base_pretrain",
@@ -103,6 +104,34 @@ STEP_BUCKET = {
     "checkpoint_s": "checkpoint",
 }
 SUCCEEDED = (0, 3)  # 3: promote waits for a person's approval (the wait itself is between processes)
+
+
+def _process_run(run: str) -> tuple[str, int, float] | None:
+    """("dvc", pid, start) of a run named after a process (fineflow.journal.run_identity), else None."""
+    parts = run.rsplit("-", 2)
+    if len(parts) == 3 and parts[0] in ("dvc", "process"):
+        try:
+            return parts[0], int(parts[1]), float(parts[2])
+        except ValueError:
+            return None
+    return None
+
+
+def same_runs(runs: list[str]) -> dict[str, str]:
+    """Each run id -> the id it is the same run as. Every stage process reads the start time of the `dvc repro`
+    above it from the clock itself, so ids of one process can differ in the last digit (clock reads, NTP slewing
+    the wall clock during a long run): the same pid started within a second is the same run."""
+    canonical: dict[str, str] = {}
+    seen: list[tuple[str, tuple[str, int, float]]] = []
+    for run in runs:
+        key = _process_run(run)
+        match = next(
+            (first for first, other in seen if key and other[:2] == key[:2] and abs(other[2] - key[2]) < 1.0), None
+        )
+        canonical[run] = match or run
+        if match is None and key is not None:
+            seen.append((run, key))
+    return canonical
 
 
 def attempts_of(records: list[dict], alive_dir: Path) -> list[dict]:
@@ -172,6 +201,10 @@ def build(
 ) -> dict:
     """The ledger of the journal's attempts (see the module docstring); current_run's time ends at `now`."""
     attempts = attempts_of(records, alive_dir)
+    canonical = same_runs([current_run, *(a["run"] for a in attempts)])
+    current_run = canonical[current_run]
+    for attempt in attempts:
+        attempt["run"] = canonical[attempt["run"]]
     buckets = dict.fromkeys(BUCKETS, 0.0)
     unaccounted = 0.0
     total = 0.0
@@ -263,7 +296,7 @@ def build(
             if finished_train
             else 0.0,
         },
-        "excluded_s": round(excluded, 3),  # waits for a person's approval (and the idle time between runs)
+        "excluded_s": round(excluded, 3),  # waits for a person's approval; the time between runs is never counted
     }
     badput = {name: seconds for name, seconds in ledger["buckets"].items() if name != PRODUCTIVE}
     ledger["biggest_badput"] = max(badput, key=badput.get) if total else None
