@@ -35,12 +35,20 @@ RUN_SHARE = {"orchestration": (0.40, 0.65), "tokenize_stage": (0.25, 0.50)}
 # fixed overhead below this is never severe, whatever its share: a short run's minute of start-up is worth a
 # warning, not a failed CI job
 SEVERE_OVERHEAD_S = 120.0
+# a loop stall below this, in all, is never severe whatever its share: in a loop of a second or two the one final
+# save or the first batch is most of it (a smoke run, not a starved device)
+SEVERE_LOOP_S = 1.0
 MEMORY_SHARE = (0.85, 0.95)  # the larger of measured peak and plan / device memory: near miss, (near) overflow
 
 
 def _severity(share: float, thresholds: tuple[float, float]) -> str | None:
     warn, severe = thresholds
     return "severe" if share >= severe else "warn" if share >= warn else None
+
+
+def _loop_severity(seconds: float, loop_s: float, cause: str) -> str | None:
+    severity = _severity(seconds / loop_s, LOOP_SHARE[cause])
+    return "warn" if severity == "severe" and seconds < SEVERE_LOOP_S else severity
 
 
 def _finding(cause, severity, seconds, ledger, evidence, param, value, why) -> dict:
@@ -68,7 +76,7 @@ def _loop_findings(ledger: dict, train: dict) -> list[dict]:
     wait = float(totals.get("data_wait_s") or 0.0)
     if preprocess >= 0.5 * wait and preprocess > 0:
         share = preprocess / loop_s
-        severity = _severity(share, LOOP_SHARE["cpu_preprocessing"])
+        severity = _loop_severity(preprocess, loop_s, "cpu_preprocessing")
         if severity:
             findings.append(
                 _finding(
@@ -85,7 +93,7 @@ def _loop_findings(ledger: dict, train: dict) -> list[dict]:
             )
     else:
         share = wait / loop_s
-        severity = _severity(share, LOOP_SHARE["data_loading"])
+        severity = _loop_severity(wait, loop_s, "data_loading")
         if severity:
             prefetch = settings.get("train.prefetch")
             findings.append(
@@ -103,7 +111,7 @@ def _loop_findings(ledger: dict, train: dict) -> list[dict]:
             )
     stall = float(totals.get("checkpoint_s") or 0.0)
     share = stall / loop_s
-    severity = _severity(share, LOOP_SHARE["checkpoint"])
+    severity = _loop_severity(stall, loop_s, "checkpoint")
     if severity:
         mode = settings.get("checkpoint.mode")
         every = settings.get("checkpoint.every_steps")
@@ -127,7 +135,7 @@ def _loop_findings(ledger: dict, train: dict) -> list[dict]:
         )
     sync = float(totals.get("grad_sync_s") or 0.0) + float(totals.get("loss_sync_s") or 0.0)
     share = sync / loop_s
-    severity = _severity(share, LOOP_SHARE["network_sync"])
+    severity = _loop_severity(sync, loop_s, "network_sync")
     if severity:
         accum = int(train.get("grad_accum") or 1)
         findings.append(
