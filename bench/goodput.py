@@ -240,7 +240,14 @@ def naive_worker(scratch: Path) -> int:
         "loop_totals": {k: round(v, 4) for k, v in totals.items()},
         "preprocess_s": round(preprocess, 4),
         "peak_mem_mb": 0.0,
-        "device": {"type": "cpu", "name": "cpu", "count": 1, "bf16_capable": False, "precision": "no"},
+        "device": {
+            "type": "cpu",
+            "name": "cpu",
+            "count": 1,
+            "bf16_capable": False,
+            "bf16_speedup": None,
+            "precision": "no",
+        },
         "flops": {
             "model_per_token": round(per_token["model"]),
             "peak_per_device": peak["flops_per_s"],

@@ -252,7 +252,20 @@ def test_flops_per_token_mfu_and_the_peak_table():
     use = flops.utilization(full, 1000.0, {"flops_per_s": 989e12}, devices=8)
     assert use["mfu"] == pytest.approx(full["model"] * 1000 / (8 * 989e12), rel=1e-3)
     measured = flops.peak_flops("cpu", "cpu", "no")
-    assert measured["flops_per_s"] > 1e8 and measured["source"].startswith("measured")
+    assert measured["flops_per_s"] > 1e8 and measured["source"].startswith("measured: fp32")
+    # a run in bf16 on a CPU is measured against bf16's matmul rate, not fp32's (its MFU would be off by ~2x)
+    assert flops.peak_flops("cpu", "cpu", "bf16")["source"].startswith("measured: bf16")
+
+
+def test_bf16_speedup_is_measured_on_a_cpu_with_bf16_instructions_and_read_from_the_table_on_a_gpu(monkeypatch):
+    monkeypatch.setattr(flops, "bf16_capable", lambda device_type: True)
+    assert flops.bf16_speedup("cuda", "NVIDIA H100 80GB HBM3") == pytest.approx(989 / 67, abs=0.1)
+    assert flops.bf16_speedup("cuda", "Some New GPU") is None  # unknown: the doctor assumes fast
+    rates = {"bfloat16": 4e11, "float32": 2e11}
+    monkeypatch.setattr(flops, "measured_cpu_peak", lambda size=1024, repeats=5, dtype="float32": rates[dtype])
+    assert flops.bf16_speedup("cpu", "cpu") == 2.0
+    monkeypatch.setattr(flops, "bf16_capable", lambda device_type: False)
+    assert flops.bf16_speedup("cpu", "cpu") is None  # emulated bf16 (slower than fp32): never measured
 
 
 # --- the doctor's rules ------------------------------------------------------------------------------------------
@@ -333,6 +346,25 @@ def test_a_loop_stall_of_a_second_is_a_warning_however_large_its_share_of_a_smok
     assert [(f["cause"], f["severity"]) for f in findings] == [("precision", "severe"), ("checkpoint", "warn")]
     stalled = _ledger({"compute": 5.0, "checkpoint": 1.0}, _train(loop_s=6.0, compute_s=5.0, checkpoint_s=1.0))
     assert [(f["cause"], f["severity"]) for f in doctor.diagnose(stalled)] == [("checkpoint", "severe")]
+
+
+@pytest.mark.parametrize(
+    ("speedup", "expected"),
+    [(None, "it computes bf16 fast"), (2.1, "measured at 2.1x fp32's rate"), (1.2, None)],
+)
+def test_fp32_is_a_finding_only_where_bf16_measures_fast_enough_to_pay(speedup, expected):
+    device = {"type": "cpu", "name": "cpu", "bf16_capable": True, "bf16_speedup": speedup}
+    run = _ledger(
+        {"compute": 90.0, "orchestration": 10.0}, _train(compute_s=90.0) | {"precision": "no", "device": device}
+    )
+    findings = doctor.diagnose(run)
+    if expected is None:  # bf16 instructions that run it at 1.2x: not worth a change
+        assert findings == []
+        return
+    [finding] = findings
+    assert (finding["cause"], finding["severity"], finding["fix"]["value"]) == ("precision", "severe", "bf16")
+    assert expected in finding["evidence"]
+    assert finding["seconds"] == pytest.approx(90.0 * (1 - 1 / (speedup or 2.0)), abs=1e-3)
 
 
 def test_fineflow_doctor_prints_text_or_json_and_its_exit_code_follows_fail_on(tmp_path):
@@ -467,8 +499,14 @@ def test_the_tuned_defaults_train_with_nothing_severe_and_the_ledger_adds_up(bui
     result = train_then_ledger(project, venv_env(), 1)
     assert_adds_up(result)
     severe = [f for f in result["findings"] if f["severity"] == "severe"]
-    if flops.bf16_capable("cpu"):  # auto trains fp32 on any CPU; on one with AMX the doctor says to use bf16
-        severe = [f for f in severe if f["cause"] != "precision"]
+    # auto trains fp32 on any CPU; on one whose bf16 instructions measure >= 1.5x fp32 (AMX, AVX-512 BF16) the
+    # doctor says to set bf16, with the measured ratio as its evidence
+    device = result["train"]["device"]
+    fast_bf16 = device["bf16_capable"] and (device["bf16_speedup"] or 0) >= doctor.MIN_BF16_SPEEDUP
+    if fast_bf16:
+        [precision] = [f for f in severe if f["cause"] == "precision"]
+        assert f"measured at {device['bf16_speedup']:g}x" in precision["evidence"], precision
+        severe.remove(precision)
     assert severe == [], result["findings"]
     assert result["buckets"]["restart_loss"] == 0.0 and result["restart"]["failed_attempts"] == []
     assert result["mfu"] and 0 < result["mfu"] < 1 and "measured" in result["train"]["flops"]["peak_source"]
@@ -479,7 +517,7 @@ def test_the_tuned_defaults_train_with_nothing_severe_and_the_ledger_adds_up(bui
     assert [(r["event"], r["stage"]) for r in left] == [("end", "goodput")], left
     assert len(list((project / "reports/ledger/runs").glob("*.jsonl"))) == 1
     doctor_cli = [sys.executable, "-m", "fineflow.cli", "doctor"]
-    if flops.bf16_capable("cpu"):
+    if fast_bf16:
         doctor_cli += ["--fail-on", "never"]  # its one severe finding there is fp32 (above)
     out = subprocess.run(doctor_cli, cwd=project, capture_output=True, text=True)
     assert out.returncode == 0 and "goodput" in out.stdout.splitlines()[0], out.stdout + out.stderr

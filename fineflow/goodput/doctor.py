@@ -15,7 +15,8 @@ unless said otherwise):
   (``train.steps``), fewer re-runs.
 - vram: the measured peak against the device's memory (overflow, near miss), a plan that did not fit as asked
   (auto_fit had to change it); fix ``train.gradient_checkpointing`` / ``train.micro_batch_size`` / ``train.method``.
-- precision: fp32 on a device that computes bf16 fast; fix ``train.precision: bf16``.
+- precision: fp32 on a device whose bf16 matmuls run at >= 1.5x fp32's rate (measured on a CPU, the datasheets' ratio
+  on a GPU); fix ``train.precision: bf16``.
 
 Findings are ordered by severity, then by their share of the run. Exit 1 when a finding reaches ``--fail-on``
 (default severe), so CI can fail a run that wasted its devices; 2 on an unreadable ledger.
@@ -38,6 +39,7 @@ SEVERE_OVERHEAD_S = 120.0
 # a loop stall below this, in all, is never severe whatever its share: in a loop of a second or two the one final
 # save or the first batch is most of it (a smoke run, not a starved device)
 SEVERE_LOOP_S = 1.0
+MIN_BF16_SPEEDUP = 1.5  # bf16's matmul rate over fp32's (fineflow.train.flops.bf16_speedup) worth a finding
 MEMORY_SHARE = (0.85, 0.95)  # the larger of measured peak and plan / device memory: near miss, (near) overflow
 
 
@@ -234,19 +236,27 @@ def _precision_findings(ledger: dict, train: dict) -> list[dict]:
     device = train.get("device") or {}
     if train.get("precision") != "no" or not device.get("bf16_capable"):
         return []
+    speedup = device.get("bf16_speedup")  # measured on a CPU, the datasheets' ratio on a known GPU
+    if speedup is not None and speedup < MIN_BF16_SPEEDUP:
+        return []  # bf16 instructions, but not enough faster here to be worth the change
     compute = ledger["buckets"]["compute"]
+    rate = (
+        f"bf16 matmuls {'measured' if device.get('type') == 'cpu' else 'rated'} at {speedup:g}x fp32's rate there"
+        if speedup
+        else "it computes bf16 fast"
+    )
     return [
         _finding(
             "precision",
             # on a GPU with bf16 tensor cores and on a CPU with AMX / AVX-512 BF16 alike (train.precision auto
             # resolves to fp32 on any CPU: set bf16 there by hand)
             "severe",
-            compute / 2,  # bf16 matmuls run at least twice fp32's rate on such devices: half the compute, at least
+            compute * (1 - 1 / (speedup or 2.0)),  # what the matmuls' speed-up would save (at least 2x: half)
             ledger,
-            f"trained in fp32 on {device.get('name')}, which computes bf16 fast; compute took {compute:.1f} s",
+            f"trained in fp32 on {device.get('name')}; {rate}; compute took {compute:.1f} s",
             "train.precision",
             "bf16",
-            "bf16 autocast: at least 2x the matmul throughput and half the activation memory",
+            "bf16 autocast: more matmul throughput and half the activation memory",
         )
     ]
 

@@ -104,7 +104,8 @@ def bottlenecks_from_env():
 
     FINEFLOW_TEST_LOADER_DELAY_S=<s>     fineflow.train.loader.prepare_step sleeps first: a slow data loader
     FINEFLOW_TEST_ALLREDUCE_DELAY_S=<s>  fineflow.train.gradsync.allreduce sleeps first: a slow network
-    FINEFLOW_TEST_BF16_CAPABLE=1         fineflow.train.flops.bf16_capable says yes: a device that does bf16
+    FINEFLOW_TEST_BF16_CAPABLE=1         fineflow.train.flops.bf16_facts says bf16-capable at 2x fp32's rate
+    (one patch per module: two finders for one module would ask each other for its spec without end)
     """
     patches = []
     if os.environ.get("FINEFLOW_TEST_LOADER_DELAY_S"):
@@ -116,7 +117,8 @@ def bottlenecks_from_env():
         wrap = lambda real, delay=delay: slowed(real, delay)  # noqa: E731
         patches.append(("fineflow.train.gradsync", "allreduce", f"all-reduce delay {delay:g}s", wrap))
     if os.environ.get("FINEFLOW_TEST_BF16_CAPABLE") == "1":
-        patches.append(("fineflow.train.flops", "bf16_capable", "bf16-capable device", lambda r: lambda *a: True))
+        facts = {"bf16_capable": True, "bf16_speedup": 2.0}
+        patches.append(("fineflow.train.flops", "bf16_facts", "bf16 at 2x fp32", lambda r: lambda *a, **k: facts))
     return patches
 
 
