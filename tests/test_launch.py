@@ -313,3 +313,28 @@ def test_a_tracker_whose_package_is_missing_stops_the_launch_with_one_message(bu
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert "train.tracker is 'mlflow' but the mlflow package is not installed (pip install '.[mlflow]')" in done.stderr
     assert "launching:" not in done.stdout and not (project / "models/candidate").exists()
+
+
+def test_a_finished_rank_runs_its_exit_handlers_then_exits_without_the_interpreters_teardown(tmp_path):
+    """Seen in CI: a DeepSpeed ZeRO-2 rank aborted after its final save (SIGABRT, "terminate called without an
+    active exception") while the interpreter tore down what gloo and DeepSpeed left behind; the stage failed after
+    a finished training. A rank now ends with exit_without_teardown: atexit handlers (logging, multiprocessing)
+    still run, objects are not finalized, and the exit code is the stage's."""
+    script = f"""
+import atexit, pathlib
+from fineflow.stages.train import exit_without_teardown
+
+class Finalized:
+    def __del__(self):
+        pathlib.Path({str(tmp_path / "finalized")!r}).write_text("teardown ran")
+
+left_behind = Finalized()
+atexit.register(lambda: pathlib.Path({str(tmp_path / "atexit")!r}).write_text("handlers ran"))
+print("report written", flush=False)
+exit_without_teardown(3)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == "report written\n"  # buffered output is flushed
+    assert (tmp_path / "atexit").read_text() == "handlers ran"
+    assert not (tmp_path / "finalized").exists()

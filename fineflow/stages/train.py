@@ -20,6 +20,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from fineflow.config import CheckpointSettings, load_params
 from fineflow.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError, WorkspaceBusy
@@ -187,7 +188,7 @@ def train_worker(args) -> int:
         )
 
     try:
-        return run_entry("train", args, body)
+        code = run_entry("train", args, body)
     except preempt.Preempted as stopped:
         if os.environ.get("RANK", "0") == "0":  # one record, written after rank 0's checkpoint is published
             preempt.write_preempted_record(args.report, "train", stopped.step, stopped.signum)
@@ -197,6 +198,22 @@ def train_worker(args) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(PREEMPTED_EXIT)
+    exit_without_teardown(code)
+
+
+def exit_without_teardown(code: int) -> NoReturn:
+    """End a rank whose work is done and recorded (its model saved, its report and journal line written): Python's
+    exit handlers run while the interpreter is whole, then the process exits without the interpreter's teardown.
+    In that teardown what a distributed backend left behind (gloo work objects holding tensors, DeepSpeed's
+    groups) is destroyed with half the interpreter gone, and a rank can abort after a successful run (SIGABRT,
+    "terminate called without an active exception"; seen in CI: a DeepSpeed ZeRO-2 rank after its final save,
+    which failed the stage and so would have re-run a finished training)."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
