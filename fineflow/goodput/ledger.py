@@ -84,6 +84,7 @@ SPAN_BUCKET = {
     "resume_load": "restart_loss",
     "save": "checkpoint",
     "plots": "logging",
+    "probe": "logging",
     "loop_data_wait": "data_wait",
     "loop_compute": "compute",
     "loop_optimizer": "compute",

@@ -20,7 +20,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
 
 from fineflow.config import CheckpointSettings, load_params
 from fineflow.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError, WorkspaceBusy
@@ -198,18 +197,26 @@ def train_worker(args) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(PREEMPTED_EXIT)
-    exit_without_teardown(code)
+    return exit_without_teardown(code)
 
 
-def exit_without_teardown(code: int) -> NoReturn:
-    """End a rank whose work is done and recorded (its model saved, its report and journal line written): Python's
-    exit handlers run while the interpreter is whole, then the process exits without the interpreter's teardown.
-    In that teardown what a distributed backend left behind (gloo work objects holding tensors, DeepSpeed's
-    groups) is destroyed with half the interpreter gone, and a rank can abort after a successful run (SIGABRT,
-    "terminate called without an active exception"; seen in CI: a DeepSpeed ZeRO-2 rank after its final save,
-    which failed the stage and so would have re-run a finished training)."""
+def exit_without_teardown(code: int) -> int:
+    """End a rank that finished its training: its model saved, its checkpoints closed, rank 0's report written.
+    Its other threads are joined and Python's exit handlers run while the interpreter is whole, then the process
+    exits without the interpreter's teardown. In that teardown what a distributed backend left behind (gloo
+    work objects holding tensors, DeepSpeed's groups) is destroyed with half the interpreter gone, and a rank can
+    abort after a successful run (SIGABRT, "terminate called without an active exception"; seen in CI: a
+    DeepSpeed ZeRO-2 rank after its final save, which failed the stage and so would have re-run a finished
+    training). A failed rank exits as usual (returns its code): there a checkpoint writer thread may still be
+    finishing a save, which the normal exit waits for."""
+    if code != 0:
+        return code
     import atexit
+    import threading
 
+    for thread in threading.enumerate():  # what the normal exit does first (threading._shutdown)
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -121,7 +121,7 @@ def bf16_capable(device_type: str) -> bool:
     if device_type == "cuda":
         import torch
 
-        return bool(torch.cuda.is_bf16_supported())
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))  # V100/T4 emulate it: slower
     try:
         flags = open("/proc/cpuinfo", encoding="utf-8").read()
     except OSError:
@@ -143,4 +143,6 @@ def bf16_speedup(device_type: str, device_name: str) -> float | None:
     if device_type == "cpu":
         return round(measured_cpu_peak(dtype="bfloat16") / measured_cpu_peak(), 2)
     bf16, fp32 = table_peak(device_name, "bf16"), table_peak(device_name, "no")
+    if fp32 and not bf16:
+        return 1.0  # a known GPU without bf16 units (V100, T4): no speed-up, no finding
     return round(bf16 / fp32, 1) if bf16 and fp32 else None
