@@ -37,6 +37,7 @@ import yaml
 
 from fineflow import journal, remote
 from fineflow.config import load_params
+from fineflow.dvc_rwlock import repair_rwlock
 from fineflow.errors import (
     APPROVAL_NEEDED_EXIT,
     PREEMPTED_EXIT,
@@ -373,6 +374,9 @@ def _checked_job(project: Path, options: Options, notes: dict[str, str], log) ->
     problem = check_params(project)
     if problem is not None:
         return Outcome("bad_params", USER_ERROR_EXIT, f"nothing was pulled or run: {problem}"), None
+    repaired = repair_rwlock(project)  # a runner that keeps its workspace after a killed job (clean: false)
+    if repaired:
+        log(f"fineflow ci: {repaired}")
     if options.commit and remote.default_remote(project) is None:
         message = (
             "nothing was pulled or run: --commit records a dvc.lock whose artefacts would exist only on this "

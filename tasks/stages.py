@@ -34,6 +34,7 @@ from prefect.artifacts import (
 )
 
 from fineflow.config import CheckpointSettings, load_params
+from fineflow.dvc_rwlock import repair_rwlock
 from fineflow.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
 from fineflow.registry.approval import APPROVAL_ENV
 from fineflow.remote import dvc_environment
@@ -89,6 +90,9 @@ def repro_single(stage: str, project_dir: Path, log, extra_env: dict[str, str] |
 
     Returns whether the stage's command ran (False when DVC found it unchanged and skipped it)."""
     command = [sys.executable, "-m", "dvc", "repro", "--single-item", stage]
+    repaired = repair_rwlock(project_dir)  # a dvc process killed mid-write would fail every stage from now on
+    if repaired:
+        log(f"fineflow: {repaired}")
     tail: deque[str] = deque(maxlen=60)
     ran = False  # seen DVC's "Running stage" line (a chatty stage pushes it out of the tail)
     with (
