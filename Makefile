@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.fineflow-installed
 
 # Telemetry off, Prefect state inside the project. The Hugging Face hub is not set here: every stage and the
-# flow put it offline, with a project-local cache, unless model.base is a hub id (fineflow/runtime.py); then
+# flow put it offline, with a project-local cache, unless model.base is a hub id (fineflow/core/runtime.py); then
 # your own HF_HOME and network apply, and HF_HUB_OFFLINE=1 keeps an air-gapped cluster off the network.
 export HF_HUB_DISABLE_TELEMETRY := 1
 export DO_NOT_TRACK := 1

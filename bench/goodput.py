@@ -126,7 +126,7 @@ def naive_batches(rows: list[dict], per_step: int, seed: int):
 
 def naive_worker(scratch: Path) -> int:
     """The naive loop (module docstring), timed into the same spans and report fields as the train stage."""
-    from fineflow.journal import Attempt, ledger_dir
+    from fineflow.core.journal import Attempt, ledger_dir
 
     attempt = Attempt(ledger_dir(scratch / "reports/train.json"), "train")
     attempt.start()
@@ -136,8 +136,8 @@ def naive_worker(scratch: Path) -> int:
     import torch
     import transformers  # noqa: F401
 
-    from fineflow.config import load_params
-    from fineflow.reports import write_json_atomic
+    from fineflow.core.config import load_params
+    from fineflow.core.reports import write_json_atomic
     from fineflow.tokenize.template import encode_pair, render_pair
     from fineflow.tokenize.tokenization import load_tokenizer
     from fineflow.train import flops

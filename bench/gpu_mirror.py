@@ -10,7 +10,7 @@ Each section names the fineflow module it mirrors; keep them in step when those 
   method lora|qlora, weights held in the compute dtype, one device, no sharding, no gradient
   checkpointing, optimizer adamw, attention sdpa)
 
-- the price table of the goodput ledger's cost: fineflow/config.py's DEFAULT_PRICES (fineflow.goodput.cost)
+- the price table of the goodput ledger's cost: fineflow/core/config.py's DEFAULT_PRICES (fineflow.goodput.cost)
 
 tests/test_bench_gpu.py compares these copies with the originals, so a change there fails until it is
 copied here.
@@ -326,7 +326,7 @@ def plan(shape: Shape, setup: Setup) -> dict:
     return parts
 
 
-# --- fineflow/config.py DEFAULT_PRICES, fineflow/goodput/cost.py --------------------------------------------
+# --- fineflow/core/config.py DEFAULT_PRICES, fineflow/goodput/cost.py --------------------------------------------
 
 PRICES = {
     "B200": 7.0,

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def child(method: str, steps: int, out: str) -> None:
-    from fineflow.config import load_params
+    from fineflow.core.config import load_params
     from fineflow.train import recipe
 
     raw = load_params(ROOT / "params.yaml").model_dump(by_alias=True)
@@ -35,7 +35,7 @@ def child(method: str, steps: int, out: str) -> None:
         tracker="none",
         lr=raw["train"]["lr"] if method == "lora" else 3e-4,
     )
-    from fineflow.config import parse_params
+    from fineflow.core.config import parse_params
 
     report = recipe.train_rank(
         parse_params(raw),

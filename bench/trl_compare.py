@@ -63,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 # CPU benchmark: keep accelerate (fineflow's Accelerator and TRL's) off any GPU, hubs offline, no telemetry.
 os.environ["ACCELERATE_USE_CPU"] = "1"
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
-from fineflow.runtime import apply_offline_environment
+from fineflow.core.runtime import apply_offline_environment
 
 apply_offline_environment(ROOT)
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -515,7 +515,7 @@ def worker_main(args) -> None:
     import torch
     import transformers
 
-    from fineflow.config import load_params
+    from fineflow.core.config import load_params
 
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()
@@ -570,7 +570,7 @@ def main() -> None:
     import transformers
     import trl
 
-    from fineflow.config import load_params
+    from fineflow.core.config import load_params
     from fineflow.tokenize.shards import PackedShard
 
     datasets.disable_progress_bars()

@@ -63,8 +63,8 @@ def child(args) -> None:
     """Runs in a fresh process: warm up on a tiny file, then time the real validation."""
     import yaml
 
-    from fineflow.config import parse_params
-    from fineflow.errors import DataError
+    from fineflow.core.config import parse_params
+    from fineflow.core.errors import DataError
     from fineflow.stages import validate
 
     work = Path(args.work)

@@ -28,7 +28,7 @@ import json
 import sys
 from pathlib import Path
 
-from fineflow.errors import FineflowError
+from fineflow.core.errors import FineflowError
 
 
 def _plan_parser(sub) -> None:
@@ -280,10 +280,10 @@ def _run_verify(args) -> int:
 def _run_rollback(args) -> int:
     from pathlib import Path
 
+    from fineflow.core.workspace import held_for
     from fineflow.registry.champion import rollback
     from fineflow.registry.dvc_record import record_outputs
     from fineflow.registry.store import registry_lock
-    from fineflow.workspace import held_for
 
     registry, champion = _registry_paths(args)
     # not while a run holds the workspace (its promote, and the dvc.lock it writes, would race the rollback's)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from fineflow.errors import FineflowError
+from fineflow.core.errors import FineflowError
 
 DVC_FILE = "dvc.yaml"
 PARAMS_FILE = "params.yaml"

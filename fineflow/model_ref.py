@@ -10,9 +10,9 @@ import json
 import os
 from pathlib import Path
 
-from fineflow.config import ModelParams
-from fineflow.errors import FineflowError
-from fineflow.reports import read_json, sha256_file, write_json_atomic
+from fineflow.core.config import ModelParams
+from fineflow.core.errors import FineflowError
+from fineflow.core.reports import read_json, sha256_file, write_json_atomic
 
 EXTERNAL_MARKER = "external_base.json"
 HASH_CACHE = ".base-hashes.json"  # in a cache dir: content hashes of base model files, by path/size/mtime

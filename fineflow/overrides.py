@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from fineflow.config import ConfigError, parse_params
+from fineflow.core.config import ConfigError, parse_params
 
 
 def merged(raw: dict, overrides: dict[str, Any]) -> tuple[dict, list[str]]:

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from prefect.schedules import Cron
 
-    from fineflow.runtime import apply_offline_environment
+    from fineflow.core.runtime import apply_offline_environment
 
     project = Path(__file__).resolve().parent.parent
     apply_offline_environment(project)

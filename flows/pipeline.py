@@ -28,7 +28,7 @@ from typing import Any
 
 from prefect import flow
 
-from fineflow import journal
+from fineflow.core import journal
 from fineflow.dag import stage_names, upstream_stages
 from fineflow.train import preempt
 from tasks import runs
@@ -48,7 +48,7 @@ def fineflow_pipeline(project_dir: str = ".", overrides: dict[str, Any] | None =
     ({"train.lr": 0.001}), validated at once and written into params.yaml as `dvc exp run -S` writes them."""
     from prefect.runtime import flow_run
 
-    from fineflow.runtime import RUN_NAME_ENV, apply_offline_environment
+    from fineflow.core.runtime import RUN_NAME_ENV, apply_offline_environment
 
     started = time.time()
     apply_offline_environment(project_dir)  # a worker's run starts here, not in run_flow: offline for its stages
@@ -102,7 +102,7 @@ def _interrupted(signum, frame):
 
 
 def run_flow(project: Path) -> int:
-    from fineflow.runtime import apply_offline_environment
+    from fineflow.core.runtime import apply_offline_environment
 
     apply_offline_environment(project)
     # SIGTERM outside Prefect's own handler (which it installs while the flow runs): an orderly stop as well,

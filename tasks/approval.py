@@ -18,10 +18,10 @@ from prefect.exceptions import FlowPauseTimeout
 from prefect.input import RunInput
 from pydantic import Field
 
-from fineflow.config import load_params
-from fineflow.errors import FineflowError
+from fineflow.core.config import load_params
+from fineflow.core.errors import FineflowError
+from fineflow.core.reports import gate_evidence_table
 from fineflow.registry.approval import APPROVAL_ENV
-from fineflow.reports import gate_evidence_table
 
 
 class PromotionApproval(RunInput):

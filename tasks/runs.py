@@ -22,8 +22,8 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from fineflow.core.workspace import HOLDER_ENV, WorkspaceLock, describe
 from fineflow.remote import pull, push
-from fineflow.workspace import HOLDER_ENV, WorkspaceLock, describe
 
 _HELD: dict[str, WorkspaceLock] = {}  # project path -> the lock this process holds for it
 

@@ -33,12 +33,12 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from fineflow.config import CheckpointSettings, load_params
+from fineflow.core.config import CheckpointSettings, load_params
+from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
+from fineflow.core.reports import gate_evidence_table, read_approval_request, read_error_record
 from fineflow.dvc_rwlock import repair_rwlock
-from fineflow.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
 from fineflow.registry.approval import APPROVAL_ENV
 from fineflow.remote import dvc_environment
-from fineflow.reports import gate_evidence_table, read_approval_request, read_error_record
 from fineflow.train import preempt
 from fineflow.train.plots import TRAIN_CHARTS
 

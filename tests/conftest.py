@@ -113,7 +113,7 @@ def write_params(path: Path, overrides: dict | None = None) -> Path:
 
 @pytest.fixture
 def tiny_params():
-    from fineflow.config import parse_params
+    from fineflow.core.config import parse_params
 
     return parse_params(yaml.safe_load(yaml.safe_dump(TINY_PARAMS)))
 
@@ -121,8 +121,8 @@ def tiny_params():
 @pytest.fixture(scope="session")
 def built(tmp_path_factory):
     """The first four stages run once on the tiny config: base model, raw data, validated rows, shards."""
-    from fineflow.config import parse_params
-    from fineflow.reports import write_json_atomic
+    from fineflow.core.config import parse_params
+    from fineflow.core.reports import write_json_atomic
     from fineflow.stages import base, data, tokenize, validate
 
     root = tmp_path_factory.mktemp("built")

@@ -158,7 +158,7 @@ def test_importing_the_bench_pulls_no_pipeline_stack(tmp_path):
 
 
 def test_mirror_prices_match_fineflows_cost_table():
-    from fineflow.config import DEFAULT_PRICES
+    from fineflow.core.config import DEFAULT_PRICES
     from fineflow.goodput.cost import price_per_device_hour
 
     mirror = load_mirror()

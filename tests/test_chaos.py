@@ -34,8 +34,8 @@ import psutil
 import pytest
 import yaml
 
+from fineflow.core.workspace import WorkspaceLock
 from fineflow.registry.store import read_log, verify_log
-from fineflow.workspace import WorkspaceLock
 from tests.conftest import ROOT, copy_project, venv_env
 from tests.faults import fault_env
 

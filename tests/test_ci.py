@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from fineflow import ci
-from fineflow.errors import APPROVAL_NEEDED_EXIT, REFUSED_EXIT, USER_ERROR_EXIT
-from fineflow.reports import write_approval_request, write_error_record, write_json_atomic
+from fineflow.core.errors import APPROVAL_NEEDED_EXIT, REFUSED_EXIT, USER_ERROR_EXIT
+from fineflow.core.reports import write_approval_request, write_error_record, write_json_atomic
 from tests.conftest import ROOT, add_s3_remote, copy_project, gate_only_project, venv_env
 
 WORKFLOW = ROOT / ".github" / "workflows" / "retrain.yml"
@@ -417,8 +417,8 @@ def test_queued_experiments_wait_for_the_workspace_reuse_the_shards_compare_in_e
     the first experiment's stage waits, naming it, and trains nothing. Then: both train from the shards the
     baseline made (tokenize skipped), `dvc exp show` holds each one's params and metrics, and the one that
     reaches promote fails there saying how to promote it: the workspace's registry and champion are untouched."""
+    from fineflow.core.workspace import WorkspaceLock
     from fineflow.registry.store import read_log
-    from fineflow.workspace import WorkspaceLock
 
     project = copy_project(tmp_path / "project")
     _dvc(project, "repro")

@@ -2,8 +2,8 @@
 
 import pytest
 
-from fineflow.config import load_params, parse_params
-from fineflow.errors import ConfigError
+from fineflow.core.config import load_params, parse_params
+from fineflow.core.errors import ConfigError
 
 
 def test_repo_params_are_valid():
@@ -62,7 +62,7 @@ def test_params_yaml_states_exactly_the_config_defaults():
     Each differing or missing key is named at once, so a drift is fixed in one go."""
     import yaml
 
-    from fineflow.config import Params
+    from fineflow.core.config import Params
     from tests.conftest import ROOT
 
     raw = yaml.safe_load((ROOT / "params.yaml").read_text(encoding="utf-8"))
@@ -73,5 +73,5 @@ def test_params_yaml_states_exactly_the_config_defaults():
     unstated = [key for key in defaults if key not in stated]
     problems = [f"{key}: params.yaml {shipped[key]!r} != config.py default {defaults[key]!r}" for key in differing]
     problems += [f"{key}: in config.py (default {defaults[key]!r}) but not stated in params.yaml" for key in unstated]
-    assert not problems, "params.yaml and fineflow/config.py disagree:\n  " + "\n  ".join(problems)
+    assert not problems, "params.yaml and fineflow/core/config.py disagree:\n  " + "\n  ".join(problems)
     assert parse_params(raw) == Params()

@@ -43,7 +43,7 @@ def _files_under(root: Path, skip: Path):
 
 @pytest.mark.slow  # ~1 min: dvc repro of base, fingerprint, data and validate on the tiny config
 def test_no_pii_original_lands_in_any_artefact(tmp_path):
-    from fineflow.config import parse_params
+    from fineflow.core.config import parse_params
     from fineflow.stages import data
     from tests.conftest import TINY_PARAMS
 
@@ -103,8 +103,8 @@ def test_data_paths_with_spaces_reach_the_validate_stage_whole(built, tmp_path, 
 
 
 def test_a_quote_in_a_data_path_is_a_params_error():
-    from fineflow.config import parse_params
-    from fineflow.errors import ConfigError
+    from fineflow.core.config import parse_params
+    from fineflow.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"data\.train_path: must not contain a single quote"):
         parse_params({"data": {"train_path": "it's/train.jsonl"}})

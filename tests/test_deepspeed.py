@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fineflow.errors import FineflowError
+from fineflow.core.errors import FineflowError
 from fineflow.train.launch import (
     DEEPSPEED_INSTALL,
     accelerate_command,
@@ -204,7 +204,7 @@ def test_a_sharded_checkpoint_is_resumed_only_by_the_engine_that_wrote_it(writte
 
     from accelerate.utils import DistributedType
 
-    from fineflow.errors import FineflowError
+    from fineflow.core.errors import FineflowError
     from fineflow.train.loop import restore
 
     checkpoint = SimpleNamespace(path=Path("step-0000002"), sharded_dir=Path("step-0000002/sharded"), state=written_by)

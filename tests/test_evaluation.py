@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fineflow.errors import FineflowError
+from fineflow.core.errors import FineflowError
 from tests.conftest import TINY_PARAMS, random_adapter
 
 TASKS = ["fineflow_synth", "fineflow_synth_mc"]
 
 
 def _params(**evaluate):
-    from fineflow.config import parse_params
+    from fineflow.core.config import parse_params
 
     raw = yaml.safe_load(yaml.safe_dump(TINY_PARAMS))
     raw["evaluate"].update(evaluate)
@@ -25,7 +25,7 @@ def _params(**evaluate):
 
 
 def _params_with(overrides: dict):
-    from fineflow.config import parse_params
+    from fineflow.core.config import parse_params
     from tests.conftest import write_params
 
     return parse_params(yaml.safe_load(write_params(Path(tempfile.mkdtemp()) / "params.yaml", overrides).read_text()))
@@ -244,7 +244,7 @@ def test_registry_task_offline_says_it_needs_its_dataset_before_any_model_is_loa
 def test_a_failing_candidate_fails_the_stage_and_records_nothing(built, adapter, tmp_path):
     """A recorded failure would be a cached success to DVC: later runs would skip the evaluation. The stage exits 2
     (a user error, with the record the layers above read), writes no scores, and says what to do."""
-    from fineflow.reports import read_error_record
+    from fineflow.core.reports import read_error_record
     from fineflow.stages import evaluate
     from tests.conftest import write_params
 
@@ -397,7 +397,7 @@ def test_task_dirs_outside_the_folder_dvc_tracks_are_refused_by_the_stage(tmp_pa
     """dvc.yaml declares eval_tasks/ as the evaluate stage's task dependency (DVC takes no list param as deps):
     a task folder elsewhere would let an edited task hand back the old scores. The stage refuses it up front,
     as a user error naming the folder, before any model is loaded."""
-    from fineflow.reports import read_error_record
+    from fineflow.core.reports import read_error_record
     from fineflow.stages import evaluate
     from tests.conftest import write_params
 

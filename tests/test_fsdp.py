@@ -159,7 +159,7 @@ def one_process_eval_loss(project) -> float:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from fineflow.config import load_params
+    from fineflow.core.config import load_params
     from fineflow.tokenize.shards import PackedShard
     from fineflow.train.loop import evaluate_loss
     from fineflow.train.model import attention_of

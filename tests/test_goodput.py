@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from fineflow import journal
+from fineflow.core import journal
 from fineflow.goodput import cost, doctor, ledger
 from fineflow.train import flops
 from tests.conftest import (
@@ -203,7 +203,7 @@ def test_a_stage_under_dvc_repro_belongs_to_that_dvc_process(tmp_path):
     fake_dvc = tmp_path / "dvc"
     fake_dvc.write_text(
         "import subprocess, sys\n"
-        "code = 'from fineflow.journal import run_identity; print(run_identity()[0])'\n"
+        "code = 'from fineflow.core.journal import run_identity; print(run_identity()[0])'\n"
         "print(subprocess.run([sys.executable, '-c', code], capture_output=True, text=True).stdout.strip())\n"
     )
     env = {k: v for k, v in venv_env().items() if k != journal.RUN_ID_ENV}

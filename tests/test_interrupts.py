@@ -82,7 +82,7 @@ def test_a_rank_stuck_after_a_stop_signal_exits_75_when_the_grace_runs_out():
 
 
 def _params(**overrides):
-    from fineflow.config import parse_params
+    from fineflow.core.config import parse_params
 
     return parse_params(_merge(TINY_PARAMS, overrides))
 

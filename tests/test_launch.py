@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from fineflow.errors import FineflowError
+from fineflow.core.errors import FineflowError
 from fineflow.train.launch import (
     PROFILE_DIR,
     WORKER_ENV,

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import yaml
 
-from fineflow.config import ConfigError, load_params
+from fineflow.core.config import ConfigError, load_params
 from fineflow.overrides import apply
 from tests.conftest import ROOT
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from fineflow.cli import main
-from fineflow.errors import FineflowError
+from fineflow.core.errors import FineflowError
 from fineflow.train.planner import (
     KNOWN_SHAPES,
     LINEARS,
@@ -175,7 +175,7 @@ def test_a_7b_lora_base_is_counted_in_the_dtype_it_is_held_in():
 def test_the_train_stage_plans_the_layout_build_model_loads(tmp_path):
     """fit_plan (what the launcher checks) sets the layout from fineflow.train.precision, as build_model loads it:
     a 7B LoRA in bf16 holds a bf16 base (12.7 GiB); full fine-tuning under DDP autocast holds fp32 weights."""
-    from fineflow.config import parse_params
+    from fineflow.core.config import parse_params
     from fineflow.train.precision import base_dtype
     from fineflow.train.sizing import fit_plan
     from tests.conftest import TINY_PARAMS, _merge

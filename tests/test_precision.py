@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fineflow.errors import FineflowError
+from fineflow.core.errors import FineflowError
 from fineflow.train import planner
 from fineflow.train.precision import (
     PrecisionChoice,
@@ -146,7 +146,7 @@ def base_dir(tmp_path_factory) -> Path:
 
 
 def _params(**train):
-    from fineflow.config import parse_params
+    from fineflow.core.config import parse_params
 
     return parse_params(_merge(TINY_PARAMS, {"train": {"device_memory_gib": 8, **train}}))
 

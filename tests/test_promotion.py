@@ -363,7 +363,7 @@ def test_a_promote_re_run_after_its_decision_was_logged_does_not_judge_again(tmp
     """promote killed after its log entry (or DVC re-running it with nothing changed): the re-run finds the same
     candidate judged on the same scores and params as the log's last entry and reuses that verdict. Before: it
     judged again and logged a second verdict (for a promoted candidate, against itself: refused)."""
-    from fineflow.config import parse_params
+    from fineflow.core.config import parse_params
     from fineflow.registry.champion import already_decided, decided_as
     from fineflow.registry.store import append_log
     from tests.conftest import TINY_PARAMS
@@ -392,7 +392,7 @@ def test_a_promote_re_run_after_its_decision_was_logged_does_not_judge_again(tmp
 
 
 def test_an_approval_answers_for_what_the_gate_would_promote_and_never_overturns_a_refusal():
-    from fineflow.errors import ApprovalNeeded
+    from fineflow.core.errors import ApprovalNeeded
     from fineflow.registry.approval import Approval, apply_approval
 
     passed = promotion_decision({"base": entry({P: hits(5)}), "candidate": entry({P: hits(25)})}, None, [], **GATE)
@@ -421,7 +421,7 @@ def test_an_approval_answers_for_what_the_gate_would_promote_and_never_overturns
     ],
 )
 def test_a_malformed_approval_is_refused_naming_the_variable_and_every_problem(text, problems):
-    from fineflow.errors import FineflowError
+    from fineflow.core.errors import FineflowError
     from fineflow.registry.approval import approval_from_env
 
     with pytest.raises(FineflowError) as refused:

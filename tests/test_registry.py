@@ -103,7 +103,7 @@ def promoted(promoted_once, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_params_module():
-    from fineflow.config import parse_params
+    from fineflow.core.config import parse_params
     from tests.conftest import TINY_PARAMS
 
     return parse_params(TINY_PARAMS)

@@ -30,7 +30,7 @@ def _train(built, workdir, params) -> tuple[str, bytes]:
 
 
 def test_two_fresh_runs_give_bit_identical_adapters(built, tmp_path):
-    from fineflow.config import parse_params
+    from fineflow.core.config import parse_params
 
     params = parse_params(_merge(TINY_PARAMS, {"train": {"tracker": "none"}}))
     first, second = _train(built, tmp_path / "one", params), _train(built, tmp_path / "two", params)

@@ -17,8 +17,8 @@ import urllib.request
 
 import pytest
 
+from fineflow.core.workspace import WorkspaceLock, describe
 from fineflow.dag import upstream_stages
-from fineflow.workspace import WorkspaceLock, describe
 from tasks.runs import commit_label
 from tasks.stages import StageFailed, is_progress_redraw, promotion_markdown, report_table
 from tests.conftest import copy_project
@@ -52,7 +52,7 @@ def test_a_sigkilled_holder_never_blocks_the_next_run(tmp_path):
         f"""
         import time
         from pathlib import Path
-        from fineflow.workspace import WorkspaceLock
+        from fineflow.core.workspace import WorkspaceLock
         assert WorkspaceLock(Path({str(tmp_path)!r}), "doomed").try_acquire()
         print("held", flush=True)
         time.sleep(600)
@@ -127,7 +127,7 @@ def test_approval_with_prefects_temporary_server_fails_at_once_saying_how_to_ans
     wait for hours, the flow says where to run it, or how to give the answer up front."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from fineflow.errors import FineflowError
+    from fineflow.core.errors import FineflowError
     from tasks import approval
     from tests.conftest import write_params
 
@@ -511,7 +511,7 @@ def _promote_only_project(built, path, overrides: dict):
 def _answer_when_paused(api_url: str, project, proc, log, answer: dict, seen: set) -> dict:
     """Wait for this copy's next flow run to pause at promotion, check what it shows, resume it with answer
     through the API (as the UI's Resume form does); the run as it was while paused."""
-    from fineflow.workspace import WorkspaceLock
+    from fineflow.core.workspace import WorkspaceLock
 
     def paused():
         runs = [r for r in _flow_runs(api_url) if r["parameters"].get("project_dir") == str(project)]

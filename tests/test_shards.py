@@ -122,7 +122,7 @@ def test_sampler_is_deterministic_disjoint_across_ranks_and_resumable():
 
 
 def test_sampler_refuses_fewer_rows_than_ranks_as_a_user_error():
-    from fineflow.errors import DataError
+    from fineflow.core.errors import DataError
 
     with pytest.raises(DataError, match="has 3 packed rows, fewer than the 4 processes .*train.num_processes"):
         RowSampler(3, seed=0, world_size=4)
@@ -226,8 +226,8 @@ def test_seq_len_beyond_the_position_dtype_is_a_params_error():
     """positions.bin stores position ids as uint16: a longer row would wrap them around to 0 silently."""
     import numpy as np
 
-    from fineflow.config import MAX_SEQ_LEN, parse_params
-    from fineflow.errors import ConfigError
+    from fineflow.core.config import MAX_SEQ_LEN, parse_params
+    from fineflow.core.errors import ConfigError
     from fineflow.tokenize.shards import POSITION_DTYPE
 
     assert MAX_SEQ_LEN == np.iinfo(POSITION_DTYPE).max + 1  # the params bound is the shard format's
@@ -239,7 +239,7 @@ def test_seq_len_beyond_the_position_dtype_is_a_params_error():
 def test_a_row_of_max_seq_len_keeps_every_position():
     import numpy as np
 
-    from fineflow.config import MAX_SEQ_LEN
+    from fineflow.core.config import MAX_SEQ_LEN
     from fineflow.tokenize.shards import pack_examples
     from fineflow.tokenize.template import EncodedBatch
 

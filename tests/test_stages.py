@@ -81,7 +81,7 @@ def trained(built, tmp_path_factory):
     model and shards and writing into a folder of its own. Returns (built, that folder, the report)."""
     from accelerate.state import AcceleratorState
 
-    from fineflow.config import parse_params
+    from fineflow.core.config import parse_params
     from fineflow.train import recipe
     from tests.conftest import TINY_PARAMS
 
@@ -201,9 +201,9 @@ def test_validate_cli_bad_input_gives_one_clear_error(tmp_path, content, expecte
 def test_a_user_error_leaves_a_record_that_the_next_run_of_the_stage_removes(tmp_path, monkeypatch):
     import argparse
 
-    from fineflow.errors import DataError
-    from fineflow.reports import read_error_record
-    from fineflow.stages._entry import run_entry
+    from fineflow.core.entry import run_entry
+    from fineflow.core.errors import DataError
+    from fineflow.core.reports import read_error_record
 
     monkeypatch.delenv("FINEFLOW_TRAIN_WORKER", raising=False)
     args = argparse.Namespace(params=str(write_params(tmp_path / "params.yaml")), report=str(tmp_path / "r/x.json"))
@@ -233,7 +233,7 @@ def test_a_user_error_leaves_a_record_that_the_next_run_of_the_stage_removes(tmp
     ],
 )
 def test_a_base_that_is_not_there_is_a_user_error_before_anything_loads(tmp_path, monkeypatch, capsys, base, problem):
-    from fineflow.reports import read_error_record
+    from fineflow.core.reports import read_error_record
     from fineflow.stages import base as base_stage
 
     monkeypatch.chdir(tmp_path)
@@ -282,7 +282,7 @@ def test_a_hub_id_in_the_users_cache_is_used_offline_and_online_one_not_cached_i
     """The decision, without a network: a cached snapshot is used as it is (offline or not); an uncached hub id
     is downloaded once by the base stage when the hub is online, refused when it is offline; a local dir is a
     dir. The cache is the user's (HF_HOME, or HF_HUB_CACHE when set)."""
-    from fineflow.errors import FineflowError
+    from fineflow.core.errors import FineflowError
     from fineflow.model_ref import base_source, hub_cache_dir
 
     monkeypatch.chdir(tmp_path)
@@ -308,7 +308,7 @@ def test_fineflow_puts_the_hub_offline_only_where_nothing_needs_it(tmp_path, mon
     hub model could not be used through the README's commands and the user's own HF cache was ignored. Now the
     embedded default and a local base run offline with a project cache; with a hub id the user's settings
     apply (an air-gapped cluster sets HF_HUB_OFFLINE=1 itself); a value the caller set always wins."""
-    from fineflow.runtime import HUB_VARIABLES, apply_offline_environment, params_model_base, process_environment
+    from fineflow.core.runtime import HUB_VARIABLES, apply_offline_environment, params_model_base, process_environment
 
     (tmp_path / "models/mine").mkdir(parents=True)
     for base in ("embedded", "models/mine", "/abs/model", None):
@@ -337,7 +337,7 @@ def test_a_stage_writes_the_few_figures_worth_diffing_beside_its_full_report(tmp
 
     import yaml
 
-    from fineflow.stages._entry import run_entry
+    from fineflow.core.entry import run_entry
 
     monkeypatch.delenv("FINEFLOW_TRAIN_WORKER", raising=False)
     args = argparse.Namespace(

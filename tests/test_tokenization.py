@@ -84,7 +84,7 @@ def test_windowed_packing_keeps_every_example(built, tmp_path):
 
 
 def _tokenize_stage(built, out, **overrides):
-    from fineflow.config import parse_params
+    from fineflow.core.config import parse_params
     from fineflow.stages import tokenize
     from tests.conftest import TINY_PARAMS, _merge
 
@@ -116,7 +116,7 @@ def test_tokenize_is_content_addressed(built, tmp_path):
 def test_tokenize_key_follows_rows_tokenizer_and_template(built, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    from fineflow.config import parse_params
+    from fineflow.core.config import parse_params
     from fineflow.tokenize import template
     from fineflow.tokenize.tokenization import content_key
     from tests.conftest import TINY_PARAMS

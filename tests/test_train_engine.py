@@ -15,7 +15,7 @@ from tests.conftest import TINY_PARAMS, _merge, venv_env, write_params
 
 
 def _params(**train):
-    from fineflow.config import parse_params
+    from fineflow.core.config import parse_params
 
     return parse_params(_merge(TINY_PARAMS, {"train": {"steps": 2, **train}}))
 
@@ -104,7 +104,7 @@ def test_precision_and_gradient_checkpointing_change_what_training_runs(
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_a_non_finite_loss_stops_training_with_a_clear_error(built, tmp_path, monkeypatch, bad):
     """fit() checks math.isfinite on every step's loss: NaN and an overflow to +inf both stop the run."""
-    from fineflow.errors import FineflowError
+    from fineflow.core.errors import FineflowError
     from fineflow.train import loop
 
     real = loop.token_loss_sum

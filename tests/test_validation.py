@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from fineflow.config import ValidateParams, ValidationChecks
+from fineflow.core.config import ValidateParams, ValidationChecks
+from fineflow.core.errors import DataError
 from fineflow.data import checks
 from fineflow.data.formats import read_jsonl
 from fineflow.data.validation import raise_if_blocked, validate_rows
-from fineflow.errors import DataError
 
 CFG = ValidateParams(max_chars=300, max_bad_share=0.5)
 GOOD = {"instruction": "Say hi.", "input": "", "output": "hi"}
@@ -227,7 +227,7 @@ def test_near_duplicates_warn_by_default_and_keep_the_row(tmp_path):
 
 
 def test_near_duplicates_quarantined_when_severity_is_error(tmp_path):
-    from fineflow.config import parse_params
+    from fineflow.core.config import parse_params
 
     cfg = parse_params(
         {"validate": {"max_bad_share": 1.0, "checks": {"near_duplicate": {"severity": "error", "max_share": 1.0}}}}
@@ -241,7 +241,7 @@ def test_near_duplicates_quarantined_when_severity_is_error(tmp_path):
 
 
 def test_error_check_above_its_max_share_blocks_the_flow(tmp_path):
-    from fineflow.config import parse_params
+    from fineflow.core.config import parse_params
 
     cfg = parse_params({"validate": {"max_bad_share": 1.0, "checks": {"pii": {"max_share": 0.2}}}}).validate_
     rows = [json.dumps({**GOOD, "output": f"hi {i}"}) for i in range(3)]
@@ -258,7 +258,7 @@ def test_error_check_above_its_max_share_blocks_the_flow(tmp_path):
 
 
 def test_pii_redact_mode_keeps_rows_with_typed_placeholders(tmp_path):
-    from fineflow.config import parse_params
+    from fineflow.core.config import parse_params
 
     cfg = parse_params({"validate": {"pii": "redact"}}).validate_
     path = write(tmp_path / "t.jsonl", [json.dumps({**GOOD, "input": "mail ann@example.org or 10.0.0.7"})])
@@ -380,7 +380,7 @@ def test_checks_on_one_derived_column_derive_it_the_same_way():
 
 
 def test_a_new_declaration_alone_runs_reports_and_explains_itself(tmp_path, monkeypatch):
-    from fineflow.config import parse_params
+    from fineflow.core.config import parse_params
 
     short_output = checks.Check(
         "min_output_chars(output)",
@@ -524,7 +524,7 @@ def test_a_huge_row_without_separators_validates_in_linear_time(tmp_path):
     code = f"""
 import json
 from fineflow.base.model import train_tokenizer
-from fineflow.config import ValidateParams
+from fineflow.core.config import ValidateParams
 from fineflow.data.formats import read_jsonl
 from fineflow.data.tokens import TokenView
 from fineflow.data.validation import validate_rows

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from fineflow.config import BaseParams, ModelParams
+from fineflow.core.config import BaseParams, ModelParams
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 CHAT_TEMPLATE = (

@@ -16,8 +16,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fineflow.core.errors import DataError
 from fineflow.data.pii import PREVIEW_SOURCE_CHARS, redacted_preview
-from fineflow.errors import DataError
 
 # The record every source is mapped onto (apply_mapping); the gate checks it and the tokenizer renders it.
 REQUIRED = ("instruction", "output")

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from fineflow.config import ValidateParams
+from fineflow.core.config import ValidateParams
+from fineflow.core.errors import DataError
 from fineflow.data import checks
 from fineflow.data.checks import SCHEMA, TRUNCATION, Check, CheckContext, FailedRow, Seen
 from fineflow.data.formats import OPTIONAL, REQUIRED, Row, apply_mapping, example_text, read_rows
@@ -37,7 +38,6 @@ from fineflow.data.gx_suite import GxRunner
 from fineflow.data.overlap import LeakIndex
 from fineflow.data.pii import find_pii, redact, redacted_preview
 from fineflow.data.tokens import TokenView
-from fineflow.errors import DataError
 
 CHUNK_ROWS = 10_000  # rows checked together: GX's fixed cost per run (~0.3 s) is amortized, memory stays bounded
 CHUNK_BYTES = 32 << 20  # ... and a chunk of huge rows ends early

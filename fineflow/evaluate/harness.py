@@ -25,7 +25,7 @@ import shutil
 import time
 from pathlib import Path
 
-from fineflow.errors import FineflowError
+from fineflow.core.errors import FineflowError
 
 BUNDLED_TASKS = Path(__file__).parent / "evaltasks"
 CHAMPION_RECORD = "champion.json"

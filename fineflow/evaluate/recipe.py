@@ -10,8 +10,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from fineflow.config import EvaluateParams
-from fineflow.errors import FineflowError
+from fineflow.core.config import EvaluateParams
+from fineflow.core.errors import FineflowError
+from fineflow.core.reports import sha256_file, write_json_atomic
 from fineflow.evaluate.harness import (
     ModelScorer,
     champion_id,
@@ -24,7 +25,6 @@ from fineflow.evaluate.harness import (
     summarize,
     write_samples,
 )
-from fineflow.reports import sha256_file, write_json_atomic
 
 
 class EvaluationFailed(FineflowError):

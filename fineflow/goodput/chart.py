@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fineflow.core.reports import write_text_atomic
 from fineflow.goodput.ledger import BUCKETS
-from fineflow.reports import write_text_atomic
 
 HISTORY_FILE = "goodput_history.json"
 HISTORY_RUNS = 50  # kept in the plot data (the ledgers of older runs stay in reports/ledger/runs)

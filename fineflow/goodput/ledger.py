@@ -1,7 +1,7 @@
 """The goodput ledger: a run's wall time, from its start to its ledger, split into buckets.
 
 Built by the goodput stage (the last in dvc.yaml, so the flow, ``dvc repro`` and ``fineflow ci`` all write it)
-from the run's journal (fineflow.journal: each stage process's start, end and timed spans) and the train
+from the run's journal (fineflow.core.journal: each stage process's start, end and timed spans) and the train
 stage's report and step log.
 
 - Between stage processes (and before the first one, after the last one) the time is **orchestration**: DVC
@@ -24,7 +24,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from fineflow import journal
+from fineflow.core import journal
 
 BUCKETS = (
     "orchestration",
@@ -108,7 +108,7 @@ SUCCEEDED = (0, 3)  # 3: promote waits for a person's approval (the wait itself 
 
 
 def _process_run(run: str) -> tuple[str, int, float] | None:
-    """("dvc", pid, start) of a run named after a process (fineflow.journal.run_identity), else None."""
+    """("dvc", pid, start) of a run named after a process (fineflow.core.journal.run_identity), else None."""
     parts = run.rsplit("-", 2)
     if len(parts) == 3 and parts[0] in ("dvc", "process"):
         try:

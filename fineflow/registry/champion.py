@@ -18,8 +18,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from fineflow.config import Params
-from fineflow.errors import FineflowError
+from fineflow.core.config import Params
+from fineflow.core.errors import FineflowError
+from fineflow.core.reports import sha256_file, write_json_atomic
 from fineflow.registry.approval import Approval, apply_approval
 from fineflow.registry.card import model_card, train_figures
 from fineflow.registry.gate import Decision, bootstrap_per_metric, decision_record, flatten, promotion_decision, refusal
@@ -53,7 +54,6 @@ from fineflow.registry.store import (
     stored_candidate,
     swap_in,
 )
-from fineflow.reports import sha256_file, write_json_atomic
 
 
 def promote(

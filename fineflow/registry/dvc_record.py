@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from fineflow.runtime import offline_environment
+from fineflow.core.runtime import offline_environment
 
 
 def project_root(path: Path) -> Path | None:

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import yaml
 
+from fineflow.core.reports import sha256_file
 from fineflow.dag import DVC_FILE, stage_names
-from fineflow.reports import sha256_file
 
 FORMAT = 1
 PACKAGES = (
@@ -272,7 +272,7 @@ def resolve(target: str, registry: Path = Path("models/registry"), runs: Path = 
     """A manifest from a lineage JSON file, a model dir (champion or registry candidate), or a candidate id.
 
     The registry keeps the deterministic part; the run part is joined from ``runs/<id>.json`` if present."""
-    from fineflow.errors import FineflowError
+    from fineflow.core.errors import FineflowError
 
     path = Path(target)
     record = None

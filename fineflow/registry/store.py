@@ -43,8 +43,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from fineflow.errors import FineflowError
-from fineflow.reports import sha256_file, write_json_atomic, write_text_atomic
+from fineflow.core.errors import FineflowError
+from fineflow.core.reports import sha256_file, write_json_atomic, write_text_atomic
 
 CHAMPION_FILE = "champion.json"
 LOG_FILE = "promotions.jsonl"

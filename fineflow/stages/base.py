@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from fineflow.base.model import build_embedded_base
-from fineflow.config import Params
+from fineflow.core.config import Params
+from fineflow.core.entry import log, run_entry, stage_parser
 from fineflow.model_ref import base_source, download_hub_base, write_external_marker
-from fineflow.stages._entry import log, run_entry, stage_parser
 
 
 def run(params: Params, out_dir: Path) -> dict:

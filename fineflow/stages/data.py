@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fineflow.config import Params
+from fineflow.core.config import Params
+from fineflow.core.entry import run_entry, stage_parser
+from fineflow.core.reports import write_jsonl
 from fineflow.data.synth import inject_bad_rows, split_train_eval
-from fineflow.reports import write_jsonl
-from fineflow.stages._entry import run_entry, stage_parser
 
 
 def run(params: Params, train_path: Path, eval_path: Path) -> dict:

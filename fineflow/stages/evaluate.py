@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fineflow.config import Params
-from fineflow.errors import FineflowError
+from fineflow.core.config import Params
+from fineflow.core.entry import log, run_entry, stage_parser
+from fineflow.core.errors import FineflowError
 from fineflow.evaluate.recipe import evaluate_models
 from fineflow.model_ref import read_base_digest, resolve_base_model
-from fineflow.stages._entry import log, run_entry, stage_parser
 
 
 def run(

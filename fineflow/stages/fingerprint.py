@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fineflow.config import Params
+from fineflow.core.config import Params
+from fineflow.core.entry import log, run_entry, stage_parser
+from fineflow.core.reports import write_json_atomic
 from fineflow.model_ref import base_identity, resolve_base_model
-from fineflow.reports import write_json_atomic
-from fineflow.stages._entry import log, run_entry, stage_parser
 
 
 def run(params: Params, base_dir: Path, out: Path, hash_cache: Path) -> dict:

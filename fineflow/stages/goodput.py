@@ -16,10 +16,10 @@ import sys
 import time
 from pathlib import Path
 
+from fineflow.core.entry import log, run_entry, stage_parser
+from fineflow.core.journal import read, run_identity
+from fineflow.core.reports import read_json
 from fineflow.goodput import chart, cost, doctor, ledger
-from fineflow.journal import read, run_identity
-from fineflow.reports import read_json
-from fineflow.stages._entry import log, run_entry, stage_parser
 
 
 def parse_args(argv: list[str]):

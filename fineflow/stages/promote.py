@@ -26,12 +26,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fineflow.config import Params
-from fineflow.errors import USER_ERROR_EXIT, FineflowError
+from fineflow.core.config import Params
+from fineflow.core.entry import log, run_entry, stage_parser, user_error
+from fineflow.core.errors import USER_ERROR_EXIT, FineflowError
+from fineflow.core.workspace import queued_experiment
 from fineflow.registry.approval import Approval, approval_from_env
 from fineflow.registry.champion import promote
-from fineflow.stages._entry import log, run_entry, stage_parser, user_error
-from fineflow.workspace import queued_experiment
 
 
 def queued_experiment_refusal() -> FineflowError | None:

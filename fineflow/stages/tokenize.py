@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fineflow.config import Params
+from fineflow.core.config import Params
+from fineflow.core.entry import log, run_entry, stage_parser
 from fineflow.model_ref import resolve_base_model
-from fineflow.stages._entry import log, run_entry, stage_parser
 from fineflow.tokenize.tokenization import load_tokenizer, tokenize_split
 
 

@@ -21,11 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from fineflow.config import CheckpointSettings, load_params
-from fineflow.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError, WorkspaceBusy
-from fineflow.reports import clear_error_record, read_error_record, read_json
-from fineflow.runtime import apply_offline_environment, is_train_worker
-from fineflow.stages._entry import (
+from fineflow.core.config import CheckpointSettings, load_params
+from fineflow.core.entry import (
     journal_attempt,
     log,
     run_entry,
@@ -34,6 +31,9 @@ from fineflow.stages._entry import (
     workspace_busy,
     workspace_turn,
 )
+from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError, WorkspaceBusy
+from fineflow.core.reports import clear_error_record, read_error_record, read_json
+from fineflow.core.runtime import apply_offline_environment, is_train_worker
 from fineflow.train import preempt
 from fineflow.train.plots import write_run_plots
 from fineflow.train.recipe import launch_ranks, train_rank

@@ -22,13 +22,13 @@ import shutil
 from contextlib import ExitStack
 from pathlib import Path
 
-from fineflow.config import Params
+from fineflow.core.config import Params
+from fineflow.core.entry import log, run_entry, stage_parser
+from fineflow.core.errors import DataError
+from fineflow.core.reports import write_json_atomic
 from fineflow.data.formats import Row
 from fineflow.data.tokens import TokenView
 from fineflow.data.validation import clean_record, quarantine_record, raise_if_blocked, validate_splits
-from fineflow.errors import DataError
-from fineflow.reports import write_json_atomic
-from fineflow.stages._entry import log, run_entry, stage_parser
 
 
 class _Files:

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
-from fineflow.errors import DataError
+from fineflow.core.errors import DataError
 from fineflow.tokenize.template import EncodedBatch
 
 FORMAT_VERSION = 2  # 2: exact-fill packing, content key in meta
 SHARD_FILES = ("tokens.bin", "loss_mask.bin", "positions.bin", "examples.idx")
 # Position ids restart per example and never exceed seq_len - 1: uint16 halves positions.bin, and params refuse
-# a tokenize.seq_len above what it holds (fineflow.config.MAX_SEQ_LEN).
+# a tokenize.seq_len above what it holds (fineflow.core.config.MAX_SEQ_LEN).
 POSITION_DTYPE = np.dtype(np.uint16)
 
 
@@ -249,7 +249,7 @@ class PackedShard:
         try:
             self.meta = json.loads((self.dir / "meta.json").read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as exc:
-            from fineflow.errors import DataError
+            from fineflow.core.errors import DataError
 
             raise DataError(f"{self.dir}/meta.json: not a fineflow shard ({exc}); run the tokenize stage") from None
         shape = (self.meta["rows"], self.meta["seq_len"])

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from fineflow import __version__
-from fineflow.errors import FineflowError
-from fineflow.reports import sha256_file
+from fineflow.core.errors import FineflowError
+from fineflow.core.reports import sha256_file
 from fineflow.tokenize.shards import (
     FORMAT_VERSION,
     ShardWriter,

@@ -166,7 +166,7 @@ def require_visible_to_every_rank(accelerator, path: Path, purpose: str) -> None
     FineflowError (one rank failing alone would leave the others waiting in the next collective)."""
     from accelerate.utils import gather_object
 
-    from fineflow.errors import FineflowError
+    from fineflow.core.errors import FineflowError
 
     if accelerator.num_processes == 1:
         return

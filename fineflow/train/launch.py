@@ -27,11 +27,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fineflow.errors import FineflowError
-from fineflow.runtime import TRAIN_WORKER_ENV
+from fineflow.core.errors import FineflowError
+from fineflow.core.runtime import TRAIN_WORKER_ENV
 
 if TYPE_CHECKING:
-    from fineflow.config import TrainParams
+    from fineflow.core.config import TrainParams
 
 WORKER_ENV = TRAIN_WORKER_ENV  # set for the ranks: they train instead of launching again
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "accelerate"

@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fineflow.config import TrainParams
-from fineflow.errors import FineflowError
+from fineflow.core.config import TrainParams
+from fineflow.core.errors import FineflowError
 from fineflow.tokenize.shards import PackedShard
 from fineflow.train import fsdp
 from fineflow.train.attention import layout_kwargs, layout_of

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fineflow.config import Params, TrainParams
-from fineflow.errors import FineflowError
+from fineflow.core.config import Params, TrainParams
+from fineflow.core.errors import FineflowError
 from fineflow.train import precision
 from fineflow.train.loop import save_adapter
 

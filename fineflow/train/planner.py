@@ -57,7 +57,7 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from fineflow.errors import FineflowError
+from fineflow.core.errors import FineflowError
 
 GiB = 1024**3
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fineflow.reports import write_text_atomic
+from fineflow.core.reports import write_text_atomic
 
 # the fields of a step record that are figures over steps (the rest, such as the rows trained on, are not)
 PLOTTED = (

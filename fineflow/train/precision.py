@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fineflow.errors import FineflowError
+from fineflow.core.errors import FineflowError
 
 AUTO = "auto"
 MIXED_PRECISIONS = ("no", "bf16", "fp16")  # accelerate's names, what Accelerator(mixed_precision=) takes

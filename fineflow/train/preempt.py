@@ -37,8 +37,8 @@ import threading
 import time
 from pathlib import Path
 
-from fineflow.errors import PREEMPTED_EXIT
-from fineflow.reports import error_record_path, read_record, write_json_atomic
+from fineflow.core.errors import PREEMPTED_EXIT
+from fineflow.core.reports import error_record_path, read_record, write_json_atomic
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # Seconds each layer waits, after the signal, beyond the ranks' grace before it kills the layer below.

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from fineflow.config import Params, TrainParams
-from fineflow.journal import process_started
+from fineflow.core.config import Params, TrainParams
+from fineflow.core.journal import process_started
 from fineflow.model_ref import resolve_base_model
 from fineflow.train import flops, gradsync
 from fineflow.train.fsdp import prepare_model_for_fsdp, require_visible_to_every_rank
@@ -76,8 +76,8 @@ def tracker_run_name(run_dir: Path, resuming: bool) -> str:
     import re
     import time
 
-    from fineflow.reports import write_text_atomic
-    from fineflow.runtime import RUN_NAME_ENV
+    from fineflow.core.reports import write_text_atomic
+    from fineflow.core.runtime import RUN_NAME_ENV
 
     path = Path(run_dir) / TRACKER_RUN_FILE
     if resuming and path.is_file():

@@ -23,7 +23,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from fineflow.errors import FineflowError
+from fineflow.core.errors import FineflowError
 from fineflow.model_ref import base_identity
 
 # settings that change neither the trajectory nor the weights: safe to edit between a crash and a retry
@@ -105,7 +105,7 @@ def run_fingerprint(
 
 def mark_finished(run_dir: Path, step: int) -> None:
     """Rank 0, after the run's model was saved: this run is complete and will never be resumed."""
-    from fineflow.reports import write_json_atomic
+    from fineflow.core.reports import write_json_atomic
 
     write_json_atomic(Path(run_dir) / FINISHED, {"step": step})
 

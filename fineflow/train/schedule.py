@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from fineflow.config import TrainParams
+from fineflow.core.config import TrainParams
 
 
 def lr_multiplier(step: int, warmup: int, total: int, schedule: str) -> float:

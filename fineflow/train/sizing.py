@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fineflow.config import Params, TrainParams
-from fineflow.errors import FineflowError
+from fineflow.core.config import Params, TrainParams
+from fineflow.core.errors import FineflowError
 from fineflow.train import planner, precision
 from fineflow.train.launch import read_profile, resolve_profile
 

@@ -2,7 +2,7 @@
 
 Every error that reaches a user is a ``FineflowError`` whose message names the file (and line/row/field,
 or the params key) and says what to change. Stage entries print the message, write it to the stage's error
-record (``fineflow.reports.write_error_record``) and exit 2 instead of showing a traceback from deep inside a
+record (``fineflow.core.reports.write_error_record``) and exit 2 instead of showing a traceback from deep inside a
 library. Anything else is a crash (exit 1, a traceback, no record): a retry may succeed, and resumes.
 """
 
@@ -39,7 +39,7 @@ class DataError(FineflowError):
 
 
 class WorkspaceBusy(FineflowError):
-    """Another run holds the workspace (fineflow.workspace); the message names it."""
+    """Another run holds the workspace (fineflow.core.workspace); the message names it."""
 
 
 class ApprovalNeeded(FineflowError):

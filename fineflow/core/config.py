@@ -18,7 +18,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fineflow.errors import ConfigError
+from fineflow.core.errors import ConfigError
 
 EMBEDDED_BASE = "embedded"
 

@@ -9,13 +9,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fineflow.config import Params, load_params
-from fineflow.errors import APPROVAL_NEEDED_EXIT, USER_ERROR_EXIT, ApprovalNeeded, FineflowError, WorkspaceBusy
-from fineflow.journal import Attempt, ledger_dir
-from fineflow.metrics import curated, metrics_path
-from fineflow.reports import clear_error_record, write_approval_request, write_error_record, write_json_atomic
-from fineflow.runtime import apply_offline_environment, is_train_worker
-from fineflow.workspace import held_for, queued_experiment
+from fineflow.core.config import Params, load_params
+from fineflow.core.errors import APPROVAL_NEEDED_EXIT, USER_ERROR_EXIT, ApprovalNeeded, FineflowError, WorkspaceBusy
+from fineflow.core.journal import Attempt, ledger_dir
+from fineflow.core.metrics import curated, metrics_path
+from fineflow.core.reports import clear_error_record, write_approval_request, write_error_record, write_json_atomic
+from fineflow.core.runtime import apply_offline_environment, is_train_worker
+from fineflow.core.workspace import held_for, queued_experiment
 
 
 def stage_parser(stage: str, description: str) -> argparse.ArgumentParser:
@@ -43,7 +43,7 @@ def workspace_busy(stage: str, exc: WorkspaceBusy) -> None:
 
 
 def workspace_turn(stage: str):
-    """The stage holds the workspace while it runs (fineflow.workspace.held_for): DVC runs it from the project
+    """The stage holds the workspace while it runs (fineflow.core.workspace.held_for): DVC runs it from the project
     root. A rank of the train stage runs under its launcher, which holds it. A queued DVC experiment's stage
     runs in a copy of the project: it waits for the project's turn."""
     if is_train_worker():
@@ -56,7 +56,7 @@ def workspace_turn(stage: str):
 
 
 def journal_attempt(stage: str, report: str) -> Attempt | None:
-    """This stage process's lines in the run's journal (fineflow.journal); a training rank has none (its
+    """This stage process's lines in the run's journal (fineflow.core.journal); a training rank has none (its
     launcher's attempt covers it), nor has a process whose journal cannot be written (a read-only checkout:
     the stage still runs)."""
     if is_train_worker():
@@ -116,7 +116,7 @@ def _run_entry(stage: str, args: argparse.Namespace, body: Callable[[Params], di
         report = {"stage": stage, **report, "wall_s": round(time.perf_counter() - started, 3)}
         write_json_atomic(args.report, report)
         metrics = curated(stage, report)
-        if metrics is not None:  # the few figures `dvc metrics diff` shows (fineflow.metrics)
+        if metrics is not None:  # the few figures `dvc metrics diff` shows (fineflow.core.metrics)
             write_json_atomic(metrics_path(args.report, stage), metrics)
         log(f"{stage}: report written to {args.report}")
     spans["report"] = time.perf_counter() - written

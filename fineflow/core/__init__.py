@@ -1,0 +1,11 @@
+"""What every stage runs, whatever it does: one folder, so each stage in ``dvc.yaml`` depends on it once.
+
+config.py      params.yaml validated into typed models (all errors at once)
+errors.py      the user-error type and the exit codes
+entry.py       what every stage entry does around its ``run``: params, reports, clean errors, the workspace turn
+reports.py     atomic JSON/text writes, the error record and the approval request
+runtime.py     the offline/telemetry environment every stage and the flow set
+metrics.py     the curated metrics files ``dvc metrics`` compares
+workspace.py   one run at a time in a project (the workspace lock)
+journal.py     each stage process's start, end, spans and heartbeat for the goodput ledger
+"""
