@@ -99,7 +99,7 @@ def _run(built, adapter, tmp_path, params, champion=None, base_dir=None):
 
 
 def test_mc_choices_hold_the_target_once_among_four(built):
-    from fineflow.evaluate.evaltasks.choices import add_choices
+    from fineflow.evaluate.bundled_tasks.choices import add_choices
 
     rows = _rows(built)
     docs = add_choices(rows)

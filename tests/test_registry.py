@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from fineflow import cli
+from fineflow.core.errors import APPROVAL_NEEDED_EXIT
 from fineflow.registry.store import alias_id, candidate_id, champion_files_hash, read_log, verify_log
 from tests.conftest import EVAL_SHA, ROOT, copy_project, random_adapter, venv_env, write_params
 from tests.conftest import write_scores as _write_scores
@@ -539,7 +540,7 @@ def test_with_require_approval_the_gates_promotion_waits_for_a_person_whose_answ
 
     for answer in (None, {"approved": True, "approver": "alice", "candidate_id": id2}):
         waiting = _promote_stage(root, argv, adapters[0], answer)
-        assert waiting.returncode == 3, waiting.stdout + waiting.stderr
+        assert waiting.returncode == APPROVAL_NEEDED_EXIT, waiting.stdout + waiting.stderr
         assert "waiting for approval" in waiting.stderr and "FINEFLOW_APPROVAL=" in waiting.stderr
         record = json.loads((root / "reports/promote.error.json").read_text())
         evidence = record["evidence"]

@@ -1,6 +1,6 @@
 """The evaluate stage's procedure: load the base once, score it, then with the candidate's adapter, then with
 the champion's; record each model's metrics, per-sample scores and timings. lm-eval plumbing is
-``fineflow.evaluate.harness``; the bundled tasks are ``evaltasks/``.
+``fineflow.evaluate.harness``; the bundled tasks are ``bundled_tasks/``.
 """
 
 from __future__ import annotations

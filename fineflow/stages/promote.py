@@ -13,8 +13,8 @@ times, user, host) goes to ``<lineage>/<candidate id>.json``, outside DVC's outp
 ``fineflow.registry.champion.promote``.
 
 With ``promote.require_approval``, a candidate the gate passes waits for a person: without an answer in
-FINEFLOW_APPROVAL the stage writes nothing, records the gate's evidence and exits 3 (the Prefect flow pauses for
-the answer and runs the stage again with it; fineflow.registry.approval).
+FINEFLOW_APPROVAL the stage writes nothing, records the gate's evidence and exits ``APPROVAL_NEEDED_EXIT`` (3;
+the Prefect flow pauses for the answer and runs the stage again with it; fineflow.registry.approval).
 
 Only the project's own workspace promotes: a DVC experiment run from the queue (in a copy of the project) stops
 here with a user error that says how to promote it (queue experiments up to ``evaluate``, compare them with
