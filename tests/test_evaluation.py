@@ -85,9 +85,9 @@ def _champion(adapter, path, record: dict, corrupt: bool = False):
 
 
 def _run(built, adapter, tmp_path, params, champion=None, base_dir=None):
-    from fineflow.stages import evaluate
+    from fineflow.evaluate.recipe import evaluate_models
 
-    return evaluate.run(
+    return evaluate_models(
         params,
         base_dir or built / "models/base",
         adapter,
@@ -99,7 +99,7 @@ def _run(built, adapter, tmp_path, params, champion=None, base_dir=None):
 
 
 def test_mc_choices_hold_the_target_once_among_four(built):
-    from fineflow.evaluate.evaltasks.choices import add_choices
+    from fineflow.evaluate.bundled_tasks.choices import add_choices
 
     rows = _rows(built)
     docs = add_choices(rows)
@@ -282,8 +282,9 @@ def test_a_new_base_model_is_judged_against_its_own_base_with_the_old_champion_s
     its merged model (its own base and tokenizer) on the same docs; promote.on_base_change decides, and the log
     entry records the switch."""
     from fineflow.model_ref import base_digest, base_identity
+    from fineflow.registry.champion import promote
     from fineflow.registry.store import read_log
-    from fineflow.stages import base, promote
+    from fineflow.stages import base
 
     root = _git_checkout(tmp_path / "project")
     champion, registry = root / "models/champion", root / "models/registry"
@@ -296,7 +297,7 @@ def test_a_new_base_model_is_judged_against_its_own_base_with_the_old_champion_s
     # the old champion: `adapter` (on the old base), promoted over the old base on hand-written scores
     first = tmp_path / "first_scores.json"
     first.write_text(json.dumps({**_scores_by_hand(30, 5), "base_digest": old_digest}))
-    assert promote.run(_params(), first, adapter, champion, registry, base_dir=old_base, **kw)["decision"] == "promoted"
+    assert promote(_params(), first, adapter, champion, registry, base_dir=old_base, **kw)["decision"] == "promoted"
     assert json.loads((champion / "champion.json").read_text())["base_digest"] == old_digest
 
     candidate = _lora_on(new_base, tmp_path / "candidate", seed=3)
@@ -311,7 +312,7 @@ def test_a_new_base_model_is_judged_against_its_own_base_with_the_old_champion_s
     decisions = {}
     for policy in ("refuse", "compare_to_base"):
         params = _params_with({"evaluate.tasks": ["fineflow_synth"], "promote.on_base_change": policy})
-        decisions[policy] = promote.run(
+        decisions[policy] = promote(
             params, tmp_path / "eval/scores.json", candidate, champion, registry, base_dir=new_base, **kw
         )
     refused, compared = decisions["refuse"], decisions["compare_to_base"]
@@ -329,15 +330,15 @@ def test_a_changed_eval_set_is_judged_by_the_eval_change_policy_and_reported(bui
     refused for ever. Now: with compare_on_current the candidate is judged against the champion re-scored on the
     new rows in this run; with refuse it is refused; the report and the log say the eval set changed, from what
     to what."""
+    from fineflow.registry.champion import promote
     from fineflow.registry.store import read_log
-    from fineflow.stages import promote
 
     root = _git_checkout(tmp_path / "project")
     champion, registry = root / "models/champion", root / "models/registry"
     kw = dict(base_dir=built / "models/base", shards_dir=built / "data/shards", root=root, lineage_dir=root / "lin")
     first = tmp_path / "first.json"
     first.write_text(json.dumps(_scores_by_hand(20, 5)))
-    champion_id = promote.run(_params(), first, adapter, champion, registry, **kw)["candidate_id"]
+    champion_id = promote(_params(), first, adapter, champion, registry, **kw)["candidate_id"]
     candidate = _lora_on(built / "models/base", tmp_path / "candidate", seed=4)
     rescored = _scores_by_hand(36, 5)
     rescored["eval_data_sha256"] = "f" * 64
@@ -345,9 +346,7 @@ def test_a_changed_eval_set_is_judged_by_the_eval_change_policy_and_reported(bui
     second = tmp_path / "second.json"
     second.write_text(json.dumps(rescored))
     for policy, decision in (("refuse", "refused"), ("compare_on_current", "promoted")):
-        report = promote.run(
-            _params_with({"promote.on_eval_change": policy}), second, candidate, champion, registry, **kw
-        )
+        report = promote(_params_with({"promote.on_eval_change": policy}), second, candidate, champion, registry, **kw)
         assert report["decision"] == decision, report["reason"]
         assert report["eval_change"] == {"from": "e" * 64, "to": "f" * 64, "policy": policy}
         assert read_log(registry)[-1]["context"]["eval_change"]["policy"] == policy
@@ -361,7 +360,7 @@ def test_chat_eval_rows_are_prompted_exactly_as_training_rendered_them(built, ad
     prompt, token for token, and a multiple-choice option is scored as the response training saw."""
     from transformers import AutoTokenizer
 
-    from fineflow.stages import evaluate
+    from fineflow.evaluate.recipe import evaluate_models
     from fineflow.tokenize.template import chat_template_of, encode_batch
 
     base = built / "models/base"
@@ -374,7 +373,7 @@ def test_chat_eval_rows_are_prompted_exactly_as_training_rendered_them(built, ad
         rows.append({"instruction": user, "input": "", "output": row["output"], "messages": messages})
     eval_rows = tmp_path / "eval.jsonl"
     eval_rows.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    evaluate.run(_params(), base, adapter, eval_rows, tmp_path / "eval", tmp_path / "lm_eval")
+    evaluate_models(_params(), base, adapter, eval_rows, tmp_path / "eval", tmp_path / "lm_eval")
     for task in ("fineflow_synth", "fineflow_synth_mc"):
         logged = (tmp_path / f"eval/samples/candidate/{task}.jsonl").read_text().splitlines()
         assert len(logged) == 6

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from fineflow.core import journal
+from fineflow.core.errors import APPROVAL_NEEDED_EXIT
 from fineflow.goodput import cost, doctor, ledger
 from fineflow.train import flops
 from tests.conftest import (
@@ -160,7 +161,8 @@ def test_a_busy_stages_attempt_is_discarded_and_a_paused_approval_is_left_out(tm
     _attempt(records, "evaluate", "r", 0.0, 1.0, 10.0, spans={"body": 9.0})
     busy = _attempt(records, "train", "other-run", 3.0, 3.5, 4.0, exit_code=2)
     records.append({"event": "discard", "attempt": busy, "t": 4.0})
-    _attempt(records, "promote", "r", 11.0, 12.0, 15.0, exit_code=3, spans={"body": 3.0})  # asks a person
+    # promote asks a person
+    _attempt(records, "promote", "r", 11.0, 12.0, 15.0, exit_code=APPROVAL_NEEDED_EXIT, spans={"body": 3.0})
     _attempt(records, "promote", "r", 3615.0, 3616.0, 3620.0, spans={"body": 4.0})  # an hour later: answered
     result = ledger.build(records, tmp_path, "r", now=3621.0)
     assert result["runs"] == ["r"] and len(result["attempts"]) == 3

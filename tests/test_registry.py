@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from fineflow import cli
+from fineflow.core.errors import APPROVAL_NEEDED_EXIT
 from fineflow.registry.store import alias_id, candidate_id, champion_files_hash, read_log, verify_log
 from tests.conftest import EVAL_SHA, ROOT, copy_project, random_adapter, venv_env, write_params
 from tests.conftest import write_scores as _write_scores
@@ -43,7 +44,7 @@ def adapters(built, tmp_path_factory):
 def promoted_once(built, adapters, tmp_path_factory, tiny_params_module):
     """adapter1 promoted over the base, a tie refused, then adapter2 promoted over adapter1. Built once per
     module and never handed to a test: tests get a copy (promoted)."""
-    from fineflow.stages import promote
+    from fineflow.registry.champion import promote
 
     root = tmp_path_factory.mktemp("project")  # a git checkout: the lineage needs a commit
     (root / "README.md").write_text("fixture\n")
@@ -63,17 +64,13 @@ def promoted_once(built, adapters, tmp_path_factory, tiny_params_module):
         shards_dir=built / "data/shards",
         root=root,
     )
-    reports = [promote.run(tiny_params_module, _write_scores(root / "s1.json", 30, 5), first, champion, registry, **kw)]
+    reports = [promote(tiny_params_module, _write_scores(root / "s1.json", 30, 5), first, champion, registry, **kw)]
     id1 = reports[0]["candidate_id"]
     reports.append(
-        promote.run(
-            tiny_params_module, _write_scores(root / "s2.json", 32, 5, (30, id1)), second, champion, registry, **kw
-        )
+        promote(tiny_params_module, _write_scores(root / "s2.json", 32, 5, (30, id1)), second, champion, registry, **kw)
     )
     reports.append(
-        promote.run(
-            tiny_params_module, _write_scores(root / "s3.json", 40, 5, (30, id1)), second, champion, registry, **kw
-        )
+        promote(tiny_params_module, _write_scores(root / "s3.json", 40, 5, (30, id1)), second, champion, registry, **kw)
     )
     return {
         "root": root,
@@ -226,11 +223,11 @@ def test_rollback_reinstalls_the_previous_champion_and_is_logged(promoted, capsy
 
 
 def test_stage_refuses_missing_scores_and_incomplete_lineage(promoted, adapters, built, tmp_path, tiny_params_module):
-    from fineflow.stages import promote
+    from fineflow.registry.champion import promote
 
     champion, registry = tmp_path / "champion", tmp_path / "registry"
     kw = dict(base_dir=built / "models/base", root=promoted["root"])
-    missing = promote.run(
+    missing = promote(
         tiny_params_module,
         tmp_path / "nope.json",
         adapters[0],
@@ -240,7 +237,7 @@ def test_stage_refuses_missing_scores_and_incomplete_lineage(promoted, adapters,
         **kw,
     )
     assert missing["decision"] == "refused" and "cannot read evaluation scores" in missing["reason"]
-    no_shards = promote.run(
+    no_shards = promote(
         tiny_params_module,
         _write_scores(tmp_path / "s.json", 40, 0),
         adapters[0],
@@ -265,8 +262,8 @@ def test_promotion_whose_champion_build_fails_leaves_champion_log_and_alias_as_t
     byte for byte the old one, the log has no entry for a promotion that did not happen, and verify passes."""
     import transformers
 
+    from fineflow.registry.champion import promote
     from fineflow.registry.store import alias_id
-    from fineflow.stages import promote
 
     root, champion, registry = promoted["root"], promoted["champion"], promoted["registry"]
     id2 = promoted["ids"][1]  # the champion now; adapters[0] (the first champion) comes back and beats it
@@ -281,7 +278,7 @@ def test_promotion_whose_champion_build_fails_leaves_champion_log_and_alias_as_t
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_space)
     with pytest.raises(OSError, match="No space left on device"):
-        promote.run(
+        promote(
             tiny_params_module,
             _write_scores(root / "s4.json", 40, 5, (30, id2)),
             adapters[0],
@@ -543,7 +540,7 @@ def test_with_require_approval_the_gates_promotion_waits_for_a_person_whose_answ
 
     for answer in (None, {"approved": True, "approver": "alice", "candidate_id": id2}):
         waiting = _promote_stage(root, argv, adapters[0], answer)
-        assert waiting.returncode == 3, waiting.stdout + waiting.stderr
+        assert waiting.returncode == APPROVAL_NEEDED_EXIT, waiting.stdout + waiting.stderr
         assert "waiting for approval" in waiting.stderr and "FINEFLOW_APPROVAL=" in waiting.stderr
         record = json.loads((root / "reports/promote.error.json").read_text())
         evidence = record["evidence"]

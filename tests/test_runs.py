@@ -19,8 +19,9 @@ import pytest
 
 from fineflow.core.workspace import WorkspaceLock, describe
 from fineflow.dag import upstream_stages
+from tasks.artifacts import promotion_markdown, report_table
 from tasks.runs import commit_label
-from tasks.stages import StageFailed, is_progress_redraw, promotion_markdown, report_table
+from tasks.stages import StageFailed, is_progress_redraw
 from tests.conftest import copy_project
 
 
@@ -201,7 +202,7 @@ def test_the_promotion_artifact_carries_the_gates_evidence(tmp_path):
 
 def test_the_training_charts_are_embedded_in_the_run_page_with_links_to_their_files(tmp_path):
     from fineflow.train.plots import write_run_plots
-    from tasks.stages import charts_markdown
+    from tasks.artifacts import charts_markdown
 
     steps = tmp_path / "train_steps.jsonl"
     records = [{"step": s, "loss": 6 - s / 10, "lr": 1e-3, "tokens_per_s": 900.0, "peak_mem_mb": 400.0} for s in (1, 2)]
@@ -325,12 +326,12 @@ def test_make_serves_schedule_is_in_its_own_time_zone_and_its_scheduled_run_fire
 def test_training_progress_becomes_a_progress_artifact_throttled_and_finished(monkeypatch):
     """The train stage's plain progress lines (fineflow.train.loop.Progress, no terminal) drive one progress
     artifact: created on the first step line, updated at most every few seconds, and always at the last step."""
-    import tasks.stages as stages
+    import tasks.artifacts as artifacts
 
     calls = []
-    monkeypatch.setattr(stages, "create_progress_artifact", lambda **kw: calls.append(("create", kw)) or "id-1")
-    monkeypatch.setattr(stages, "update_progress_artifact", lambda aid, **kw: calls.append(("update", aid, kw)))
-    progress = stages.TrainingProgress("train", every_s=3600)
+    monkeypatch.setattr(artifacts, "create_progress_artifact", lambda **kw: calls.append(("create", kw)) or "id-1")
+    monkeypatch.setattr(artifacts, "update_progress_artifact", lambda aid, **kw: calls.append(("update", aid, kw)))
+    progress = artifacts.TrainingProgress("train", every_s=3600)
     progress.see("Running stage 'train':")
     progress.see("[train] step 100/800 loss 0.5123 12,920 tok/s lr 3.00e-04 ETA 52s")
     progress.see("[train] step 200/800 loss 0.4021 13,001 tok/s lr 3.00e-04 ETA 45s")  # within every_s: skipped
@@ -342,13 +343,13 @@ def test_training_progress_becomes_a_progress_artifact_throttled_and_finished(mo
 
 
 def test_a_failing_progress_api_never_breaks_the_stage(monkeypatch):
-    import tasks.stages as stages
+    import tasks.artifacts as artifacts
 
     def dead(**kw):
         raise ConnectionError("the API is gone")
 
-    monkeypatch.setattr(stages, "create_progress_artifact", dead)
-    stages.TrainingProgress("train").see("step 1/2 loss 0.5 10 tok/s lr 1.00e-03 ETA 1s")
+    monkeypatch.setattr(artifacts, "create_progress_artifact", dead)
+    artifacts.TrainingProgress("train").see("step 1/2 loss 0.5 10 tok/s lr 1.00e-03 ETA 1s")
 
 
 def _dvc(project, *args: str) -> str:

@@ -127,11 +127,12 @@ def test_train_writes_adapter_checkpoints_and_step_log(trained):
 
 
 def test_evaluate_then_promote(trained, tiny_params, tmp_path):
-    from fineflow.stages import evaluate, promote
+    from fineflow.evaluate.recipe import evaluate_models
+    from fineflow.registry.champion import promote
 
     built, out, _ = trained
     candidate = out / "models/candidate"  # read only: the outputs below go to this test's own tmp_path
-    report = evaluate.run(
+    report = evaluate_models(
         tiny_params,
         built / "models/base",
         candidate,
@@ -143,7 +144,7 @@ def test_evaluate_then_promote(trained, tiny_params, tmp_path):
     scores = json.loads((tmp_path / "eval/scores.json").read_text())
     assert len(scores["candidate"]["samples"]["fineflow_synth"]) == 6  # evaluate.limit
     # the shards and a git checkout complete the lineage, so the gate gets to compare the evaluations
-    decision = promote.run(
+    decision = promote(
         tiny_params,
         tmp_path / "eval/scores.json",
         candidate,

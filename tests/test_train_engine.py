@@ -39,7 +39,7 @@ def _train(built, tmp_path, params):
 
 
 def test_full_fine_tuning_saves_a_whole_model_that_evaluate_loads(built, tmp_path, tiny_params):
-    from fineflow.stages import evaluate
+    from fineflow.evaluate.recipe import evaluate_models
 
     report = _train(built, tmp_path, _params(method="full", tracker="none"))
     weights = load_file(tmp_path / "candidate/model.safetensors")
@@ -48,7 +48,7 @@ def test_full_fine_tuning_saves_a_whole_model_that_evaluate_loads(built, tmp_pat
 
     base = AutoModelForCausalLM.from_pretrained(built / "models/base")
     assert report["trainable_parameters"] == sum(p.numel() for p in base.parameters())  # every weight trains
-    scores = evaluate.run(
+    scores = evaluate_models(
         tiny_params,
         built / "models/base",
         tmp_path / "candidate",

@@ -1,3 +1,11 @@
-"""Stage evaluate: the lm-eval adapter (``harness``) and the bundled task folders (``evaltasks/``; add a
-task by dropping its YAML there or under a directory named in ``evaluate.task_dirs``).
-Entry: ``fineflow.stages.evaluate``."""
+"""Stage evaluate: lm-eval on the held-out split for the base model, the candidate and the champion.
+
+recipe.py       the stage's procedure: load the base once, score each model, write scores.json and the report
+harness.py      the lm-eval adapter: task folders and names, the model scorer, samples and raw results
+bundled_tasks/  the tasks shipped with fineflow (fineflow_synth, fineflow_synth_mc: YAMLs and their helpers)
+
+A project's own tasks go in folders under its ``eval_tasks/``, each listed in ``evaluate.task_dirs`` (names in
+``evaluate.tasks``). dvc.yaml declares ``eval_tasks/`` as the stage's dependency, so an edited task re-runs
+evaluation, and the stage refuses a ``task_dirs`` folder outside it (``--task-root``): DVC would not see its
+edits. Entry: ``fineflow.stages.evaluate``.
+"""

@@ -2,9 +2,10 @@
 
 Tasks come from three places, searched in this order:
 
-1. the bundled folder (``fineflow/evaluate/evaltasks``), copied to a working directory with the eval rows' absolute
-   path filled in;
-2. ``evaluate.task_dirs``, the user's folders of task YAMLs, indexed where they are;
+1. the bundled folder (``fineflow/evaluate/bundled_tasks``), copied to a working directory with the eval rows'
+   absolute path filled in;
+2. ``evaluate.task_dirs``, the user's folders of task YAMLs, indexed where they are (the evaluate stage takes
+   only folders under the project's ``eval_tasks/``, the one DVC tracks for it);
 3. lm-eval's own registry, by name. Only when a name is in neither of the first two does lm-eval index its
    200+ built-in task folders (~10 s); local tasks alone never pay for it.
 
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from fineflow.core.errors import FineflowError
 
-BUNDLED_TASKS = Path(__file__).parent / "evaltasks"
+BUNDLED_TASKS = Path(__file__).parent / "bundled_tasks"
 CHAMPION_RECORD = "champion.json"
 
 

@@ -1,6 +1,6 @@
 """The evaluate stage's procedure: load the base once, score it, then with the candidate's adapter, then with
 the champion's; record each model's metrics, per-sample scores and timings. lm-eval plumbing is
-``fineflow.evaluate.harness``; the bundled tasks are ``evaltasks/``.
+``fineflow.evaluate.harness``; the bundled tasks are ``bundled_tasks/``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fineflow.core.config import EvaluateParams
+from fineflow.core.config import Params
 from fineflow.core.errors import FineflowError
 from fineflow.core.reports import sha256_file, write_json_atomic
 from fineflow.evaluate.harness import (
@@ -25,6 +25,7 @@ from fineflow.evaluate.harness import (
     summarize,
     write_samples,
 )
+from fineflow.model_ref import read_base_digest, resolve_base_model
 
 
 class EvaluationFailed(FineflowError):
@@ -41,26 +42,28 @@ class EvaluationFailed(FineflowError):
 
 
 def evaluate_models(
-    cfg: EvaluateParams,
-    seed: int,
-    base_reference: str,
+    params: Params,
+    base_dir: Path,
     adapter_dir: Path,
     eval_rows: Path,
     out_dir: Path,
     raw_dir: Path,
     champion_dir: Path | None = None,
+    base_fingerprint: Path | None = None,
     log=print,
-    base_digest: str | None = None,
 ) -> dict:
     """Score the base, the candidate and (when there is one) the champion on every task; write
     ``<out_dir>/scores.json``, per-sample outputs and lm-eval's raw results; return the stage's report.
 
-    base_digest: the base by content (fineflow.model_ref.base_digest). A champion trained on another base is an
-    adapter for other weights (other shapes, even): it is scored as its merged model instead, never wrapped
-    around this base."""
+    base_dir: the base stage's output (the base when ``model.base`` is the embedded model). base_fingerprint: the
+    fingerprint stage's JSON, the base by content (without it the base's files are hashed here). A champion
+    trained on another base is an adapter for other weights (other shapes, even): it is scored as its merged
+    model instead, never wrapped around this base."""
+    base_reference = resolve_base_model(params.model, base_dir)
+    base_digest = read_base_digest(base_reference, base_fingerprint)
     import torch
 
-    torch.manual_seed(seed)
+    torch.manual_seed(params.seed)
     candidate = find_model(adapter_dir)
     if candidate is None:
         raise FineflowError(
@@ -73,6 +76,7 @@ def evaluate_models(
     shutil.rmtree(out_dir / "samples", ignore_errors=True)  # no stale champion samples from an earlier run
     for name in ("base", "candidate", "champion"):
         (raw_dir / f"{name}.json").unlink(missing_ok=True)
+    cfg = params.evaluate
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fineflow-tasks-") as tmp:
         from transformers import AutoTokenizer
@@ -85,40 +89,54 @@ def evaluate_models(
         tasks_s = time.perf_counter() - started
         scorer = ModelScorer(base_reference, cfg.tasks, manager, cfg.batch_size, cfg.limit)
         base_load_s = scorer.load_base()
-        scores, timings = {}, {}
-        for name, (kind, path) in models.items():
-            try:
-                results, load_s, score_s = scorer.score(kind, path)
-            except Exception as exc:  # noqa: BLE001 — the champion's is recorded; the others stop the stage
-                error = f"{type(exc).__name__}: {exc}"
-                log(f"{name}: evaluation FAILED: {error}")
-                if name != "champion":
-                    raise EvaluationFailed(name, path or base_reference, error) from exc
-                scores[name] = {"status": "failed", "error": error}  # the gate refuses to compare with it
-                continue
-            metrics, samples = summarize(results)
-            scores[name] = {"status": "ok", "metrics": metrics, "samples": samples}
-            timings[name] = {
-                "load_s": round(base_load_s if kind == "base" else load_s, 3),
-                "score_s": round(score_s, 3),
-            }
-            write_samples(out_dir / "samples" / name, results)
-            write_json_atomic(raw_dir / f"{name}.json", results_file(results))
-            log(f"{name}: " + ", ".join(f"{t} {m}" for t, m in metrics.items()))
+        scores, timings = score_models(scorer, models, base_load_s, out_dir, raw_dir, log)
     if "champion" in scores:
         scores["champion"].update(id=champion_id(champion_dir), **champion_notes)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    write_scores(out_dir / "scores.json", cfg.tasks, eval_rows, base_digest, scores)
+    return evaluation_report(scores, timings, tasks_s, base_load_s, time.perf_counter() - started)
+
+
+def score_models(scorer: ModelScorer, models: dict, base_load_s: float, out_dir: Path, raw_dir: Path, log=print):
+    """({model: its scores entry}, {model: its load and scoring time}) for each of models ({name: (kind, path)}),
+    writing its samples and lm-eval's raw results as it goes. A failed champion is recorded; a failed base or
+    candidate raises EvaluationFailed."""
+    scores, timings = {}, {}
+    for name, (kind, path) in models.items():
+        try:
+            results, load_s, score_s = scorer.score(kind, path)
+        except Exception as exc:  # noqa: BLE001 — the champion's is recorded; the others stop the stage
+            error = f"{type(exc).__name__}: {exc}"
+            log(f"{name}: evaluation FAILED: {error}")
+            if name != "champion":
+                raise EvaluationFailed(name, path or scorer.reference, error) from exc
+            scores[name] = {"status": "failed", "error": error}  # the gate refuses to compare with it
+            continue
+        metrics, samples = summarize(results)
+        scores[name] = {"status": "ok", "metrics": metrics, "samples": samples}
+        timings[name] = {
+            "load_s": round(base_load_s if kind == "base" else load_s, 3),
+            "score_s": round(score_s, 3),
+        }
+        write_samples(out_dir / "samples" / name, results)
+        write_json_atomic(raw_dir / f"{name}.json", results_file(results))
+        log(f"{name}: " + ", ".join(f"{t} {m}" for t, m in metrics.items()))
+    return scores, timings
+
+
+def write_scores(path: Path, tasks: list[str], eval_rows: Path, base_digest: str | None, scores: dict) -> None:
+    """scores.json, what the promote stage reads: the tasks, the eval rows by content, the base by content, and
+    each model's scores."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(
-        out_dir / "scores.json",
+        path,
         {
-            "tasks": cfg.tasks,
+            "tasks": tasks,
             "eval_rows": str(eval_rows),
             "eval_data_sha256": sha256_file(eval_rows),
             "base_digest": base_digest,
             **scores,
         },
     )
-    return evaluation_report(scores, timings, tasks_s, base_load_s, time.perf_counter() - started)
 
 
 def champion_to_score(champion_dir: Path | None, base_digest: str | None, log=print) -> tuple[tuple | None, dict]:

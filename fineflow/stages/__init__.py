@@ -1,6 +1,9 @@
 """One entry module per DVC stage: parse args, load params, call the library, write outputs + a report.
 
-Each module has ``run(params, ...) -> report`` (called by tests) and ``main(argv)`` (called by the
-``dvc.yaml`` command, which the Prefect tasks run through ``dvc repro``). Which stages exist, and their
-order, is ``dvc.yaml``'s to say (``fineflow.dag.stage_names``).
+Each module's ``main(argv)`` is the ``dvc.yaml`` command (the Prefect tasks run it through ``dvc repro``): it
+parses the paths and hands ``fineflow.core.entry.run_entry`` the body to run on the loaded params. The body
+calls the library: directly where one library function is the stage (promote:
+``fineflow.registry.champion.promote``, evaluate: ``fineflow.evaluate.recipe.evaluate_models``), else through
+the module's own ``run(params, ...) -> report``, which wires a few library calls. Tests call those same
+functions. Which stages exist, and their order, is ``dvc.yaml``'s to say (``fineflow.dag.stage_names``).
 """

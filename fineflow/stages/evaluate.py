@@ -24,32 +24,6 @@ from fineflow.core.config import Params
 from fineflow.core.entry import log, run_entry, stage_parser
 from fineflow.core.errors import FineflowError
 from fineflow.evaluate.recipe import evaluate_models
-from fineflow.model_ref import read_base_digest, resolve_base_model
-
-
-def run(
-    params: Params,
-    base_dir: Path,
-    adapter_dir: Path,
-    eval_rows: Path,
-    out_dir: Path,
-    raw_dir: Path,
-    champion_dir: Path | None = None,
-    base_fingerprint: Path | None = None,
-) -> dict:
-    reference = resolve_base_model(params.model, base_dir)
-    return evaluate_models(
-        params.evaluate,
-        params.seed,
-        reference,
-        adapter_dir,
-        eval_rows,
-        out_dir,
-        raw_dir,
-        champion_dir,
-        log=log,
-        base_digest=read_base_digest(reference, base_fingerprint),
-    )
 
 
 def check_tracked_task_dirs(task_dirs: list[str], task_root: Path | None) -> None:
@@ -97,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def body(params: Params) -> dict:
         check_tracked_task_dirs(params.evaluate.task_dirs, args.task_root)
-        return run(
+        return evaluate_models(
             params,
             args.base_dir,
             args.adapter,
@@ -106,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             args.raw_results,
             args.champion,
             args.base_fingerprint,
+            log=log,
         )
 
     return run_entry("evaluate", args, body)

@@ -13,8 +13,8 @@ times, user, host) goes to ``<lineage>/<candidate id>.json``, outside DVC's outp
 ``fineflow.registry.champion.promote``.
 
 With ``promote.require_approval``, a candidate the gate passes waits for a person: without an answer in
-FINEFLOW_APPROVAL the stage writes nothing, records the gate's evidence and exits 3 (the Prefect flow pauses for
-the answer and runs the stage again with it; fineflow.registry.approval).
+FINEFLOW_APPROVAL the stage writes nothing, records the gate's evidence and exits ``APPROVAL_NEEDED_EXIT`` (3;
+the Prefect flow pauses for the answer and runs the stage again with it; fineflow.registry.approval).
 
 Only the project's own workspace promotes: a DVC experiment run from the queue (in a copy of the project) stops
 here with a user error that says how to promote it (queue experiments up to ``evaluate``, compare them with
@@ -30,7 +30,7 @@ from fineflow.core.config import Params
 from fineflow.core.entry import log, run_entry, stage_parser, user_error
 from fineflow.core.errors import USER_ERROR_EXIT, FineflowError
 from fineflow.core.workspace import queued_experiment
-from fineflow.registry.approval import Approval, approval_from_env
+from fineflow.registry.approval import approval_from_env
 from fineflow.registry.champion import promote
 
 
@@ -45,35 +45,6 @@ def queued_experiment_refusal() -> FineflowError | None:
         "registry and installs the champion. Queue experiments up to evaluate (`dvc exp run --queue -S ... "
         f"evaluate`), compare them with `dvc exp show`, then `dvc exp apply {name}` and `dvc repro` in the "
         "workspace: it runs promote on this experiment's candidate (already in the cache: nothing retrains)."
-    )
-
-
-def run(
-    params: Params,
-    scores_path: Path,
-    adapter_dir: Path,
-    champion_dir: Path,
-    registry_dir: Path,
-    base_dir: Path | None = None,
-    train_report: Path | None = None,
-    lineage_dir: Path | None = None,
-    shards_dir: Path = Path("data/shards"),
-    root: Path = Path("."),
-    approval: Approval | None = None,
-) -> dict:
-    return promote(
-        params,
-        scores_path,
-        adapter_dir,
-        champion_dir,
-        registry_dir,
-        base_dir,
-        train_report,
-        lineage_dir,
-        shards_dir,
-        root,
-        log=log,
-        approval=approval,
     )
 
 
@@ -104,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         return USER_ERROR_EXIT
 
     def promote_in_this_workspace(params: Params) -> dict:
-        return run(
+        return promote(
             params,
             args.scores,
             args.adapter,
@@ -114,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             args.train_report,
             args.lineage,
             args.shards,
+            log=log,
             approval=approval_from_env(),  # a person's answer (promote.require_approval), given by the flow
         )
 

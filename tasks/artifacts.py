@@ -1,0 +1,202 @@
+"""What a stage's task shows on the Prefect run page: its report as a table artifact, promote's decision and
+the goodput ledger's findings as markdown, the training charts embedded, a progress bar while training runs, and
+a failed stage's error: rendered and published here, beside nothing else. Running the stage (``dvc repro``, its
+logs, stops and retries) is ``tasks/stages.py``'s.
+
+Artifact keys (the run page and tests/test_runs.py read them): ``fineflow-<stage>`` (a report's table),
+``fineflow-promotion``, ``fineflow-train-charts``, ``fineflow-train-progress``, ``fineflow-goodput-ledger``,
+``fineflow-goodput-doctor``, ``fineflow-<stage>-failed``.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import re
+import time
+from pathlib import Path
+
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+
+from fineflow.core.reports import gate_evidence_table
+from fineflow.train.plots import TRAIN_CHARTS
+
+
+def publish_report(stage: str, project: Path, report: dict, ran: bool) -> None:
+    """reports/<stage>.json as a table artifact (and promote's decision as markdown): the run page's figures."""
+    if stage == "goodput" and report.get("buckets"):  # the ledger: its buckets as the table, findings and chart
+        create_table_artifact(
+            key="fineflow-goodput-ledger",
+            table=ledger_table(report),
+            description="where this run's wall time and money went (reports/goodput.json)",
+        )
+        create_markdown_artifact(
+            key="fineflow-goodput-doctor",
+            markdown=ledger_markdown(report, project / "reports" / "plots"),
+            description="fineflow doctor on this run",
+        )
+        return
+    create_table_artifact(
+        key=f"fineflow-{stage}",
+        table=report_table(report),
+        description=f"reports/{stage}.json after the {stage} stage" + ("" if ran else " (unchanged, skipped by DVC)"),
+    )
+    if stage == "promote" and report.get("decision"):
+        create_markdown_artifact(
+            key="fineflow-promotion", markdown=promotion_markdown(report, project), description="the promotion gate"
+        )
+    if stage == "train" and ran:  # only then: the charts are read and base64-encoded, once per training
+        charts = charts_markdown(project / "reports" / "plots")
+        if charts:
+            create_markdown_artifact(key="fineflow-train-charts", markdown=charts, description="the run's charts")
+
+
+def publish_failure(stage: str, exc: BaseException) -> None:
+    """A failed stage's error on the run page (the task's state message holds it too, cut to one line)."""
+    with contextlib.suppress(Exception):  # a dead API must not replace the stage's own error
+        create_markdown_artifact(
+            key=f"fineflow-{stage}-failed",
+            markdown=f"### fineflow {stage} failed\n\n```\n{exc}\n```",
+            description=f"the {stage} stage's error",
+        )
+
+
+# The train stage's progress line when its output is not a terminal (fineflow.train.loop.Progress)
+_TRAIN_STEP = re.compile(r"step (\d+)/(\d+) loss \S+ ([\d,.]+) tok/s.*ETA (\d+)s")
+
+
+class TrainingProgress:
+    """A progress artifact on the run page while training runs: step of total, tokens/s, ETA, from the stage's
+    own progress lines. Updated at most every `every_s` seconds; an API error never stalls the stage's output."""
+
+    def __init__(self, stage: str, every_s: float = 5.0):
+        self.stage, self.every_s = stage, every_s
+        self.artifact_id = None
+        self.updated = float("-inf")
+
+    def see(self, line: str) -> None:
+        match = _TRAIN_STEP.search(line)
+        if match is None:
+            return
+        step, total, tokens_per_s, eta = match.groups()
+        finished = step == total
+        if not finished and time.monotonic() - self.updated < self.every_s:
+            return
+        self.updated = time.monotonic()
+        percent = 100.0 * int(step) / max(1, int(total))
+        description = f"{self.stage}: step {step}/{total}, {tokens_per_s} tokens/s, ETA {eta} s"
+        with contextlib.suppress(Exception):
+            if self.artifact_id is None:
+                self.artifact_id = create_progress_artifact(
+                    progress=percent, key=f"fineflow-{self.stage}-progress", description=description
+                )
+            else:
+                update_progress_artifact(self.artifact_id, progress=percent, description=description)
+
+
+def report_table(report: dict) -> list[dict]:
+    """A stage report as rows of (figure, value): nested sections flattened to dotted names, each value whole
+    (lists and mappings below the first level as compact JSON)."""
+    rows = []
+    for key, value in sorted(report.items()):
+        if isinstance(value, dict) and value:  # a section (train's "plan"): one row per field
+            rows += [{"figure": f"{key}.{inner}", "value": _cell(v)} for inner, v in sorted(value.items())]
+        else:
+            rows.append({"figure": key, "value": _cell(value)})
+    return rows
+
+
+def _cell(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def promotion_markdown(report: dict, project: Path) -> str:
+    """The gate's decision with its evidence, for the promotion artifact."""
+    card = project / "models" / "champion" / "README.md"
+    lines = [
+        f"### Promotion: **{report.get('decision', '?')}**",
+        "",
+        str(report.get("reason", "")),
+        "",
+        *gate_evidence_table(report),
+        f"| model card | [{card}]({card.as_uri()}) |",
+    ]
+    return "\n".join(lines)
+
+
+def charts_markdown(plots_dir: Path) -> str | None:
+    """The train stage's PNG charts (fineflow.train.plots) embedded in markdown, so the run page shows them
+    without reaching the worker's disk, each with a link to its file."""
+    charts = [plots_dir / name for name in TRAIN_CHARTS if (plots_dir / name).is_file()]
+    if not charts:
+        return None
+    lines = ["### Training charts", ""]
+    for chart in charts:
+        data = base64.b64encode(chart.read_bytes()).decode("ascii")
+        lines += [f"![{chart.stem}](data:image/png;base64,{data})", "", f"[{chart.name}]({chart.as_uri()})", ""]
+    return "\n".join(lines)
+
+
+def ledger_table(ledger: dict) -> list[dict]:
+    """The goodput ledger as table rows: every bucket's seconds, share and cost, largest first, then the totals."""
+    from fineflow.goodput.ledger import DESCRIPTIONS
+
+    total = ledger.get("total_s") or 1.0
+    bucket_usd = (ledger.get("cost") or {}).get("bucket_usd") or {}
+    rows = [
+        {
+            "bucket": name,
+            "seconds": round(seconds, 2),
+            "share": f"{seconds / total:.1%}",
+            "usd": round(bucket_usd.get(name, 0.0), 5),
+            "what": DESCRIPTIONS.get(name, ""),
+        }
+        for name, seconds in sorted(ledger.get("buckets", {}).items(), key=lambda item: -item[1])
+    ]
+    rows.append(
+        {
+            "bucket": "unaccounted",
+            "seconds": ledger.get("unaccounted_s"),
+            "share": f"{ledger.get('unaccounted_share', 0):.2%}",
+            "usd": None,
+            "what": "inside stage processes, timed by no bucket",
+        }
+    )
+    rows.append(
+        {
+            "bucket": "total",
+            "seconds": ledger.get("total_s"),
+            "share": f"goodput {ledger.get('goodput', 0):.1%}",
+            "usd": (ledger.get("cost") or {}).get("run_usd"),
+            "what": "the run, from its start to this ledger",
+        }
+    )
+    return rows
+
+
+def ledger_markdown(ledger: dict, plots_dir: Path) -> str:
+    """The doctor's findings and the stacked-bar chart, for the run page."""
+    from fineflow.goodput import doctor
+
+    lines = [f"### {doctor.one_line(ledger)}", ""]
+    for finding in ledger.get("findings") or []:
+        fix = finding["fix"]
+        lines.append(
+            f"- **{finding['severity']} {finding['cause']}** ({finding['share_of_run']:.0%} of the run, "
+            f"${finding['usd']:.4f}): {finding['evidence']}. Fix: `{fix['param']}`"
+            + (f" = `{fix['value']}`" if fix["value"] is not None else "")
+            + f" ({fix['why']})"
+        )
+    if not ledger.get("findings"):
+        lines.append("The doctor found nothing.")
+    chart = plots_dir / "goodput.png"
+    if chart.is_file():
+        data = base64.b64encode(chart.read_bytes()).decode("ascii")
+        lines += ["", f"![goodput buckets](data:image/png;base64,{data})", f"[{chart.name}]({chart.as_uri()})"]
+    return "\n".join(lines)
