@@ -35,7 +35,8 @@ from pathlib import Path
 
 import yaml
 
-from fineflow.core import journal, remote
+from fineflow import remote
+from fineflow.core import journal
 from fineflow.core.config import load_params
 from fineflow.core.errors import (
     APPROVAL_NEEDED_EXIT,
