@@ -300,15 +300,16 @@ def test_gate_follows_the_base_change_policy():
     assert not same.promote and same.reference_name.startswith("champion") and "base_change" not in same.context
 
 
-def test_gate_refuses_a_champion_mismatch_and_a_legacy_champion_without_evidence():
+def test_gate_refuses_a_champion_mismatch_and_a_champion_without_evidence():
     scores = {
         "base": entry({P: hits(0)}),
         "candidate": entry({P: hits(30)}),
         "champion": {**entry({P: hits(10)}), "id": "d" * 16},
     }
     assert "re-run the evaluate stage" in promotion_decision(scores, CHAMPION, [], **GATE).reason
-    legacy = {"id": "a" * 64, "metrics": {P: 0.25}, "samples": None, "eval_data_sha256": None}
-    d = promotion_decision({"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)})}, legacy, [], **GATE)
+    # a candidate stored from unreadable scores records no eval data hash; a rollback can still install it
+    unhashed = {**CHAMPION, "samples": None, "eval_data_sha256": None}
+    d = promotion_decision({"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)})}, unhashed, [], **GATE)
     assert not d.promote and "no recorded eval data hash" in d.reason
 
 

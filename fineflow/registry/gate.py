@@ -16,8 +16,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from fineflow.registry.store import ID_LEN, same_id
-
 
 @dataclass(frozen=True)
 class Bootstrap:
@@ -261,7 +259,7 @@ def promotion_decision(
     elif _base_changed(scores, champion):
         return _judge_on_a_new_base(scores, champion, on_base_change, compare)
     else:
-        reference_name = f"champion {champion['id'][:ID_LEN]}"
+        reference_name = f"champion {champion['id']}"
         reference, problem, context = _champion_as_reference(
             scores, champion, reference_name, eval_data_sha256, on_eval_change
         )
@@ -272,7 +270,8 @@ def promotion_decision(
 
 
 def _base_changed(scores: dict, champion: dict) -> bool:
-    """Both bases are known by content and differ (a champion recorded before base digests: assumed the same)."""
+    """Both bases are known by content and differ (a library caller that gave evaluate no base digest records
+    none: then the bases are taken to be the same)."""
     now, then = scores.get("base_digest"), champion.get("base_digest")
     return bool(now and then and now != then)
 
@@ -280,7 +279,7 @@ def _base_changed(scores: dict, champion: dict) -> bool:
 def _judge_on_a_new_base(scores: dict, champion: dict, policy: str, compare: dict) -> Decision:
     """The candidate is on another base than the champion: refused (policy refuse), or judged against its own
     base, with the old champion's merged model on the same docs reported side by side (compare_to_base)."""
-    cid = champion["id"][:ID_LEN]
+    cid = champion["id"]
     change = {"from": champion["base_digest"], "to": scores["base_digest"], "policy": policy}
     switch = (
         f"the base model changed: champion {cid} was trained on base {change['from']}, this candidate on {change['to']}"
@@ -308,9 +307,9 @@ def _side_by_side(scores: dict, champion: dict, compare: dict) -> dict:
     evaluated = scores.get("champion")
     if not evaluated or evaluated.get("status", "ok") != "ok":
         why = (evaluated or {}).get("error", "not evaluated in this run")
-        return {"champion": champion["id"][:ID_LEN], "status": "not compared", "why": why}
+        return {"champion": champion["id"], "status": "not compared", "why": why}
     return {
-        "champion": champion["id"][:ID_LEN],
+        "champion": champion["id"],
         "evaluated_as": evaluated.get("evaluated_as", "adapter"),
         "metrics": flatten(evaluated.get("metrics") or {}),
         "candidate_vs_champion": bootstrap_per_metric(
@@ -383,12 +382,12 @@ def _champion_as_reference(
         if evaluated.get("status", "ok") != "ok":
             error = evaluated.get("error", "no error given")
             return None, f"the {reference_name}'s evaluation failed: {error}", context
-        if evaluated.get("id") and not same_id(evaluated["id"], cid):
+        if evaluated.get("id") and evaluated["id"] != cid:
             return (
                 None,
                 (
-                    f"the scores evaluated champion {evaluated['id'][:ID_LEN]} but the registry's "
-                    f"champion is {cid[:ID_LEN]}: re-run the evaluate stage"
+                    f"the scores evaluated champion {evaluated['id']} but the registry's "
+                    f"champion is {cid}: re-run the evaluate stage"
                 ),
                 context,
             )

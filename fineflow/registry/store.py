@@ -54,9 +54,9 @@ ID_LEN = 16
 KEY_VAR = "FINEFLOW_REGISTRY_KEY"  # the HMAC key of keyed mode, from the environment only
 CHAMPION_DECISIONS = ("promoted", "rollback")  # the log entries that install a champion
 CARD_FILE = "README.md"  # the model card: carries run timings, DVC ignores it, so it is not evidence
-# a candidate id or a prefix of one (older logs hold full sha256 ids): hex only, so a user's --to can never
-# name a path (../x) or a glob pattern (*) below candidates/
-_ID = re.compile(r"[0-9a-f]{1,64}")
+# a candidate id or a prefix of one: hex only, so a user's --to can never name a path (../x) or a glob pattern (*)
+# below candidates/
+_ID = re.compile(rf"[0-9a-f]{{1,{ID_LEN}}}")
 
 
 # ---- ids -----------------------------------------------------------------------------------------
@@ -84,11 +84,6 @@ def check_id(cid: str) -> str:
             "prints it, or a unique prefix of one)"
         )
     return cid
-
-
-def same_id(a: str | None, b: str | None) -> bool:
-    """Candidate ids match when one is a prefix of the other (short ids vs the log's older full hashes)."""
-    return bool(a and b) and (a.startswith(b) or b.startswith(a))
 
 
 # ---- the lock every registry write holds ---------------------------------------------------------
@@ -160,7 +155,7 @@ def candidate_dir(registry_dir: Path, cid: str) -> Path:
     if exact.is_dir():
         return exact
     matches = (
-        sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and same_id(p.name, cid))
+        sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name.startswith(cid))
         if root.is_dir()
         else []
     )
@@ -238,28 +233,19 @@ def read_champion(champion_dir: Path) -> dict | None:
     return record if record.get("candidate_id") else None
 
 
-def current_champion(registry_dir: Path, champion_dir: Path) -> dict | None:
-    """The champion the gate compares with: {"id", "metrics" (flat), "samples", "eval_data_sha256"}.
-
-    The registry alias is authoritative; a champion installed before the registry had candidates (an
-    older champion.json with metrics only) is still honoured, with no samples and no eval data hash."""
+def current_champion(registry_dir: Path) -> dict | None:
+    """The champion the gate compares with, from the record of the candidate the alias names: {"id", "metrics"
+    (flat), "samples", "eval_data_sha256", "base_digest"}; None when nothing was promoted yet."""
     cid = alias_id(registry_dir)
-    if cid:
-        record = read_record(registry_dir, cid)
-        return {
-            "id": cid,
-            "metrics": record.get("metrics") or {},
-            "samples": record.get("samples"),
-            "eval_data_sha256": record.get("eval_data_sha256"),
-        }
-    legacy = read_champion(champion_dir)
-    if legacy is None:
+    if not cid:
         return None
+    record = read_record(registry_dir, cid)
     return {
-        "id": legacy["candidate_id"],
-        "metrics": legacy.get("metrics") or {},
-        "samples": legacy.get("samples"),
-        "eval_data_sha256": legacy.get("eval_data_sha256"),
+        "id": cid,
+        "metrics": record.get("metrics") or {},
+        "samples": record.get("samples"),
+        "eval_data_sha256": record.get("eval_data_sha256"),
+        "base_digest": record.get("base_digest"),
     }
 
 
@@ -403,9 +389,9 @@ def rollback_refusal(registry_dir: Path, cid: str) -> str | None:
     a re-run of promote on the old scores would undo the rollback."""
     retired = None
     for entry in read_log(registry_dir):
-        if entry.get("decision") == "rollback" and same_id(entry.get("champion_before"), cid):
+        if entry.get("decision") == "rollback" and entry.get("champion_before") == cid:
             retired = entry
-        elif entry.get("decision") in CHAMPION_DECISIONS and same_id(entry.get("candidate_id"), cid):
+        elif entry.get("decision") in CHAMPION_DECISIONS and entry.get("candidate_id") == cid:
             retired = None
     if retired is None:
         return None
@@ -573,7 +559,7 @@ def _dangling_alias(registry_dir: Path) -> list[str]:
 
 
 def stored_candidate(registry_dir: Path, cid: str) -> Path | None:
-    """candidates/<id> for an id the log names (a short id, or an older log's full one), or None."""
+    """candidates/<id> for an id the log names, or None when it is not stored (or not an id)."""
     try:
         return candidate_dir(registry_dir, cid)
     except FineflowError:
@@ -581,8 +567,8 @@ def stored_candidate(registry_dir: Path, cid: str) -> Path | None:
 
 
 def _champion_problems(registry_dir: Path, champion_dir: Path | None) -> list[str]:
-    """The alias and the installed champion against the log's last promotion or rollback. A log from before
-    the registry kept candidates (its champion not stored) has nothing to compare with."""
+    """The alias and the installed champion against the log's last promotion or rollback. When that entry's
+    candidate is no longer stored there is nothing to compare them with (an alias naming it is _dangling_alias's)."""
     last = last_champion_entry(registry_dir)
     alias = read_alias(registry_dir)
     if last is None:
@@ -592,7 +578,7 @@ def _champion_problems(registry_dir: Path, champion_dir: Path | None) -> list[st
     if stored is None:
         return []
     problems = []
-    alias_ok = bool(alias) and same_id(alias.get("id"), cid) and alias.get("seq") == seq
+    alias_ok = bool(alias) and alias.get("id") == cid and alias.get("seq") == seq
     if not alias_ok:
         named = f"{alias.get('id')} (entry {alias.get('seq')})" if alias else "nothing"
         problems.append(
@@ -609,7 +595,7 @@ def _installed_problems(champion_dir: Path, stored: Path, seq: int, alias: dict 
     files byte for byte, and (when the alias agrees with the log) the content hash recorded at the install."""
     cid = stored.name
     installed = read_champion(champion_dir)
-    if installed is None or not same_id(installed.get("candidate_id"), cid) or installed.get("promotion_seq") != seq:
+    if installed is None or installed.get("candidate_id") != cid or installed.get("promotion_seq") != seq:
         holds = f"{installed['candidate_id']} (entry {installed.get('promotion_seq')})" if installed else "no champion"
         return [
             f"{champion_dir / CHAMPION_FILE}: {champion_dir} holds {holds}, but entry {seq} of the log installs "
