@@ -282,7 +282,7 @@ def test_a_new_base_model_is_judged_against_its_own_base_with_the_old_champion_s
     its merged model (its own base and tokenizer) on the same docs; promote.on_base_change decides, and the log
     entry records the switch."""
     from fineflow.model_ref import base_digest, base_identity
-    from fineflow.registry.store import read_log
+    from fineflow.registry.promotion_log import read_log
     from fineflow.stages import base, promote
 
     root = _git_checkout(tmp_path / "project")
@@ -329,7 +329,7 @@ def test_a_changed_eval_set_is_judged_by_the_eval_change_policy_and_reported(bui
     refused for ever. Now: with compare_on_current the candidate is judged against the champion re-scored on the
     new rows in this run; with refuse it is refused; the report and the log say the eval set changed, from what
     to what."""
-    from fineflow.registry.store import read_log
+    from fineflow.registry.promotion_log import read_log
     from fineflow.stages import promote
 
     root = _git_checkout(tmp_path / "project")

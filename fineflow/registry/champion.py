@@ -24,34 +24,38 @@ from fineflow.core.reports import write_json_atomic
 from fineflow.registry.approval import Approval, apply_approval
 from fineflow.registry.card import model_card, train_figures
 from fineflow.registry.gate import Decision, bootstrap_per_metric, decision_record, flatten, promotion_decision, refusal
+from fineflow.registry.install import (
+    champion_files_hash,
+    clear_leftovers,
+    ensure_empty_champion,
+    read_champion,
+    staging_dir,
+    swap_in,
+)
 from fineflow.registry.lineage import build_manifest, deterministic, missing_fields
+from fineflow.registry.promotion_log import (
+    append_log,
+    champion_history,
+    last_champion_entry,
+    read_log,
+    repair_log,
+    rollback_refusal,
+)
 from fineflow.registry.store import (
     CHAMPION_FILE,
     RECORD_FILE,
     alias_id,
-    append_log,
     candidate_dir,
     candidate_id,
-    champion_files_hash,
-    champion_history,
     check_id,
-    clear_leftovers,
     current_champion,
     directory_hash,
-    ensure_empty_champion,
-    last_champion_entry,
     read_alias,
-    read_champion,
-    read_log,
     read_record,
     registry_lock,
-    repair_log,
-    rollback_refusal,
     set_alias,
-    staging_dir,
     store_candidate,
     stored_candidate,
-    swap_in,
 )
 
 
@@ -154,7 +158,7 @@ def rollback(
     """Reinstall an earlier champion from candidates/<id> (default: the one before the current) atomically,
     rebuilding its merged model, tokenizer and card, and log a "rollback" entry; under the registry lock,
     after repairing what a writer that died left. The candidate rolled back from is not promoted again by the
-    gate (store.rollback_refusal) unless a later rollback reinstalls it."""
+    gate (promotion_log.rollback_refusal) unless a later rollback reinstalls it."""
     if to is not None:
         check_id(to)
     with registry_writes(registry_dir, champion_dir, log, base_dir):
@@ -216,7 +220,7 @@ def recover(
 ) -> list[str]:
     """Bring the log, the champion directory and the alias back in line after a writer died midway; returns
     what was done, each also passed to log. The log is the record of what was decided: a half-written last line
-    was never committed and is cut (store.repair_log); a promotion or rollback that was logged is finished,
+    was never committed and is cut (promotion_log.repair_log); a promotion or rollback that was logged is finished,
     never undone: the champion it names is rebuilt from candidates/<id> when the directory does not hold it,
     and the alias is pointed at it. Leftover staged or retired directories are removed."""
     with registry_lock(registry_dir):
