@@ -1,5 +1,5 @@
 """The ``fineflow`` command. Subcommands: ``plan`` (the GPU memory planner, fineflow.train.planner),
-``registry verify|rollback|repair|list`` (the model registry: fineflow.registry.store, rollback and repair in
+``registry verify|rollback|repair|list`` (the model registry: fineflow.registry.verify, rollback and repair in
 fineflow.registry.champion), ``lineage`` (fineflow.registry.lineage) and ``data add`` (new training data for the
 on-new-data deployment).
 
@@ -256,7 +256,8 @@ def _registry_paths(args):
 
 
 def _run_verify(args) -> int:
-    from fineflow.registry.store import KEY_VAR, last_champion_entry, read_log, registry_key, verify_log
+    from fineflow.registry.promotion_log import KEY_VAR, last_champion_entry, read_log, registry_key
+    from fineflow.registry.verify import verify_log
 
     registry, champion = _registry_paths(args)
     key = registry_key()

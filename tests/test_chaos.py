@@ -35,7 +35,8 @@ import pytest
 import yaml
 
 from fineflow.core.workspace import WorkspaceLock
-from fineflow.registry.store import read_log, verify_log
+from fineflow.registry.promotion_log import read_log
+from fineflow.registry.verify import verify_log
 from tests.conftest import ROOT, copy_project, venv_env
 from tests.faults import fault_env
 

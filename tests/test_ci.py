@@ -363,7 +363,7 @@ def test_the_workflows_steps_in_fresh_clones_refuse_then_promote_then_stop_on_ba
     _dvc(pulled, "pull", env=secrets)
     assert json.loads(_dvc(pulled, "status", "--json")) == {}
     assert json.loads(_dvc(pulled, "status", "--cloud", "--json", env=secrets)) == {}
-    from fineflow.registry.store import read_log
+    from fineflow.registry.promotion_log import read_log
 
     assert [entry["decision"] for entry in read_log(pulled / "models/registry")] == ["refused", "promoted"]
     verify = subprocess.run(
@@ -418,7 +418,7 @@ def test_queued_experiments_wait_for_the_workspace_reuse_the_shards_compare_in_e
     baseline made (tokenize skipped), `dvc exp show` holds each one's params and metrics, and the one that
     reaches promote fails there saying how to promote it: the workspace's registry and champion are untouched."""
     from fineflow.core.workspace import WorkspaceLock
-    from fineflow.registry.store import read_log
+    from fineflow.registry.promotion_log import read_log
 
     project = copy_project(tmp_path / "project")
     _dvc(project, "repro")

@@ -283,7 +283,7 @@ def test_a_new_base_model_is_judged_against_its_own_base_with_the_old_champion_s
     entry records the switch."""
     from fineflow.model_ref import base_digest, base_identity
     from fineflow.registry.champion import promote
-    from fineflow.registry.store import read_log
+    from fineflow.registry.promotion_log import read_log
     from fineflow.stages import base
 
     root = _git_checkout(tmp_path / "project")
@@ -331,7 +331,7 @@ def test_a_changed_eval_set_is_judged_by_the_eval_change_policy_and_reported(bui
     new rows in this run; with refuse it is refused; the report and the log say the eval set changed, from what
     to what."""
     from fineflow.registry.champion import promote
-    from fineflow.registry.store import read_log
+    from fineflow.registry.promotion_log import read_log
 
     root = _git_checkout(tmp_path / "project")
     champion, registry = root / "models/champion", root / "models/registry"

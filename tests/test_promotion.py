@@ -5,15 +5,9 @@ import json
 import pytest
 
 from fineflow.registry.gate import decide
-from fineflow.registry.store import (
-    alias_id,
-    append_log,
-    ensure_empty_champion,
-    read_champion,
-    set_alias,
-    staging_dir,
-    swap_in,
-)
+from fineflow.registry.install import ensure_empty_champion, read_champion, staging_dir, swap_in
+from fineflow.registry.promotion_log import append_log
+from fineflow.registry.store import alias_id, set_alias
 
 P = "synth/exact_match"
 
@@ -300,15 +294,16 @@ def test_gate_follows_the_base_change_policy():
     assert not same.promote and same.reference_name.startswith("champion") and "base_change" not in same.context
 
 
-def test_gate_refuses_a_champion_mismatch_and_a_legacy_champion_without_evidence():
+def test_gate_refuses_a_champion_mismatch_and_a_champion_without_evidence():
     scores = {
         "base": entry({P: hits(0)}),
         "candidate": entry({P: hits(30)}),
         "champion": {**entry({P: hits(10)}), "id": "d" * 16},
     }
     assert "re-run the evaluate stage" in promotion_decision(scores, CHAMPION, [], **GATE).reason
-    legacy = {"id": "a" * 64, "metrics": {P: 0.25}, "samples": None, "eval_data_sha256": None}
-    d = promotion_decision({"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)})}, legacy, [], **GATE)
+    # a candidate stored from unreadable scores records no eval data hash; a rollback can still install it
+    unhashed = {**CHAMPION, "samples": None, "eval_data_sha256": None}
+    d = promotion_decision({"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)})}, unhashed, [], **GATE)
     assert not d.promote and "no recorded eval data hash" in d.reason
 
 
@@ -344,7 +339,7 @@ def test_lineage_required_fields():
 
 
 def test_verify_names_the_first_edited_line(tmp_path):
-    from fineflow.registry.store import verify_log
+    from fineflow.registry.verify import verify_log
 
     for decision in ("refused", "promoted", "refused"):
         append_log(tmp_path, {"decision": decision, "metrics": {P: 0.5}})
@@ -365,7 +360,6 @@ def test_a_promote_re_run_after_its_decision_was_logged_does_not_judge_again(tmp
     judged again and logged a second verdict (for a promoted candidate, against itself: refused)."""
     from fineflow.core.config import parse_params
     from fineflow.registry.champion import already_decided, decided_as
-    from fineflow.registry.store import append_log
     from tests.conftest import TINY_PARAMS
 
     params = parse_params(TINY_PARAMS)

@@ -27,7 +27,10 @@ import yaml
 
 from fineflow import cli
 from fineflow.core.errors import APPROVAL_NEEDED_EXIT
-from fineflow.registry.store import alias_id, candidate_id, champion_files_hash, read_log, verify_log
+from fineflow.registry.install import champion_files_hash
+from fineflow.registry.promotion_log import read_log
+from fineflow.registry.store import alias_id, candidate_id
+from fineflow.registry.verify import verify_log
 from tests.conftest import EVAL_SHA, ROOT, copy_project, random_adapter, venv_env, write_params
 from tests.conftest import write_scores as _write_scores
 
@@ -356,7 +359,7 @@ def test_the_next_promote_repairs_a_crashed_install_before_it_judges(promoted, a
     """The log says adapter1 was promoted (entry 4) but the writer died before the swap: the next promote run
     finishes that install first, then judges its own candidate against adapter1, the champion the log names."""
     from fineflow.registry.champion import promote
-    from fineflow.registry.store import append_log
+    from fineflow.registry.promotion_log import append_log
 
     root, registry, champion = promoted["root"], promoted["registry"], promoted["champion"]
     id1, id2 = promoted["ids"]

@@ -22,7 +22,7 @@ import pytest
 from fineflow import cli
 from fineflow.core.errors import FineflowError
 from fineflow.registry import champion as champion_mod
-from fineflow.registry import store
+from fineflow.registry import install, promotion_log, store, verify
 
 P = "synth/exact_match"
 
@@ -55,8 +55,8 @@ def _store(registry, adapter, decision: str = "promoted") -> tuple[str, dict]:
 
 def _install(registry, champion, cid: str, record: dict, decision: str = "promoted") -> dict:
     """What promote does for a passing candidate: log the decision, then install the built champion."""
-    entry = store.append_log(registry, {"candidate_id": cid, "decision": decision, "promote": True})
-    staging = fake_build(store.staging_dir(champion), store.candidate_dir(registry, cid), "base", record, None)
+    entry = promotion_log.append_log(registry, {"candidate_id": cid, "decision": decision, "promote": True})
+    staging = fake_build(install.staging_dir(champion), store.candidate_dir(registry, cid), "base", record, None)
     champion_mod.install_built(staging, champion, registry, cid, record, entry["seq"])
     return entry
 
@@ -66,13 +66,13 @@ def reg(tmp_path, monkeypatch):
     """A registry that promoted a, then b (the champion now); build_champion is the fake one."""
     monkeypatch.setattr(champion_mod, "build_champion", fake_build)
     registry, champion = tmp_path / "models/registry", tmp_path / "models/champion"
-    store.ensure_empty_champion(champion)
+    install.ensure_empty_champion(champion)
     ids = []
     for name in ("a", "b"):
         cid, record = _store(registry, _adapter(tmp_path / f"adapter-{name}", name))
         _install(registry, champion, cid, record)
         ids.append(cid)
-    assert store.verify_log(registry, champion) == []
+    assert verify.verify_log(registry, champion) == []
     return {"registry": registry, "champion": champion, "ids": ids, "tmp": tmp_path}
 
 
@@ -86,7 +86,7 @@ def _files(root):
 def _append_many(registry, start, n: int) -> None:
     start.wait()
     for i in range(n):
-        store.append_log(registry, {"decision": "refused", "writer": os.getpid(), "i": i})
+        promotion_log.append_log(registry, {"decision": "refused", "writer": os.getpid(), "i": i})
 
 
 @pytest.mark.slow  # two processes
@@ -103,9 +103,9 @@ def test_two_processes_appending_at_once_keep_one_chain(tmp_path):
     for w in writers:
         w.join(120)
         assert w.exitcode == 0
-    log = store.read_log(registry)
+    log = promotion_log.read_log(registry)
     assert [e["seq"] for e in log] == list(range(1, 161))
-    assert len({e["writer"] for e in log}) == 2 and store.verify_log(registry) == []
+    assert len({e["writer"] for e in log}) == 2 and verify.verify_log(registry) == []
 
 
 def _read_heads(path, start, stop, bad) -> None:
@@ -123,14 +123,14 @@ def _read_heads(path, start, stop, bad) -> None:
 def test_a_reader_never_sees_a_partial_head(tmp_path):
     """HEAD is replaced by a rename: a reader sees the old hash or the new one, never an empty file."""
     registry = tmp_path / "registry"
-    store.append_log(registry, {"decision": "refused"})
+    promotion_log.append_log(registry, {"decision": "refused"})
     ctx = multiprocessing.get_context("fork")
     start, stop, bad = ctx.Event(), ctx.Event(), ctx.Value("i", 0)
-    reader = ctx.Process(target=_read_heads, args=(registry / store.HEAD_FILE, start, stop, bad))
+    reader = ctx.Process(target=_read_heads, args=(registry / promotion_log.HEAD_FILE, start, stop, bad))
     reader.start()
     start.set()
     for i in range(150):
-        store.append_log(registry, {"decision": "refused", "i": i})
+        promotion_log.append_log(registry, {"decision": "refused", "i": i})
     stop.set()
     reader.join(60)
     assert bad.value == 0
@@ -166,10 +166,10 @@ def test_the_lock_is_reentrant_and_lives_beside_the_registry_not_inside_it(tmp_p
     registry = tmp_path / "models/registry"
     with store.registry_lock(registry):
         with store.registry_lock(registry):  # promote holds it and append_log takes it again
-            store.append_log(registry, {"decision": "refused"})
+            promotion_log.append_log(registry, {"decision": "refused"})
         _assert_locked(registry)
     assert store.lock_path(registry).parent == registry.parent
-    assert sorted(p.name for p in registry.iterdir()) == [store.HEAD_FILE, store.LOG_FILE]
+    assert sorted(p.name for p in registry.iterdir()) == [promotion_log.HEAD_FILE, promotion_log.LOG_FILE]
 
 
 # ---- HEAD and a half-written last line ------------------------------------------------------------------
@@ -178,45 +178,45 @@ def test_the_lock_is_reentrant_and_lives_beside_the_registry_not_inside_it(tmp_p
 def test_a_half_written_last_line_is_named_by_verify_and_cut_by_repair(tmp_path):
     registry = tmp_path / "registry"
     for decision in ("refused", "refused"):
-        store.append_log(registry, {"decision": decision})
-    log = registry / store.LOG_FILE
+        promotion_log.append_log(registry, {"decision": decision})
+    log = registry / promotion_log.LOG_FILE
     whole = log.read_bytes()
     with log.open("a") as fh:
         fh.write('{"candidate_id": "c0ffee", "decis')  # the writer died mid-append
-    [problem] = store.verify_log(registry)
+    [problem] = verify.verify_log(registry)
     assert "promotions.jsonl:3:" in problem and "half-written" in problem and "repair" in problem
     messages = []
-    store.repair_log(registry, log=messages.append)
-    assert log.read_bytes() == whole and store.verify_log(registry) == []
+    promotion_log.repair_log(registry, log=messages.append)
+    assert log.read_bytes() == whole and verify.verify_log(registry) == []
     assert len(messages) == 1 and "promotions.jsonl:3" in messages[0] and '"decis' in messages[0]
-    assert store.append_log(registry, {"decision": "refused"})["seq"] == 3
+    assert promotion_log.append_log(registry, {"decision": "refused"})["seq"] == 3
 
 
 def test_an_edited_last_line_is_refused_not_repaired(tmp_path):
     """Only a tail without its newline is a crash's doing; a complete line that fails the chain is an edit."""
     registry = tmp_path / "registry"
     for decision in ("refused", "promoted"):
-        store.append_log(registry, {"decision": decision})
-    log = registry / store.LOG_FILE
+        promotion_log.append_log(registry, {"decision": decision})
+    log = registry / promotion_log.LOG_FILE
     log.write_text(log.read_text().replace('"promoted"', '"refused"'))
     edited = log.read_bytes()
-    store.repair_log(registry, log=lambda m: None)
+    promotion_log.repair_log(registry, log=lambda m: None)
     assert log.read_bytes() == edited
-    [problem] = store.verify_log(registry)
+    [problem] = verify.verify_log(registry)
     assert "last line was edited" in problem
 
 
 def test_head_one_entry_behind_is_named_and_caught_up(tmp_path):
     """The writer died between the log's fsync and HEAD's rename: the entry stands, HEAD follows it."""
     registry = tmp_path / "registry"
-    store.append_log(registry, {"decision": "refused"})
-    behind = (registry / store.HEAD_FILE).read_bytes()
-    store.append_log(registry, {"decision": "refused"})
-    (registry / store.HEAD_FILE).write_bytes(behind)
-    [problem] = store.verify_log(registry)
+    promotion_log.append_log(registry, {"decision": "refused"})
+    behind = (registry / promotion_log.HEAD_FILE).read_bytes()
+    promotion_log.append_log(registry, {"decision": "refused"})
+    (registry / promotion_log.HEAD_FILE).write_bytes(behind)
+    [problem] = verify.verify_log(registry)
     assert "HEAD is one entry behind" in problem and "promotions.jsonl:2" in problem
-    store.repair_log(registry, log=lambda m: None)
-    assert store.verify_log(registry) == []
+    promotion_log.repair_log(registry, log=lambda m: None)
+    assert verify.verify_log(registry) == []
 
 
 # ---- the champion directory: never missing --------------------------------------------------------------
@@ -227,7 +227,7 @@ def test_a_swap_that_dies_midway_still_leaves_a_whole_champion(tmp_path, monkeyp
     champion = tmp_path / "champion"
     (champion / "merged").mkdir(parents=True)
     (champion / "adapter_model.safetensors").write_text("old")
-    staging = store.staging_dir(champion)
+    staging = install.staging_dir(champion)
     (staging / "merged").mkdir(parents=True)
     (staging / "adapter_model.safetensors").write_text("new")
     real, calls = os.replace, []
@@ -240,7 +240,7 @@ def test_a_swap_that_dies_midway_still_leaves_a_whole_champion(tmp_path, monkeyp
 
     monkeypatch.setattr(os, "replace", replace)
     try:
-        store.swap_in(staging, champion)
+        install.swap_in(staging, champion)
     except OSError:
         pass
     assert (champion / "adapter_model.safetensors").read_text() in ("old", "new")
@@ -250,14 +250,14 @@ def test_without_an_exchange_the_swap_falls_back_to_two_renames(tmp_path, monkey
     def unsupported(a, b):
         raise OSError(errno.EINVAL, "RENAME_EXCHANGE not supported here")
 
-    monkeypatch.setattr(store, "_exchange", unsupported)
+    monkeypatch.setattr(install, "_exchange", unsupported)
     champion = tmp_path / "champion"
     champion.mkdir()
     (champion / "a").write_text("old")
-    staging = store.staging_dir(champion)
+    staging = install.staging_dir(champion)
     staging.mkdir()
     (staging / "a").write_text("new")
-    store.swap_in(staging, champion)
+    install.swap_in(staging, champion)
     assert _files(champion) == {"a": b"new"} and sorted(p.name for p in tmp_path.iterdir()) == ["champion"]
 
 
@@ -265,11 +265,11 @@ def test_the_exchange_leaves_nothing_beside_the_champion(tmp_path):
     champion = tmp_path / "champion"
     champion.mkdir()
     (champion / "a").write_text("old")
-    staging = store.staging_dir(champion)
+    staging = install.staging_dir(champion)
     staging.mkdir()
     (staging / "a").write_text("new")
     inode = staging.stat().st_ino
-    store.swap_in(staging, champion)
+    install.swap_in(staging, champion)
     assert champion.stat().st_ino == inode  # the staged directory itself, renamed in
     assert _files(champion) == {"a": b"new"} and sorted(p.name for p in tmp_path.iterdir()) == ["champion"]
 
@@ -280,19 +280,19 @@ def test_the_exchange_leaves_nothing_beside_the_champion(tmp_path):
 def _log_promotion_without_installing(reg, name: str) -> tuple[str, int]:
     """promote got as far as the log append for a new candidate, then died."""
     cid, _ = _store(reg["registry"], _adapter(reg["tmp"] / f"adapter-{name}", name))
-    entry = store.append_log(reg["registry"], {"candidate_id": cid, "decision": "promoted", "promote": True})
+    entry = promotion_log.append_log(reg["registry"], {"candidate_id": cid, "decision": "promoted", "promote": True})
     return cid, entry["seq"]
 
 
 def test_a_crash_after_the_log_append_is_reported_and_the_next_writer_finishes_the_install(reg):
     registry, champion = reg["registry"], reg["champion"]
     cid, seq = _log_promotion_without_installing(reg, "c")
-    problems = store.verify_log(registry, champion)
+    problems = verify.verify_log(registry, champion)
     assert any(f"entry {seq}" in p and cid in p and "alias" in p for p in problems), problems
     assert any(f"entry {seq}" in p and cid in p and str(champion) in p for p in problems), problems
     messages = []
     champion_mod.recover(registry, champion, log=messages.append)
-    assert store.alias_id(registry) == cid and store.verify_log(registry, champion) == []
+    assert store.alias_id(registry) == cid and verify.verify_log(registry, champion) == []
     assert json.loads((champion / "champion.json").read_text())["promotion_seq"] == seq
     assert (champion / "merged/model.safetensors").read_text() == f"merged {cid}"
     assert any(f"entry {seq}" in m for m in messages)
@@ -302,12 +302,12 @@ def test_a_crash_between_the_swap_and_the_alias_is_finished_without_rebuilding(r
     registry, champion = reg["registry"], reg["champion"]
     cid, seq = _log_promotion_without_installing(reg, "c")
     record = store.read_record(registry, cid)
-    staging = fake_build(store.staging_dir(champion), store.candidate_dir(registry, cid), "base", record, None)
+    staging = fake_build(install.staging_dir(champion), store.candidate_dir(registry, cid), "base", record, None)
     monkeypatch.setattr(champion_mod, "set_alias", lambda *a, **k: None)  # the writer died before the alias
     champion_mod.install_built(staging, champion, registry, cid, record, seq)
     monkeypatch.undo()
     assert store.alias_id(registry) == reg["ids"][1]
-    [problem] = store.verify_log(registry, champion)
+    [problem] = verify.verify_log(registry, champion)
     assert "alias" in problem and f"entry {seq}" in problem
 
     def no_build(*args, **kwargs):
@@ -315,14 +315,14 @@ def test_a_crash_between_the_swap_and_the_alias_is_finished_without_rebuilding(r
 
     monkeypatch.setattr(champion_mod, "build_champion", no_build)
     champion_mod.recover(registry, champion, log=lambda m: None)
-    assert store.alias_id(registry) == cid and store.verify_log(registry, champion) == []
+    assert store.alias_id(registry) == cid and verify.verify_log(registry, champion) == []
 
 
 def test_a_champion_directory_lost_midway_through_a_fallback_swap_is_rebuilt(reg):
     registry, champion = reg["registry"], reg["champion"]
     os.replace(champion, champion.with_name(".champion.retired"))  # the gap of two renames
     champion_mod.recover(registry, champion, log=lambda m: None)
-    assert store.verify_log(registry, champion) == []
+    assert verify.verify_log(registry, champion) == []
     assert not list(champion.parent.glob(".champion.*"))  # leftovers of crashed writers are cleared
 
 
@@ -343,26 +343,26 @@ def test_verify_checks_the_champions_files_and_record_against_the_log(reg):
     registry, champion = reg["registry"], reg["champion"]
     cid = reg["ids"][1]
     (champion / "adapter_model.safetensors").write_text("edited")
-    [problem] = store.verify_log(registry, champion)
+    [problem] = verify.verify_log(registry, champion)
     assert "adapter_model.safetensors" in problem and f"candidates/{cid}" in problem
     (champion / "adapter_model.safetensors").write_text("weights b")
     (champion / "merged/model.safetensors").write_text("edited")
-    [problem] = store.verify_log(registry, champion)
+    [problem] = verify.verify_log(registry, champion)
     assert str(champion) in problem and "files" in problem
     (champion / "merged/model.safetensors").write_text(f"merged {cid}")
-    assert store.verify_log(registry, champion) == []
+    assert verify.verify_log(registry, champion) == []
     (champion / "README.md").write_text("a card with other timings")  # not evidence (and DVC ignores it)
-    assert store.verify_log(registry, champion) == []
+    assert verify.verify_log(registry, champion) == []
     data = json.loads((champion / "champion.json").read_text())
     (champion / "champion.json").write_text(json.dumps({**data, "candidate_id": reg["ids"][0]}))
-    problems = store.verify_log(registry, champion)
+    problems = verify.verify_log(registry, champion)
     assert any("champion.json" in p and reg["ids"][0] in p for p in problems), problems
 
 
 def test_verify_names_an_alias_that_disagrees_with_the_log(reg):
     registry = reg["registry"]
     store.set_alias(registry, reg["ids"][0], 1)
-    [problem] = store.verify_log(registry)
+    [problem] = verify.verify_log(registry)
     assert "alias" in problem and "entry 2" in problem and reg["ids"][1] in problem
 
 
@@ -371,7 +371,7 @@ def test_verify_names_an_alias_that_disagrees_with_the_log(reg):
 
 def _forge(registry, line_no: int, old: str, new: str) -> None:
     """What someone who knows the format does: edit a line, then recompute every later prev_sha256 and HEAD."""
-    path = registry / store.LOG_FILE
+    path = registry / promotion_log.LOG_FILE
     lines = path.read_text().splitlines()
     lines[line_no - 1] = lines[line_no - 1].replace(old, new)
     for i in range(line_no, len(lines)):
@@ -379,34 +379,34 @@ def _forge(registry, line_no: int, old: str, new: str) -> None:
         entry["prev_sha256"] = hashlib.sha256(lines[i - 1].encode()).hexdigest()
         lines[i] = json.dumps(entry, sort_keys=True)
     path.write_text("\n".join(lines) + "\n")
-    (registry / store.HEAD_FILE).write_text(hashlib.sha256(lines[-1].encode()).hexdigest() + "\n")
+    (registry / promotion_log.HEAD_FILE).write_text(hashlib.sha256(lines[-1].encode()).hexdigest() + "\n")
 
 
 def test_a_recomputed_chain_passes_plain_verify_but_not_keyed_verify(tmp_path, monkeypatch):
     registry = tmp_path / "registry"
-    monkeypatch.setenv(store.KEY_VAR, "s3cret")
+    monkeypatch.setenv(promotion_log.KEY_VAR, "s3cret")
     for decision in ("refused", "promoted", "refused"):
-        store.append_log(registry, {"decision": decision, "metrics": {P: 0.5}})
-    assert all(e.get("hmac") for e in store.read_log(registry))
-    assert store.verify_log(registry, key="s3cret") == []
+        promotion_log.append_log(registry, {"decision": decision, "metrics": {P: 0.5}})
+    assert all(e.get("hmac") for e in promotion_log.read_log(registry))
+    assert verify.verify_log(registry, key="s3cret") == []
     _forge(registry, 2, '"promoted"', '"refused"')
-    assert store.verify_log(registry) == []  # the chain alone guards against accidents only
-    [problem] = store.verify_log(registry, key="s3cret")
+    assert verify.verify_log(registry) == []  # the chain alone guards against accidents only
+    [problem] = verify.verify_log(registry, key="s3cret")
     assert "promotions.jsonl:2:" in problem and "hmac" in problem
-    assert store.verify_log(registry, key="another key")  # a wrong key fails too
+    assert verify.verify_log(registry, key="another key")  # a wrong key fails too
 
 
 def test_keyed_verify_names_entries_written_without_the_key(tmp_path, monkeypatch, capsys):
     registry = tmp_path / "registry"
-    store.append_log(registry, {"decision": "refused"})
-    monkeypatch.setenv(store.KEY_VAR, "s3cret")
-    store.append_log(registry, {"decision": "refused"})
-    [problem] = store.verify_log(registry, key="s3cret")
+    promotion_log.append_log(registry, {"decision": "refused"})
+    monkeypatch.setenv(promotion_log.KEY_VAR, "s3cret")
+    promotion_log.append_log(registry, {"decision": "refused"})
+    [problem] = verify.verify_log(registry, key="s3cret")
     assert "promotions.jsonl:1:" in problem and "no hmac" in problem
     assert cli.main(["registry", "verify", "--registry", str(registry)]) == 1  # the CLI reads the key
-    monkeypatch.delenv(store.KEY_VAR)
+    monkeypatch.delenv(promotion_log.KEY_VAR)
     assert cli.main(["registry", "verify", "--registry", str(registry)]) == 0
-    assert f"{store.KEY_VAR} is not set" in capsys.readouterr().out
+    assert f"{promotion_log.KEY_VAR} is not set" in capsys.readouterr().out
 
 
 # ---- rollback --to takes registry ids only -------------------------------------------------------------
@@ -416,11 +416,11 @@ def test_keyed_verify_names_entries_written_without_the_key(tmp_path, monkeypatc
 def test_rollback_to_accepts_only_registry_ids(reg, target, capsys):
     evil = _adapter(reg["tmp"] / "evil", "evil")  # what ../../evil names, seen from models/registry/candidates
     (evil / store.RECORD_FILE).write_text(json.dumps({"candidate_id": "evil", "base_model": "base"}))
-    before = _files(reg["champion"]), (reg["registry"] / store.LOG_FILE).read_bytes()
+    before = _files(reg["champion"]), (reg["registry"] / promotion_log.LOG_FILE).read_bytes()
     argv = ["registry", "rollback", "--to", target, "--registry", str(reg["registry"])]
     assert cli.main([*argv, "--champion", str(reg["champion"])]) == 2
     assert "not a registry id" in capsys.readouterr().err
-    assert (_files(reg["champion"]), (reg["registry"] / store.LOG_FILE).read_bytes()) == before
+    assert (_files(reg["champion"]), (reg["registry"] / promotion_log.LOG_FILE).read_bytes()) == before
     with pytest.raises(FineflowError, match="not a registry id"):
         store.candidate_dir(reg["registry"], target)
 
@@ -431,11 +431,12 @@ def test_rollback_to_accepts_only_registry_ids(reg, target, capsys):
 def test_a_rolled_back_candidate_is_refused_until_it_is_reinstalled_deliberately(reg):
     registry, champion = reg["registry"], reg["champion"]
     a, b = reg["ids"]
-    assert store.rollback_refusal(registry, b) is None
+    assert promotion_log.rollback_refusal(registry, b) is None
     result = champion_mod.rollback(registry, champion)
     assert (result["from"], result["to"]) == (b, a)
-    reason = store.rollback_refusal(registry, b)
+    reason = promotion_log.rollback_refusal(registry, b)
     assert f"entry {result['log_seq']}" in reason and f"rollback --to {b}" in reason
-    assert store.rollback_refusal(registry, a) is None
+    assert promotion_log.rollback_refusal(registry, a) is None
     champion_mod.rollback(registry, champion, to=b)  # forward again, deliberately
-    assert store.rollback_refusal(registry, b) is None and store.rollback_refusal(registry, a) is not None
+    assert promotion_log.rollback_refusal(registry, b) is None
+    assert promotion_log.rollback_refusal(registry, a) is not None

@@ -541,7 +541,8 @@ def test_a_flow_run_pauses_at_promotion_for_a_persons_answer_rejected_then_appro
     workspace still held) until a person answers through the server's API. Rejected by bob: the candidate is
     refused, bob and his comment in the registry log, no champion. One param edit later (min_delta) the next
     run re-runs promote only, pauses again, and alice's approval installs the champion, logged as hers."""
-    from fineflow.registry.store import read_log, verify_log
+    from fineflow.registry.promotion_log import read_log
+    from fineflow.registry.verify import verify_log
     from tests.conftest import write_params
     from tests.test_chaos import dvc_status, finish_flow, flow_env, start_flow
 

@@ -31,11 +31,6 @@ def stable_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
 
 
-def word_ngrams(normalized: str, n: int) -> set[tuple[str, ...]]:
-    words = normalized.split()
-    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
-
-
 class FirstSeen:
     """The first line each text hash was seen at, over a file read in chunks: sorted (hash, line) arrays."""
 

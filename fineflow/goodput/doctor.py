@@ -68,92 +68,110 @@ def _finding(cause, severity, seconds, ledger, evidence, param, value, why) -> d
 
 
 def _loop_findings(ledger: dict, train: dict) -> list[dict]:
-    findings = []
+    """The training loop's stalls, each judged as a share of the loop's wall time: its input (tokenizing on the
+    fly, or waiting for batches), checkpoint saves, all-reduces."""
     loop_s = float(train.get("loop_s") or 0.0)
+    if loop_s <= 0:
+        return []
     totals = train.get("loop_totals") or {}
     settings = ledger.get("settings") or {}
-    if loop_s <= 0:
-        return findings
+    found = (
+        _input_stall(ledger, train, totals, settings, loop_s),
+        _checkpoint_stall(ledger, totals, settings, loop_s),
+        _sync_stall(ledger, train, totals, loop_s),
+    )
+    return [finding for finding in found if finding]
+
+
+def _input_stall(ledger: dict, train: dict, totals: dict, settings: dict, loop_s: float) -> dict | None:
+    """Tokenizing batches on the fly when it took at least half as long as the wait for batches (the wait is then
+    its symptom); otherwise the wait itself."""
     preprocess = float(train.get("preprocess_s") or 0.0)
     wait = float(totals.get("data_wait_s") or 0.0)
     if preprocess >= 0.5 * wait and preprocess > 0:
-        share = preprocess / loop_s
-        severity = _loop_severity(preprocess, loop_s, "cpu_preprocessing")
-        if severity:
-            findings.append(
-                _finding(
-                    "cpu_preprocessing",
-                    severity,
-                    preprocess,
-                    ledger,
-                    f"the loop spent {preprocess:.1f} s tokenizing batches on the fly ({share:.0%} of its "
-                    f"{loop_s:.1f} s)",
-                    "tokenize.workers",
-                    max(2, int(settings.get("tokenize.workers") or 1) * 2),
-                    "tokenize ahead of training (the tokenize stage writes packed shards; more workers make it faster)",
-                )
-            )
-    else:
-        share = wait / loop_s
-        severity = _loop_severity(wait, loop_s, "data_loading")
-        if severity:
-            prefetch = settings.get("train.prefetch")
-            findings.append(
-                _finding(
-                    "data_loading",
-                    severity,
-                    wait,
-                    ledger,
-                    f"the loop waited {wait:.1f} s for batches ({share:.0%} of its {loop_s:.1f} s); "
-                    f"train.prefetch is {prefetch}",
-                    "train.prefetch",
-                    max(2, 2 * int(prefetch or 0)),
-                    "prepare more steps of batches ahead on the loader thread",
-                )
-            )
+        return _preprocessing_stall(ledger, preprocess, settings, loop_s)
+    return _data_wait_stall(ledger, wait, settings, loop_s)
+
+
+def _preprocessing_stall(ledger: dict, preprocess: float, settings: dict, loop_s: float) -> dict | None:
+    severity = _loop_severity(preprocess, loop_s, "cpu_preprocessing")
+    if not severity:
+        return None
+    return _finding(
+        "cpu_preprocessing",
+        severity,
+        preprocess,
+        ledger,
+        f"the loop spent {preprocess:.1f} s tokenizing batches on the fly ({preprocess / loop_s:.0%} of its "
+        f"{loop_s:.1f} s)",
+        "tokenize.workers",
+        max(2, int(settings.get("tokenize.workers") or 1) * 2),
+        "tokenize ahead of training (the tokenize stage writes packed shards; more workers make it faster)",
+    )
+
+
+def _data_wait_stall(ledger: dict, wait: float, settings: dict, loop_s: float) -> dict | None:
+    severity = _loop_severity(wait, loop_s, "data_loading")
+    if not severity:
+        return None
+    prefetch = settings.get("train.prefetch")
+    return _finding(
+        "data_loading",
+        severity,
+        wait,
+        ledger,
+        f"the loop waited {wait:.1f} s for batches ({wait / loop_s:.0%} of its {loop_s:.1f} s); "
+        f"train.prefetch is {prefetch}",
+        "train.prefetch",
+        max(2, 2 * int(prefetch or 0)),
+        "prepare more steps of batches ahead on the loader thread",
+    )
+
+
+def _checkpoint_stall(ledger: dict, totals: dict, settings: dict, loop_s: float) -> dict | None:
+    """The loop blocked on saves: async saves when they are sync, else saving less often."""
     stall = float(totals.get("checkpoint_s") or 0.0)
-    share = stall / loop_s
     severity = _loop_severity(stall, loop_s, "checkpoint")
-    if severity:
-        mode = settings.get("checkpoint.mode")
-        every = settings.get("checkpoint.every_steps")
-        param, value, why = (
-            ("checkpoint.mode", "async", "the loop blocks only while the state is copied to host memory")
-            if mode == "sync"
-            else ("checkpoint.every_steps", 2 * int(every or 1), "save less often")
-        )
-        findings.append(
-            _finding(
-                "checkpoint",
-                severity,
-                stall,
-                ledger,
-                f"the loop was blocked {stall:.1f} s by checkpoint saves ({share:.0%} of its {loop_s:.1f} s; "
-                f"checkpoint.mode {mode}, every {every} steps)",
-                param,
-                value,
-                why,
-            )
-        )
+    if not severity:
+        return None
+    mode = settings.get("checkpoint.mode")
+    every = settings.get("checkpoint.every_steps")
+    param, value, why = (
+        ("checkpoint.mode", "async", "the loop blocks only while the state is copied to host memory")
+        if mode == "sync"
+        else ("checkpoint.every_steps", 2 * int(every or 1), "save less often")
+    )
+    return _finding(
+        "checkpoint",
+        severity,
+        stall,
+        ledger,
+        f"the loop was blocked {stall:.1f} s by checkpoint saves ({stall / loop_s:.0%} of its {loop_s:.1f} s; "
+        f"checkpoint.mode {mode}, every {every} steps)",
+        param,
+        value,
+        why,
+    )
+
+
+def _sync_stall(ledger: dict, train: dict, totals: dict, loop_s: float) -> dict | None:
+    """The gradient and loss all-reduces: fewer of them per token, by accumulating more micro-batches."""
     sync = float(totals.get("grad_sync_s") or 0.0) + float(totals.get("loss_sync_s") or 0.0)
-    share = sync / loop_s
     severity = _loop_severity(sync, loop_s, "network_sync")
-    if severity:
-        accum = int(train.get("grad_accum") or 1)
-        findings.append(
-            _finding(
-                "network_sync",
-                severity,
-                sync,
-                ledger,
-                f"the ranks spent {sync:.1f} s in all-reduces ({share:.0%} of the loop's {loop_s:.1f} s) over "
-                f"{train.get('world_size')} processes; train.grad_accum is {accum}",
-                "train.grad_accum",
-                accum * 2,
-                "fewer gradient syncs per trained token (keep the global batch by lowering train.micro_batch_size)",
-            )
-        )
-    return findings
+    if not severity:
+        return None
+    accum = int(train.get("grad_accum") or 1)
+    return _finding(
+        "network_sync",
+        severity,
+        sync,
+        ledger,
+        f"the ranks spent {sync:.1f} s in all-reduces ({sync / loop_s:.0%} of the loop's {loop_s:.1f} s) over "
+        f"{train.get('world_size')} processes; train.grad_accum is {accum}",
+        "train.grad_accum",
+        accum * 2,
+        "fewer gradient syncs per trained token (keep the global batch by lowering train.micro_batch_size)",
+    )
 
 
 def _run_findings(ledger: dict) -> list[dict]:

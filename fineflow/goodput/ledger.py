@@ -22,9 +22,11 @@ import json
 import os
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fineflow.core import journal
+from fineflow.core.errors import APPROVAL_NEEDED_EXIT
 
 BUCKETS = (
     "orchestration",
@@ -104,7 +106,8 @@ STEP_BUCKET = {
     "train_eval_s": "train_eval",
     "checkpoint_s": "checkpoint",
 }
-SUCCEEDED = (0, 3)  # 3: promote waits for a person's approval (the wait itself is between processes)
+# promote's APPROVAL_NEEDED_EXIT: it succeeded and waits for a person (the wait itself is between processes)
+SUCCEEDED = (0, APPROVAL_NEEDED_EXIT)
 
 
 def _process_run(run: str) -> tuple[str, int, float] | None:
@@ -192,6 +195,19 @@ def kept_step_credit(steps_log: Path | None, resumed_from: int) -> tuple[dict, i
     return dict(credit), kept
 
 
+@dataclass
+class _Tally:
+    """What build() adds up while it walks each run's attempts in order."""
+
+    buckets: dict[str, float] = field(default_factory=lambda: dict.fromkeys(BUCKETS, 0.0))
+    total: float = 0.0
+    unaccounted: float = 0.0  # inside finished processes, time no timer split
+    excluded: float = 0.0  # waits for a person's approval
+    train_walls: float = 0.0
+    failed_train_s: float = 0.0
+    failed: list[dict] = field(default_factory=list)
+
+
 def build(
     records: list[dict],
     alive_dir: Path,
@@ -201,107 +217,148 @@ def build(
     steps_log: Path | None = None,
 ) -> dict:
     """The ledger of the journal's attempts (see the module docstring); current_run's time ends at `now`."""
-    attempts = attempts_of(records, alive_dir)
-    canonical = same_runs([current_run, *(a["run"] for a in attempts)])
-    current_run = canonical[current_run]
-    for attempt in attempts:
-        attempt["run"] = canonical[attempt["run"]]
-    buckets = dict.fromkeys(BUCKETS, 0.0)
-    unaccounted = 0.0
-    total = 0.0
+    attempts, current_run = _attempts_by_canonical_run(records, alive_dir, current_run)
+    tally = _Tally()
     runs: dict[str, list[dict]] = defaultdict(list)
     for attempt in attempts:
         runs[attempt["run"]].append(attempt)
-    failed_train_s, failed = 0.0, []
-    train_walls = excluded = 0.0
     for run, members in runs.items():
-        start = min(min(a["proc_start"] for a in members), members[0]["run_started"])
-        end = now if run == current_run else max(a["end"] for a in members)
-        total += end - start
-        cursor, previous_failed, waited_for_person = start, False, False
-        for attempt in members:
-            gap = max(0.0, attempt["proc_start"] - cursor)
-            if waited_for_person:  # promote asked for approval: the wait for a person holds no device
-                excluded += gap
-                total -= gap
-            else:
-                buckets["restart_loss" if previous_failed else "orchestration"] += gap
-            waited_for_person = attempt["exit"] == 3
-            wall = attempt["end"] - attempt["proc_start"]
-            if attempt["stage"] == "train":
-                train_walls += wall
-            ok = attempt["exit"] in SUCCEEDED
-            if not ok and attempt["end"] < now and not (run == current_run and attempt["stage"] == "goodput"):
-                buckets["restart_loss"] += wall
-                failed.append({k: attempt[k] for k in ("stage", "run", "exit", "attempt")} | {"wall_s": round(wall, 3)})
-                if attempt["stage"] == "train":
-                    failed_train_s += wall
-                previous_failed = True
-            else:
-                body = attempt["end"] - attempt["entry"]
-                buckets["startup"] += attempt["entry"] - attempt["proc_start"]
-                measured = 0.0
-                for name, seconds in attempt["spans"].items():
-                    if name == "body":
-                        buckets[STAGE_BODY.get(attempt["stage"], "orchestration")] += seconds
-                    elif name in SPAN_BUCKET:
-                        buckets[SPAN_BUCKET[name]] += seconds
-                    else:  # loop_other, a rank's time without its report: no timer split it
-                        unaccounted += seconds
-                    measured += seconds
-                if attempt["finished"]:
-                    unaccounted += body - measured
-                else:  # this ledger's own process: up to now it has been building the ledger
-                    buckets["orchestration"] += body
-                previous_failed = False
-            cursor = max(cursor, attempt["end"])
-        if run != current_run:
-            continue
-        buckets["orchestration"] += max(0.0, end - cursor)
-    kept_steps = 0
+        _count_run(tally, members, now, current=run == current_run)
     finished_train = any(a["stage"] == "train" and a["exit"] in SUCCEEDED for a in attempts)
-    if (
-        train_report and failed_train_s and finished_train
-    ):  # the crashed attempts' steps the finished training kept: useful work
-        credit, kept_steps = kept_step_credit(steps_log, int(train_report.get("resumed_from_step") or 0))
-        scale = min(1.0, failed_train_s / max(sum(credit.values()), 1e-9))
-        for bucket, seconds in credit.items():
-            buckets[bucket] += seconds * scale
-            buckets["restart_loss"] -= seconds * scale
+    kept_steps = 0
+    if train_report and tally.failed_train_s and finished_train:
+        kept_steps = _credit_kept_steps(tally, train_report, steps_log)
+    trained = (train_report or {}) if finished_train else None
+    return _ledger(tally, attempts, sorted(runs), current_run, trained, kept_steps)
+
+
+def _attempts_by_canonical_run(records: list[dict], alive_dir: Path, current_run: str) -> tuple[list[dict], str]:
+    """The journal's attempts and the current run's id, every run id replaced by the one it is the same run as."""
+    attempts = attempts_of(records, alive_dir)
+    canonical = same_runs([current_run, *(a["run"] for a in attempts)])
+    for attempt in attempts:
+        attempt["run"] = canonical[attempt["run"]]
+    return attempts, canonical[current_run]
+
+
+def _count_run(tally: _Tally, members: list[dict], now: float, current: bool) -> None:
+    """One run's time, from its start to its last attempt's end (the current run's: to now), into buckets: the
+    gaps between its attempts, then each attempt, failed or not."""
+    start = min(min(a["proc_start"] for a in members), members[0]["run_started"])
+    end = now if current else max(a["end"] for a in members)
+    tally.total += end - start
+    cursor, previous_failed, waited_for_person = start, False, False
+    for attempt in members:
+        gap = max(0.0, attempt["proc_start"] - cursor)
+        if waited_for_person:  # promote asked for approval: the wait for a person holds no device
+            tally.excluded += gap
+            tally.total -= gap
+        else:
+            tally.buckets["restart_loss" if previous_failed else "orchestration"] += gap
+        waited_for_person = attempt["exit"] == APPROVAL_NEEDED_EXIT
+        wall = attempt["end"] - attempt["proc_start"]
+        if attempt["stage"] == "train":
+            tally.train_walls += wall
+        # the current run's goodput attempt is this ledger's own process, still running
+        previous_failed = (
+            attempt["exit"] not in SUCCEEDED
+            and attempt["end"] < now
+            and not (current and attempt["stage"] == "goodput")
+        )
+        if previous_failed:
+            _count_failed(tally, attempt, wall)
+        else:
+            _count_spans(tally, attempt)
+        cursor = max(cursor, attempt["end"])
+    if current:
+        tally.buckets["orchestration"] += max(0.0, end - cursor)
+
+
+def _count_failed(tally: _Tally, attempt: dict, wall: float) -> None:
+    """A failed or killed attempt: its whole wall time is restart loss (until a resume's kept steps are credited)."""
+    tally.buckets["restart_loss"] += wall
+    tally.failed.append({k: attempt[k] for k in ("stage", "run", "exit", "attempt")} | {"wall_s": round(wall, 3)})
+    if attempt["stage"] == "train":
+        tally.failed_train_s += wall
+
+
+def _count_spans(tally: _Tally, attempt: dict) -> None:
+    """A finished (or still running) attempt: its start-up, then its spans into their buckets; what they miss is
+    unaccounted."""
+    body = attempt["end"] - attempt["entry"]
+    tally.buckets["startup"] += attempt["entry"] - attempt["proc_start"]
+    measured = 0.0
+    for name, seconds in attempt["spans"].items():
+        if name == "body":
+            tally.buckets[STAGE_BODY.get(attempt["stage"], "orchestration")] += seconds
+        elif name in SPAN_BUCKET:
+            tally.buckets[SPAN_BUCKET[name]] += seconds
+        else:  # loop_other, a rank's time without its report: no timer split it
+            tally.unaccounted += seconds
+        measured += seconds
+    if attempt["finished"]:
+        tally.unaccounted += body - measured
+    else:  # this ledger's own process: up to now it has been building the ledger
+        tally.buckets["orchestration"] += body
+
+
+def _credit_kept_steps(tally: _Tally, train_report: dict, steps_log: Path | None) -> int:
+    """Move the crashed train attempts' steps that the finished training kept from restart loss to their
+    buckets (useful work), at most the crashed attempts' wall time; how many steps."""
+    credit, kept_steps = kept_step_credit(steps_log, int(train_report.get("resumed_from_step") or 0))
+    scale = min(1.0, tally.failed_train_s / max(sum(credit.values()), 1e-9))
+    for bucket, seconds in credit.items():
+        tally.buckets[bucket] += seconds * scale
+        tally.buckets["restart_loss"] -= seconds * scale
+    return kept_steps
+
+
+def _ledger(
+    tally: _Tally, attempts: list[dict], runs: list[str], current_run: str, train_report: dict | None, kept: int
+) -> dict:
+    """The ledger's JSON: totals, buckets and shares, the attempts, what restarts cost. train_report: the train
+    stage's report ({} without one) when a training finished in this window, else None (an older run's says
+    nothing here)."""
+    total, buckets = tally.total, tally.buckets
     ledger = {
         "total_s": round(total, 3),
         "buckets": {name: round(seconds, 3) for name, seconds in buckets.items()},
-        "unaccounted_s": round(unaccounted, 3),
-        "unaccounted_share": round(unaccounted / total, 5) if total else 0.0,
+        "unaccounted_s": round(tally.unaccounted, 3),
+        "unaccounted_share": round(tally.unaccounted / total, 5) if total else 0.0,
         "goodput": round(buckets[PRODUCTIVE] / total, 5) if total else 0.0,
-        "train_goodput": round(buckets[PRODUCTIVE] / train_walls, 5) if train_walls else None,
-        "runs": sorted(runs),
-        "attempts": [
-            {
-                "stage": a["stage"],
-                "run": a["run"],
-                "exit": a["exit"],
-                "wall_s": round(a["end"] - a["proc_start"], 3),
-                "status": "ok" if a["exit"] in SUCCEEDED else ("killed" if a["exit"] is None else "failed"),
-            }
-            for a in attempts
-            if not (a["run"] == current_run and a["stage"] == "goodput" and not a["finished"])
-        ],
+        "train_goodput": round(buckets[PRODUCTIVE] / tally.train_walls, 5) if tally.train_walls else None,
+        "runs": runs,
+        "attempts": _attempt_rows(attempts, current_run),
         "restart": {
-            "failed_attempts": failed,
-            "kept_steps_credited": kept_steps,
+            "failed_attempts": tally.failed,
+            "kept_steps_credited": kept,
             # lost past the crashed attempt's last checkpoint (in its wall time above) and trained again (useful
             # work now, in their buckets): how many, and what training them again took
-            "recomputed_steps": int((train_report or {}).get("recomputed_steps") or 0) if finished_train else 0,
-            "recomputed_s": round(sum(((train_report or {}).get("recomputed") or {}).values()), 3)
-            if finished_train
+            "recomputed_steps": int(train_report.get("recomputed_steps") or 0) if train_report is not None else 0,
+            "recomputed_s": round(sum((train_report.get("recomputed") or {}).values()), 3)
+            if train_report is not None
             else 0.0,
         },
-        "excluded_s": round(excluded, 3),  # waits for a person's approval; the time between runs is never counted
+        "excluded_s": round(tally.excluded, 3),  # waits for a person's approval; the time between runs is never counted
     }
     badput = {name: seconds for name, seconds in ledger["buckets"].items() if name != PRODUCTIVE}
     ledger["biggest_badput"] = max(badput, key=badput.get) if total else None
     return ledger
+
+
+def _attempt_rows(attempts: list[dict], current_run: str) -> list[dict]:
+    """Each attempt as the ledger lists it; this ledger's own process, still running, is not one of them."""
+    return [
+        {
+            "stage": a["stage"],
+            "run": a["run"],
+            "exit": a["exit"],
+            "wall_s": round(a["end"] - a["proc_start"], 3),
+            "status": "ok" if a["exit"] in SUCCEEDED else ("killed" if a["exit"] is None else "failed"),
+        }
+        for a in attempts
+        if not (a["run"] == current_run and a["stage"] == "goodput" and not a["finished"])
+    ]
 
 
 def trained_in_window(train_report: dict | None, ledger: dict) -> bool:

@@ -20,39 +20,42 @@ from pathlib import Path
 
 from fineflow.core.config import Params
 from fineflow.core.errors import FineflowError
-from fineflow.core.reports import sha256_file, write_json_atomic
+from fineflow.core.reports import write_json_atomic
 from fineflow.registry.approval import Approval, apply_approval
 from fineflow.registry.card import model_card, train_figures
 from fineflow.registry.gate import Decision, bootstrap_per_metric, decision_record, flatten, promotion_decision, refusal
+from fineflow.registry.install import (
+    champion_files_hash,
+    clear_leftovers,
+    ensure_empty_champion,
+    read_champion,
+    staging_dir,
+    swap_in,
+)
 from fineflow.registry.lineage import build_manifest, deterministic, missing_fields
+from fineflow.registry.promotion_log import (
+    append_log,
+    champion_history,
+    last_champion_entry,
+    read_log,
+    repair_log,
+    rollback_refusal,
+)
 from fineflow.registry.store import (
     CHAMPION_FILE,
     RECORD_FILE,
     alias_id,
-    append_log,
     candidate_dir,
     candidate_id,
-    champion_files_hash,
-    champion_history,
     check_id,
-    clear_leftovers,
     current_champion,
     directory_hash,
-    ensure_empty_champion,
-    last_champion_entry,
     read_alias,
-    read_champion,
-    read_log,
     read_record,
     registry_lock,
-    repair_log,
-    rollback_refusal,
-    same_id,
     set_alias,
-    staging_dir,
     store_candidate,
     stored_candidate,
-    swap_in,
 )
 
 
@@ -78,7 +81,7 @@ def promote(
     root is the checkout the lineage's git state and dvc.lock are read from; the full manifest (with git,
     times, user, host) goes to ``<lineage_dir>/<candidate id>.json``, outside DVC's outputs."""
     scores, unreadable = read_scores(scores_path)
-    eval_hash = eval_data_hash(scores)
+    eval_hash = scores.get("eval_data_sha256")
     cid = candidate_id(adapter_dir)
     manifest = build_manifest(
         params=params.model_dump(mode="json", by_alias=True),
@@ -95,7 +98,7 @@ def promote(
         if decided is not None:  # a re-run after a crash that came after the decision was logged (and finished)
             log(f"{cid} was already judged on these scores and params (log entry {decided['seq']}): not again")
             return _finish(decided_as(decided), cid, decided["seq"], lineage_dir, manifest, log)
-        champion = with_base_digest(current_champion(registry_dir, champion_dir), registry_dir)
+        champion = current_champion(registry_dir)
         retired = rollback_refusal(registry_dir, cid)  # a re-run on old scores must not undo a rollback
         if unreadable or retired:
             decision = refusal(unreadable or retired, params.promote.primary_metric)
@@ -155,7 +158,7 @@ def rollback(
     """Reinstall an earlier champion from candidates/<id> (default: the one before the current) atomically,
     rebuilding its merged model, tokenizer and card, and log a "rollback" entry; under the registry lock,
     after repairing what a writer that died left. The candidate rolled back from is not promoted again by the
-    gate (store.rollback_refusal) unless a later rollback reinstalls it."""
+    gate (promotion_log.rollback_refusal) unless a later rollback reinstalls it."""
     if to is not None:
         check_id(to)
     with registry_writes(registry_dir, champion_dir, log, base_dir):
@@ -217,7 +220,7 @@ def recover(
 ) -> list[str]:
     """Bring the log, the champion directory and the alias back in line after a writer died midway; returns
     what was done, each also passed to log. The log is the record of what was decided: a half-written last line
-    was never committed and is cut (store.repair_log); a promotion or rollback that was logged is finished,
+    was never committed and is cut (promotion_log.repair_log); a promotion or rollback that was logged is finished,
     never undone: the champion it names is rebuilt from candidates/<id> when the directory does not hold it,
     and the alias is pointed at it. Leftover staged or retired directories are removed."""
     with registry_lock(registry_dir):
@@ -239,8 +242,8 @@ def _finish_install(
     cid = source.name
     installed = read_champion(champion_dir) or {}
     alias = read_alias(registry_dir) or {}
-    if same_id(installed.get("candidate_id"), cid) and installed.get("promotion_seq") == seq:
-        if same_id(alias.get("id"), cid) and alias.get("seq") == seq:
+    if installed.get("candidate_id") == cid and installed.get("promotion_seq") == seq:
+        if alias.get("id") == cid and alias.get("seq") == seq:
             return []
         message = f"pointing the champion alias at {cid}, installed by entry {seq} (its writer died before it did)"
         log(message)
@@ -272,26 +275,6 @@ def read_scores(path: Path) -> tuple[dict, str | None]:
         return json.loads(path.read_text(encoding="utf-8")) or {}, None
     except (OSError, json.JSONDecodeError) as exc:
         return {}, f"{path}: cannot read evaluation scores ({exc}); run the evaluate stage"
-
-
-def eval_data_hash(scores: dict) -> str | None:
-    """The scores' eval_data_sha256, or (older scores) the sha256 of the eval rows file they name."""
-    if scores.get("eval_data_sha256"):
-        return scores["eval_data_sha256"]
-    rows = Path(scores.get("eval_rows") or "")
-    return sha256_file(rows) if scores.get("eval_rows") and rows.is_file() else None
-
-
-def with_base_digest(champion: dict | None, registry_dir: Path) -> dict | None:
-    """The champion for the gate, with the digest of the base it was trained on (None: recorded before base
-    digests, or a legacy champion without a registry record)."""
-    if champion is None:
-        return None
-    try:
-        digest = read_record(registry_dir, champion["id"]).get("base_digest")
-    except FineflowError:
-        digest = None
-    return {**champion, "base_digest": digest}
 
 
 def judge(

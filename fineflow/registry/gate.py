@@ -16,8 +16,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from fineflow.registry.store import ID_LEN, same_id
-
 
 @dataclass(frozen=True)
 class Bootstrap:
@@ -261,7 +259,7 @@ def promotion_decision(
     elif _base_changed(scores, champion):
         return _judge_on_a_new_base(scores, champion, on_base_change, compare)
     else:
-        reference_name = f"champion {champion['id'][:ID_LEN]}"
+        reference_name = f"champion {champion['id']}"
         reference, problem, context = _champion_as_reference(
             scores, champion, reference_name, eval_data_sha256, on_eval_change
         )
@@ -272,7 +270,8 @@ def promotion_decision(
 
 
 def _base_changed(scores: dict, champion: dict) -> bool:
-    """Both bases are known by content and differ (a champion recorded before base digests: assumed the same)."""
+    """Both bases are known by content and differ (a library caller that gave evaluate no base digest records
+    none: then the bases are taken to be the same)."""
     now, then = scores.get("base_digest"), champion.get("base_digest")
     return bool(now and then and now != then)
 
@@ -280,7 +279,7 @@ def _base_changed(scores: dict, champion: dict) -> bool:
 def _judge_on_a_new_base(scores: dict, champion: dict, policy: str, compare: dict) -> Decision:
     """The candidate is on another base than the champion: refused (policy refuse), or judged against its own
     base, with the old champion's merged model on the same docs reported side by side (compare_to_base)."""
-    cid = champion["id"][:ID_LEN]
+    cid = champion["id"]
     change = {"from": champion["base_digest"], "to": scores["base_digest"], "policy": policy}
     switch = (
         f"the base model changed: champion {cid} was trained on base {change['from']}, this candidate on {change['to']}"
@@ -308,9 +307,9 @@ def _side_by_side(scores: dict, champion: dict, compare: dict) -> dict:
     evaluated = scores.get("champion")
     if not evaluated or evaluated.get("status", "ok") != "ok":
         why = (evaluated or {}).get("error", "not evaluated in this run")
-        return {"champion": champion["id"][:ID_LEN], "status": "not compared", "why": why}
+        return {"champion": champion["id"], "status": "not compared", "why": why}
     return {
-        "champion": champion["id"][:ID_LEN],
+        "champion": champion["id"],
         "evaluated_as": evaluated.get("evaluated_as", "adapter"),
         "metrics": flatten(evaluated.get("metrics") or {}),
         "candidate_vs_champion": bootstrap_per_metric(
@@ -349,60 +348,62 @@ def _champion_as_reference(
     computed on the same eval data as the candidate's: (entry, None, context) or (None, why not, context).
     Changed eval data: with on_eval_change compare_on_current, the champion's evaluation in this run (on the
     current data) is the reference; with refuse, or when the champion was not re-scored, it is refused."""
-    cid = champion["id"]
     recorded = champion.get("eval_data_sha256")
-    context = {}
-    if recorded and not eval_data_sha256:
-        return (
-            None,
-            (
-                "the scores do not say which eval data they were computed on (no eval_data_sha256), "
-                f"so they cannot be compared with the {reference_name}'s"
-            ),
-            context,
-        )
     evaluated = scores.get("champion")
-    if recorded and recorded != eval_data_sha256:
+    context = {}
+    if recorded and eval_data_sha256 and recorded != eval_data_sha256:
         context["eval_change"] = {"from": recorded, "to": eval_data_sha256, "policy": on_eval_change}
-        changed = (
-            f"the eval data changed since the {reference_name} was promoted: sha256 {recorded[:12]} then, "
-            f"{eval_data_sha256[:12]} now"
-        )
-        if on_eval_change == "refuse":
-            return (
-                None,
-                (
-                    f"{changed}; promote.on_eval_change is refuse (set it to compare_on_current to judge the candidate "
-                    "against the champion re-scored on the current eval data, or restore the champion's eval data)"
-                ),
-                context,
-            )
-        if evaluated is None:
-            return None, f"{changed}, and the {reference_name} was not re-scored on it in this run", context
+    problem = _eval_data_problem(recorded, eval_data_sha256, evaluated is not None, reference_name, on_eval_change)
+    if problem is None and evaluated is not None:
+        problem = _evaluation_problem(evaluated, champion["id"], reference_name)
+    if problem:
+        return None, problem, context
     if evaluated is not None:
-        if evaluated.get("status", "ok") != "ok":
-            error = evaluated.get("error", "no error given")
-            return None, f"the {reference_name}'s evaluation failed: {error}", context
-        if evaluated.get("id") and not same_id(evaluated["id"], cid):
-            return (
-                None,
-                (
-                    f"the scores evaluated champion {evaluated['id'][:ID_LEN]} but the registry's "
-                    f"champion is {cid[:ID_LEN]}: re-run the evaluate stage"
-                ),
-                context,
-            )
         return evaluated, None, context
-    if not recorded:
-        return (
-            None,
-            (
-                f"the {reference_name} has no recorded eval data hash and was not re-evaluated in "
-                "this run, so its metrics cannot be compared"
-            ),
-            context,
-        )
     return {"metrics": None, "flat": champion.get("metrics") or {}, "samples": champion.get("samples")}, None, context
+
+
+def _eval_data_problem(
+    recorded: str | None, current: str | None, rescored: bool, reference_name: str, on_eval_change: str
+) -> str | None:
+    """Why the champion's scores cannot be compared for want of eval data in common (recorded: the eval data
+    hash at its promotion; current: this run's; rescored: the champion was evaluated in this run), or None."""
+    if not recorded:
+        if rescored:
+            return None
+        return (
+            f"the {reference_name} has no recorded eval data hash and was not re-evaluated in this run, so its "
+            "metrics cannot be compared"
+        )
+    if not current:
+        return (
+            "the scores do not say which eval data they were computed on (no eval_data_sha256), so they cannot be "
+            f"compared with the {reference_name}'s"
+        )
+    if recorded == current:
+        return None
+    changed = (
+        f"the eval data changed since the {reference_name} was promoted: sha256 {recorded[:12]} then, "
+        f"{current[:12]} now"
+    )
+    if on_eval_change == "refuse":
+        return (
+            f"{changed}; promote.on_eval_change is refuse (set it to compare_on_current to judge the candidate "
+            "against the champion re-scored on the current eval data, or restore the champion's eval data)"
+        )
+    return None if rescored else f"{changed}, and the {reference_name} was not re-scored on it in this run"
+
+
+def _evaluation_problem(evaluated: dict, cid: str, reference_name: str) -> str | None:
+    """Why the champion's evaluation in this run cannot be the reference (it failed, or scored another model)."""
+    if evaluated.get("status", "ok") != "ok":
+        return f"the {reference_name}'s evaluation failed: {evaluated.get('error', 'no error given')}"
+    if evaluated.get("id") and evaluated["id"] != cid:
+        return (
+            f"the scores evaluated champion {evaluated['id']} but the registry's champion is {cid}: re-run the "
+            "evaluate stage"
+        )
+    return None
 
 
 def _compare(
