@@ -118,7 +118,7 @@ def test_mc_choices_hold_the_target_once_among_four(built):
 def test_base_candidate_and_champion_on_one_base(built, adapter, tmp_path):
     import hashlib
 
-    champion = _champion(adapter, tmp_path / "champion", {"id": "abc"})
+    champion = _champion(adapter, tmp_path / "champion", {"candidate_id": "abc"})
     report = _run(built, adapter, tmp_path, _params(), champion)
     scores = json.loads((tmp_path / "eval/scores.json").read_text())
     rows = _rows(built)
@@ -162,7 +162,7 @@ def test_failing_champion_is_recorded_and_the_stage_goes_on(built, adapter, tmp_
 
     from fineflow.evaluate.harness import ModelScorer
 
-    champion = _champion(adapter, tmp_path / "champion", {"id": "bad"}, corrupt=True)
+    champion = _champion(adapter, tmp_path / "champion", {"candidate_id": "bad"}, corrupt=True)
     report = _run(built, adapter, tmp_path, _params(tasks=["fineflow_synth_mc"]), champion)
     scores = json.loads((tmp_path / "eval/scores.json").read_text())
     assert scores["base"]["status"] == scores["candidate"]["status"] == "ok"

@@ -193,9 +193,8 @@ def champion_record(champion_dir: Path | None) -> dict:
 
 
 def champion_id(champion_dir: Path) -> str | None:
-    """The champion's id from its record (``id``, or ``candidate_id`` in older records); None if unreadable."""
-    record = champion_record(champion_dir)
-    return record.get("id") or record.get("candidate_id")
+    """The champion's id (its record's ``candidate_id``); None if unreadable."""
+    return champion_record(champion_dir).get("candidate_id")
 
 
 class ModelScorer:
