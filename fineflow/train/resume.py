@@ -42,7 +42,7 @@ NOT_IN_FINGERPRINT = {
 
 # What a run's trajectory depends on besides its params: the code that trains (the fineflow modules a
 # training rank runs, relative to the package) and the libraries under it.
-TRAINING_CODE = ("train", "checkpoint", "tokenize", "config.py", "model_ref.py", "errors.py")
+TRAINING_CODE = ("train", "checkpoint", "tokenize", "core/config.py", "model_ref.py", "core/errors.py")
 TRAINING_LIBRARIES = (
     "torch",
     "transformers",
