@@ -194,11 +194,15 @@ def test_plan_that_does_not_fit_is_refused_before_launch(project):
 
 def test_auto_fit_adapts_the_plan_and_keeps_the_global_batch(built, tmp_path):
     from fineflow.train import planner
+    from fineflow.train.profile import load_profile
     from fineflow.train.sizing import fit_plan
+
+    def plan(params):
+        return fit_plan(params, load_profile(params.train.accelerate_profile), reference, has_gpu=False)
 
     params = _params(micro_batch_size=4, grad_accum=1, tracker="none")
     reference = str(built / "models/base")
-    _, roomy, _ = fit_plan(params, reference, has_gpu=False)
+    roomy = plan(params).memory
     setup = planner.Setup(
         **{
             **roomy["setup"],
@@ -211,12 +215,13 @@ def test_auto_fit_adapts_the_plan_and_keeps_the_global_batch(built, tmp_path):
     assert smallest < roomy["bytes"]["total"]
     budget = smallest * 1.000001 / 2**30  # only micro-batch 1 with checkpointing fits
     with pytest.raises(planner.DoesNotFit, match="train.micro_batch_size"):
-        fit_plan(_params(micro_batch_size=4, device_memory_gib=budget), reference, has_gpu=False)
+        plan(_params(micro_batch_size=4, device_memory_gib=budget))
     adapted_params = _params(micro_batch_size=4, grad_accum=1, device_memory_gib=budget, auto_fit=True, tracker="none")
-    adapted, plan, changes = fit_plan(adapted_params, reference, has_gpu=False)
-    assert changes and adapted.gradient_checkpointing is True
+    run = plan(adapted_params)
+    adapted = run.train
+    assert run.changes and adapted.gradient_checkpointing is True
     assert (adapted.micro_batch_size, adapted.grad_accum) == (1, 4)  # the global batch is unchanged
-    assert plan["bytes"]["total"] <= budget * 2**30
+    assert run.memory["bytes"]["total"] <= budget * 2**30
     report = _train(built, tmp_path, adapted_params)  # and the ranks run with the adapted settings
     assert (report["micro_batch_size"], report["grad_accum"]) == (adapted.micro_batch_size, adapted.grad_accum)
     assert json.loads((tmp_path / "steps.jsonl").read_text().splitlines()[0])["tokens"] > 0

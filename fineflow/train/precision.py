@@ -159,10 +159,7 @@ def kbit_preparation_kwargs(gradient_checkpointing: bool) -> dict:
     }
 
 
-def choose_precision(precision: str, accelerate_profile: str, has_gpu: bool) -> PrecisionChoice:
-    """resolve_precision for train params: reads the profile (``train.accelerate_profile``) and the GPU."""
-    from fineflow.train.launch import read_profile, resolve_profile
-
-    path = resolve_profile(accelerate_profile)
-    value = profile_mixed_precision(read_profile(path), path) if path is not None else None
-    return resolve_precision(precision, value, path, gpu_supports_bf16(has_gpu), has_gpu)
+def choose_precision(precision: str, profile, has_gpu: bool) -> PrecisionChoice:
+    """resolve_precision for train params: train.precision against the run's Profile
+    (fineflow.train.profile.load_profile, read once) and the GPU."""
+    return resolve_precision(precision, profile.mixed_precision, profile.path, gpu_supports_bf16(has_gpu), has_gpu)
