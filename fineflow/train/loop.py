@@ -140,8 +140,13 @@ def fit(
                 )
         if stopping or saver.due(step, cfg.steps, accelerator):  # stopping: the same on every rank
             with timer.span("checkpoint_s"):  # the stall: async saves block only for the copy to host memory
-                state = {"step": step, "total_steps": cfg.steps, "sampler": prepared.sampler_state}
-                state.update({"tokens_seen": tokens_seen, "loss": loss_value})
+                state = {
+                    "step": step,
+                    "total_steps": cfg.steps,
+                    "sampler": prepared.sampler_state,
+                    "tokens_seen": tokens_seen,
+                    "loss": loss_value,
+                }
                 saver.save(accelerator, model, optimizer, scheduler, step, state, step_eval)
         with timer.span("log_s"):
             lr = scheduler.get_last_lr()[0]
@@ -225,9 +230,9 @@ def global_loss(accelerator, step_loss: float, targets: int) -> tuple[float, boo
 
     from fineflow.train import preempt
 
-    stop = float(preempt.stop_signal() is not None)
+    signalled = float(preempt.stop_signal() is not None)
     reduced = accelerator.reduce(
-        torch.tensor([step_loss, stop], dtype=torch.float64, device=accelerator.device), reduction="sum"
+        torch.tensor([step_loss, signalled], dtype=torch.float64, device=accelerator.device), reduction="sum"
     )
     return float(reduced[0]) / max(1, targets), float(reduced[1]) > 0
 

@@ -23,8 +23,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fineflow.core.errors import FineflowError
+
+if TYPE_CHECKING:
+    from fineflow.train.profile import Profile
 
 AUTO = "auto"
 MIXED_PRECISIONS = ("no", "bf16", "fp16")  # accelerate's names, what Accelerator(mixed_precision=) takes
@@ -159,7 +163,7 @@ def kbit_preparation_kwargs(gradient_checkpointing: bool) -> dict:
     }
 
 
-def choose_precision(precision: str, profile, has_gpu: bool) -> PrecisionChoice:
+def choose_precision(precision: str, profile: Profile, has_gpu: bool) -> PrecisionChoice:
     """resolve_precision for train params: train.precision against the run's Profile
     (fineflow.train.profile.load_profile, read once) and the GPU."""
     return resolve_precision(precision, profile.mixed_precision, profile.path, gpu_supports_bf16(has_gpu), has_gpu)
