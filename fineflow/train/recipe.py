@@ -68,7 +68,7 @@ def launch_ranks(params: Params, module: str, argv: list[str], placement: dict, 
     )
     log(f"launching: {' '.join(command[2:])}")
     # its own process group: a stop signal reaches the ranks once, forwarded (fineflow.train.preempt)
-    return run_ranks(command, {**os.environ, **env}, params.checkpoint.preempt_grace_s, log)
+    return run_ranks(command, {**os.environ, **env}, run.params.checkpoint.preempt_grace_s, log)
 
 
 @dataclass(frozen=True)
@@ -120,12 +120,12 @@ class TrainRecipe:
     """One rank's training, read in order: setup() -> train() -> cleanup() -> report().
 
     Its phases are timed for the goodput ledger (fineflow.goodput.ledger): model load, set-up, a resume's
-    checkpoint load, the loop (its spans: fineflow.train.steps.StepTimer), the final save. After setup,
-    ``self.run`` is the one configuration every step reads (``self.params`` its params, ``self.cfg`` its train
-    settings), never the params the rank was given."""
+    checkpoint load, the loop (its spans: fineflow.train.steps.StepTimer), the final save. From _setup_plan on,
+    ``self.run`` is the one configuration every step reads: ``self.params`` becomes its params (the planner's
+    adaptations applied), ``self.cfg`` its train settings; the params the rank was given are not kept."""
 
     def __init__(self, params: Params, paths: RankPaths, log=print):
-        self.given, self.paths, self.log = params, paths, log
+        self.params, self.paths, self.log = params, paths, log
         self.phases = {"model_load_s": 0.0, "resume_load_s": 0.0}
 
     def setup(self) -> None:
@@ -144,7 +144,7 @@ class TrainRecipe:
         """The profile read once, the hardware checked, the planner's configuration (as the launcher's)."""
         import torch
 
-        params = self.given
+        params = self.params  # as given: replaced by the plan's below
         has_gpu = torch.cuda.is_available()
         profile = load_profile(params.train.accelerate_profile)
         check_hardware(params.train, has_gpu, profile)

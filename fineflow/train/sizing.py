@@ -17,7 +17,6 @@ from fineflow.train import planner, precision
 from fineflow.train.profile import Profile
 
 GiB = 2**30
-PRECISION_OF = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
 
 def check_hardware(cfg: TrainParams, has_gpu: bool, profile: Profile) -> None:
@@ -133,7 +132,7 @@ def planner_setup(params: Params, profile: Profile, mixed_precision: str, ranks:
     targets = tuple(t for t in cfg.lora.target_modules if t in planner.LINEARS) or planner.LINEARS
     return planner.Setup(
         method=cfg.method,
-        precision=PRECISION_OF[mixed_precision],
+        precision=precision.PLANNER_PRECISION_OF[mixed_precision],
         weight_storage=precision.weight_storage(cfg.method, mixed_precision, profile.sharding),
         optimizer="adamw",
         micro_batch_size=cfg.micro_batch_size,
