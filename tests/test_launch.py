@@ -41,6 +41,36 @@ def test_every_profile_is_shipped_and_resolves():
         assert resolve_profile(name) == PROFILE_DIR / f"{name}.yaml"
 
 
+@pytest.mark.parametrize(
+    ("name", "engine", "sharding", "mixed_precision", "processes"),
+    [
+        ("auto", "ddp", "none", None, 1),
+        ("cpu_ddp_2proc", "ddp", "none", "no", 2),
+        ("single_gpu", "ddp", "none", "bf16", 1),
+        ("multi_gpu_ddp", "ddp", "none", "bf16", 8),
+        ("fsdp_lora", "fsdp", "fsdp", "bf16", 8),
+        ("deepspeed_zero2", "deepspeed", "zero2", "bf16", 8),
+        ("deepspeed_zero3", "deepspeed", "zero3", "bf16", 8),
+        ("multi_node", "ddp", "none", "bf16", 16),
+    ],
+)
+def test_a_profile_is_read_once_into_what_every_decision_takes(name, engine, sharding, mixed_precision, processes):
+    """load_profile decides the engine (who holds the training state), the sharding (the planner's and the dtype
+    rules' one vocabulary), the profile's precision and its ranks; the value is frozen."""
+    import dataclasses
+
+    profile = load_profile(name)
+    assert (profile.engine, profile.sharding, profile.mixed_precision, profile.processes) == (
+        engine,
+        sharding,
+        mixed_precision,
+        processes,
+    )
+    assert profile.path == resolve_profile(name) and profile.deepspeed == (engine == "deepspeed")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        profile.sharding = "zero3"
+
+
 def test_profile_by_path_and_unknown_name(tmp_path):
     custom = tmp_path / "mine.yaml"
     custom.write_text("distributed_type: MULTI_GPU\n")

@@ -225,3 +225,27 @@ def test_auto_fit_adapts_the_plan_and_keeps_the_global_batch(built, tmp_path):
     report = _train(built, tmp_path, adapted_params)  # and the ranks run with the adapted settings
     assert (report["micro_batch_size"], report["grad_accum"]) == (adapted.micro_batch_size, adapted.grad_accum)
     assert json.loads((tmp_path / "steps.jsonl").read_text().splitlines()[0])["tokens"] > 0
+
+
+def test_a_step_timer_span_files_its_block_under_one_bucket_and_a_redone_step_under_redo_too():
+    """StepTimer.span adds the block's wall time to the step's and the run's bucket; move re-files seconds (DDP's
+    all-reduce inside backward) without changing the step's sum; a step a resume trains again counts in redo."""
+    import time
+
+    from fineflow.train.steps import StepTimer
+
+    timer = StepTimer()
+    timer.start_step()
+    with timer.span("compute_s"):
+        time.sleep(0.01)
+    assert timer.current["compute_s"] >= 0.01 and timer.totals["compute_s"] == timer.current["compute_s"]
+    before = sum(timer.current.values())
+    timer.move("compute_s", "grad_sync_s", 0.004)
+    assert timer.current["grad_sync_s"] == 0.004 and sum(timer.current.values()) == pytest.approx(before)
+    with pytest.raises(RuntimeError), timer.span("optimizer_s"):
+        raise RuntimeError("a block that raises adds nothing")
+    assert timer.totals["optimizer_s"] == 0.0 and timer.redo == {}
+    timer.start_step(redo=True)
+    with timer.span("data_wait_s"):
+        pass
+    assert timer.redo_steps == 1 and set(timer.redo) == {"data_wait_s"}
