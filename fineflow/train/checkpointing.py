@@ -27,7 +27,8 @@ class TrainStateSaver:
         every_steps: int,
         every_minutes: float | None = None,
         fingerprint: dict | None = None,
-        engine: str = "ddp",
+        *,
+        engine: str,
     ):
         self.manager, self.every_steps, self.every_minutes = manager, every_steps, every_minutes
         self.fingerprint = fingerprint or {}

@@ -308,7 +308,7 @@ class TrainRecipe:
         self.loop_started = time.time()
         # when to save and what (every rank); its minute clock starts with the loop
         saver = TrainStateSaver(
-            self.manager, ck.every_steps, ck.every_minutes, self.fingerprint, self.run.profile.engine
+            self.manager, ck.every_steps, ck.every_minutes, self.fingerprint, engine=self.run.profile.engine
         )
         try:
             result = fit(
