@@ -143,6 +143,7 @@ def naive_worker(scratch: Path) -> int:
     from fineflow.train import flops
     from fineflow.train.model import build_model
     from fineflow.train.planner import load_shape
+    from fineflow.train.profile import load_profile
 
     params = load_params(scratch / "params.yaml")
     cfg = params.train  # NAIVE_SETTINGS: sdpa, peft's forward, fp32, no prefetch; checkpoints sync
@@ -151,7 +152,7 @@ def naive_worker(scratch: Path) -> int:
     per_step = max(1, round(meta["examples"] / meta["rows"] * cfg.micro_batch_size * cfg.grad_accum))
     rows = [json.loads(line) for line in (scratch / "data/validated/train.jsonl").read_text().splitlines() if line]
     loading = time.perf_counter()
-    model = build_model(base, params, cfg, fuse_lora=False)
+    model = build_model(base, params, load_profile(cfg.accelerate_profile), fuse_lora=False)
     tokenizer = load_tokenizer(base)
     spans["model_load"] = time.perf_counter() - loading
     optimizer = torch.optim.AdamW(

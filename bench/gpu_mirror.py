@@ -6,7 +6,7 @@ Each section names the fineflow module it mirrors; keep them in step when those 
 
 - packed-row attention layout and the varlen attention function: fineflow/train/attention.py
 - flash-attn's cu_seqlens for a micro-batch: fineflow/train/attention.py's flash_layout
-- the memory plan for LoRA / QLoRA on one GPU with AdamW: fineflow/train/planner.py (``plan`` restricted to
+- the memory plan for LoRA / QLoRA on one GPU with AdamW: fineflow/train/planner/ (``plan`` restricted to
   method lora|qlora, weights held in the compute dtype, one device, no sharding, no gradient
   checkpointing, optimizer adamw, attention sdpa)
 
@@ -159,7 +159,7 @@ def flash_varlen_kwargs(position_ids: np.ndarray) -> tuple[np.ndarray, int]:
     return cu_seqlens, int(lengths.max())
 
 
-# --- fineflow/train/planner.py (LoRA / QLoRA, one GPU, AdamW, no checkpointing) -----------------------------
+# --- fineflow/train/planner/ (LoRA / QLoRA, one GPU, AdamW, no checkpointing) --------------------------------
 
 GiB = 1024**3
 PRECISION_BYTES = {"bf16": 2, "fp32": 4}

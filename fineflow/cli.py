@@ -45,7 +45,7 @@ def _plan_parser(sub) -> None:
         "plan",
         help="predict peak GPU memory per device before launching a run",
         description="Predict peak GPU memory per device: weights, gradients, optimizer "
-        "states, activations, overhead (conventions: fineflow/train/planner.py).",
+        "states, activations, overhead (conventions: fineflow/train/planner/memory.py).",
     )
     p.add_argument(
         "--model",

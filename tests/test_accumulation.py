@@ -22,7 +22,8 @@ import sys
 import pytest
 import yaml
 
-from fineflow.train.launch import DEEPSPEED_FROM_PARAMS, resolve_profile
+from fineflow.train.launch import DEEPSPEED_FROM_PARAMS
+from fineflow.train.profile import resolve_profile
 from fineflow.train.zero import TAG as ENGINE_TAG
 from tests.conftest import (
     ROOT,

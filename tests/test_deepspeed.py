@@ -27,8 +27,8 @@ from fineflow.train.launch import (
     profile_deepspeed_config,
     require_engine,
     resolve_deepspeed_config,
-    resolve_profile,
 )
+from fineflow.train.profile import load_profile, resolve_profile
 
 ZERO_PROFILES = ["deepspeed_zero2", "deepspeed_zero3"]
 WORLD = 8  # the shipped profiles' num_processes
@@ -78,10 +78,10 @@ def test_batch_settings_come_from_params(tiny_params):
 
 @pytest.mark.parametrize("name", ZERO_PROFILES)
 def test_shipped_profiles_leave_the_batch_settings_to_params(name, tiny_params):
-    profile = resolve_profile(name)
+    profile = load_profile(name)
     assert profile_deepspeed_config(profile) == {}
     check_deepspeed_profile(profile, _train(tiny_params), WORLD)
-    assert "must equal train.grad_accum" not in profile.read_text()  # the old rule, which nothing enforced
+    assert "must equal train.grad_accum" not in profile.path.read_text()  # the old rule, which nothing enforced
 
 
 def test_a_profile_value_that_contradicts_params_is_refused_naming_both(tiny_params, tmp_path):
@@ -91,7 +91,7 @@ def test_a_profile_value_that_contradicts_params_is_refused_naming_both(tiny_par
     def profile(deepspeed_lines: str):
         path = tmp_path / "ds.yaml"
         path.write_text(shipped + deepspeed_lines)  # appended under the file's deepspeed_config section
-        return path
+        return load_profile(str(path))
 
     with pytest.raises(FineflowError, match=r"gradient_accumulation_steps: 4, but train\.grad_accum gives 2"):
         check_deepspeed_profile(profile("  gradient_accumulation_steps: 4\n"), cfg, WORLD)
@@ -170,13 +170,13 @@ def no_deepspeed(monkeypatch):
 @pytest.mark.parametrize("name", ZERO_PROFILES)
 def test_missing_deepspeed_is_one_message(name, no_deepspeed):
     with pytest.raises(FineflowError, match=re.escape(DEEPSPEED_INSTALL)):
-        require_engine(resolve_profile(name))
+        require_engine(load_profile(name))
     # before the no-GPU refusal too: on a CPU machine it is the first thing to fix
     for has_gpu in (True, False):
         with pytest.raises(FineflowError, match=re.escape(DEEPSPEED_INSTALL)):
-            accelerate_command(None, has_gpu, "m", [], config_file=resolve_profile(name))
+            accelerate_command(None, has_gpu, "m", [], profile=load_profile(name))
     for other in ("auto", "fsdp_lora", "cpu_ddp_2proc"):  # nothing else needs it
-        require_engine(resolve_profile(other))
+        require_engine(load_profile(other))
 
 
 def test_the_train_launcher_says_it_before_the_planner_loads_anything(tiny_params, no_deepspeed, monkeypatch):
@@ -193,21 +193,18 @@ def test_the_train_launcher_says_it_before_the_planner_loads_anything(tiny_param
 @pytest.mark.parametrize(
     ("written_by", "running", "message"),
     [
-        ({"sharding": "deepspeed"}, "FSDP", "is a DeepSpeed checkpoint and this run is FSDP"),
-        ({}, "DEEPSPEED", "is an FSDP checkpoint and this run is DeepSpeed"),  # sharded before the field existed
-        ({"sharding": "deepspeed"}, "MULTI_GPU", "is a DeepSpeed checkpoint and this run is unsharded"),
+        ({"sharding": "deepspeed"}, "fsdp", "is a DeepSpeed checkpoint and this run is FSDP"),
+        ({}, "deepspeed", "is an FSDP checkpoint and this run is DeepSpeed"),  # sharded before the field existed
+        ({"sharding": "deepspeed"}, "ddp", "is a DeepSpeed checkpoint and this run is unsharded"),
     ],
 )
 def test_a_sharded_checkpoint_is_resumed_only_by_the_engine_that_wrote_it(written_by, running, message):
     """DeepSpeed's files and DCP's shards are not interchangeable: a changed profile is refused, naming both."""
     from types import SimpleNamespace
 
-    from accelerate.utils import DistributedType
-
     from fineflow.core.errors import FineflowError
-    from fineflow.train.loop import restore
+    from fineflow.train.checkpointing import restore
 
     checkpoint = SimpleNamespace(path=Path("step-0000002"), sharded_dir=Path("step-0000002/sharded"), state=written_by)
-    accelerator = SimpleNamespace(distributed_type=DistributedType[running])
     with pytest.raises(FineflowError, match=message):
-        restore(checkpoint, accelerator, None, None, None)
+        restore(checkpoint, None, None, None, None, engine=running)

@@ -21,6 +21,7 @@ from fineflow.tokenize.template import EncodedBatch
 from fineflow.train.attention import FlashLayout, flash_layout, layout_kwargs, layout_of
 from fineflow.train.loader import collate, prepare_step
 from fineflow.train.loop import evaluate_loss, token_loss_sum
+from fineflow.train.profile import load_profile
 from fineflow.train.sizing import check_hardware
 
 SEQ_LEN = 512
@@ -264,7 +265,9 @@ def _flash_installed(monkeypatch):
 def test_fp32_flash_is_refused_before_launch_naming_both_params(monkeypatch):
     _flash_installed(monkeypatch)  # on a GPU machine with flash-attn, so only the precision is wrong
     with pytest.raises(FineflowError, match="train.attention flash_attention_2 needs train.precision bf16 or fp16"):
-        check_hardware(TrainParams(attention="flash_attention_2", precision="no"), has_gpu=True)
+        check_hardware(TrainParams(attention="flash_attention_2", precision="no"), True, load_profile("auto"))
     for precision in ("bf16", "fp16"):
-        check_hardware(TrainParams(attention="flash_attention_2", precision=precision), has_gpu=True)
-    check_hardware(TrainParams(attention="varlen", precision="no"), has_gpu=True)  # fp32 is fine elsewhere
+        check_hardware(TrainParams(attention="flash_attention_2", precision=precision), True, load_profile("auto"))
+    check_hardware(
+        TrainParams(attention="varlen", precision="no"), True, load_profile("auto")
+    )  # fp32 is fine elsewhere

@@ -15,14 +15,8 @@ import sys
 import pytest
 
 from fineflow.core.errors import FineflowError
-from fineflow.train.launch import (
-    PROFILE_DIR,
-    WORKER_ENV,
-    accelerate_command,
-    profile_names,
-    read_profile,
-    resolve_profile,
-)
+from fineflow.train.launch import WORKER_ENV, accelerate_command
+from fineflow.train.profile import PROFILE_DIR, load_profile, profile_names, read_profile, resolve_profile
 from tests.conftest import PORTS, ROOT, launch_with_free_port, run_together
 
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
@@ -45,6 +39,36 @@ def test_every_profile_is_shipped_and_resolves():
     assert resolve_profile("auto") is None
     for name in SHIPPED:
         assert resolve_profile(name) == PROFILE_DIR / f"{name}.yaml"
+
+
+@pytest.mark.parametrize(
+    ("name", "engine", "sharding", "mixed_precision", "processes"),
+    [
+        ("auto", "ddp", "none", None, 1),
+        ("cpu_ddp_2proc", "ddp", "none", "no", 2),
+        ("single_gpu", "ddp", "none", "bf16", 1),
+        ("multi_gpu_ddp", "ddp", "none", "bf16", 8),
+        ("fsdp_lora", "fsdp", "fsdp", "bf16", 8),
+        ("deepspeed_zero2", "deepspeed", "zero2", "bf16", 8),
+        ("deepspeed_zero3", "deepspeed", "zero3", "bf16", 8),
+        ("multi_node", "ddp", "none", "bf16", 16),
+    ],
+)
+def test_a_profile_is_read_once_into_what_every_decision_takes(name, engine, sharding, mixed_precision, processes):
+    """load_profile decides the engine (who holds the training state), the sharding (the planner's and the dtype
+    rules' one vocabulary), the profile's precision and its ranks; the value is frozen."""
+    import dataclasses
+
+    profile = load_profile(name)
+    assert (profile.engine, profile.sharding, profile.mixed_precision, profile.processes) == (
+        engine,
+        sharding,
+        mixed_precision,
+        processes,
+    )
+    assert profile.path == resolve_profile(name) and profile.deepspeed == (engine == "deepspeed")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        profile.sharding = "zero3"
 
 
 def test_profile_by_path_and_unknown_name(tmp_path):
@@ -106,26 +130,26 @@ def test_multi_node_flags():
 
 
 def test_profile_decides_and_is_not_overridden():
-    argv, env = accelerate_command(None, False, "m", ["--x"], config_file=resolve_profile("cpu_ddp_2proc"))
+    argv, env = accelerate_command(None, False, "m", ["--x"], profile=load_profile("cpu_ddp_2proc"))
     assert argv == LAUNCH + ["--config_file", str(PROFILE_DIR / "cpu_ddp_2proc.yaml"), "-m", "m", "--x"]
     assert env == {WORKER_ENV: "1", "ACCELERATE_USE_CPU": "1"}
     # agreeing values are fine and still not passed as flags
-    argv, _ = accelerate_command(2, False, "m", [], config_file=resolve_profile("cpu_ddp_2proc"), num_machines=1)
+    argv, _ = accelerate_command(2, False, "m", [], profile=load_profile("cpu_ddp_2proc"), num_machines=1)
     assert "--num_processes" not in argv and "--num_machines" not in argv
     with pytest.raises(FineflowError, match="num_processes: 2 but 4"):
-        accelerate_command(4, False, "m", [], config_file=resolve_profile("cpu_ddp_2proc"))
-    argv, env = accelerate_command(None, True, "m", [], config_file=resolve_profile("fsdp_lora"))
+        accelerate_command(4, False, "m", [], profile=load_profile("cpu_ddp_2proc"))
+    argv, env = accelerate_command(None, True, "m", [], profile=load_profile("fsdp_lora"))
     assert not {"--multi_gpu", "--cpu", "--mixed_precision", "--num_processes"} & set(argv)
     assert env == {WORKER_ENV: "1"}
 
 
 def test_gpu_profile_refused_without_gpu_and_multi_cpu_refused(tmp_path):
     with pytest.raises(FineflowError, match="no GPU"):
-        accelerate_command(None, False, "m", [], config_file=resolve_profile("multi_gpu_ddp"))
+        accelerate_command(None, False, "m", [], profile=load_profile("multi_gpu_ddp"))
     multi_cpu = tmp_path / "multi_cpu.yaml"
     multi_cpu.write_text("distributed_type: MULTI_CPU\nuse_cpu: true\nnum_processes: 2\n")
     with pytest.raises(FineflowError, match="ONE process"):
-        accelerate_command(None, False, "m", [], config_file=multi_cpu)
+        accelerate_command(None, False, "m", [], profile=load_profile(str(multi_cpu)))
     no_type = tmp_path / "bad.yaml"
     no_type.write_text("distributed_type: NO\n")  # unquoted NO is a YAML boolean
     with pytest.raises(FineflowError, match="quote 'NO'"):
@@ -133,11 +157,11 @@ def test_gpu_profile_refused_without_gpu_and_multi_cpu_refused(tmp_path):
 
 
 def test_multi_node_profile_needs_placement_per_launch():
-    profile = resolve_profile("multi_node")
+    profile = load_profile("multi_node")
     with pytest.raises(FineflowError, match="machine_rank.*main_process_ip"):
-        accelerate_command(None, True, "m", [], config_file=profile)
+        accelerate_command(None, True, "m", [], profile=profile)
     argv, _ = accelerate_command(
-        None, True, "m", [], 29501, config_file=profile, machine_rank=1, main_process_ip="10.0.0.1"
+        None, True, "m", [], 29501, profile=profile, machine_rank=1, main_process_ip="10.0.0.1"
     )
     assert " ".join(argv).endswith("--machine_rank 1 --main_process_ip 10.0.0.1 --main_process_port 29501 -m m")
 
@@ -217,7 +241,7 @@ def test_real_launch_forms_one_group(layout, tmp_path):
         if profile:  # the profile's own port, 0: accelerate picks a free one (the same race, retried alike)
             return [
                 accelerate_command(
-                    None, False, "tests.dist_probe", [str(outs[0])], config_file=resolve_profile("cpu_ddp_2proc")
+                    None, False, "tests.dist_probe", [str(outs[0])], profile=load_profile("cpu_ddp_2proc")
                 )
             ]
         return [

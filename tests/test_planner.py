@@ -177,6 +177,7 @@ def test_the_train_stage_plans_the_layout_build_model_loads(tmp_path):
     a 7B LoRA in bf16 holds a bf16 base (12.7 GiB); full fine-tuning under DDP autocast holds fp32 weights."""
     from fineflow.core.config import parse_params
     from fineflow.train.precision import base_dtype
+    from fineflow.train.profile import load_profile
     from fineflow.train.sizing import fit_plan
     from tests.conftest import TINY_PARAMS, _merge
 
@@ -184,7 +185,8 @@ def test_the_train_stage_plans_the_layout_build_model_loads(tmp_path):
 
     def stage_plan(method):
         train = {"method": method, "precision": "bf16", "device_memory_gib": 4096, "lora": {"r": 16}}
-        return fit_plan(parse_params(_merge(TINY_PARAMS, {"train": train})), str(tmp_path), has_gpu=False)[1]
+        params = parse_params(_merge(TINY_PARAMS, {"train": train}))
+        return fit_plan(params, load_profile(params.train.accelerate_profile), str(tmp_path), has_gpu=False).memory
 
     p = SEVEN_B.params
     lora = stage_plan("lora")

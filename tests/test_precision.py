@@ -25,9 +25,17 @@ from fineflow.train.precision import (
     resolve_precision,
     weight_storage,
 )
+from fineflow.train.profile import load_profile
 from tests.conftest import TINY_PARAMS, _merge
 
 PROFILE = Path("configs/accelerate/multi_gpu_ddp.yaml")
+
+
+def _fit_plan(params, reference: str):
+    """fit_plan as a rank on this CPU machine calls it: with the params' profile, read once."""
+    from fineflow.train.sizing import fit_plan
+
+    return fit_plan(params, load_profile(params.train.accelerate_profile), reference, has_gpu=False)
 
 
 # ---------------------------------------------------------------- the rule
@@ -78,7 +86,7 @@ def test_profile_values_are_read_as_accelerate_writes_them():
     [("auto", "no"), ("cpu_ddp_2proc", "no"), ("single_gpu", "bf16"), ("fsdp_lora", "bf16"), ("multi_node", "bf16")],
 )
 def test_the_shipped_profiles_decide_under_auto(profile, expected):
-    assert choose_precision("auto", profile, has_gpu=False).mixed_precision == expected
+    assert choose_precision("auto", load_profile(profile), has_gpu=False).mixed_precision == expected
 
 
 # ---------------------------------------------------------------- dtypes that follow
@@ -166,10 +174,10 @@ def test_built_weights_match_the_planners_weight_term(base_dir, precision, base)
     """build_model through fit_plan as a rank runs them: on CPU, auto stays fp32 (CPU results unchanged) and bf16
     loads a bf16 base beside fp32 adapters; the planner's weight bytes are within 10% of the dtype accounting."""
     from fineflow.train.model import build_model
-    from fineflow.train.sizing import fit_plan
 
-    cfg, plan, _ = fit_plan(_params(precision=precision), str(base_dir), has_gpu=False)
-    model = build_model(str(base_dir), _params(precision=precision), cfg)
+    run = _fit_plan(_params(precision=precision), str(base_dir))
+    cfg, plan = run.train, run.memory
+    model = build_model(str(base_dir), run.params, run.profile)
     frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
     adapters = {p.dtype for p in model.parameters() if p.requires_grad}
     assert frozen == {base} and adapters == {torch.float32}
@@ -221,11 +229,9 @@ def test_fused_lora_on_a_bf16_base_under_fp32_adapters_fuses_and_trains_alike(ba
     """On a bf16 base peft keeps the adapters fp32; fused_lora still fuses every layer (computing in the autocast
     dtype, as autocast runs peft's linears), and the model trains like the unfused one under bf16 autocast."""
     from fineflow.train.model import build_model
-    from fineflow.train.sizing import fit_plan
 
-    params = _params(precision="bf16")
-    cfg, _, _ = fit_plan(params, str(base_dir), has_gpu=False)
-    fused, plain = (build_model(str(base_dir), params, cfg, fuse_lora=f) for f in (True, False))
+    run = _fit_plan(_params(precision="bf16"), str(base_dir))
+    fused, plain = (build_model(str(base_dir), run.params, run.profile, fuse_lora=f) for f in (True, False))
     assert fused.fineflow_fused_layers == 14  # 2 layers x 7 projections: every LoRA linear
     ids = torch.randint(1, 400, (2, 24), generator=torch.Generator().manual_seed(1))
     losses = []
@@ -241,14 +247,12 @@ def test_fused_lora_on_a_bf16_base_under_fp32_adapters_fuses_and_trains_alike(ba
 
 
 def test_fit_plan_reports_a_conflict_and_refuses_qlora_on_fsdp(base_dir):
-    from fineflow.train.sizing import fit_plan
-
-    cfg, plan, _ = fit_plan(
-        _params(precision="no", accelerate_profile="multi_gpu_ddp", num_processes=None), str(base_dir), False
-    )
+    run = _fit_plan(_params(precision="no", accelerate_profile="multi_gpu_ddp", num_processes=None), str(base_dir))
+    cfg, plan = run.train, run.memory
     assert cfg.precision == "no" and "overrides mixed_precision 'bf16'" in plan["precision"]["conflict"]
-    cfg, plan, _ = fit_plan(_params(accelerate_profile="multi_gpu_ddp", num_processes=None), str(base_dir), False)
+    run = _fit_plan(_params(accelerate_profile="multi_gpu_ddp", num_processes=None), str(base_dir))
+    cfg, plan = run.train, run.memory
     assert cfg.precision == "bf16" and plan["precision"]["conflict"] is None
     assert plan["setup"]["precision"] == "bf16" and plan["setup"]["weight_storage"] == "compute"
     with pytest.raises(FineflowError, match="qlora cannot run with the fsdp accelerate profile"):
-        fit_plan(_params(method="qlora", accelerate_profile="fsdp_lora", num_processes=None), str(base_dir), False)
+        _fit_plan(_params(method="qlora", accelerate_profile="fsdp_lora", num_processes=None), str(base_dir))

@@ -194,11 +194,15 @@ def test_plan_that_does_not_fit_is_refused_before_launch(project):
 
 def test_auto_fit_adapts_the_plan_and_keeps_the_global_batch(built, tmp_path):
     from fineflow.train import planner
+    from fineflow.train.profile import load_profile
     from fineflow.train.sizing import fit_plan
+
+    def plan(params):
+        return fit_plan(params, load_profile(params.train.accelerate_profile), reference, has_gpu=False)
 
     params = _params(micro_batch_size=4, grad_accum=1, tracker="none")
     reference = str(built / "models/base")
-    _, roomy, _ = fit_plan(params, reference, has_gpu=False)
+    roomy = plan(params).memory
     setup = planner.Setup(
         **{
             **roomy["setup"],
@@ -211,12 +215,37 @@ def test_auto_fit_adapts_the_plan_and_keeps_the_global_batch(built, tmp_path):
     assert smallest < roomy["bytes"]["total"]
     budget = smallest * 1.000001 / 2**30  # only micro-batch 1 with checkpointing fits
     with pytest.raises(planner.DoesNotFit, match="train.micro_batch_size"):
-        fit_plan(_params(micro_batch_size=4, device_memory_gib=budget), reference, has_gpu=False)
+        plan(_params(micro_batch_size=4, device_memory_gib=budget))
     adapted_params = _params(micro_batch_size=4, grad_accum=1, device_memory_gib=budget, auto_fit=True, tracker="none")
-    adapted, plan, changes = fit_plan(adapted_params, reference, has_gpu=False)
-    assert changes and adapted.gradient_checkpointing is True
+    run = plan(adapted_params)
+    adapted = run.train
+    assert run.changes and adapted.gradient_checkpointing is True
     assert (adapted.micro_batch_size, adapted.grad_accum) == (1, 4)  # the global batch is unchanged
-    assert plan["bytes"]["total"] <= budget * 2**30
+    assert run.memory["bytes"]["total"] <= budget * 2**30
     report = _train(built, tmp_path, adapted_params)  # and the ranks run with the adapted settings
     assert (report["micro_batch_size"], report["grad_accum"]) == (adapted.micro_batch_size, adapted.grad_accum)
     assert json.loads((tmp_path / "steps.jsonl").read_text().splitlines()[0])["tokens"] > 0
+
+
+def test_a_step_timer_span_files_its_block_under_one_bucket_and_a_redone_step_under_redo_too():
+    """StepTimer.span adds the block's wall time to the step's and the run's bucket; move re-files seconds (DDP's
+    all-reduce inside backward) without changing the step's sum; a step a resume trains again counts in redo."""
+    import time
+
+    from fineflow.train.steps import StepTimer
+
+    timer = StepTimer()
+    timer.start_step()
+    with timer.span("compute_s"):
+        time.sleep(0.01)
+    assert timer.current["compute_s"] >= 0.01 and timer.totals["compute_s"] == timer.current["compute_s"]
+    before = sum(timer.current.values())
+    timer.move("compute_s", "grad_sync_s", 0.004)
+    assert timer.current["grad_sync_s"] == 0.004 and sum(timer.current.values()) == pytest.approx(before)
+    with pytest.raises(RuntimeError), timer.span("optimizer_s"):
+        raise RuntimeError("a block that raises adds nothing")
+    assert timer.totals["optimizer_s"] == 0.0 and timer.redo == {}
+    timer.start_step(redo=True)
+    with timer.span("data_wait_s"):
+        pass
+    assert timer.redo_steps == 1 and set(timer.redo) == {"data_wait_s"}

@@ -1,14 +1,26 @@
 """Stage train. Entry: ``fineflow.stages.train``; checkpoint files are ``fineflow.checkpoint``.
 
-recipe.py      the story, read in order: launcher (size, then ``accelerate launch``), then each rank
-sizing.py      hardware checks and the memory planner's verdict for params (refuse or auto_fit)
-planner.py     the memory planner's arithmetic (also ``fineflow plan``)
-launch.py      accelerate profiles and launch commands
-model.py       the model to train (LoRA / QLoRA / full) and saving it
-schedule.py    the learning-rate schedule
-loop.py        ``fit()``: the loop, step timing and logs, the checkpoint trigger, restoring a checkpoint
-loader.py      batches prepared ahead on a thread from the shard sampler
-attention.py   per-example (varlen) attention over packed rows
-fused_lora.py  fused LoRA linears
-resume.py      the run fingerprint and whether to resume
+recipe.py        the story, read in order: the launcher, then each rank's TrainRecipe (setup, train, cleanup)
+profile.py       the accelerate profile, read once into a frozen Profile (engine, sharding, precision, ranks)
+sizing.py        hardware checks and the planner's RunPlan: the one train configuration every step reads
+planner/         the memory planner (also ``fineflow plan``): shapes.py, memory.py, advice.py
+launch.py        the ``accelerate launch`` command line, and DeepSpeed's batch keys from params
+precision.py     which precision a run trains in, and the dtypes that follow
+model.py         the model to train (LoRA / QLoRA / full) and saving it
+schedule.py      the learning-rate schedule
+loop.py          ``fit()``: the loop, one optimizer step at a time; token_loss_sum, evaluate_loss
+steps.py         what the loop reports through: StepTimer (a span per phase), StepLog, Progress
+checkpointing.py the loop's state saved (TrainStateSaver) and restored (restore), by the profile's engine
+resume.py        the run fingerprint, whether to resume, and the checkpoint every rank loads
+tracker.py       the experiment tracker (TensorBoard / MLflow), one tracker run per training run
+report.py        the train report: figures, device facts, FLOPs and MFU
+loader.py        batches prepared ahead on a thread from the shard sampler
+attention.py     per-example (varlen) attention over packed rows
+fused_lora.py    fused LoRA linears
+fsdp.py          what FSDP needs beyond accelerate's defaults for LoRA (wrapping, buffers, sharded states)
+zero.py          what DeepSpeed ZeRO-2/3 needs (its state in checkpoints, an adapter-only final save)
+gradsync.py      DDP's gradient all-reduce, timed apart from backward
+flops.py         model FLOPs per token, the device's peak FLOP/s, MFU/HFU
+preempt.py       stopping on a signal: the step saved, the ranks stopped, resumable
+plots.py         the step log as DVC plot data and PNG charts
 """

@@ -6,7 +6,7 @@ that really give N processes. (On CPU, ``accelerate launch --cpu --num_processes
 process; ``ACCELERATE_USE_CPU=1`` with ``--multi_gpu`` runs N ranks of DDP over gloo.)
 
 Hardware can instead come from an accelerate config file, a *profile* under ``configs/accelerate/``
-(``resolve_profile("fsdp_lora")``). The profile then decides the distributed type, the number of
+(``fineflow.train.profile``, loaded once by the launcher). The profile then decides the distributed type, the number of
 processes, mixed precision and the engine settings; this module adds only what places one launch in a
 cluster (``--machine_rank``, ``--main_process_ip``, ``--main_process_port``), which the file can only hold
 as placeholders, and refuses a caller's ``num_processes`` / ``num_machines`` that contradict the file rather
@@ -16,9 +16,10 @@ DeepSpeed profiles (the last section): a missing deepspeed package is refused be
 (``require_engine``), and the DeepSpeed batch settings come from params, checked against the profile by the
 launcher and written into each rank's config before ``accelerator.prepare`` (``configure_deepspeed``).
 
-    python -c "from fineflow.train.launch import accelerate_command, resolve_profile; \
+    python -c "from fineflow.train.launch import accelerate_command; \
+        from fineflow.train.profile import load_profile; \
         print(accelerate_command(None, False, 'tests.dist_probe', ['/tmp/p'], \
-                                 config_file=resolve_profile('cpu_ddp_2proc')))"
+                                 profile=load_profile('cpu_ddp_2proc')))"
 """
 
 from __future__ import annotations
@@ -29,61 +30,15 @@ from typing import TYPE_CHECKING
 
 from fineflow.core.errors import FineflowError
 from fineflow.core.runtime import TRAIN_WORKER_ENV
+from fineflow.train.profile import AUTO, Profile
 
 if TYPE_CHECKING:
     from fineflow.core.config import TrainParams
 
 WORKER_ENV = TRAIN_WORKER_ENV  # set for the ranks: they train instead of launching again
-PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "accelerate"
-AUTO = "auto"
 # distributed types that need one accelerator per rank; on a machine without one, accelerate would start
 # N independent world-size-1 jobs (MULTI_GPU) or fail deep inside FSDP/DeepSpeed
 _GPU_TYPES = {"MULTI_GPU", "FSDP", "DEEPSPEED", "MEGATRON_LM"}
-
-
-def profile_names(profile_dir: Path = PROFILE_DIR) -> list[str]:
-    """The profiles shipped in configs/accelerate, by name (file stem)."""
-    return sorted(p.stem for p in profile_dir.glob("*.yaml"))
-
-
-def resolve_profile(profile: str, profile_dir: Path = PROFILE_DIR) -> Path | None:
-    """A profile name or path -> the accelerate config file to launch with.
-
-    ``"auto"`` gives None: no config file, flags derived from num_processes and GPU presence (the behaviour
-    of ``accelerate_command`` without a config file). A name (``"fsdp_lora"``) gives
-    ``configs/accelerate/fsdp_lora.yaml``; a path to an existing .yaml/.yml file is returned as is.
-    """
-    if profile == AUTO:
-        return None
-    path = Path(profile)
-    if path.suffix in (".yaml", ".yml"):
-        if not path.is_file():
-            raise FineflowError(f"accelerate profile {profile}: no such file")
-        return path
-    candidate = profile_dir / f"{profile}.yaml"
-    if not candidate.is_file():
-        raise FineflowError(
-            f"accelerate profile {profile!r} is unknown: use {AUTO!r}, one of "
-            f"{', '.join(profile_names(profile_dir))} (files in {profile_dir}), or a path to an "
-            f"accelerate config .yaml"
-        )
-    return candidate
-
-
-def read_profile(path: Path) -> dict:
-    """The profile's top-level keys (yaml), with a message naming the file when it is not a profile."""
-    import yaml
-
-    try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise FineflowError(f"accelerate profile {path}: cannot read it ({exc})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("distributed_type"), str):
-        raise FineflowError(
-            f"accelerate profile {path}: not an accelerate config file (it needs a "
-            f"distributed_type such as MULTI_GPU; quote 'NO', which YAML reads as false)"
-        )
-    return data
 
 
 def _placement_flags(machine_rank: int | None, main_process_ip: str | None, main_process_port: int | None) -> list[str]:
@@ -121,22 +76,23 @@ def accelerate_command(
     module_args: list[str],
     main_process_port: int | None = None,
     *,
-    config_file: str | Path | None = None,
+    profile: Profile | None = None,
     num_machines: int | None = None,
     machine_rank: int | None = None,
     main_process_ip: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, extra environment) that runs ``python -m module module_args`` on num_processes ranks.
 
-    Without config_file, flags are derived from num_processes (the total over all machines, accelerate's
-    convention) and has_gpu. With config_file (see ``resolve_profile``) the file decides; num_processes and
-    num_machines may be None (take the file's) and must otherwise agree with it. machine_rank,
-    main_process_ip and main_process_port place this launch in a multi-machine job, in both modes.
+    Without a profile file (None, or "auto"), flags are derived from num_processes (the total over all
+    machines, accelerate's convention) and has_gpu. With one (``fineflow.train.profile.load_profile``) the
+    file decides; num_processes and num_machines may be None (take the file's) and must otherwise agree with
+    it. machine_rank, main_process_ip and main_process_port place this launch in a multi-machine job, in both
+    modes.
     """
     placement = _placement_flags(machine_rank, main_process_ip, main_process_port)
-    if config_file is not None:
+    if profile is not None and profile.path is not None:
         return _profile_command(
-            Path(config_file),
+            profile,
             num_processes,
             num_machines,
             has_gpu,
@@ -176,7 +132,7 @@ def accelerate_command(
 
 
 def _profile_command(
-    path: Path,
+    chosen: Profile,
     num_processes: int | None,
     num_machines: int | None,
     has_gpu: bool,
@@ -186,8 +142,8 @@ def _profile_command(
     main_process_ip: str | None,
     placement: list[str],
 ) -> tuple[list[str], dict[str, str]]:
-    require_engine(path)  # a missing deepspeed first: no other problem with the profile matters before it
-    profile = read_profile(path)
+    require_engine(chosen)  # a missing deepspeed first: no other problem with the profile matters before it
+    path, profile = chosen.path, chosen.settings
     kind = profile["distributed_type"].upper()
     use_cpu = bool(profile.get("use_cpu", False))
     problems = []
@@ -252,10 +208,6 @@ DEEPSPEED_FROM_PARAMS = {
 }
 
 
-def is_deepspeed_profile(profile: Path | None) -> bool:
-    return profile is not None and read_profile(profile)["distributed_type"].upper() == "DEEPSPEED"
-
-
 def require_tracker(tracker: str) -> None:
     """The tracker's package, checked before any rank starts: otherwise accelerate only warns and trains
     untracked."""
@@ -270,14 +222,14 @@ def require_tracker(tracker: str) -> None:
         )
 
 
-def require_engine(profile: Path | None) -> None:
+def require_engine(profile: Profile) -> None:
     """A DeepSpeed profile without the deepspeed package: one message, before anything loads (accelerate's own
     launcher would raise an ImportError traceback, and only after the memory planner ran)."""
     from importlib.util import find_spec
 
-    if is_deepspeed_profile(profile) and find_spec("deepspeed") is None:
+    if profile.deepspeed and find_spec("deepspeed") is None:
         raise FineflowError(
-            f"accelerate profile {profile} runs DeepSpeed (distributed_type: DEEPSPEED) and the deepspeed "
+            f"accelerate profile {profile.path} runs DeepSpeed (distributed_type: DEEPSPEED) and the deepspeed "
             f"package is not installed: {DEEPSPEED_INSTALL} on the GPU machines (it compiles its CUDA ops on first "
             f"use, with a CUDA toolkit matching torch), or pick another train.accelerate_profile (fsdp_lora shards "
             f"like ZeRO-3 without it)"
@@ -318,35 +270,35 @@ def resolve_deepspeed_config(ds_config: dict, batch: dict, where: str) -> dict:
     return {**ds_config, **batch}
 
 
-def profile_deepspeed_config(profile: Path) -> dict:
+def profile_deepspeed_config(profile: Profile) -> dict:
     """The batch keys a DeepSpeed profile sets itself: gradient_accumulation_steps and gradient_clipping in its
     deepspeed_config section (accelerate hands them to the ranks as environment variables), and any of them in
     the DeepSpeed JSON it names (deepspeed_config_file)."""
     import json
 
-    section = read_profile(profile).get("deepspeed_config") or {}
+    section = profile.settings.get("deepspeed_config") or {}
     fixed = {}
     if section.get("deepspeed_config_file"):
         path = Path(section["deepspeed_config_file"])
         try:
             ds_json = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
-            raise FineflowError(f"accelerate profile {profile}: deepspeed_config_file {path}: {exc}") from None
+            raise FineflowError(f"accelerate profile {profile.path}: deepspeed_config_file {path}: {exc}") from None
         fixed.update({key: ds_json[key] for key in DEEPSPEED_FROM_PARAMS if key in ds_json})
     if section.get("gradient_accumulation_steps") == AUTO:
         raise FineflowError(
-            f"accelerate profile {profile}: deepspeed_config sets gradient_accumulation_steps: auto, which "
+            f"accelerate profile {profile.path}: deepspeed_config sets gradient_accumulation_steps: auto, which "
             f"accelerate's Accelerator reads as an integer and fails on; delete the line (train.grad_accum decides it)"
         )
     fixed.update({key: section[key] for key in ("gradient_accumulation_steps", "gradient_clipping") if key in section})
     return fixed
 
 
-def check_deepspeed_profile(profile: Path | None, cfg: TrainParams, world: int) -> None:
+def check_deepspeed_profile(profile: Profile, cfg: TrainParams, world: int) -> None:
     """The launcher's check of a DeepSpeed profile against the (planned) train params, before any rank starts."""
-    if is_deepspeed_profile(profile):
+    if profile.deepspeed:
         resolve_deepspeed_config(
-            profile_deepspeed_config(profile), deepspeed_batch_config(cfg, world), f"accelerate profile {profile}"
+            profile_deepspeed_config(profile), deepspeed_batch_config(cfg, world), f"accelerate profile {profile.path}"
         )
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from fineflow.core.config import Params, TrainParams
 from fineflow.core.errors import FineflowError
 from fineflow.train import precision
-from fineflow.train.loop import save_adapter
+from fineflow.train.profile import Profile
 
 
 def attention_of(cfg: TrainParams) -> str:
@@ -19,29 +20,25 @@ def attention_of(cfg: TrainParams) -> str:
     return cfg.attention
 
 
-def build_model(base_reference: str, params: Params, cfg: TrainParams, fuse_lora: bool = False):
+def build_model(base_reference: str, params: Params, profile: Profile, fuse_lora: bool = False):
     """The model to train: LoRA / QLoRA adapters on a frozen base, or the whole base (full). fuse_lora:
     route plain LoRA linears through fineflow.train.fused_lora (same maths, fewer memory passes).
 
-    cfg.precision is the resolved one (fit_plan resolves "auto"). The weights are loaded in
+    params: as fit_plan returns them (RunPlan.params: params.train.precision resolved from "auto"); profile:
+    the run's (its sharding decides the base's dtype). The weights are loaded in
     ``precision.base_dtype``: a LoRA base in the 16-bit compute dtype (bf16/fp16; the adapters stay fp32),
     full fine-tuning and fp32 runs in fp32 (CPU runs with the default precision are fp32 as before)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fineflow.train.launch import resolve_profile
-    from fineflow.train.sizing import sharding_of
-
-    sharding = sharding_of(resolve_profile(cfg.accelerate_profile))
+    cfg, sharding = params.train, profile.sharding
     mixed_precision = cfg.precision
     if mixed_precision == precision.AUTO:  # a caller that did not go through fit_plan
-        mixed_precision = precision.choose_precision(
-            cfg.precision, cfg.accelerate_profile, torch.cuda.is_available()
-        ).mixed_precision
+        mixed_precision = precision.choose_precision(cfg.precision, profile, torch.cuda.is_available()).mixed_precision
     torch.manual_seed(params.seed)
     kwargs = {"dtype": getattr(torch, precision.base_dtype(cfg.method, mixed_precision, sharding))}
     if cfg.method == "qlora":
-        precision.check_qlora_sharding(cfg.method, sharding, cfg.accelerate_profile)
+        precision.check_qlora_sharding(cfg.method, sharding, profile.path)
         try:
             import bitsandbytes  # noqa: F401
         except ImportError:
@@ -101,3 +98,17 @@ def save_model(accelerator, model, out_dir: Path, method: str) -> None:
         unwrapped.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
     else:
         save_adapter(unwrapped, out_dir, state)
+
+
+def save_adapter(model, out_dir: Path, state_dict: dict | None = None) -> None:
+    """save_pretrained, then make adapter_config.json byte-stable.
+
+    peft keeps target_modules as a set, which it writes in hash order (random per process), so the same
+    training would give different bytes — and a different DVC hash — run to run.
+    """
+    model.save_pretrained(out_dir, state_dict=state_dict)  # peft keeps only the adapter's entries
+    config_path = Path(out_dir) / "adapter_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if isinstance(config.get("target_modules"), list):
+        config["target_modules"] = sorted(config["target_modules"])
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -23,8 +23,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fineflow.core.errors import FineflowError
+
+if TYPE_CHECKING:
+    from fineflow.train.profile import Profile
 
 AUTO = "auto"
 MIXED_PRECISIONS = ("no", "bf16", "fp16")  # accelerate's names, what Accelerator(mixed_precision=) takes
@@ -159,10 +163,7 @@ def kbit_preparation_kwargs(gradient_checkpointing: bool) -> dict:
     }
 
 
-def choose_precision(precision: str, accelerate_profile: str, has_gpu: bool) -> PrecisionChoice:
-    """resolve_precision for train params: reads the profile (``train.accelerate_profile``) and the GPU."""
-    from fineflow.train.launch import read_profile, resolve_profile
-
-    path = resolve_profile(accelerate_profile)
-    value = profile_mixed_precision(read_profile(path), path) if path is not None else None
-    return resolve_precision(precision, value, path, gpu_supports_bf16(has_gpu), has_gpu)
+def choose_precision(precision: str, profile: Profile, has_gpu: bool) -> PrecisionChoice:
+    """resolve_precision for train params: train.precision against the run's Profile
+    (fineflow.train.profile.load_profile, read once) and the GPU."""
+    return resolve_precision(precision, profile.mixed_precision, profile.path, gpu_supports_bf16(has_gpu), has_gpu)

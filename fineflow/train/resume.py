@@ -13,6 +13,8 @@ Other inputs get another directory and start fresh — unless a run was left unf
 most likely edited params between a crash and its retry. An unfinished run of another base, data, code or
 library version is stale (it can never be resumed by these inputs) and is left alone. ``train.resume:
 never`` starts this configuration over (its old checkpoints are removed) and ignores the others.
+
+On the ranks, ``resume_point``: rank 0 decides (``plan_resume``), every rank loads the same checkpoint.
 """
 
 from __future__ import annotations
@@ -178,3 +180,23 @@ def plan_resume(root: Path, fingerprint: dict, mode: str, log=print) -> ResumePl
             f"train.resume: never to start this configuration fresh (the other run's checkpoints are kept)."
         )
     return ResumePlan(run_dir, None)
+
+
+def resume_point(accelerator, checkpoints: Path, fingerprint: dict, mode: str):
+    """(run directory, loaded checkpoint or None): rank 0 decides, every rank loads the same one."""
+    from fineflow.checkpoint import load_checkpoint
+    from fineflow.train.fsdp import require_visible_to_every_rank
+
+    decision = [None]
+    if accelerator.is_main_process:
+        plan = plan_resume(checkpoints, fingerprint, mode)
+        decision = [str(plan.checkpoint) if plan.checkpoint else None]
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        decision = broadcast_object_list(decision)
+    plan = ResumePlan(checkpoints / run_id(fingerprint), Path(decision[0]) if decision[0] else None)
+    if plan.checkpoint is not None:  # every rank loads it from its own mount: node-local dirs are refused
+        require_visible_to_every_rank(accelerator, plan.checkpoint, "resume from")
+    # latest_valid (rank 0) just hashed every file of it: load without hashing it all again
+    return plan.run_dir, (load_checkpoint(plan.checkpoint, verify=False) if plan.checkpoint else None)

@@ -1,24 +1,25 @@
 """Sizing a run before anything loads: the hardware check and the memory planner's verdict for params.
 
 The launcher calls ``fit_plan`` to refuse (or adapt, ``train.auto_fit``) before launching; every rank calls it
-again and reaches the same answer, since it is pure in its inputs. The planner's arithmetic is
-``fineflow.train.planner``.
+again and reaches the same answer, since it is pure in its inputs. Its ``RunPlan`` holds the one train
+configuration everything after it reads (the planner's adaptations applied, the precision resolved) with the
+run's Profile. The planner's arithmetic is ``fineflow.train.planner``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from fineflow.core.config import Params, TrainParams
 from fineflow.core.errors import FineflowError
 from fineflow.train import planner, precision
-from fineflow.train.launch import read_profile, resolve_profile
+from fineflow.train.profile import Profile
 
 GiB = 2**30
-PRECISION_OF = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
 
-def check_hardware(cfg: TrainParams, has_gpu: bool) -> None:
+def check_hardware(cfg: TrainParams, has_gpu: bool, profile: Profile) -> None:
     """Settings this machine cannot run, said before anything is loaded."""
     if cfg.method == "qlora" and not has_gpu:
         raise FineflowError(
@@ -34,7 +35,7 @@ def check_hardware(cfg: TrainParams, has_gpu: bool) -> None:
         from importlib.util import find_spec
 
         # the precision really used: "auto" on a GPU without bf16 (or on a CPU) is fp32 too
-        chosen = precision.choose_precision(cfg.precision, cfg.accelerate_profile, has_gpu).mixed_precision
+        chosen = precision.choose_precision(cfg.precision, profile, has_gpu).mixed_precision
         if chosen == "no":  # a params conflict, whatever the machine: said before the GPU question
             raise FineflowError(
                 "params.yaml: train.attention flash_attention_2 needs train.precision bf16 or fp16: flash-attn "
@@ -51,24 +52,8 @@ def check_hardware(cfg: TrainParams, has_gpu: bool) -> None:
             )
 
 
-def sharding_of(profile: Path | None) -> str:
-    """The planner's sharding mode for an accelerate profile: how parameters/gradients/optimizer split."""
-    if profile is None:
-        return "none"
-    data = read_profile(profile)
-    kind = data["distributed_type"].upper()
-    if kind == "FSDP":
-        return "fsdp"
-    if kind == "DEEPSPEED":
-        stage = int((data.get("deepspeed_config") or {}).get("zero_stage", 2))
-        return "zero3" if stage == 3 else "zero2" if stage == 2 else "none"
-    return "none"
-
-
-def world_size(cfg: TrainParams, profile: Path | None) -> int:
-    if cfg.num_processes is not None:
-        return cfg.num_processes
-    return int(read_profile(profile).get("num_processes", 1)) if profile is not None else 1
+def world_size(cfg: TrainParams, profile: Profile) -> int:
+    return cfg.num_processes if cfg.num_processes is not None else profile.processes
 
 
 def device_memory_bytes(cfg: TrainParams, has_gpu: bool, ranks_here: int) -> float:
@@ -93,33 +78,35 @@ def model_shape(reference: str):
     return planner.shape_from_config(AutoConfig.from_pretrained(reference).to_dict(), name=reference)
 
 
-def fit_plan(params: Params, reference: str, has_gpu: bool):
-    """The planner's verdict for this run: (train params to run with, plan dict, changes made).
+@dataclass(frozen=True)
+class RunPlan:
+    """What setup decided, once: every step after it reads this, never params.train or the profile file again.
+
+    params: the run's params with ``train`` as it trains (auto_fit's micro-batch, accumulation and
+    checkpointing; ``precision`` resolved from "auto"). memory: the planner's figures per device (the train
+    report's "plan"). changes: what auto_fit changed, as sentences."""
+
+    params: Params
+    profile: Profile
+    memory: dict
+    changes: tuple[str, ...] = ()
+
+    @property
+    def train(self) -> TrainParams:
+        return self.params.train
+
+
+def fit_plan(params: Params, profile: Profile, reference: str, has_gpu: bool) -> RunPlan:
+    """The planner's verdict for this run, with the train configuration to run with.
 
     Pure in its inputs, so the launcher (which refuses before launching) and every rank (which applies
     the adapted settings) reach the same answer without passing it around."""
     cfg = params.train
-    profile = resolve_profile(cfg.accelerate_profile)
     ranks = world_size(cfg, profile)
-    targets = tuple(t for t in cfg.lora.target_modules if t in planner.LINEARS) or planner.LINEARS
     # the one place the precision is decided (train.precision vs the profile's; fineflow.train.precision)
-    chosen = precision.choose_precision(cfg.precision, cfg.accelerate_profile, has_gpu)
-    sharding = sharding_of(profile)
-    precision.check_qlora_sharding(cfg.method, sharding, profile)
-    setup = planner.Setup(
-        method=cfg.method,
-        precision=PRECISION_OF[chosen.mixed_precision],
-        weight_storage=precision.weight_storage(cfg.method, chosen.mixed_precision, sharding),
-        optimizer="adamw",
-        micro_batch_size=cfg.micro_batch_size,
-        seq_len=params.tokenize.seq_len,
-        grad_accum=cfg.grad_accum,
-        gradient_checkpointing=cfg.gradient_checkpointing,
-        num_gpus=ranks,
-        sharding=sharding,
-        lora_r=cfg.lora.r,
-        lora_targets=targets,
-    )
+    chosen = precision.choose_precision(cfg.precision, profile, has_gpu)
+    precision.check_qlora_sharding(cfg.method, profile.sharding, profile.path)
+    setup = planner_setup(params, profile, chosen.mixed_precision, ranks)
     device = device_memory_bytes(cfg, has_gpu, max(1, ranks // cfg.num_machines))
     result = planner.check_fit(model_shape(reference), setup, device, adapt=cfg.auto_fit)
     adapted = cfg.model_copy(
@@ -130,10 +117,30 @@ def fit_plan(params: Params, reference: str, has_gpu: bool):
             "precision": chosen.mixed_precision,
         }
     )
-    plan = {
+    memory = {
         **result.plan.as_dict(),
         "device_bytes": int(device),
         "changes": result.changes,
         "precision": chosen.as_dict(),
     }
-    return adapted, plan, result.changes
+    return RunPlan(params.model_copy(update={"train": adapted}), profile, memory, tuple(result.changes))
+
+
+def planner_setup(params: Params, profile: Profile, mixed_precision: str, ranks: int) -> planner.Setup:
+    """The planner's terms for what this run holds on each device."""
+    cfg = params.train
+    targets = tuple(t for t in cfg.lora.target_modules if t in planner.LINEARS) or planner.LINEARS
+    return planner.Setup(
+        method=cfg.method,
+        precision=precision.PLANNER_PRECISION_OF[mixed_precision],
+        weight_storage=precision.weight_storage(cfg.method, mixed_precision, profile.sharding),
+        optimizer="adamw",
+        micro_batch_size=cfg.micro_batch_size,
+        seq_len=params.tokenize.seq_len,
+        grad_accum=cfg.grad_accum,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        num_gpus=ranks,
+        sharding=profile.sharding,
+        lora_r=cfg.lora.r,
+        lora_targets=targets,
+    )

@@ -1,0 +1,141 @@
+"""Checkpointing the loop's state: when to save and what (``TrainStateSaver``, handed to ``fit()``), and putting
+a loaded checkpoint back in place (``restore``). Files, retention and verification are
+``fineflow.checkpoint``'s; sharded state (FSDP, DeepSpeed) is written and read by every rank
+(``fineflow.train.fsdp``, ``fineflow.train.zero``), chosen by the run's ``Profile.engine``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fineflow.core.errors import FineflowError
+from fineflow.train import fsdp
+
+
+class TrainStateSaver:
+    """Decides when to checkpoint and hands the loop's full state to a CheckpointManager.
+
+    Every rank calls ``due`` and ``save`` (each contributes its RNG state, and ranks must agree on a
+    time-based trigger); only rank 0 has a manager and writes. What is saved: the trainable tensors only
+    (LoRA: the adapter), optimizer and LR-scheduler state, the sampler position of the last consumed batch,
+    step and token counters, and every rank's Python/NumPy/torch RNG state (fineflow.checkpoint).
+    """
+
+    def __init__(
+        self,
+        manager,
+        every_steps: int,
+        every_minutes: float | None = None,
+        fingerprint: dict | None = None,
+        *,
+        engine: str,
+    ):
+        self.manager, self.every_steps, self.every_minutes = manager, every_steps, every_minutes
+        self.fingerprint = fingerprint or {}
+        self.engine = engine  # the run's Profile.engine: who holds the state, so who writes it
+        self.last_save = time.monotonic()
+
+    def due(self, step: int, last_step: int, accelerator) -> bool:
+        """The same answer on every rank (validation before a save is collective)."""
+        due = step % self.every_steps == 0 or step == last_step
+        if self.every_minutes is not None and not due:
+            import torch
+
+            late = time.monotonic() - self.last_save >= self.every_minutes * 60
+            flag = accelerator.reduce(torch.tensor([int(late)], device=accelerator.device), reduction="sum")
+            due = int(flag[0]) > 0  # any rank's clock decides, so no rank skips a collective the others enter
+        return due
+
+    def save(self, accelerator, model, optimizer, scheduler, step: int, state: dict, metric: float | None) -> None:
+        from fineflow.checkpoint import capture_rng
+
+        rngs = [capture_rng()]
+        if accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            rngs = gather_object(rngs)  # one snapshot per rank, in rank order
+        self.last_save = time.monotonic()
+        sharded = self.engine in SHARDED_ENGINES
+        sharded_dir = None
+        if sharded:  # every rank writes its own shards; nothing is gathered to rank 0
+            sharded_dir = fsdp.stage_shards(
+                accelerator, self.manager, step, shard_writer(self.engine, model, optimizer)
+            )
+        if self.manager is None:
+            return
+        if sharded_dir is None:
+            trainable = {
+                name: p.detach() for name, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad
+            }
+            optimizer_state = optimizer.state_dict()
+        else:
+            trainable, optimizer_state = {}, None
+        scaler = getattr(accelerator, "scaler", None)  # fp16 on a GPU: the loss scale must continue too
+        self.manager.save(
+            step,
+            trainable,
+            optimizer_state,
+            scheduler.state_dict(),
+            {**state, "fingerprint": self.fingerprint, **({"sharding": self.engine} if sharded else {})},
+            rngs,
+            metric,
+            grad_scaler_state=scaler.state_dict() if scaler is not None else None,
+            sharded_dir=sharded_dir,
+        )
+
+
+ENGINE_NAMES = {"ddp": "an unsharded (one process or DDP)", "fsdp": "an FSDP", "deepspeed": "a DeepSpeed"}
+SHARDED_ENGINES = ("fsdp", "deepspeed")  # each rank holds (and writes) its own part of the state
+
+
+def shard_writer(engine: str, model, optimizer):
+    """write(directory): every rank writes its part of the training state there (a collective)."""
+    from fineflow.train import zero
+
+    if engine == "deepspeed":
+        return lambda directory: zero.save_engine_state(model, directory)
+    return lambda directory: fsdp.save_sharded(model, optimizer, directory)
+
+
+def checkpoint_engine(checkpoint) -> str:
+    """Which engine wrote a checkpoint's state (a Profile.engine): recorded under "sharding" in a sharded one's
+    state since DeepSpeed checkpoints exist; before, only FSDP wrote sharded ones."""
+    if checkpoint.sharded_dir is None:
+        return "ddp"
+    return checkpoint.state.get("sharding") or "fsdp"
+
+
+def restore(checkpoint, accelerator, model, optimizer, scheduler, engine: str) -> None:
+    """Put a loaded checkpoint's weights, optimizer, scheduler and this rank's RNG state back in place.
+    A sharded checkpoint (FSDP, DeepSpeed) is read by every rank: each loads its own part of weights and
+    optimizer. engine: the run's Profile.engine, which must be the one that wrote the checkpoint."""
+    import torch
+
+    from fineflow.checkpoint import restore_rng
+    from fineflow.train import zero
+
+    written_by = checkpoint_engine(checkpoint)
+    if written_by != engine:
+        raise FineflowError(
+            f"{checkpoint.path} is {ENGINE_NAMES[written_by]} checkpoint and this run is "
+            f"{ENGINE_NAMES[engine].split(' ', 1)[1]} (train.accelerate_profile changed?); resume it with the "
+            f"profile that wrote it, or start fresh with train.resume: never"
+        )
+    if written_by == "deepspeed":
+        zero.load_engine_state(model, checkpoint.sharded_dir)
+    elif written_by == "fsdp":
+        fsdp.load_sharded(model, optimizer, checkpoint.sharded_dir)
+    else:
+        parameters = dict(accelerator.unwrap_model(model).named_parameters())
+        missing = sorted(set(checkpoint.model_tensors) - set(parameters))
+        if missing:
+            raise FineflowError(f"{checkpoint.path}: tensors {missing[:3]} are not parameters of this model")
+        with torch.no_grad():
+            for name, tensor in checkpoint.model_tensors.items():
+                parameters[name].copy_(tensor)
+        optimizer.load_state_dict(checkpoint.optimizer_state_dict)
+    scheduler.load_state_dict(checkpoint.scheduler_state_dict)
+    scaler = getattr(accelerator, "scaler", None)
+    if scaler is not None and checkpoint.grad_scaler_state is not None:
+        scaler.load_state_dict(checkpoint.grad_scaler_state)
+    restore_rng(checkpoint.rng_snapshots[accelerator.process_index])
