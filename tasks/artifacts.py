@@ -67,7 +67,7 @@ def publish_failure(stage: str, exc: BaseException) -> None:
         )
 
 
-# The train stage's progress line when its output is not a terminal (fineflow.train.loop.Progress)
+# The train stage's progress line when its output is not a terminal (fineflow.train.steps.Progress)
 _TRAIN_STEP = re.compile(r"step (\d+)/(\d+) loss \S+ ([\d,.]+) tok/s.*ETA (\d+)s")
 
 

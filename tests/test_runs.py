@@ -324,7 +324,7 @@ def test_make_serves_schedule_is_in_its_own_time_zone_and_its_scheduled_run_fire
 
 
 def test_training_progress_becomes_a_progress_artifact_throttled_and_finished(monkeypatch):
-    """The train stage's plain progress lines (fineflow.train.loop.Progress, no terminal) drive one progress
+    """The train stage's plain progress lines (fineflow.train.steps.Progress, no terminal) drive one progress
     artifact: created on the first step line, updated at most every few seconds, and always at the last step."""
     import tasks.artifacts as artifacts
 
