@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fineflow.dag import stage_command
+
 ROOT = Path(__file__).resolve().parent.parent
 # pytest imports this file as `conftest`, and the tests import it again as `tests.conftest` (tests/ is no
 # package): without this alias the second import would make a second state folder and repoint the environment
@@ -48,24 +50,8 @@ def pytest_unconfigure(config):
     shutil.rmtree(_STATE, ignore_errors=True)
 
 
-# The train stage exactly as dvc.yaml runs it (paths relative to a project copy).
-TRAIN = [
-    sys.executable,
-    "-m",
-    "fineflow.stages.train",
-    "--shards",
-    "data/shards",
-    "--base-dir",
-    "models/base",
-    "--checkpoints",
-    "checkpoints",
-    "--out",
-    "models/candidate",
-    "--steps-log",
-    "reports/train_steps.jsonl",
-    "--logs-dir",
-    "logs",
-]
+# The train stage exactly as dvc.yaml runs it (paths relative to a project copy), on this interpreter.
+TRAIN = stage_command("train", ROOT, python=sys.executable)
 
 # Overrides that shrink the repo's params.yaml until every stage runs in seconds on 2 cores.
 TINY_OVERRIDES = {

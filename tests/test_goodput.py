@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from fineflow.core import journal
+from fineflow.dag import stage_command
 from fineflow.goodput import cost, doctor, ledger
 from fineflow.train import flops
 from tests.conftest import (
@@ -33,19 +34,7 @@ from tests.conftest import (
 )
 from tests.faults import fault_env
 
-GOODPUT = [
-    sys.executable,
-    "-m",
-    "fineflow.stages.goodput",
-    "--journal",
-    "reports/ledger",
-    "--train-report",
-    "reports/train.json",
-    "--steps-log",
-    "reports/train_steps.jsonl",
-    "--plots",
-    "reports/plots",
-]
+GOODPUT = stage_command("goodput", ROOT, python=sys.executable)
 
 
 def assert_adds_up(result: dict) -> None:
