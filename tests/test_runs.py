@@ -30,18 +30,24 @@ def test_a_second_holder_waits_and_is_told_who_holds_the_workspace(tmp_path):
     second = WorkspaceLock(tmp_path, "flow run 'by hand'")
     assert not second.try_acquire()
     assert first.holder()["owner"] == "flow run 'nightly'" and first.holder()["pid"] == os.getpid()
-    told, acquired = [], {}
+    told, acquired, tries = [], {}, []
+    try_acquire = second.try_acquire
+    second.try_acquire = lambda: tries.append(time.monotonic()) or try_acquire()  # counts the waiter's polls
 
     def wait():
         acquired["waited_s"] = second.acquire(on_wait=lambda holder, waited: told.append(describe(holder)), poll_s=0.05)
 
     waiter = threading.Thread(target=wait)
     waiter.start()
-    time.sleep(0.5)
-    assert waiter.is_alive() and told and told[0].startswith("flow run 'nightly' (pid ")  # waits, says for whom
+    deadline = time.monotonic() + 30
+    while len(tries) < 3 and time.monotonic() < deadline:  # the waiter has found it held three times
+        time.sleep(0.01)
+    assert waiter.is_alive() and len(tries) >= 3  # still waiting: the workspace is held
+    assert told and told[0].startswith("flow run 'nightly' (pid ")  # and it said for whom, at once
+    released_at = time.monotonic()
     first.release()
     waiter.join(timeout=10)
-    assert not waiter.is_alive() and acquired["waited_s"] >= 0.4
+    assert not waiter.is_alive() and acquired["waited_s"] >= released_at - tries[0]  # only after the release
     assert second.holder()["owner"] == "flow run 'by hand'"
     second.release()
 
