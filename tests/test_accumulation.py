@@ -166,8 +166,9 @@ def _engine_files(checkpoint) -> list[str]:
 @pytest.mark.scenario
 @pytest.mark.parametrize("name", ZERO)
 def test_deepspeed_steps_once_per_grad_accum_micro_batches(name, deepspeed_run, reference_run):
-    """The train stage under DeepSpeed's engine: the engine takes train.steps optimizer steps (before the fix: one
-    per micro-batch, 24), with the batch settings from params, and trains what DDP and one process train."""
+    """The train stage under DeepSpeed's engine: the engine takes train.steps optimizer steps (one per
+    grad_accum micro-batches, not one per micro-batch), with the batch settings from params, and trains what DDP
+    and one process train."""
     import torch
 
     project = deepspeed_run(name)

@@ -1,4 +1,4 @@
-"""The chaos test (issue 14.3): the whole pipeline is crash-consistent, not only the train stage.
+"""The chaos test: the whole pipeline is crash-consistent, not only the train stage.
 
 One copy of the project runs the Prefect flow (``python -m flows.pipeline``, what ``make run`` runs), and the
 test SIGKILLs its whole process tree at once (the flow, ``dvc repro``, the stage, accelerate and its ranks, the

@@ -1,4 +1,4 @@
-"""The CI retraining job (issue 17): `fineflow ci` (fineflow/ci.py) and the GitHub workflow that runs it
+"""The CI retraining job: `fineflow ci` (fineflow/ci.py) and the GitHub workflow that runs it
 (.github/workflows/retrain.yml), whose `run:` steps are run here in fresh clones against an S3 API server on
 127.0.0.1, with the environment GitHub gives a job."""
 

@@ -77,7 +77,7 @@ def test_flow_then_dvc_repro(prefect_harness, s3_server, tmp_path, monkeypatch):
     assert promote["ci_low"] <= 0 <= promote["ci_high"], promote
     for stage in STAGES:
         assert (flow_copy / "reports" / f"{stage}.json").exists()
-    # the flow run's goodput ledger (issue 18): one run, every stage process in it, adding up within 1%
+    # the flow run's goodput ledger: one run, every stage process in it, adding up within 1%
     ledger = reports["goodput"]
     assert len(ledger["runs"]) == 1 and ledger["runs"][0].startswith("flow-"), ledger["runs"]
     assert [a["stage"] for a in ledger["attempts"]] == STAGES[:-1], ledger["attempts"]
@@ -119,7 +119,7 @@ def test_flow_then_dvc_repro(prefect_harness, s3_server, tmp_path, monkeypatch):
         "promote",
         "goodput",  # its dependencies (eval, the registry) changed; it has no outputs
     ]
-    # the metrics a PR comment shows: a few figures per stage, not every field of every report (issue 17)
+    # the metrics a PR comment shows: a few figures per stage, not every field of every report
     shown = json.loads(_dvc(repro_copy, "metrics", "show", "--json"))
     [metrics] = [entry["data"] for entry in shown.values()]
     figures = {f"{path}:{key}" for path, data in metrics.items() for key in _leaves(data["data"])}
@@ -135,9 +135,8 @@ def test_flow_then_dvc_repro(prefect_harness, s3_server, tmp_path, monkeypatch):
         assert any(expected in figure for figure in figures), (expected, sorted(figures))
     diff = _dvc(repro_copy, "metrics", "diff", "--md", "HEAD")
     assert len(diff.splitlines()) <= 50, diff
-    # Seen on main (issue 17): a clone that pulled every output still saw `train: changed outs: deleted:
-    # checkpoints` (a `cache: false` output never travels) and would retrain; the lock also listed the
-    # checkpoints of every configuration run in the workspace. Now the pulled clone has nothing to reproduce.
+    # checkpoints/ is no output (a `cache: false` output never travels, and a clone that pulled everything
+    # would retrain): the lock names no checkpoint, and the pulled clone below has nothing to reproduce.
     assert "checkpoints" not in json.dumps(rerun_lock["stages"]["train"]["outs"])
     # The remote is an S3 API on 127.0.0.1 (moto's server): the round trip a team makes through object storage.
     for copy in (repro_copy, copy_project(tmp_path / "pulled")):
@@ -176,8 +175,8 @@ def _dvc(project, *args) -> str:
 
 
 def test_a_stage_counts_as_run_even_when_its_output_pushes_dvcs_line_out_of_the_log_tail(tmp_path, monkeypatch):
-    """The evaluate stage prints ~90 lines: "Running stage 'evaluate'" must still be seen (it was missed once,
-    when only the last 60 lines were searched)."""
+    """The evaluate stage prints ~90 lines: DVC's "Running stage 'evaluate'" is found wherever it is in the
+    output, not only in its last lines."""
     import tasks.stages as stages
 
     fake = tmp_path / "fake_dvc.py"  # stands in for `python -m dvc repro`: DVC's line, then 200 of the stage's

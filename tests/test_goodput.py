@@ -1,4 +1,4 @@
-"""The goodput ledger, its cost and MFU, and the bottleneck doctor (issue 18).
+"""The goodput ledger, its cost and MFU, and the bottleneck doctor.
 
 Fast: the ledger's arithmetic on journals written by hand (a clean run, a run after a killed one, a retried
 attempt), prices, FLOPs, the doctor's rules and its exit codes. Slow: each bottleneck the doctor knows, induced
@@ -328,8 +328,8 @@ def test_the_doctor_finds_nothing_in_a_clean_run_and_warns_of_short_runs_overhea
 
 
 def test_a_loop_stall_of_a_second_is_a_warning_however_large_its_share_of_a_smoke_runs_loop():
-    """Seen in CI: in a loop of 0.7 s the one final save (0.2 s, 34%) was a severe checkpoint finding and was
-    named before fp32 on a bf16 device. Below SEVERE_LOOP_S in all a stall warns; at it, its share decides."""
+    """A stall is severe only in a loop of at least SEVERE_LOOP_S; below it, it warns whatever its share (a smoke
+    run's one 0.2 s final save in a 0.7 s loop), and a real cause such as fp32 on a bf16 device comes first."""
     fp32 = {"precision": "no", "device": {"name": "cpu", "bf16_capable": True}}
     smoke = _ledger({"compute": 0.5, "checkpoint": 0.2}, _train(loop_s=0.7, compute_s=0.5, checkpoint_s=0.2) | fp32)
     findings = doctor.diagnose(smoke)
@@ -380,8 +380,8 @@ def test_fineflow_doctor_prints_text_or_json_and_its_exit_code_follows_fail_on(t
 # --- induced bottlenecks in real training runs -------------------------------------------------------------------
 
 # An induced delay must dominate its share of the loop on a loaded 2-core CI runner too, where evaluation and
-# saves run slower than on an idle machine and a prefetching loader hides its delay behind them (seen in CI: a
-# 1 s loader delay with prefetch 2 was 10% of the loop, a warning). The loader and all-reduce cases therefore
+# saves run slower than on an idle machine and a prefetching loader hides its delay behind them (a 1 s loader
+# delay with prefetch 2 can be 10% of such a loop, a mere warning). The loader and all-reduce cases therefore
 # evaluate and save at the end only.
 QUIET = {"train.eval_every": 1000, "checkpoint.every_steps": 1000}
 INDUCED = {

@@ -1,4 +1,4 @@
-"""Interrupts and preemption (issue 14.4): Ctrl-C and SIGTERM stop the whole run within seconds at every layer
+"""Interrupts and preemption: Ctrl-C and SIGTERM stop the whole run within seconds at every layer
 (flow, `dvc repro`, the train launcher, accelerate, the ranks), leave no process behind, mark the Prefect run
 Crashed, and the train stage saves the step it was on and exits 75, so that the re-run resumes from that step and
 ends bit-exact with an uninterrupted run.
@@ -224,10 +224,9 @@ def test_ctrl_c_in_the_task_stops_the_stage_through_dvc_and_reads_its_saved_step
 
 
 def test_a_ctrl_c_whose_exception_is_swallowed_above_the_task_still_stops_the_stage(tmp_path, monkeypatch):
-    """Seen in the suite: Ctrl-C of the flow, and the train stage ran on to its end. The signal reached the flow
-    process, but its KeyboardInterrupt never reached the task's `except` (code between the handler and the task
-    swallowed it: asyncio cancels a coroutine instead of raising while it runs in the main thread), and the
-    SIGINT for `dvc repro` was only sent from there. Now the handler sends it itself."""
+    """Ctrl-C of the flow stops the train stage even when the KeyboardInterrupt never reaches the task's `except`
+    (code between the handler and the task swallows it: asyncio cancels a coroutine instead of raising while it
+    runs in the main thread): the signal handler itself sends SIGINT to `dvc repro`."""
     stages = _fake_dvc(tmp_path, monkeypatch, "stopping", grace_s=GRACE_S)
     seen = {"lines": []}
 

@@ -1,4 +1,4 @@
-"""Re-runs never reuse a result made from other inputs (issue 14.1): a train run is resumed only when it was
+"""Re-runs never reuse a result made from other inputs: a train run is resumed only when it was
 interrupted and everything that decides its trajectory is identical — the base weights by content, the
 training code, the data, params, seed and world size. Through the real train stage command."""
 

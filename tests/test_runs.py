@@ -1,4 +1,4 @@
-"""A flow run's bookkeeping and what it shows in the Prefect UI (issue 16): one run at a time per workspace
+"""A flow run's bookkeeping and what it shows in the Prefect UI: one run at a time per workspace
 (a second run waits and names the one it waits for; a killed holder frees the workspace), the run's name, the
 stage reports as whole tables, the promotion's evidence, progress-bar redraws kept out of the logs, and a busy
 workspace named in a failed stage's message."""
@@ -265,9 +265,9 @@ def _flow_runs(api_url: str) -> list[dict]:
 @pytest.mark.scenario
 @pytest.mark.slow
 def test_two_flow_runs_started_at_once_in_one_workspace_run_one_after_the_other(prefect_server, tmp_path):
-    """What failed on main: a run started by hand while another ran died at once ("'models/base' is busy").
-    Now the second waits for the first (its log says for which run), then finds everything done; both succeed,
-    `dvc status` is clean, and each run is named after its commit and what it re-ran."""
+    """A run started while another runs in the same workspace waits for it (its log says for which run, instead
+    of dying on DVC's "'models/base' is busy"), then finds everything done; both succeed, `dvc status` is clean,
+    and each run is named after its commit and what it re-ran."""
     from tests.test_chaos import STAGES, dvc_status, finish_flow, flow_env, start_flow
 
     project = copy_project(tmp_path / "project")
@@ -368,7 +368,7 @@ def _dvc(project, *args: str) -> str:
 def test_a_run_pushes_to_the_dvc_remote_and_a_fresh_clone_pulls_what_it_pushed(kind, tmp_path, request):
     """The flow's first and last tasks (pull_state, push_state): a worker's fresh clone gets the last run's
     outputs from the default remote instead of rebuilding them, and leaves its own there. Without a remote
-    neither does anything. The remote is a folder, or an S3 API server on 127.0.0.1 (issue 17)."""
+    neither does anything. The remote is a folder, or an S3 API server on 127.0.0.1."""
     from tasks.runs import pull, push
     from tests.conftest import add_s3_remote
 
@@ -395,8 +395,8 @@ def test_a_run_pushes_to_the_dvc_remote_and_a_fresh_clone_pulls_what_it_pushed(k
 
 
 def test_a_failing_remote_fails_the_pull_so_its_task_retries_instead_of_rebuilding_everything(tmp_path, monkeypatch):
-    """Before: any failed `dvc pull` was logged and the run went on, so an unreachable remote or expired
-    credentials meant rebuilding the base and retraining from scratch (and pull_state's retries never ran)."""
+    """A failed `dvc pull` (an unreachable remote, expired credentials) fails pull_state, whose task retries it,
+    instead of being logged while the run goes on to rebuild the base and retrain from scratch."""
     from fineflow import remote
     from tasks import runs
 
@@ -477,8 +477,8 @@ def test_prefect_yaml_deploys_both_deployments_a_worker_runs_them_and_new_data_t
         artifacts = {a["key"]: a["type"] for a in _post(prefect_server, "/artifacts/filter") if a["key"]}
         assert artifacts["fineflow-train"] == "table" and artifacts["fineflow-promotion"] == "markdown"
         assert artifacts["fineflow-train-progress"] == "progress"
-        assert artifacts["fineflow-train-charts"] == "markdown"  # the PNGs, embedded (issue 18)
-        # the goodput ledger as a table on the run page, and the doctor's findings with the stacked bar (issue 18)
+        assert artifacts["fineflow-train-charts"] == "markdown"  # the PNGs, embedded
+        # the goodput ledger as a table on the run page, and the doctor's findings with the stacked bar
         assert artifacts["fineflow-goodput-ledger"] == "table" and artifacts["fineflow-goodput-doctor"] == "markdown"
         ledger = [a for a in _post(prefect_server, "/artifacts/filter") if a["key"] == "fineflow-goodput-ledger"]
         rows = json.loads(ledger[0]["data"]) if isinstance(ledger[0]["data"], str) else ledger[0]["data"]
