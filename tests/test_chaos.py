@@ -302,6 +302,7 @@ def test_the_kill_points_cover_every_stage_in_pipeline_order():
 
 
 @pytest.mark.scenario
+@pytest.mark.nightly  # ~13 flow starts, 11 of them killed: longer than CI's whole budget
 @pytest.mark.slow
 def test_sigkills_in_every_stage_leave_what_an_uninterrupted_run_leaves(prefect_server, tmp_path):
     reference, chaos = copy_project(tmp_path / "reference"), copy_project(tmp_path / "chaos")

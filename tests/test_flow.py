@@ -14,7 +14,7 @@ import sys
 import pytest
 import yaml
 
-from tests.conftest import ROOT, add_s3_remote, copy_project, venv_env
+from tests.conftest import REPRO_LOG, ROOT, add_s3_remote, copy_project, copy_reproduced, venv_env
 
 STAGES = list(yaml.safe_load((ROOT / "dvc.yaml").read_text(encoding="utf-8"))["stages"])  # in the file's order
 
@@ -46,22 +46,16 @@ def _dvc_wait(proc, log) -> str:
 
 @pytest.mark.scenario
 @pytest.mark.slow
-def test_flow_then_dvc_repro(prefect_harness, s3_server, tmp_path, monkeypatch):
-    """The Prefect flow in one copy while plain `dvc repro` runs the same DAG in a fresh copy alongside (two
-    independent checkouts: a stage's processes are mostly single-threaded imports, so two copies at once take
-    little more than one on 2 cores)."""
+def test_flow_then_dvc_repro(prefect_harness, reproduced, s3_server, tmp_path, monkeypatch):
+    """The Prefect flow in a fresh copy leaves what plain `dvc repro` of the same DAG left in another (the
+    session's shared `reproduced` run); then a re-run of each, the metrics, and a push/pull round trip."""
     from flows.pipeline import fineflow_pipeline
 
     flow_copy = copy_project(tmp_path / "flow")
-    repro_copy = copy_project(tmp_path / "repro")
-    repro_log = tmp_path / "repro.log"
-    with repro_log.open("w") as log:
-        repro = _dvc_start(repro_copy, "repro", log=log)
+    repro_copy = copy_reproduced(reproduced, tmp_path / "repro")
+    repro_output = (reproduced.parent / REPRO_LOG).read_text()
     monkeypatch.setenv("PATH", venv_env()["PATH"])
-    try:
-        results = fineflow_pipeline(str(flow_copy))
-    finally:
-        repro_output = _dvc_wait(repro, repro_log)
+    results = fineflow_pipeline(str(flow_copy))
     assert set(results) == set(STAGES) and all(r["ran"] for r in results.values())
     assert _ran_stages(repro_output) == STAGES
     reports = {stage: r["report"] for stage, r in results.items()}
@@ -296,7 +290,9 @@ def test_a_user_error_is_not_retried_through_dvc_and_prefect(prefect_harness, tm
 
 @pytest.mark.scenario
 @pytest.mark.slow
-def test_a_crash_is_retried_through_dvc_and_prefect_and_the_retry_resumes(prefect_harness, tmp_path, monkeypatch):
+def test_a_crash_is_retried_through_dvc_and_prefect_and_the_retry_resumes(
+    prefect_harness, reproduced, tmp_path, monkeypatch
+):
     """The train stage's process dies (SIGKILL, injected at step 4's checkpoint write, once): `dvc repro` fails
     with no error record, the Prefect task retries it, and the retry resumes from the step-2 checkpoint."""
     from prefect import flow
@@ -305,11 +301,7 @@ def test_a_crash_is_retried_through_dvc_and_prefect_and_the_retry_resumes(prefec
     from tests.faults import fault_env
 
     overrides = {"train.steps": 6, "checkpoint.every_steps": 2, "train.eval_every": 6}
-    project = copy_project(tmp_path / "project", overrides)
-    prepared = subprocess.run(
-        [sys.executable, "-m", "dvc", "repro", "tokenize"], cwd=project, env=venv_env(), capture_output=True, text=True
-    )
-    assert prepared.returncode == 0, prepared.stdout[-3000:] + prepared.stderr[-3000:]
+    project = copy_reproduced(reproduced, tmp_path / "project", overrides)  # up to tokenize: done, unchanged
     marker = tmp_path / "crashed-once"
     for name, value in fault_env({}, crash_once_at_step=(4, marker)).items():
         monkeypatch.setenv(name, value)

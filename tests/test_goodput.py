@@ -26,7 +26,7 @@ from fineflow.train import flops
 from tests.conftest import (
     ROOT,
     TRAIN,
-    copy_project,
+    copy_reproduced,
     last_logged_step,
     launch_with_free_port,
     train_project,
@@ -477,6 +477,7 @@ def test_the_doctor_names_on_the_fly_tokenization_in_the_naive_loop_of_the_bench
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # 800 steps as shipped: the longest test of all (10 min on a busy 2-core machine)
 def test_the_tuned_defaults_train_with_nothing_severe_and_the_ledger_adds_up(built, tmp_path):
     """params.yaml's train and checkpoint sections as shipped (800 steps, prefetch, async checkpoints every 200),
     on the tiny model."""
@@ -538,10 +539,11 @@ def dvc(project: Path, *args: str, env: dict | None = None) -> str:
 
 @pytest.mark.scenario
 @pytest.mark.slow
-def test_dvc_repro_writes_the_ledger_and_after_a_sigkill_the_next_run_counts_the_lost_attempt(tmp_path):
-    project = copy_project(tmp_path / "p", {"train.steps": 40, "checkpoint.every_steps": 10, "train.tracker": "none"})
-    output = dvc(project, "repro")
-    assert "goodput " in output and "Running stage 'goodput'" in output
+def test_dvc_repro_writes_the_ledger_and_after_a_sigkill_the_next_run_counts_the_lost_attempt(reproduced, tmp_path):
+    """A whole `dvc repro` (the session's shared one) writes a ledger of every stage's attempt; after a param edit,
+    a `dvc repro` SIGKILLed mid-train, then the next one: its ledger counts the killed attempt's lost time and
+    credits the checkpointed steps it resumed from, and DVC's metrics and plots show the history over runs."""
+    project = copy_reproduced(reproduced, tmp_path / "p")
     first = json.loads((project / "reports/goodput.json").read_text())
     assert_adds_up(first)
     assert first["buckets"]["restart_loss"] == 0.0 and first["trained"]
@@ -555,7 +557,8 @@ def test_dvc_repro_writes_the_ledger_and_after_a_sigkill_the_next_run_counts_the
     import yaml
 
     params = yaml.safe_load((project / "params.yaml").read_text())
-    params["train"]["lr"] = 0.002
+    params["train"].update(lr=0.002, steps=40, tracker="none")  # 40 steps: long enough to be killed in
+    params["checkpoint"]["every_steps"] = 10
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     (project / "reports/train_steps.jsonl").unlink()  # the kill waits for this run's own steps
     proc = subprocess.Popen(

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from tests.conftest import (
     TINY_PARAMS,
     _merge,
-    copy_project,
+    copy_reproduced,
     finish_train,
     last_logged_step,
     launch_with_free_port,
@@ -369,7 +369,7 @@ def test_sigkill_of_the_launcher_leaves_no_rank_training_on(built, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def flow_project(tmp_path_factory):
+def flow_project(reproduced, tmp_path_factory):
     """A project whose stages up to tokenize are done (DVC skips them in the flow) and whose train stage runs
     long enough to be interrupted (3000 tiny steps), plus a Prefect home of its own (the flow's run states)."""
     root = tmp_path_factory.mktemp("interrupts")
@@ -381,11 +381,7 @@ def flow_project(tmp_path_factory):
         "checkpoint.every_steps": 1000,
         "checkpoint.preempt_grace_s": GRACE_S,
     }
-    project = copy_project(root / "project", overrides)
-    prepared = subprocess.run(
-        [sys.executable, "-m", "dvc", "repro", "tokenize"], cwd=project, env=venv_env(), capture_output=True, text=True
-    )
-    assert prepared.returncode == 0, prepared.stdout[-3000:] + prepared.stderr[-3000:]
+    project = copy_reproduced(reproduced, root / "project", overrides)  # the session's finished run, retrained
     return project, root / "prefect"
 
 
