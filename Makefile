@@ -29,11 +29,13 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 venv: $(STAMP)
 
 # torch first, from the CPU wheel on disk (a plain `torch` requirement would pull a multi-GB CUDA build).
+# --no-compile: pip does not byte-compile every file of every package (torch, transformers, prefect, dvc: most
+# never imported here); Python compiles a module, and caches it in __pycache__, the first time it is imported.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-compile torch==2.13.0
+	$(BIN)/pip install --quiet --no-compile -e '.[dev]'
 	touch $(STAMP)
 
 run: $(STAMP)
