@@ -133,6 +133,7 @@ def _dvc_repro(project, *targets) -> list[str]:
 
 
 @pytest.mark.scenario
+@pytest.mark.nightly  # dvc repro up to train three times; CI keeps the other re-run tests
 @pytest.mark.slow
 def test_a_local_base_whose_files_change_at_the_same_path_reruns_what_depends_on_it(built, tmp_path):
     """model.base names a directory outside the project: DVC tracks only a marker for it, so the fingerprint

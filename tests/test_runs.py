@@ -294,7 +294,6 @@ def test_two_flow_runs_started_at_once_in_one_workspace_run_one_after_the_other(
 
 
 @pytest.mark.scenario
-@pytest.mark.nightly  # waits for the cron minute, then a flow run
 @pytest.mark.slow
 def test_make_serves_schedule_is_in_its_own_time_zone_and_its_scheduled_run_fires(prefect_server, tmp_path):
     """`python -m flows.deploy` (what `make serve CRON=… TIMEZONE=…` runs), in a copy of the project, against a
@@ -434,7 +433,6 @@ def _wait_for(what, timeout: float, proc, log):
 
 
 @pytest.mark.scenario
-@pytest.mark.nightly  # a whole flow run under a worker, then an event-triggered one
 @pytest.mark.slow
 def test_prefect_yaml_deploys_both_deployments_a_worker_runs_them_and_new_data_triggers_a_run(prefect_server, tmp_path):
     """From a fresh copy: `prefect deploy --all` (what `make deploy` runs) registers nightly (cron in UTC) and
