@@ -1,10 +1,11 @@
 # fineflow — the two commands of the quickstart:
 #   make run    bootstrap .venv, install, run the whole Prefect flow on the embedded default
 #   make test   bootstrap .venv (with dev extras), lint (make lint), then run the test suite but the
-#               whole-run fault scenarios (pytest -m scenario: make test-scenarios)
-# Also: make test-all (both tiers, what CI runs), make repro (plain `dvc repro`, no Prefect), make ci (the CI
-# retraining job: fineflow ci), make serve (the scheduled deployment, served from this process), make deploy +
-# make worker (prefect.yaml on a work pool), make clean.
+#               whole-run fault scenarios (pytest -m scenario: make test-scenarios, make test-nightly)
+# Also: make test-scenarios and make test-nightly (the other two test tiers: tests/README.md), make test-all
+# (all three; CI, .ci/run, runs make test then make test-scenarios), make repro (plain `dvc repro`, no Prefect),
+# make ci (the CI retraining job: fineflow ci), make serve (the scheduled deployment, served from this process),
+# make deploy + make worker (prefect.yaml on a work pool), make clean.
 
 PYTHON ?= python3
 VENV := .venv
@@ -23,16 +24,18 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: run lint test test-scenarios test-all repro ci serve deploy worker venv clean
+.PHONY: run lint test test-scenarios test-nightly test-all repro ci serve deploy worker venv clean
 
 venv: $(STAMP)
 
 # torch first, from the CPU wheel on disk (a plain `torch` requirement would pull a multi-GB CUDA build).
+# --no-compile: pip does not byte-compile every file of every package (torch, transformers, prefect, dvc: most
+# never imported here); Python compiles a module, and caches it in __pycache__, the first time it is imported.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-compile torch==2.13.0
+	$(BIN)/pip install --quiet --no-compile -e '.[dev]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -44,17 +47,21 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 # Lint first: a style or import error fails in seconds, before the minutes of tests.
-# The scenarios (pytest -m scenario, ~25 min on 2 cores) run the whole flow, a worker or a server, kill a run
-# over and over, or train under DeepSpeed; `make test` runs the rest (~10 min) on two workers, a file each
-# (loadfile: a module's fixtures are built once). The scenarios run one at a time: each already uses both cores,
-# and some time how fast a stop is.
+# Three tiers (tests/README.md lists which guards what). `make test`: all but the whole-run scenarios, on two
+# workers, a file each (loadfile: a module's fixtures are built once). `make test-scenarios`: the scenarios CI
+# runs (the flow or a worker end to end, interrupts, kills, DeepSpeed, FSDP), one at a time: each already uses
+# both cores, and some time how fast a stop is. `make test-nightly`: the scenarios too long for CI's 20 minutes
+# on 2 cores (pytest -m nightly), run on a schedule by .github/workflows/nightly.yml.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not scenario"
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not scenario and not nightly"
 
 test-scenarios: $(STAMP)
-	$(BIN)/python -m pytest -m scenario
+	$(BIN)/python -m pytest -m "scenario and not nightly"
 
-test-all: test test-scenarios
+test-nightly: $(STAMP)
+	$(BIN)/python -m pytest -m nightly
+
+test-all: test test-scenarios test-nightly
 
 repro: $(STAMP)
 	$(BIN)/dvc repro

@@ -36,35 +36,12 @@ from pathlib import Path
 
 import yaml
 
+from fineflow.dag import stage_command
+
 ROOT = Path(__file__).resolve().parent.parent
-TRAIN_ARGS = [
-    "-m",
-    "fineflow.stages.train",
-    "--shards",
-    "data/shards",
-    "--base-dir",
-    "models/base",
-    "--checkpoints",
-    "checkpoints",
-    "--out",
-    "models/candidate",
-    "--steps-log",
-    "reports/train_steps.jsonl",
-    "--logs-dir",
-    "logs",
-]
-GOODPUT_ARGS = [
-    "-m",
-    "fineflow.stages.goodput",
-    "--journal",
-    "reports/ledger",
-    "--train-report",
-    "reports/train.json",
-    "--steps-log",
-    "reports/train_steps.jsonl",
-    "--plots",
-    "reports/plots",
-]
+# the stages' command lines as dvc.yaml writes them
+TRAIN_CMD = stage_command("train", ROOT, python=sys.executable)
+GOODPUT_CMD = stage_command("goodput", ROOT, python=sys.executable)
 
 
 NAIVE_SETTINGS = {  # what the naive loop does, in params terms: its ledger's settings say so (the doctor reads them)
@@ -103,10 +80,10 @@ def job(kind: str, project: Path, params_path: Path, scratch: Path, steps: int, 
     env = {**os.environ, "FINEFLOW_RUN_ID": f"bench-{kind}-{scratch.name}", "FINEFLOW_RUN_STARTED": repr(time.time())}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     if kind == "tuned":
-        run([sys.executable, *TRAIN_ARGS], scratch, env)
+        run(TRAIN_CMD, scratch, env)
     else:
         run([sys.executable, str(Path(__file__).resolve()), "--naive-worker", "--project", str(scratch)], scratch, env)
-    run([sys.executable, *GOODPUT_ARGS], scratch, env)
+    run(GOODPUT_CMD, scratch, env)
     return json.loads((scratch / "reports/goodput.json").read_text(encoding="utf-8"))
 
 

@@ -2,12 +2,14 @@
 
 The Prefect flow runs them in this order, and lineage times a run from their reports, so a stage added to or
 removed from ``dvc.yaml`` needs no second edit. Python keeps a YAML mapping's order, and ``dvc.yaml`` lists its
-stages in the order they run (each after the stages it depends on).
+stages in the order they run (each after the stages it depends on). A stage's command line is read from there
+too (``stage_command``): the tests and benchmarks that start a stage by hand run what DVC runs.
 """
 
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import yaml
@@ -36,11 +38,22 @@ def stage_names(project_dir: str | Path = ".") -> list[str]:
     return list(_stages(project_dir))
 
 
+def _params(project_dir: str | Path) -> dict:
+    """``<project_dir>/params.yaml`` as a mapping (empty when there is none)."""
+    path = Path(project_dir) / PARAMS_FILE
+    return (yaml.safe_load(path.read_text(encoding="utf-8")) or {}) if path.exists() else {}
+
+
+def _resolve(text: str, params: dict) -> str:
+    """DVC's ``${dotted.key}`` templating, resolved from params."""
+    return _TEMPLATE.sub(lambda m: str(_lookup(params, m.group(1))), text)
+
+
 def _paths(entries, params: dict) -> list[str]:
     """The paths of a stage's ``deps``/``outs`` list (plain strings, or one-key mappings with options), with
     DVC's ``${dotted.key}`` templating resolved from params.yaml."""
     paths = [next(iter(e)) if isinstance(e, dict) else str(e) for e in entries or []]
-    return [_TEMPLATE.sub(lambda m: str(_lookup(params, m.group(1))), path) for path in paths]
+    return [_resolve(path, params) for path in paths]
 
 
 def _lookup(params: dict, dotted: str):
@@ -60,8 +73,7 @@ def upstream_stages(project_dir: str | Path = ".") -> dict[str, list[str]]:
     """{stage: the stages whose outputs it depends on}, as DVC builds its graph from ``dvc.yaml``: what the
     Prefect flow hands each task as its upstream, so the run graph draws the pipeline's edges."""
     stages = _stages(project_dir)
-    params_file = Path(project_dir) / PARAMS_FILE
-    params = (yaml.safe_load(params_file.read_text(encoding="utf-8")) or {}) if params_file.exists() else {}
+    params = _params(project_dir)
     outs = {name: _paths(spec.get("outs"), params) for name, spec in stages.items()}
     deps = {name: _paths(spec.get("deps"), params) for name, spec in stages.items()}
     return {
@@ -70,3 +82,17 @@ def upstream_stages(project_dir: str | Path = ".") -> dict[str, list[str]]:
         ]
         for name in stages
     }
+
+
+def stage_command(name: str, project_dir: str | Path = ".", python: str | None = None) -> list[str]:
+    """The argv of stage ``name``'s ``cmd`` in ``<project_dir>/dvc.yaml``: ``${dotted.key}`` resolved from
+    params.yaml, then split as a shell would. ``python``: an interpreter to run in place of a leading
+    ``python`` (DVC finds ``python`` on PATH; a caller outside the venv passes ``sys.executable``)."""
+    stage = _stages(project_dir).get(name)
+    cmd = stage.get("cmd") if isinstance(stage, dict) else None
+    if not isinstance(cmd, str) or not cmd.strip():
+        raise FineflowError(f"{Path(project_dir) / DVC_FILE}: no stage {name!r} with a one-line `cmd`")
+    argv = shlex.split(_resolve(cmd, _params(project_dir)))
+    if python and argv[0] == "python":
+        argv[0] = python
+    return argv

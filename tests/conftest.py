@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fineflow.dag import stage_command
+
 ROOT = Path(__file__).resolve().parent.parent
 # pytest imports this file as `conftest`, and the tests import it again as `tests.conftest` (tests/ is no
 # package): without this alias the second import would make a second state folder and repoint the environment
@@ -48,24 +50,8 @@ def pytest_unconfigure(config):
     shutil.rmtree(_STATE, ignore_errors=True)
 
 
-# The train stage exactly as dvc.yaml runs it (paths relative to a project copy).
-TRAIN = [
-    sys.executable,
-    "-m",
-    "fineflow.stages.train",
-    "--shards",
-    "data/shards",
-    "--base-dir",
-    "models/base",
-    "--checkpoints",
-    "checkpoints",
-    "--out",
-    "models/candidate",
-    "--steps-log",
-    "reports/train_steps.jsonl",
-    "--logs-dir",
-    "logs",
-]
+# The train stage exactly as dvc.yaml runs it (paths relative to a project copy), on this interpreter.
+TRAIN = stage_command("train", ROOT, python=sys.executable)
 
 # Overrides that shrink the repo's params.yaml until every stage runs in seconds on 2 cores.
 TINY_OVERRIDES = {
@@ -164,10 +150,46 @@ def copy_project(dest: Path, overrides: dict | None = None) -> Path:
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / rel)
     write_params(dest / "params.yaml", overrides)
-    git = ["git", "-c", "user.name=fineflow-test", "-c", "user.email=test@localhost"]
     subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
-    subprocess.run(git + ["add", "-A"], cwd=dest, check=True)
-    subprocess.run(git + ["commit", "-qm", "fixture"], cwd=dest, check=True)
+    _git_commit(dest, "fixture")
+    return dest
+
+
+def _git_commit(project: Path, message: str) -> None:
+    git = ["git", "-c", "user.name=fineflow-test", "-c", "user.email=test@localhost"]
+    subprocess.run(git + ["add", "-A"], cwd=project, check=True)
+    subprocess.run(git + ["commit", "-qm", message], cwd=project, check=True)
+
+
+REPRO_LOG = "repro.log"
+
+
+@pytest.fixture(scope="session")
+def reproduced(tmp_path_factory):
+    """A project copy (copy_project, tiny params) after a plain `dvc repro` of the whole pipeline, its dvc.lock
+    and metrics committed: what a finished run leaves (DVC's output is in REPRO_LOG beside it). Built once per
+    session, for the scenarios that start from a finished run; a test works in its own copy (copy_reproduced)."""
+    project = copy_project(tmp_path_factory.mktemp("reproduced") / "project")
+    done = subprocess.run(
+        [sys.executable, "-m", "dvc", "repro"], cwd=project, env=venv_env(), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    (project.parent / REPRO_LOG).write_text(done.stdout)  # what DVC ran, beside the project
+    _git_commit(project, "baseline: dvc.lock and metrics")
+    before = _snapshot(project)
+    yield project
+    assert _snapshot(project) == before, "a test changed the shared `reproduced` project (work in a copy)"
+
+
+def copy_reproduced(reproduced: Path, dest: Path, overrides: dict | None = None) -> Path:
+    """The finished project copied to dest (git history, DVC cache and lock, outputs, reports), without the train
+    stage's scratch (checkpoints/: a copy trains in its own); with overrides, the tiny params plus those,
+    committed: the next `dvc repro` re-runs what they change."""
+    top = str(reproduced)
+    shutil.copytree(reproduced, dest, symlinks=True, ignore=lambda d, names: ["checkpoints"] if d == top else [])
+    if overrides:
+        write_params(dest / "params.yaml", overrides)
+        _git_commit(dest, f"params: {overrides}")
     return dest
 
 
@@ -494,10 +516,11 @@ def _wait_healthy(server: subprocess.Popen, url: str, log: Path, timeout: float 
 S3_BUCKET = "fineflow"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """An S3 API server on 127.0.0.1 (moto's, as DVC's own S3 plugin tests use), with the bucket S3_BUCKET;
-    its endpoint URL. Started as a process of its own and stopped by its PID."""
+    its endpoint URL. Started as a process of its own, once per session, and stopped by its PID; each test uses
+    a prefix of its own in the bucket."""
     home = tmp_path_factory.mktemp("s3-server")
     port = free_port()
     argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]

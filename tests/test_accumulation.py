@@ -165,10 +165,12 @@ def _engine_files(checkpoint) -> list[str]:
 
 
 @pytest.mark.scenario
+@pytest.mark.nightly  # DeepSpeed ZeRO-2 and ZeRO-3 runs on 2 ranks: minutes each on 2 cores
 @pytest.mark.parametrize("name", ZERO)
 def test_deepspeed_steps_once_per_grad_accum_micro_batches(name, deepspeed_run, reference_run):
-    """The train stage under DeepSpeed's engine: the engine takes train.steps optimizer steps (before the fix: one
-    per micro-batch, 24), with the batch settings from params, and trains what DDP and one process train."""
+    """The train stage under DeepSpeed's engine: the engine takes train.steps optimizer steps (one per
+    grad_accum micro-batches, not one per micro-batch), with the batch settings from params, and trains what DDP
+    and one process train."""
     import torch
 
     project = deepspeed_run(name)
@@ -187,6 +189,7 @@ def test_deepspeed_steps_once_per_grad_accum_micro_batches(name, deepspeed_run, 
 
 
 @pytest.mark.scenario
+@pytest.mark.nightly
 @pytest.mark.parametrize("name", ZERO)
 def test_deepspeed_checkpoints_resume_bit_exact(name, deepspeed_run, built, tmp_path):
     """ZeRO's state (fp32 master partitions, AdamW moments, step counters) is each rank's own part, written by

@@ -1,4 +1,4 @@
-"""The chaos test (issue 14.3): the whole pipeline is crash-consistent, not only the train stage.
+"""The chaos test: the whole pipeline is crash-consistent, not only the train stage.
 
 One copy of the project runs the Prefect flow (``python -m flows.pipeline``, what ``make run`` runs), and the
 test SIGKILLs its whole process tree at once (the flow, ``dvc repro``, the stage, accelerate and its ranks, the
@@ -303,6 +303,7 @@ def test_the_kill_points_cover_every_stage_in_pipeline_order():
 
 
 @pytest.mark.scenario
+@pytest.mark.nightly  # ~13 flow starts, 11 of them killed: longer than CI's whole budget
 @pytest.mark.slow
 def test_sigkills_in_every_stage_leave_what_an_uninterrupted_run_leaves(prefect_server, tmp_path):
     reference, chaos = copy_project(tmp_path / "reference"), copy_project(tmp_path / "chaos")

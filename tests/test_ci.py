@@ -1,4 +1,4 @@
-"""The CI retraining job (issue 17): `fineflow ci` (fineflow/ci.py) and the GitHub workflow that runs it
+"""The CI retraining job: `fineflow ci` (fineflow/ci.py) and the GitHub workflow that runs it
 (.github/workflows/retrain.yml), whose `run:` steps are run here in fresh clones against an S3 API server on
 127.0.0.1, with the environment GitHub gives a job."""
 
@@ -17,7 +17,7 @@ import yaml
 from fineflow import ci
 from fineflow.core.errors import APPROVAL_NEEDED_EXIT, REFUSED_EXIT, USER_ERROR_EXIT
 from fineflow.core.reports import write_approval_request, write_error_record, write_json_atomic
-from tests.conftest import ROOT, add_s3_remote, copy_project, gate_only_project, venv_env
+from tests.conftest import ROOT, add_s3_remote, copy_project, copy_reproduced, gate_only_project, venv_env
 
 WORKFLOW = ROOT / ".github" / "workflows" / "retrain.yml"
 
@@ -410,8 +410,11 @@ def _poll(what, timeout: float, describe):
 
 
 @pytest.mark.scenario
+@pytest.mark.nightly  # three queued experiments train and evaluate, one after the other
 @pytest.mark.slow
-def test_queued_experiments_wait_for_the_workspace_reuse_the_shards_compare_in_exp_show_and_never_promote(tmp_path):
+def test_queued_experiments_wait_for_the_workspace_reuse_the_shards_compare_in_exp_show_and_never_promote(
+    reproduced, tmp_path
+):
     """After a committed baseline run, two experiments queued up to evaluate (lr and LoRA rank, as the README
     shows) and one queued all the way to promote, then `dvc queue start`. While another run holds the workspace
     the first experiment's stage waits, naming it, and trains nothing. Then: both train from the shards the
@@ -420,10 +423,7 @@ def test_queued_experiments_wait_for_the_workspace_reuse_the_shards_compare_in_e
     from fineflow.core.workspace import WorkspaceLock
     from fineflow.registry.promotion_log import read_log
 
-    project = copy_project(tmp_path / "project")
-    _dvc(project, "repro")
-    _git(project, "add", "-A")
-    _git(project, "commit", "-qm", "baseline: dvc.lock and metrics")
+    project = copy_reproduced(reproduced, tmp_path / "project")  # the committed baseline run
     registry_before = read_log(project / "models/registry")
     sweep = {"lr-high": ("train.lr=0.02", "train.lora.r=8"), "r-small": ("train.lr=0.004", "train.lora.r=4")}
     for name, sets in sweep.items():

@@ -52,10 +52,9 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(referenc
 
 
 def test_dvc_plots_show_has_points_for_every_declared_plot_and_the_run_has_png_charts(reference_run, tmp_path):
-    """Seen on main (issue 18): `dvc plots show` failed for all four declared plots: DVC 3.67 reads JSON, YAML,
-    CSV and TSV, not the step log's JSONL ("'reports/train_steps.jsonl' - file type error"). The launcher now
-    writes the step log as JSON plot data and PNG charts (fineflow/train/plots.py); in a project with this
-    dvc.yaml, every declared plot has one point per step."""
+    """`dvc plots show` reads every plot dvc.yaml declares, with one point per step: the launcher writes the step
+    log as JSON plot data (DVC reads JSON, YAML, CSV and TSV, not the JSONL step log) and as PNG charts
+    (fineflow/train/plots.py)."""
     from tests.conftest import copy_project
 
     two = reference_run(2)  # through the launcher, as dvc.yaml runs it

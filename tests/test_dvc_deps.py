@@ -118,11 +118,10 @@ def test_library_never_imports_a_stage_entry():
 
 @pytest.mark.parametrize("stage", sorted(DVC_STAGES))
 def test_every_output_dvc_records_travels_with_dvc_push(stage):
-    """Seen on main (issue 17): checkpoints/ was a `cache: false` output, so it never reached the remote; a
-    clone that pulled everything saw `train: changed outs: deleted: checkpoints` and would retrain with nothing
-    changed, and the lock hashed every checkpoint left over from other configurations (52 files in the committed
-    lock, 18 after a fresh run). Checkpoints are the train stage's scratch, read only by its resume: not an
-    output. Every output DVC records must go to the cache, so `dvc pull` brings back all that the lock names."""
+    """Every output DVC records goes to the cache, so `dvc pull` brings back all that the lock names and a clone
+    that pulled everything has nothing to reproduce. (checkpoints/ is the train stage's scratch, read only by its
+    resume, and no output: a `cache: false` output never travels, and the lock would hash the checkpoints of
+    every configuration left in the workspace.)"""
     for out in DVC_STAGES[stage].get("outs", []):
         path, options = (out, {}) if isinstance(out, str) else next(iter(out.items()))
         assert options.get("cache", True), f"dvc.yaml stage {stage}: output {path} is `cache: false`"

@@ -276,11 +276,10 @@ def _git_checkout(root):
 
 
 def test_a_new_base_model_is_judged_against_its_own_base_with_the_old_champion_side_by_side(built, adapter, tmp_path):
-    """model.base changed to a base of another shape while the champion is an adapter for the old one. Before: the
-    champion's adapter was wrapped around the new base ("size mismatch"), its evaluation failed, and promotion was
-    refused for ever. Now: the registry knows each champion's base by content; evaluate scores the old champion as
-    its merged model (its own base and tokenizer) on the same docs; promote.on_base_change decides, and the log
-    entry records the switch."""
+    """model.base changed to a base of another shape while the champion is an adapter for the old one: the
+    registry knows each champion's base by content, so evaluate scores the old champion as its merged model (its
+    own base and tokenizer, never its adapter around the new base) on the same docs; promote.on_base_change
+    decides, and the log entry records the switch."""
     from fineflow.model_ref import base_digest, base_identity
     from fineflow.registry.champion import promote
     from fineflow.registry.promotion_log import read_log
@@ -304,7 +303,7 @@ def test_a_new_base_model_is_judged_against_its_own_base_with_the_old_champion_s
     report = _run(built, candidate, tmp_path, _params(tasks=["fineflow_synth"]), champion, base_dir=new_base)
     scores = json.loads((tmp_path / "eval/scores.json").read_text())
     assert scores["base_digest"] == new_digest
-    assert scores["champion"]["status"] == "ok", scores["champion"]  # before: "size mismatch ... PeftModel"
+    assert scores["champion"]["status"] == "ok", scores["champion"]  # not "size mismatch ... PeftModel"
     assert (scores["champion"]["evaluated_as"], scores["champion"]["base_digest"]) == ("merged model", old_digest)
     docs = [[s["doc_id"] for s in scores[m]["samples"]["fineflow_synth"]] for m in ("candidate", "champion")]
     assert docs[0] == docs[1] == list(range(6)) and report["models"]["champion"]["status"] == "ok"
@@ -326,10 +325,9 @@ def test_a_new_base_model_is_judged_against_its_own_base_with_the_old_champion_s
 
 
 def test_a_changed_eval_set_is_judged_by_the_eval_change_policy_and_reported(built, adapter, tmp_path):
-    """The eval rows changed since the champion's promotion (hashes e... then f...). Before: every candidate was
-    refused for ever. Now: with compare_on_current the candidate is judged against the champion re-scored on the
-    new rows in this run; with refuse it is refused; the report and the log say the eval set changed, from what
-    to what."""
+    """The eval rows changed since the champion's promotion (hashes e... then f...): with compare_on_current the
+    candidate is judged against the champion re-scored on the new rows in this run (not refused for ever); with
+    refuse it is refused; the report and the log say the eval set changed, from what to what."""
     from fineflow.registry.champion import promote
     from fineflow.registry.promotion_log import read_log
 
@@ -355,9 +353,9 @@ def test_a_changed_eval_set_is_judged_by_the_eval_change_policy_and_reported(bui
 
 def test_chat_eval_rows_are_prompted_exactly_as_training_rendered_them(built, adapter, tmp_path):
     """The base's tokenizer has a chat template (the embedded one does, as instruct models do) and the rows are
-    chat `messages`: training renders them with that template. Before: evaluation prompted with the fineflow
-    template ("### Instruction: ..."), a format training never used. Now every evaluated prompt is the training
-    prompt, token for token, and a multiple-choice option is scored as the response training saw."""
+    chat `messages`: training renders them with that template, and so does evaluation (not the fineflow template
+    "### Instruction: ...", a format training never used): every evaluated prompt is the training prompt, token
+    for token, and a multiple-choice option is scored as the response training saw."""
     from transformers import AutoTokenizer
 
     from fineflow.evaluate.recipe import evaluate_models

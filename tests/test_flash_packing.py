@@ -68,7 +68,7 @@ def test_transformers_finds_the_packing_only_for_one_row_and_then_agrees_with_fi
     from transformers.modeling_flash_attention_utils import _is_packed_sequence, prepare_fa_kwargs_from_position_ids
 
     positions = torch.from_numpy(packed_positions(LENGTHS))
-    # the bug: at micro_batch_size 2 transformers sees no packing, so flash attends over whole rows
+    # on its own, at micro_batch_size 2 transformers sees no packing, so flash would attend over whole rows
     assert not _is_packed_sequence(positions, batch_size=2)
     flat = positions.reshape(1, -1)
     assert _is_packed_sequence(flat, batch_size=1)
@@ -208,7 +208,7 @@ def test_flash_gets_every_examples_cu_seqlens_at_micro_batch_2_and_matches_each_
 
 
 def test_without_the_layout_flash_attends_across_the_examples_of_a_row(flash_kernels):
-    """The bug this guards against: the same micro-batch with position ids only."""
+    """What fineflow's layout prevents: the same micro-batch with position ids only attends across examples."""
     positions = packed_positions(LENGTHS)
     ids = torch.from_numpy(np.random.default_rng(0).integers(1, VOCAB, size=positions.shape))
     reference = per_example_logits(tiny_llama("sdpa"), ids, LENGTHS)

@@ -1,4 +1,4 @@
-"""Interrupts and preemption (issue 14.4): Ctrl-C and SIGTERM stop the whole run within seconds at every layer
+"""Interrupts and preemption: Ctrl-C and SIGTERM stop the whole run within seconds at every layer
 (flow, `dvc repro`, the train launcher, accelerate, the ranks), leave no process behind, mark the Prefect run
 Crashed, and the train stage saves the step it was on and exits 75, so that the re-run resumes from that step and
 ends bit-exact with an uninterrupted run.
@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from tests.conftest import (
     TINY_PARAMS,
     _merge,
-    copy_project,
+    copy_reproduced,
     finish_train,
     last_logged_step,
     launch_with_free_port,
@@ -224,10 +224,9 @@ def test_ctrl_c_in_the_task_stops_the_stage_through_dvc_and_reads_its_saved_step
 
 
 def test_a_ctrl_c_whose_exception_is_swallowed_above_the_task_still_stops_the_stage(tmp_path, monkeypatch):
-    """Seen in the suite: Ctrl-C of the flow, and the train stage ran on to its end. The signal reached the flow
-    process, but its KeyboardInterrupt never reached the task's `except` (code between the handler and the task
-    swallowed it: asyncio cancels a coroutine instead of raising while it runs in the main thread), and the
-    SIGINT for `dvc repro` was only sent from there. Now the handler sends it itself."""
+    """Ctrl-C of the flow stops the train stage even when the KeyboardInterrupt never reaches the task's `except`
+    (code between the handler and the task swallows it: asyncio cancels a coroutine instead of raising while it
+    runs in the main thread): the signal handler itself sends SIGINT to `dvc repro`."""
     stages = _fake_dvc(tmp_path, monkeypatch, "stopping", grace_s=GRACE_S)
     seen = {"lines": []}
 
@@ -370,7 +369,7 @@ def test_sigkill_of_the_launcher_leaves_no_rank_training_on(built, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def flow_project(tmp_path_factory):
+def flow_project(reproduced, tmp_path_factory):
     """A project whose stages up to tokenize are done (DVC skips them in the flow) and whose train stage runs
     long enough to be interrupted (3000 tiny steps), plus a Prefect home of its own (the flow's run states)."""
     root = tmp_path_factory.mktemp("interrupts")
@@ -382,11 +381,7 @@ def flow_project(tmp_path_factory):
         "checkpoint.every_steps": 1000,
         "checkpoint.preempt_grace_s": GRACE_S,
     }
-    project = copy_project(root / "project", overrides)
-    prepared = subprocess.run(
-        [sys.executable, "-m", "dvc", "repro", "tokenize"], cwd=project, env=venv_env(), capture_output=True, text=True
-    )
-    assert prepared.returncode == 0, prepared.stdout[-3000:] + prepared.stderr[-3000:]
+    project = copy_reproduced(reproduced, root / "project", overrides)  # the session's finished run, retrained
     return project, root / "prefect"
 
 

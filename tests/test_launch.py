@@ -322,9 +322,9 @@ def test_a_port_taken_before_the_launch_binds_it_is_retried(tmp_path, monkeypatc
 
 @pytest.mark.skipif(importlib.util.find_spec("mlflow") is not None, reason="mlflow is installed here")
 def test_a_tracker_whose_package_is_missing_stops_the_launch_with_one_message(built, tmp_path):
-    """Seen on main (issue 17): `train.tracker: mlflow` without mlflow only warned (accelerate skips a tracker it
-    cannot import) and trained untracked. Now the train stage's launcher stops before any rank starts, with a
-    user error naming the param and the install."""
+    """`train.tracker: mlflow` without mlflow installed stops the train stage's launcher before any rank starts,
+    with a user error naming the param and the install (accelerate alone would skip a tracker it cannot import
+    and train untracked)."""
     from tests.conftest import train_project, venv_env
 
     project = train_project(built, tmp_path, {"train.tracker": "mlflow"})
@@ -340,11 +340,10 @@ def test_a_tracker_whose_package_is_missing_stops_the_launch_with_one_message(bu
 
 
 def test_a_finished_rank_runs_its_exit_handlers_then_exits_without_the_interpreters_teardown(tmp_path):
-    """Seen in CI: a DeepSpeed ZeRO-2 rank aborted after its final save (SIGABRT, "terminate called without an
-    active exception") while the interpreter tore down what gloo and DeepSpeed left behind; the stage failed after
-    a finished training. A rank that succeeded now ends with exit_without_teardown: its other threads are joined,
-    atexit handlers (logging, multiprocessing) run, objects are not finalized. A failed rank exits as before, so
-    a checkpoint writer thread still finishing a save is waited for."""
+    """A rank that succeeded ends with exit_without_teardown: its other threads are joined, atexit handlers
+    (logging, multiprocessing) run, objects are not finalized (tearing down what gloo and DeepSpeed leave behind
+    can abort a finished ZeRO-2 rank: SIGABRT, "terminate called without an active exception"). A failed rank
+    exits as usual, so a checkpoint writer thread still finishing a save is waited for."""
     script = """
 import atexit, pathlib, sys, threading, time
 from fineflow.stages.train import exit_without_teardown

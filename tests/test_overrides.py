@@ -1,4 +1,4 @@
-"""Param overrides from the Prefect UI (issue 16): dotted keys, validated against params.yaml's schema all at
+"""Param overrides from the Prefect UI: dotted keys, validated against params.yaml's schema all at
 once, then written into params.yaml the way `dvc exp run -S` writes them (DVC's own code: comments kept)."""
 
 from __future__ import annotations
@@ -42,11 +42,10 @@ def test_every_refused_override_is_named_at_once_and_nothing_is_written(tmp_path
 
 @pytest.mark.slow
 def test_params_survive_dvc_exp_runs_rewrite_of_one_key_in_every_section(tmp_path):
-    """Seen on main (issue 17): the README's `dvc exp run -S train.lr=1e-3` failed before training started. DVC
-    rewrites params.yaml to set the value: `precision: "no"` came back as a bare `no`, which YAML reads as false
-    (`train.precision: Input should be 'auto', 'no', 'bf16' or 'fp16' (got False)`), and every `null` came back
-    empty. A real `dvc exp run` in a fresh copy sets one key of every section (train.precision to "no" among
-    them) and runs the data stage, whose entry validates the whole file; then the values are as set."""
+    """params.yaml survives DVC's rewrite of it by `dvc exp run -S` (the README's `-S train.lr=1e-3`): the
+    quoted `precision: "no"` stays a string (a bare `no` is YAML's false) and every `null` stays null. A real
+    `dvc exp run` in a fresh copy sets one key of every section (train.precision to "no" among them) and runs
+    the data stage, whose entry validates the whole file; then the values are as set."""
     import json
     import re
     import subprocess

@@ -248,8 +248,8 @@ def test_gate_refuses_a_failed_champion_evaluation():
 
 
 def test_gate_follows_the_eval_change_policy():
-    """The eval set changed since the champion's promotion. Before: every candidate was refused, for ever. Now
-    promote.on_eval_change decides, and the decision says what changed, from what to what."""
+    """The eval set changed since the champion's promotion: promote.on_eval_change decides (a candidate is not
+    refused for ever), and the decision says what changed, from what to what."""
     new_data = "f" * 64
     rescored = {"champion": {**entry({P: hits(10)}), "id": CHAMPION["id"]}}  # the champion on the current data
     scores = {"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)})}
@@ -270,9 +270,9 @@ def test_gate_follows_the_eval_change_policy():
 
 
 def test_gate_follows_the_base_change_policy():
-    """model.base changed: the champion is an adapter for another base. Before: the gate compared with it as if
-    nothing had changed (and evaluate had failed wrapping it). Now promote.on_base_change decides; compare_to_base
-    judges against the candidate's own base and reports the old champion's merged model side by side."""
+    """model.base changed: the champion is an adapter for another base, so the gate does not compare with it as if
+    nothing had changed; promote.on_base_change decides, and compare_to_base judges against the candidate's own
+    base and reports the old champion's merged model side by side."""
     champion = {**CHAMPION, "base_digest": "a" * 16}
     scores = {
         "base": entry({P: hits(0)}),
@@ -356,8 +356,8 @@ def test_verify_names_the_first_edited_line(tmp_path):
 
 def test_a_promote_re_run_after_its_decision_was_logged_does_not_judge_again(tmp_path):
     """promote killed after its log entry (or DVC re-running it with nothing changed): the re-run finds the same
-    candidate judged on the same scores and params as the log's last entry and reuses that verdict. Before: it
-    judged again and logged a second verdict (for a promoted candidate, against itself: refused)."""
+    candidate judged on the same scores and params as the log's last entry and reuses that verdict, instead of
+    judging again and logging a second verdict (a promoted candidate against itself: refused)."""
     from fineflow.core.config import parse_params
     from fineflow.registry.champion import already_decided, decided_as
     from tests.conftest import TINY_PARAMS

@@ -1,4 +1,4 @@
-"""The registry holds across crashes and concurrent writers (issue 15, item 2), on small fake candidates.
+"""The registry holds across crashes and concurrent writers, on small fake candidates.
 
 Candidates here are directories of a few bytes stored with the registry's own functions; the champion's slow
 assembly (``champion.build_champion``: merged model, tokenizer, card) is replaced by a copy of the adapter

@@ -1,4 +1,4 @@
-"""Re-runs never reuse a result made from other inputs (issue 14.1): a train run is resumed only when it was
+"""Re-runs never reuse a result made from other inputs: a train run is resumed only when it was
 interrupted and everything that decides its trajectory is identical — the base weights by content, the
 training code, the data, params, seed and world size. Through the real train stage command."""
 
@@ -133,6 +133,7 @@ def _dvc_repro(project, *targets) -> list[str]:
 
 
 @pytest.mark.scenario
+@pytest.mark.nightly  # dvc repro up to train three times; CI keeps the other re-run tests
 @pytest.mark.slow
 def test_a_local_base_whose_files_change_at_the_same_path_reruns_what_depends_on_it(built, tmp_path):
     """model.base names a directory outside the project: DVC tracks only a marker for it, so the fingerprint

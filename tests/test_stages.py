@@ -260,10 +260,9 @@ def _hub_snapshot(cache: Path, repo_id: str, files: dict[str, bytes]) -> Path:
 def test_a_hub_id_cached_only_in_part_is_refused_offline_naming_the_id_the_cache_and_how_to_fetch_it(
     tmp_path, monkeypatch, capsys
 ):
-    """Seen on main (issue 17): with model.base a hub id and the hub offline, the base stage said "using it as
-    the base, nothing to build" because the cache held a snapshot folder (a download cut short), and validate
-    then crashed in transformers (`OSError: We couldn't connect to 'https://huggingface.co'`). Now the base
-    stage needs the snapshot's config.json, and says what to do."""
+    """With model.base a hub id and the hub offline, a cached snapshot folder without its config.json (a download
+    cut short) is refused by the base stage, naming the id, the cache and how to fetch it, rather than taken as
+    the base for a later stage to crash on in transformers."""
     from fineflow.stages import base as base_stage
 
     monkeypatch.chdir(tmp_path)
@@ -305,10 +304,9 @@ def test_a_hub_id_in_the_users_cache_is_used_offline_and_online_one_not_cached_i
 
 
 def test_fineflow_puts_the_hub_offline_only_where_nothing_needs_it(tmp_path, monkeypatch):
-    """Seen on main (issue 17): the Makefile and every process forced HF_HUB_OFFLINE=1 and a project HF_HOME, so a
-    hub model could not be used through the README's commands and the user's own HF cache was ignored. Now the
-    embedded default and a local base run offline with a project cache; with a hub id the user's settings
-    apply (an air-gapped cluster sets HF_HUB_OFFLINE=1 itself); a value the caller set always wins."""
+    """The embedded default and a local base run with the hub offline and a project cache; with a hub id the
+    user's own HF settings and cache apply (an air-gapped cluster sets HF_HUB_OFFLINE=1 itself), so a hub model
+    works through the README's commands; a value the caller set always wins."""
     from fineflow.core.runtime import HUB_VARIABLES, apply_offline_environment, params_model_base, process_environment
 
     (tmp_path / "models/mine").mkdir(parents=True)
@@ -331,9 +329,9 @@ def test_fineflow_puts_the_hub_offline_only_where_nothing_needs_it(tmp_path, mon
 
 
 def test_a_stage_writes_the_few_figures_worth_diffing_beside_its_full_report(tmp_path, monkeypatch):
-    """Seen on main (issue 17): `dvc metrics show` printed ~400 columns, every nested field of every report (GX
-    expectation names, planner byte counts, the decision's sentence). Now each stage writes its curated
-    figures to reports/metrics/<stage>.json, what dvc.yaml declares as metrics; the full report is unchanged."""
+    """Each stage writes its few curated figures to reports/metrics/<stage>.json, what dvc.yaml declares as
+    metrics, so `dvc metrics show` stays readable (not every nested field of every report: GX expectation names,
+    planner byte counts, the decision's sentence); the full report is unchanged beside it."""
     import argparse
 
     import yaml

@@ -515,8 +515,8 @@ def test_data_docs_sum_the_chunks_and_show_no_row_values(tmp_path):
 @pytest.mark.slow  # ~20 s: an 8 MB hostile row through every check, token checks included
 def test_a_huge_row_without_separators_validates_in_linear_time(tmp_path):
     """A row of 8 MB of one letter (the PII scan's and the tokenizer's worst case): the gate runs in a
-    subprocess with a generous bound, as a hang detector — main's e-mail pattern rescanned the run from every
-    position (quadratic: days), and its tokenizer call on the whole row was superlinear too."""
+    subprocess with a generous bound, as a hang detector: a pattern that rescans the run from every position
+    is quadratic (days on such a row), and so is a superlinear tokenizer call on the whole row."""
     import subprocess
     import sys
 
