@@ -305,7 +305,7 @@ def _outputs(home: Path) -> dict[str, str]:
     return dict(line.split("=", 1) for line in (home / "github_output").read_text().splitlines())
 
 
-@pytest.mark.scenario
+@pytest.mark.nightly  # four fresh clones, two full pipeline runs against S3
 @pytest.mark.slow
 def test_the_workflows_steps_in_fresh_clones_refuse_then_promote_then_stop_on_bad_params(built, s3_server, tmp_path):
     """Each job starts from a fresh clone of origin (what actions/checkout gives), the S3 keys only in the job's

@@ -294,7 +294,7 @@ def test_two_flow_runs_started_at_once_in_one_workspace_run_one_after_the_other(
     assert names == sorted([f"{commit}: {', '.join(STAGES)}", f"{commit}: fingerprint, goodput"])
 
 
-@pytest.mark.scenario
+@pytest.mark.nightly  # a served flow waits for its scheduled minute; CI keeps prefect.yaml + worker
 @pytest.mark.slow
 def test_make_serves_schedule_is_in_its_own_time_zone_and_its_scheduled_run_fires(prefect_server, tmp_path):
     """`python -m flows.deploy` (what `make serve CRON=… TIMEZONE=…` runs), in a copy of the project, against a
