@@ -86,14 +86,13 @@ def run_fingerprint(
     world_size: int,
     cache_dir: Path | None = None,
     code: dict | None = None,
-    train=None,
 ) -> dict:
     """Plain JSON (lists, not tuples): it is compared with the copy stored in each checkpoint. cache_dir: where
     base weight hashes are cached (the train stage's --hash-cache; never inside a DVC output, whose hash would
-    then depend on the checkout's paths); code: code_identity(), computed here if not given; train: the train
-    settings the run really uses (precision "auto" resolved, auto_fit's changes), else params.train: "auto" on
-    a CPU and on a GPU are different runs."""
-    train = {k: v for k, v in (train or params.train).model_dump().items() if k not in NOT_IN_FINGERPRINT}
+    then depend on the checkout's paths); code: code_identity(), computed here if not given. params are the
+    planner's (fineflow.train.sizing.RunPlan.params): the train settings the run really uses (precision "auto"
+    resolved, auto_fit's changes), so "auto" on a CPU and on a GPU are different runs."""
+    train = {k: v for k, v in params.train.model_dump().items() if k not in NOT_IN_FINGERPRINT}
     return {
         "base": base_identity(reference, cache_dir),
         "data": shard_meta.get("content_key"),
