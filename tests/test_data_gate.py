@@ -17,13 +17,15 @@ from tests.conftest import copy_project, venv_env
 CARD = " ".join(["5555"] * 3 + ["4444"])  # a Mastercard test number: passes Luhn
 EMAIL = "@".join(["zoe.planted", "mailbox.test"])
 API_KEY = "_".join(["sk", "live", "PLANTED0123456789abcdef"])
-PLANTED = [CARD, CARD.replace(" ", ""), EMAIL, API_KEY]
+AWS_SECRET_KEY = "/".join(["wJalrXUtnFEMI", "K7MDENG", "bPxRfiCYPLANTEDKEY"])  # 40 characters, as AWS's
+PLANTED = [CARD, CARD.replace(" ", ""), EMAIL, API_KEY, AWS_SECRET_KEY]
 
 
 def _planted_rows() -> list[str]:
     """Rows that carry the secrets down every path a rejected row takes: a PII row, its duplicate (GX's
     unique check once showed duplicated texts), an over-long row, a wrong type (GX shows the value), a
-    duplicate key and a line that is not JSON at all (stored raw)."""
+    duplicate key and a line that is not JSON at all (stored raw); and issue 29's row, an AWS secret key after
+    its key id and the word "secret" (main quarantined it for the id and showed the secret in the preview)."""
     pii = {"instruction": "Remember this.", "input": f"card {CARD}, mail {EMAIL}, key {API_KEY}", "output": "ok"}
     return [
         json.dumps(pii),
@@ -32,6 +34,13 @@ def _planted_rows() -> list[str]:
         json.dumps({"instruction": "Typed.", "input": "", "output": [f"card {CARD}", API_KEY]}),
         f'{{"instruction": "Dup.", "output": "{EMAIL}", "output": "{API_KEY}"}}',
         f'{{"instruction": "Broken {CARD} {EMAIL}", "output": ',
+        json.dumps(
+            {
+                "instruction": "Store these.",
+                "input": f"key AKIAIOSFODNN7PLANTED secret {AWS_SECRET_KEY}",
+                "output": "ok",
+            }
+        ),
     ]
 
 

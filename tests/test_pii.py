@@ -1,8 +1,12 @@
-"""PII detection: each kind found, Luhn separates card numbers from other digit runs, dates never match."""
+"""PII detection: each kind found, Luhn separates card numbers from other digit runs, dates never match;
+secrets found by what they are, wherever they are pasted, and no part of one survives redaction."""
+
+import json
 
 import pytest
 
-from fineflow.data.pii import find_pii, luhn_valid, redact
+from fineflow.data.pii import PREVIEW_CHARS, find_pii, luhn_valid, redact, redacted_preview
+from tests.secret_corpus import AWS_SECRET, ISSUE_ROW_INPUT, case_texts, leaks
 
 
 @pytest.mark.parametrize(
@@ -78,6 +82,24 @@ HOSTILE = [
     '"-----BEGIN " + "A" * N',
     '"1 " * (N // 2)',
     '"1.1.1.1 " * (N // 8)',
+    # the secret scanner's patterns (fineflow.data.pii.SECRET_PATTERNS), each at its worst:
+    '"eyJ" * (N // 3)',  # a JWT's parts that never reach a dot
+    '"eyJ-" * (N // 4) + "."',
+    '"sk-" * (N // 3) + "T3BlbkFJ"',  # an OpenAI key's open-ended prefix, the marker far away
+    '"://a:" * (N // 5)',  # basic auth in a URL with no @
+    '"//" * (N // 2) + "/:_authToken="',
+    '"glagent-" * (N // 8)',
+    '"AKIA" + "A" * N',
+    '("AKIA" + "B" * 16 + " ") * (N // 21)',  # access key ids, each followed by no secret key
+    '"-----BEGIN PRIVATE KEY-----" + "A" * N',  # a key body with no END line
+    '"-----BEGIN PRIVATE KEY-----\\n" * (N // 29)',
+    '"secret " * (N // 7)',
+    '"key=" * (N // 4)',
+    '"key " + "a1" * (N // 2)',
+    '"password: " + "x" * N',
+    '"xoxb-1" * (N // 6)',
+    '"xoxb-" + "1-" * (N // 2)',
+    '"a" * 32 + "-us" * (N // 3)',
 ]
 
 
@@ -95,8 +117,6 @@ def test_scan_time_is_linear_on_long_runs_without_separators():
 
 
 def test_preview_replaces_pii_even_across_its_cut():
-    from fineflow.data.pii import PREVIEW_CHARS, redacted_preview
-
     card = "4111 1111 1111 1111"
     head = "x" * (PREVIEW_CHARS - 5)  # the card starts 5 characters before the cut and ends after it
     preview = redacted_preview(f"{head}{card} and mail bob@example.com")
@@ -105,3 +125,53 @@ def test_preview_replaces_pii_even_across_its_cut():
     key = "sk_live_" + "A" * 5000  # an open-ended secret longer than the scanned window still matches
     assert redacted_preview(f"key {key}") == "key [SECRET]…"
     assert redacted_preview("y" * 500) == "y" * PREVIEW_CHARS + "…"
+
+
+# Secrets: the issue's row, then every format of tests/secret_corpus.py in every position it is pasted in.
+
+
+def test_the_secret_access_key_after_an_access_key_id_is_redacted_not_only_the_id():
+    """issue 29: the id was found, the secret key beside it was written in clear to the quarantine preview."""
+    spans = find_pii(ISSUE_ROW_INPUT)
+    assert leaks(AWS_SECRET, redact(ISSUE_ROW_INPUT, spans)) == []
+    assert leaks(AWS_SECRET, redacted_preview(ISSUE_ROW_INPUT)) == []
+    assert redact(ISSUE_ROW_INPUT, spans) == "key [SECRET] secret [SECRET]"
+
+
+CASE_TEXTS = case_texts()
+
+
+@pytest.mark.parametrize(
+    "name, secret, text", CASE_TEXTS, ids=[f"{name}-{i}" for i, (name, _, _) in enumerate(CASE_TEXTS)]
+)
+def test_each_secret_format_is_found_and_no_part_of_it_survives(name, secret, text):
+    spans = find_pii(text)
+    assert "secret" in {span.kind for span in spans}
+    assert leaks(secret, redact(text, spans)) == []
+    assert leaks(secret, redacted_preview(text, limit=len(text))) == []
+    record = json.dumps({"instruction": "Fix this.", "input": text, "output": "ok"})  # as a quarantine preview
+    assert leaks(secret, redacted_preview(record, limit=len(record))) == []
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # hex digests and UUIDs in prose next to "key": not secrets unless assigned (key: <hex>, key=<hex>)
+        "the cache key 3f786850e387550fdab836ed7e6dc881de23001b changed after the rebase",
+        "sha256 key e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855 of the empty file",
+        "its primary key 550e8400-e29b-41d4-a716-446655440000 is a UUID",
+        "Key takeaways: configuration_management matters",
+        "the token count is 12345678 for this document",
+        "password reset instructions were sent to your inbox",
+        "a monkey, a donkey and a turkey walk into a bar",
+        "python3 -m pip install --upgrade setuptools-scm wheel",
+    ],
+)
+def test_ordinary_text_near_a_keyword_is_not_a_secret(text):
+    assert find_pii(text) == []
+
+
+def test_a_low_entropy_password_in_prose_with_no_keyword_is_not_detected():
+    """The documented limit: without a keyword (password: ...) or a known format, a weak password is text."""
+    assert find_pii("my dog is called hunter2hunter2 and he is a good boy") == []
+    assert [s.kind for s in find_pii("password: hunter2hunter2")] == ["secret"]

@@ -267,6 +267,77 @@ def test_pii_redact_mode_keeps_rows_with_typed_placeholders(tmp_path):
     assert outcome.report()["pii_redacted"] == {"email": 1, "ipv4": 1}
 
 
+def test_pii_redact_mode_redacts_the_messages_of_a_chat_row_too():
+    """The chat template renders a kept chat row from its messages: they must not keep what the derived
+    instruction and output lost (main redacted only the string fields and kept the messages whole)."""
+    from fineflow.core.config import parse_params
+    from fineflow.data.formats import Row, chat_to_record
+    from tests.secret_corpus import GITHUB_PAT, leaks
+
+    cfg = parse_params({"validate": {"pii": "redact"}}).validate_
+    messages = [
+        {"role": "user", "content": f"Why does git reject my token {GITHUB_PAT}?"},
+        {"role": "assistant", "content": "Mail ann@example.org for a new one."},
+    ]
+    record, _ = chat_to_record(messages)
+    outcome = validate_rows([Row(1, data=record)], "chat", cfg)
+    [row] = outcome.kept
+    assert leaks(GITHUB_PAT, json.dumps(row.data)) == [] and "ann@example.org" not in json.dumps(row.data)
+    assert [m["content"] for m in row.data["messages"]] == [
+        "Why does git reject my token [SECRET]?",
+        "Mail [EMAIL] for a new one.",
+    ]
+    assert outcome.report()["pii_redacted"] == {"email": 1, "secret": 1}
+
+
+def _secret_rows() -> list[str]:
+    """Every text of tests/secret_corpus.py in a row, in the prompt (instruction, input) or the response."""
+    from tests.secret_corpus import case_texts
+
+    fields = ("input", "output", "instruction")
+    return [
+        json.dumps({**GOOD, "output": "ok", fields[i % 3]: f"Case {i}: {text}"})
+        for i, (_, _, text) in enumerate(case_texts())
+    ]
+
+
+@pytest.mark.parametrize("mode", ["quarantine", "redact"])
+def test_no_part_of_a_planted_secret_reaches_any_file_or_output_of_the_validate_stage(
+    mode, tmp_path, monkeypatch, capfd
+):
+    """The stage's CLI on a corpus of real credential formats: neither the quarantine's previews, the kept rows
+    (pii: redact keeps the rows, secrets replaced), the report, the Data Docs, the run's records nor its output
+    show an 8-character piece of any of them. In quarantine mode the gate also refuses the file (too many bad
+    rows), so the refusal's message is searched too."""
+    from fineflow.stages import validate
+    from tests.conftest import write_params
+    from tests.secret_corpus import CASES, leaks_of_every_case
+
+    monkeypatch.chdir(tmp_path)
+    write_params(tmp_path / "params.yaml", {"validate.pii": mode})
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    good = [json.dumps({**GOOD, "output": f"hi number {i} of the good rows"}) for i in range(200)]
+    write(inputs / "train.jsonl", good[:180] + _secret_rows())
+    write(inputs / "eval.jsonl", good[180:])
+    argv = ["--train", "in/train.jsonl", "--eval", "in/eval.jsonl", "--out", "data/validated"]
+    code = validate.main([*argv, "--report", "reports/validate.json", "--data-docs", "reports/data_docs"])
+
+    captured = capfd.readouterr()
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and inputs not in p.parents]
+    blob = "\n".join([captured.out, captured.err, *(p.read_text(errors="replace") for p in written)])
+    assert leaks_of_every_case(blob) == {name: [] for name, _, _ in CASES}
+    kept = (tmp_path / "data/validated/train.jsonl").read_text().splitlines()
+    quarantined = (tmp_path / "data/validated/quarantine.jsonl").read_text().splitlines()
+    if mode == "quarantine":  # every secret row quarantined for it, and too many of them: the gate refuses
+        assert code == 2 and "failed validation" in captured.err
+        assert len(kept) == 180 and all("no_pii(text)" in " ".join(json.loads(r)["reasons"]) for r in quarantined)
+    else:  # kept, each with the secret replaced
+        assert code == 0 and quarantined == [] and len(kept) == 180 + len(_secret_rows())
+        assert all("[SECRET]" in row for row in kept[180:])
+    assert any(p.name.endswith(".html") for p in written) and (tmp_path / "reports/validate.json").exists()
+
+
 def test_train_rows_leaking_the_eval_split_are_quarantined(tmp_path):
     from fineflow.data.overlap import LeakIndex
 

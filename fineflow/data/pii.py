@@ -1,23 +1,31 @@
 """PII and secret detection for training rows: find typed spans, replace them with typed placeholders, and
 preview a rejected row without the originals.
 
-Kinds: e-mail, credit-card number (13–19 digits that pass the Luhn check, so order ids and timestamps do
-not trip it), US SSN-like ``123-45-6789``, IPv4 address, phone number, and API-key/secret-like strings
-(well-known key prefixes, or ``api_key=…``/``password: …`` assignments). Detection is regex-based: cheap
-enough to run on every row, and precise enough that the bundled data's dates and numbers never match.
+Kinds: secret, e-mail, credit-card number (13–19 digits that pass the Luhn check, so order ids and timestamps do
+not trip it), US SSN-like ``123-45-6789``, IPv4 address, phone number. Secrets are found by what they are
+(fineflow.data.secrets): the key formats of Yelp's detect-secrets scanner (its plugins' own patterns, plus the
+few formats it lacks), a whole private key block, a value assigned to a password-like key, a random-looking
+token next to a keyword such as key/token/secret/password/bearer, and an AWS secret key next to its key id.
+Each span covers the whole secret, so a redaction or a preview shows no part of it. Detection is regex-based:
+cheap enough to run on every row, and precise enough that the bundled data's dates and numbers never match.
 
 Time is linear in the text's length, whatever the text: every pattern either has a bounded length (an
-e-mail's parts are bounded as RFC 5321 bounds them) or starts at a literal prefix and never fails after a
-long scan, so no start position costs more than a constant; the spans of all kinds are merged in one pass.
+e-mail's parts are bounded as RFC 5321 bounds them), or starts at a literal prefix or a token's start and never
+fails after a long scan, so no start position costs more than a constant; the spans of all kinds are merged in
+one pass.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-# Order matters: earlier kinds claim their span first (a card number is not also reported as a phone).
+from fineflow.data.secrets import Span, secret_spans
+
+# Order matters: earlier kinds claim their span first (a card number is not also reported as a phone). Secrets
+# come first: a key block or a token can hold what looks like an e-mail or a phone, and a secret partly
+# claimed by another kind would show the rest of itself.
+KINDS = ("secret", "email", "credit_card", "ssn", "ipv4", "phone")
 PATTERNS: dict[str, re.Pattern] = {
     # An e-mail starts where a run of local-part characters starts, with a local part of at most 64 and labels
     # of at most 63 characters: an unbounded `[...]+@` tried at every position rescans a long run of letters
@@ -25,14 +33,6 @@ PATTERNS: dict[str, re.Pattern] = {
     "email": re.compile(
         r"[A-Za-z0-9._%+-](?<![A-Za-z0-9._%+-].)[A-Za-z0-9._%+-]{0,63}"
         r"@[A-Za-z0-9-]{1,63}(?:\.[A-Za-z0-9-]{1,63}){0,8}\.[A-Za-z]{2,24}"
-    ),
-    "secret": re.compile(
-        r"\b(?:sk|pk|rk)_(?:live|test)_[A-Za-z0-9]{16,}\b"  # Stripe-style
-        r"|\bAKIA[0-9A-Z]{16}\b"  # AWS access key id
-        r"|\bgh[pousr]_[A-Za-z0-9]{30,}\b"  # GitHub tokens
-        r"|\bxox[abpr]-[A-Za-z0-9-]{10,}\b"  # Slack tokens
-        r"|-----BEGIN [A-Z ]{0,40}PRIVATE KEY-----"
-        r"|(?i:\b(?:api[_-]?key|secret|token|passw(?:or)?d)\b\s{0,16}[:=]\s{0,16}['\"]?[^\s'\"]{8,})"
     ),
     # The digit patterns open with the digit and look behind it (`\d(?<![\d-]\d)`: no digit or dash before
     # the number), so the regex engine skips to the next digit instead of testing every position.
@@ -45,21 +45,15 @@ PATTERNS: dict[str, re.Pattern] = {
         r"\d{3,4}[ .-]?\d{3,4}(?![ .-]?\d)(?!\w)"
     ),
 }
-PLACEHOLDER = {kind: f"[{kind.upper()}]" for kind in PATTERNS}
+PLACEHOLDER = {kind: f"[{kind.upper()}]" for kind in KINDS}
 
 PREVIEW_CHARS = 200  # what a quarantine record shows of a rejected row
-# Longer than any bounded match (an e-mail is at most ~700 characters); the open-ended secret patterns match
-# any prefix of themselves. So a span that starts inside the preview is seen whole, or at least as far as
-# the preview shows, when only this much of the text is scanned.
+# Longer than any bounded match (an e-mail is at most ~700 characters) and than the context a secret rule reads
+# after a span's start (an AWS secret key 64 characters after its id); an open-ended secret (a key block, a
+# token) is covered up to the window's end. So a span that starts inside the preview is seen whole, or at least
+# as far as the preview shows, when only this much of the text is scanned.
 SCAN_MARGIN = 1024
 PREVIEW_SOURCE_CHARS = PREVIEW_CHARS + SCAN_MARGIN + 1  # what a reader keeps of a row it cannot parse
-
-
-@dataclass(frozen=True)
-class Span:
-    kind: str
-    start: int
-    end: int
 
 
 def luhn_valid(digits: str) -> bool:
@@ -87,20 +81,19 @@ def _valid(kind: str, found: str) -> bool:
 
 
 _DIGIT = re.compile(r"\d")
-_SECRET_MARKERS = ("sk_", "pk_", "rk_", "akia", "gh", "xox", "-----begin", "api", "secret", "token", "passw")
 
 
 def _possible(kind: str, text: str) -> bool:
     """A cheap test each match needs (an @, a digit, a key prefix): most text skips most scans."""
     if kind == "email":
         return "@" in text
-    if kind == "secret":
-        lower = text.lower()
-        return any(marker in lower for marker in _SECRET_MARKERS)
     return _DIGIT.search(text) is not None
 
 
 def _matches(kind: str, text: str) -> Iterator[Span]:
+    if kind == "secret":
+        yield from secret_spans(text)
+        return
     if not _possible(kind, text):
         return
     for match in PATTERNS[kind].finditer(text):
@@ -129,7 +122,7 @@ def _claim(taken: Iterator[Span], candidates: Iterator[Span]) -> Iterator[Span]:
 def iter_pii(text: str) -> Iterator[Span]:
     """Non-overlapping PII spans in text, in order of position, produced lazily."""
     spans: Iterator[Span] = iter(())
-    for kind in PATTERNS:
+    for kind in KINDS:
         spans = _claim(spans, _matches(kind, text))
     return spans
 

@@ -113,13 +113,24 @@ class ValidationOutcome:
 
 
 def _redact_row(row: Row) -> None:
-    """pii: redact — replace PII spans in every string field with typed placeholders, remembering kinds."""
+    """pii: redact — replace PII spans in every string field with typed placeholders, remembering kinds. A chat
+    row's ``messages`` are redacted too (the tokenizer's chat template renders them, not the derived fields);
+    their kinds are not counted twice: the derived instruction and output hold the same text."""
     for key, value in list(row.data.items()):
         if isinstance(value, str):
             spans = find_pii(value)
             if spans:
                 row.data[key] = redact(value, spans)
                 row.redacted.extend(span.kind for span in spans)
+    messages = row.data.get("messages")
+    if isinstance(messages, list):
+        row.data["messages"] = [_redact_message(message) for message in messages]
+
+
+def _redact_message(message):
+    if isinstance(message, dict) and isinstance(message.get("content"), str):
+        return {**message, "content": redact(message["content"], find_pii(message["content"]))}
+    return message
 
 
 def _frame(ctx: CheckContext, suite: list[Check]):
