@@ -22,6 +22,7 @@ from tests.secret_corpus import AWS_SECRET, ISSUE_ROW_INPUT, case_texts, leaks
         ("key sk_live_4eC39HqLyjWDarjtT1zdp7dc", "secret"),
         ("AKIAIOSFODNN7EXAMPLE is the id", "secret"),
         ("api_key = 'abcd1234efgh5678'", "secret"),
+        ("login with hf_" + "FAKEfake0123456789FAKEfake01234567", "secret"),  # a Hugging Face token
         ("password: hunter2hunter2", "secret"),
     ],
 )
@@ -165,6 +166,18 @@ def test_each_secret_format_is_found_and_no_part_of_it_survives(name, secret, te
         "password reset instructions were sent to your inbox",
         "a monkey, a donkey and a turkey walk into a bar",
         "python3 -m pip install --upgrade setuptools-scm wheel",
+        # placeholders and code where a password-like key is assigned (detect-secrets' heuristics)
+        "password: <your-password-here>",
+        "export DB_PASSWORD=${DB_PASSWORD}",
+        "secret = get_secret_key(name)",
+        "token = tokens[0]",
+        "password: ********",
+        "client = Client(token=reservation.token, include_secrets=include_secrets, password=password)",
+        "class Settings:\n    api_key: SecretStr = Field(default=None)",
+        "self._tokens_to_id[token] = flow_run_id",
+        "self.cross_attn_token_to_image = Sam3TrackerAttention(config)",
+        "sha = list_repo_commits(model_id, token=token)[0].commit_id",
+        "the tokenizer=openai-community/gpt2 and the author: Jane2024-Smith-Jones",
     ],
 )
 def test_ordinary_text_near_a_keyword_is_not_a_secret(text):
@@ -175,3 +188,4 @@ def test_a_low_entropy_password_in_prose_with_no_keyword_is_not_detected():
     """The documented limit: without a keyword (password: ...) or a known format, a weak password is text."""
     assert find_pii("my dog is called hunter2hunter2 and he is a good boy") == []
     assert [s.kind for s in find_pii("password: hunter2hunter2")] == ["secret"]
+    assert [s.kind for s in find_pii('connect(password="SuperSecret")')] == ["secret"]  # quoted: a literal

@@ -6,7 +6,7 @@ Five rules, their spans merged (overlapping spans become one):
 1. Key formats: the ``denylist`` patterns of Yelp's detect-secrets plugins (``DETECT_SECRETS_PLUGINS``: AWS,
    Azure storage, basic auth in a URL, Discord, GitHub, GitLab, JWT, Mailchimp, OpenAI, private-key headers,
    PyPI, SendGrid, Slack, Square, Stripe, Telegram, Twilio), read from the installed package, plus the formats
-   it lacks (``EXTRA_FORMATS``: GCP API keys, GitHub fine-grained tokens, Stripe test and publishable keys,
+   it lacks (``EXTRA_FORMATS``: GCP API keys, Hugging Face and GitHub fine-grained tokens, Stripe test keys,
    any-length Slack tokens). A match is widened to the end of its token, so the rest of a longer key shows
    nothing.
 2. A private key block (PEM, OpenSSH, PGP, SSH2, PuTTY) with its whole body up to its END line (or, with no
@@ -14,16 +14,21 @@ Five rules, their spans merged (overlapping spans become one):
 3. A value assigned to a password-like key (detect-secrets' KeywordDetector list: ``password``, ``secret``,
    ``api_key``, ``private_key``, ``account_key``... with any suffix such as ``_id``, and ``token`` as a whole
    word): ``key: value``, ``KEY=value``, ``"key": "value"``, ``key := value``, ``key => value``; any value of 8+
-   characters, whatever its entropy.
-4. A random-looking token next to a keyword (those above and key, token, auth, bearer, credential), separated by
-   spaces, colons, equals signs, quotes or brackets: 16+ characters of the base64/URL alphabet holding a digit
+   characters, whatever its entropy, but a placeholder (detect-secrets' heuristics: ``<password>``,
+   ``${PASSWORD}``, ``$PASSWORD``, ``********``), a call or an index (``get_password()``, ``tokens[0]``), or an
+   unquoted name without digits that names a secret or is shaped as code (``self.password``,
+   ``include_secrets``, ``run_id``, ``SecretStr``).
+4. A random-looking token next to a keyword (those above and key, token, auth, bearer, credential), separated
+   by spaces, colons, equals signs, quotes or brackets: 16+ characters of the base64/URL alphabet holding a digit
    and a letter, with a Shannon entropy (detect-secrets' measure) of at least ``ENTROPY_SHARE`` of the most its
-   length allows (log2 of its length, up to 64). A hex string or a UUID (a commit, a digest, a row id) counts
-   only when assigned (``key: <hex>``, ``key=<hex>``), never after a space in prose.
+   length allows (log2 of its length, up to 64), and not a call (``key = Attention3(config)``). A hex string or
+   a UUID (a commit, a digest, a row id) counts only when assigned (``key: <hex>``, ``key=<hex>``), never after
+   a space in prose.
 5. An AWS secret access key (40 base64 characters) within 64 characters after an access key id.
 
 Not detected: a password or token with no keyword before it and no known format (``my dog is hunter2``), a
-low-entropy value after a weak keyword in prose (``the key is pancakes``), and formats no rule knows.
+low-entropy value after a keyword in prose (``the key is pancakes``), a digitless password assigned unquoted in
+the shape of code (``password: CorrectHorse``), and formats no rule knows.
 
 Time is linear in the text's length: each pattern is bounded, starts at a literal or a token's start, or
 matches whatever it scans; the few detect-secrets patterns that are not are anchored or left out (see
@@ -78,6 +83,7 @@ _ANCHORED = {"eyJ": r"(?<![A-Za-z0-9_=-])", "sk-": r"(?<![A-Za-z0-9_-])"}
 
 EXTRA_FORMATS = (
     r"AIza[0-9A-Za-z_-]{35}",  # GCP API key
+    r"\bhf_[A-Za-z0-9]{34,}",  # Hugging Face access token
     r"github_pat_[A-Za-z0-9_]{22,}",  # GitHub fine-grained personal access token
     r"\b(?:sk|pk|rk)_(?:live|test)_[A-Za-z0-9]{16,}",  # Stripe keys of any mode and length
     r"\bxox[abposr]-[A-Za-z0-9-]{10,}",  # Slack tokens of any shape
@@ -86,8 +92,8 @@ EXTRA_FORMATS = (
 
 # A private key block: its header, then its body lazily up to the END line; with no END line (a cut text), the
 # body as far as it goes. A body character is base64, space, a header's `:`/`,`, a line break escaped (once or
-# twice: a JSON string inside a JSON record), or a
-# dash that does not open a `-----` line, so a body stops at the next block and each block is scanned once.
+# twice: a JSON string inside a JSON record), or a dash that does not open a `-----` line, so a body stops at
+# the next block and each block is scanned once.
 _BODY = r"(?:[A-Za-z0-9+/=\s:,.]|\\{1,4}[nrt]|-(?!----))"
 _KEY_HEADER = r"(?:-----BEGIN[ A-Z0-9]{0,40}PRIVATE KEY(?: BLOCK)?-----|---- BEGIN SSH2 ENCRYPTED PRIVATE KEY ----"
 _KEY_HEADER += r"|PuTTY-User-Key-File-\d)"
@@ -97,9 +103,12 @@ KEY_BLOCK = re.compile(rf"{_KEY_HEADER}(?:{_BODY}*?{_KEY_END}|{_BODY}*)")
 # Keywords. Suffixes are bounded (`\w{0,32}`) and no pattern has an unbounded prefix: `\w*secret` would rescan a
 # long word from each of its letters.
 _KEYWORDS = r"key|token|auth|bearer|credential"
-_SUFFIX = r"\w{0,32}"
+_SUFFIX = r"\w{0,32}"  # aws_secret_access_key, DB_PASSWORD
+# A weak keyword's suffix starts a new part of the name (tokens, token_id, authToken, key-id), so tokenizer,
+# keyboard and author are not keywords.
+_WEAK_SUFFIX = r"(?:s\b|[_-]\w{0,32}|[A-Z]\w{0,32})?"
 _VALUE = r"[^\s'\"`\\]{8,}"  # an assigned value: everything up to a space, a quote or an escape
-_ASSIGN = r"[\]'\"\\]{0,3}\s{0,16}(?::=|=>|[:=])\s{0,16}[\\'\"`]{0,2}"
+_ASSIGN = r"[\]'\"\\]{0,3}\s{0,16}(?::=|=>|[:=])\s{0,16}([\\'\"`]{0,2})"  # group 1: an opening quote
 _NEAR = r"[\s'\"`:=\\\]>]{1,8}"  # between a keyword and its token: spaces, quotes, `:`, `=`, escapes, brackets
 _TOKEN = r"[A-Za-z0-9+/_.~%-]{16,}={0,2}"  # no `=` or `:` inside: a rejected token never hides an assignment
 ENTROPY_SHARE = 0.8  # of log2(length): random base64 of 16-64 characters scores above 0.83 in 99 cases of 100
@@ -122,7 +131,7 @@ class _Rules:
     tokens: list[re.Pattern]  # key formats: each holds a run of 16+ token characters
     headers: list[re.Pattern]  # private key block headers (detect-secrets') and whole blocks
     urls: list[re.Pattern]  # credentials in a URL (user:password@host)
-    assignment: re.Pattern  # rule 3; group 1 is the value
+    assignment: re.Pattern  # rule 3; group 1 is an opening quote, group 2 the value
     keyword: re.Pattern  # rule 4; group 1 the separator, group 2 the token
     aws_pair: re.Pattern  # rule 5; group 1 is the secret key
 
@@ -151,17 +160,46 @@ def _rules() -> _Rules:
     return _Rules(
         **groups,
         assignment=re.compile(rf"(?i:{passwords}){_SUFFIX}{_ASSIGN}({_VALUE})"),
-        keyword=re.compile(rf"(?i:{passwords}|{_KEYWORDS}){_SUFFIX}({_NEAR})({_TOKEN})"),
+        keyword=re.compile(rf"(?:(?i:{passwords}){_SUFFIX}|(?i:{_KEYWORDS}){_WEAK_SUFFIX})({_NEAR})({_TOKEN})"),
         aws_pair=re.compile(AWSKeyDetector.denylist[0].pattern + AWS_SECRET_NEAR_ID),
     )
 
 
-def shannon_entropy(token: str, charset: str | None = None) -> float:
-    """detect-secrets' measure (bits per character over its alphabet): what a random-looking token scores."""
+@cache
+def _entropy_plugin(charset: str):
     from detect_secrets.plugins.high_entropy_strings import Base64HighEntropyString, HexHighEntropyString
 
-    plugin = HexHighEntropyString() if charset == "hex" else Base64HighEntropyString()
-    return plugin.calculate_shannon_entropy(token)
+    return HexHighEntropyString() if charset == "hex" else Base64HighEntropyString()
+
+
+def shannon_entropy(token: str, charset: str = "base64") -> float:
+    """detect-secrets' measure (bits per character over its alphabet, "base64" or "hex"; a hex string of digits
+    only scores less): what a random-looking token scores."""
+    return _entropy_plugin(charset).calculate_shannon_entropy(token)
+
+
+# Code, not a value: a call or an index (secret = get_secret(), token = tokens[0]) or, unquoted, a name without
+# digits that names a secret or is shaped as code (token=reservation.token, include_secrets=include_secrets,
+# api_key: SecretStr, secret: flow_run_id).
+_REFERENCE = re.compile(r"[\w)\]][\[(]")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z_.]*")
+_NAMED = re.compile(r"(?i)pass|pwd|secret|token|key|auth|[._]|[a-z][A-Z]")  # or shaped as code: a.b, a_b, aB
+
+
+def assigned_secret(value: str, quoted: bool) -> bool:
+    """Rule 3's filters, detect-secrets' heuristics: a value assigned to a password-like key is a secret unless it
+    is a template (``{x}``, ``<x>``, ``${x}``), a ``$VARIABLE``, letterless (``********``), a call or an index,
+    or, unquoted, a name without digits that names a secret or is shaped as code (``self.password``)."""
+    from detect_secrets.filters.heuristic import (
+        is_not_alphanumeric_string,
+        is_prefixed_with_dollar_sign,
+        is_templated_secret,
+    )
+
+    if is_templated_secret(value) or is_prefixed_with_dollar_sign(value) or is_not_alphanumeric_string(value):
+        return False
+    name = value.rstrip(",;:)}]")
+    return not (_REFERENCE.search(value) or (not quoted and _NAME.fullmatch(name) and _NAMED.search(name)))
 
 
 def random_looking(token: str, assigned: bool) -> bool:
@@ -189,13 +227,16 @@ def _candidates(text: str) -> Iterator[tuple[int, int]]:
     if "://" in text:
         yield from _spans(rules.urls, text)
     if ":" in text or "=" in text:
-        yield from _spans([rules.assignment], text, 1)
+        for match in rules.assignment.finditer(text):
+            if assigned_secret(match.group(2), quoted=bool(match.group(1))):
+                yield match.start(2), match.end(2)
     if _LONG_RUN.search(text) is None:
         return
     yield from _spans(rules.tokens, text)
     yield from _spans([rules.aws_pair], text, 1)
     for match in rules.keyword.finditer(text):
-        if random_looking(match.group(2), assigned=bool(set(match.group(1)) & set(":="))):
+        called = text[match.end(2) : match.end(2) + 1] in ("(", "[")  # code: key = Attention(config)
+        if not called and random_looking(match.group(2), assigned=bool(set(match.group(1)) & set(":="))):
             yield match.start(2), match.end(2)
 
 
