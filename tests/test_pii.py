@@ -172,6 +172,7 @@ def test_each_secret_format_is_found_and_no_part_of_it_survives(name, secret, te
         "secret = get_secret_key(name)",
         "token = tokens[0]",
         "password: ********",
+        'raise ValueError(f"disallowed special token: {token}.")',
         "client = Client(token=reservation.token, include_secrets=include_secrets, password=password)",
         "class Settings:\n    api_key: SecretStr = Field(default=None)",
         "self._tokens_to_id[token] = flow_run_id",

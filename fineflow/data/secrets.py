@@ -196,9 +196,10 @@ def assigned_secret(value: str, quoted: bool) -> bool:
         is_templated_secret,
     )
 
-    if is_templated_secret(value) or is_prefixed_with_dollar_sign(value) or is_not_alphanumeric_string(value):
+    template = value.rstrip(".,;:)")  # a template ending a sentence or a call: {token}.
+    if is_templated_secret(template) or is_prefixed_with_dollar_sign(value) or is_not_alphanumeric_string(value):
         return False
-    name = value.rstrip(",;:)}]")
+    name = value.rstrip(".,;:)}]")
     return not (_REFERENCE.search(value) or (not quoted and _NAME.fullmatch(name) and _NAMED.search(name)))
 
 
