@@ -137,6 +137,11 @@ def test_the_secret_access_key_after_an_access_key_id_is_redacted_not_only_the_i
     assert leaks(AWS_SECRET, redact(ISSUE_ROW_INPUT, spans)) == []
     assert leaks(AWS_SECRET, redacted_preview(ISSUE_ROW_INPUT)) == []
     assert redact(ISSUE_ROW_INPUT, spans) == "key [SECRET] secret [SECRET]"
+    text = f"{ISSUE_ROW_INPUT}. Then redis://admin:hunter2hunter2@cache.local:6379 too."
+    assert (
+        redact(text, find_pii(text))
+        == "key [SECRET] secret [SECRET]. Then redis://admin:[SECRET]@cache.local:6379 too."
+    )
 
 
 CASE_TEXTS = case_texts()

@@ -130,7 +130,7 @@ def _anchored(pattern: str) -> str:
 class _Rules:
     tokens: list[re.Pattern]  # key formats: each holds a run of 16+ token characters
     headers: list[re.Pattern]  # private key block headers (detect-secrets') and whole blocks
-    urls: list[re.Pattern]  # credentials in a URL (user:password@host)
+    urls: list[re.Pattern]  # credentials in a URL (user:password@host); group 1 is the password
     assignment: re.Pattern  # rule 3; group 1 is an opening quote, group 2 the value
     keyword: re.Pattern  # rule 4; group 1 the separator, group 2 the token
     aws_pair: re.Pattern  # rule 5; group 1 is the secret key
@@ -226,7 +226,7 @@ def _candidates(text: str) -> Iterator[tuple[int, int]]:
     if "PRIVATE KEY" in text or "PuTTY-User-Key-File" in text:
         yield from _spans(rules.headers, text)
     if "://" in text:
-        yield from _spans(rules.urls, text)
+        yield from _spans(rules.urls, text, 1)  # the password: user and host stay readable
     if ":" in text or "=" in text:
         for match in rules.assignment.finditer(text):
             if assigned_secret(match.group(2), quoted=bool(match.group(1))):
@@ -238,7 +238,7 @@ def _candidates(text: str) -> Iterator[tuple[int, int]]:
     for match in rules.keyword.finditer(text):
         called = text[match.end(2) : match.end(2) + 1] in ("(", "[")  # code: key = Attention(config)
         if not called and random_looking(match.group(2), assigned=bool(set(match.group(1)) & set(":="))):
-            yield match.start(2), match.end(2)
+            yield match.start(2), match.start(2) + len(match.group(2).rstrip("."))  # a sentence's full stop stays
 
 
 def secret_spans(text: str) -> Iterator[Span]:
