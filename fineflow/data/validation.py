@@ -380,7 +380,7 @@ def validate_splits(
     sinks = sinks or {"eval": ListSink(), "train": ListSink()}
 
     def load(path: Path) -> Iterator[Row]:
-        return apply_mapping(read_rows(path, data_cfg.format), data_cfg.mapping, str(path))
+        return apply_mapping(read_rows(path, data_cfg.format, cfg.max_row_bytes), data_cfg.mapping, str(path))
 
     def docs(split: str) -> Path | None:
         return docs_dir / split if docs_dir else None
