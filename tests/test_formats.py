@@ -80,6 +80,13 @@ def test_a_non_utf8_csv_header_is_a_clear_error(tmp_path):
         list(read_rows(path))
 
 
+def test_a_csv_header_over_max_row_bytes_is_a_clear_error(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text("instruction,output," + ",".join(f"c{i}" for i in range(400)) + "\na,b\n")
+    with pytest.raises(DataError, match=rf"{path}:1: the header is over validate.max_row_bytes=1,024 bytes"):
+        list(read_rows(path, max_row_bytes=1024))
+
+
 def _nul_rows():
     return [{"prompt": "Say hi.", "completion": "h\x00i"}, {"prompt": "Say bye.", "completion": "bye"}]
 
