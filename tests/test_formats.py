@@ -60,11 +60,52 @@ def test_unknown_extension_asks_for_data_format(tmp_path):
         read_rows(tmp_path / "d.txt")
 
 
-def test_non_utf8_csv_names_the_line(tmp_path):
+def test_a_non_utf8_csv_line_quarantines_its_row_like_jsonl_the_others_are_kept(tmp_path):
     path = tmp_path / "d.csv"
-    path.write_bytes(b"instruction,output\na,b\nc,\xff\n")
-    with pytest.raises(DataError, match=rf"{path}:3: not UTF-8"):
+    path.write_bytes(b'instruction,output\n"multi\nline",x\na,\xff\nc,"d\n\xfee"\ng,h\n')
+    rows = list(read_rows(path))
+    assert [(row.line, row.reasons) for row in rows] == [
+        (3, []),
+        (4, [f"{path}:4: not UTF-8 (byte 2 of the line)"]),
+        (6, [f"{path}:6: not UTF-8 (byte 0 of the line)"]),  # inside a quoted cell that spans lines 5-6
+        (7, []),
+    ]
+    assert rows[1].data is None and rows[1].raw == "a,\ufffd" and rows[3].data == {"instruction": "g", "output": "h"}
+
+
+def test_a_non_utf8_csv_header_is_a_clear_error(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_bytes(b"instruction,\xffoutput\na,b\n")
+    with pytest.raises(DataError, match=rf"{path}:1: not UTF-8 \(byte 12 of the line\) in the header"):
         list(read_rows(path))
+
+
+def test_a_csv_header_over_max_row_bytes_is_a_clear_error(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text("instruction,output," + ",".join(f"c{i}" for i in range(400)) + "\na,b\n")
+    with pytest.raises(DataError, match=rf"{path}:1: the header is over validate.max_row_bytes=1,024 bytes"):
+        list(read_rows(path, max_row_bytes=1024))
+
+
+def _nul_rows():
+    return [{"prompt": "Say hi.", "completion": "h\x00i"}, {"prompt": "Say bye.", "completion": "bye"}]
+
+
+def test_a_nul_byte_is_quarantined_alike_from_jsonl_csv_and_parquet(tmp_path):
+    import pandas as pd
+
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _nul_rows()))
+    pd.DataFrame(_nul_rows()).to_csv(tmp_path / "d.csv", index=False)
+    pd.DataFrame(_nul_rows()).to_parquet(tmp_path / "d.parquet")
+    found = []
+    for path, line in ((tmp_path / "d.jsonl", 1), (tmp_path / "d.csv", 2), (tmp_path / "d.parquet", 1)):
+        rows = apply_mapping(read_rows(path), PROMPT_COMPLETION, str(path))
+        outcome = validate_rows(rows, str(path), ValidateParams(max_bad_share=1.0))
+        assert [row.line for row in outcome.quarantined] == [line]
+        found.append(([r.removeprefix(f"{path}:{line}: ") for r in outcome.quarantined[0].reasons], outcome.kept))
+    reasons = ['failed no_control_chars(text) (field "output" contains a NUL byte (U+0000))']
+    assert [r for r, _ in found] == [reasons] * 3
+    assert [[row.data for row in kept] for _, kept in found] == [[{"instruction": "Say bye.", "output": "bye"}]] * 3
 
 
 def test_not_parquet_is_a_clear_error(tmp_path):
@@ -287,3 +328,55 @@ def test_a_csv_cell_of_megabytes_is_a_row_for_the_gate_not_a_file_error(tmp_path
     outcome = validate_rows(read_rows(path), str(path), ValidateParams(max_bad_share=1.0))
     assert [row.line for row in outcome.kept] == [2]
     assert outcome.quarantined[0].reasons == [f"{path}:3: failed length_chars(text)"]
+
+
+def _too_large(path, line: int, size: int, limit: int) -> str:
+    return f"{path}:{line}: the row is {size:,} bytes, over validate.max_row_bytes={limit:,} (quarantined unparsed)"
+
+
+def test_a_jsonl_row_over_max_row_bytes_is_quarantined_unparsed_and_the_next_row_read(tmp_path):
+    import hashlib
+
+    path = tmp_path / "d.jsonl"
+    big = b'{"instruction": "a", "output": "' + b"x" * 5000 + b'"}'
+    path.write_bytes(b'{"instruction": "a", "output": "b"}\n' + big + b'\n{"instruction": "c", "output": "d"}\n')
+    rows = list(read_rows(path, max_row_bytes=1024))
+    assert [(row.line, row.data) for row in rows] == [
+        (1, {"instruction": "a", "output": "b"}),
+        (2, None),
+        (3, {"instruction": "c", "output": "d"}),
+    ]
+    assert rows[1].reasons == [_too_large(path, 2, len(big), 1024)]
+    assert rows[1].digest == hashlib.sha256(big).hexdigest() and rows[1].size == len(big)
+    assert rows[1].raw == big.decode()[: len(rows[1].raw)] and len(rows[1].raw) >= 200  # enough for the preview
+    assert [row.reasons for row in read_rows(path, max_row_bytes=len(big))] == [[], [], []]  # at the limit: read
+
+
+def test_a_csv_record_over_max_row_bytes_is_quarantined_and_line_numbers_stay_right(tmp_path):
+    path = tmp_path / "d.csv"
+    long_line = "e," + "q" * 5000  # one line over the limit
+    quoted = '"' + "y" * 99 + "\n" + ("y" * 99 + "\n") * 20 + '",z'  # 22 short lines, 2,101 bytes together
+    opens_a_quote = 'f,"' + "w" * 5000 + '\nstill the cell",g'  # over the limit, and its quote closes on the next line
+    path.write_text(f"instruction,output\na,b\n{long_line}\n{quoted}\n{opens_a_quote}\nc,d\n", encoding="utf-8")
+    rows = list(read_rows(path, max_row_bytes=1024))
+    assert [(row.line, row.data) for row in rows] == [
+        (2, {"instruction": "a", "output": "b"}),
+        (3, None),
+        (25, None),
+        (27, None),
+        (28, {"instruction": "c", "output": "d"}),
+    ]
+    assert rows[1].reasons == [_too_large(path, 3, len(long_line), 1024)]
+    assert rows[2].reasons == [_too_large(path, 25, len(quoted), 1024)]
+    assert rows[3].reasons == [_too_large(path, 27, len(opens_a_quote), 1024)]
+    assert rows[2].raw.startswith('"yyy')
+
+
+def test_a_parquet_row_over_max_row_bytes_is_quarantined(tmp_path):
+    import pandas as pd
+
+    path = tmp_path / "d.parquet"
+    pd.DataFrame([{"instruction": "a", "output": "b"}, {"instruction": "c", "output": "x" * 5000}]).to_parquet(path)
+    rows = list(read_rows(path, max_row_bytes=1024))
+    assert [(row.line, row.data) for row in rows] == [(1, {"instruction": "a", "output": "b"}), (2, None)]
+    assert rows[1].reasons == [_too_large(path, 2, rows[1].size, 1024)] and rows[1].size > 5000

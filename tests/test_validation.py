@@ -612,3 +612,116 @@ print(json.dumps([[row.line, row.reasons, row.warnings] for row in outcome.quara
     ]
     tokens = int(warning.removeprefix("t:2: failed fits_seq_len(tokens) (").split()[0])
     assert 8_000_000 <= tokens < 8_000_100  # counted in pieces: every character of the row, one token each here
+
+
+# Hostile input: blank outputs, control characters, rows too large to train on.
+
+BLANK_OUTPUTS = [
+    "   ",
+    "\t\n",
+    "\u200b\u200c\u200d\ufeff",  # zero-width space, non-joiner, joiner, byte-order mark
+    "\u2060",  # word joiner
+    "\u00a0",  # no-break space
+    " \u00a0\u200b\t\u3000\u2800\u3164",  # mixed, with the ideographic space, braille blank and Hangul filler
+]
+
+
+def test_outputs_of_only_whitespace_or_invisible_characters_fail_non_empty(tmp_path):
+    rows = [{"instruction": f"Say hi {i}.", "input": "", "output": blank} for i, blank in enumerate(BLANK_OUTPUTS)]
+    rows += [
+        {"instruction": "Say hi.", "input": "", "output": "\u200bhi\u00a0"},  # visible text among invisible: kept
+        {"instruction": "Say yes.", "input": "", "output": "\u662f"},  # a CJK character is text
+    ]
+    path = write(tmp_path / "t.jsonl", [json.dumps(row) for row in rows])
+    outcome = outcome_for(path)
+    blank_lines = range(1, len(BLANK_OUTPUTS) + 1)
+    assert reasons(outcome) == {line: f"{path}:{line}: failed non_empty(output)" for line in blank_lines}
+    assert [row.line for row in outcome.kept] == [len(BLANK_OUTPUTS) + 1, len(BLANK_OUTPUTS) + 2]
+
+
+def test_a_chat_response_of_only_whitespace_fails_non_empty(tmp_path):
+    from fineflow.core.config import FieldMapping
+    from fineflow.data.formats import apply_mapping
+
+    conversation = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": " \u200b\n"}]
+    path = write(tmp_path / "t.jsonl", [json.dumps({"messages": conversation})])
+    rows = apply_mapping(read_jsonl(path), FieldMapping(messages="messages"), str(path))
+    outcome = validate_rows(rows, str(path), CFG)
+    assert reasons(outcome) == {1: f"{path}:1: failed non_empty(output)"}
+
+
+def test_control_characters_are_quarantined_naming_the_field(tmp_path):
+    path = write(
+        tmp_path / "t.jsonl",
+        [
+            json.dumps({**GOOD, "output": "h\x00i"}),  # 1: JSON's "\u0000"
+            json.dumps({**GOOD, "instruction": "Ring\x07."}),  # 2: a bell
+            json.dumps({**GOOD, "input": "\x1b[31mred"}),  # 3: a terminal escape
+            json.dumps({**GOOD, "output": "tab\tnew\nline\r\n"}),  # 4: tab, newline, return are text: kept
+            json.dumps({**GOOD, "output": "the escape \\u0000 as text"}),  # 5: a backslash, not a NUL: kept
+            json.dumps({**GOOD, "output": "hi", "source": "\x00"}),  # 6: a column the gate drops: kept
+        ],
+    )
+    outcome = validate_rows(read_jsonl(path), str(path), CFG)
+    check = "failed no_control_chars(text)"
+    assert reasons(outcome) == {
+        1: f'{path}:1: {check} (field "output" contains a NUL byte (U+0000))',
+        2: f'{path}:2: {check} (field "instruction" contains a control character (U+0007))',
+        3: f'{path}:3: {check} (field "input" contains a control character (U+001B))',
+    }
+    assert [row.line for row in outcome.kept] == [4, 5, 6]
+
+
+def _one_huge_row(path, mb: int):
+    """Two ordinary rows around one row of mb megabytes (a JSON string of letters)."""
+    with path.open("wb") as fh:
+        fh.write(json.dumps(GOOD).encode() + b"\n")
+        fh.write(b'{"instruction": "Read this.", "input": "')
+        for _ in range(mb):
+            fh.write(b"a" * 1_000_000)
+        fh.write(b'", "output": "ok"}\n')
+        fh.write(json.dumps({**GOOD, "output": "bye"}).encode() + b"\n")
+    return path
+
+
+def test_a_row_over_max_row_bytes_is_quarantined_by_the_reader_in_bounded_memory(tmp_path):
+    """The reader streams an oversized line in chunks (hashing it, keeping its preview's bytes) and never
+    parses it: the gate's memory is bounded by the limit, not the row. Peak traced memory, not time."""
+    import hashlib
+    import tracemalloc
+
+    from fineflow.core.config import DataParams
+    from fineflow.data.validation import validate_splits
+
+    limit, mb = 64 * 1024, 40
+    train = _one_huge_row(tmp_path / "train.jsonl", mb)
+    (tmp_path / "eval.jsonl").write_text(json.dumps({**GOOD, "output": "an eval row"}) + "\n")
+    cfg = ValidateParams(max_row_bytes=limit, max_bad_share=0.5)
+    paths = {"train": train, "eval": tmp_path / "eval.jsonl"}
+    validate_splits(paths, DataParams(), cfg)  # warm: imports and GX's first-run caches are not the row's
+    tracemalloc.start()
+    try:
+        outcome = validate_splits(paths, DataParams(), cfg)["train"]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    [big] = outcome.quarantined
+    size = mb * 1_000_000 + len('{"instruction": "Read this.", "input": "", "output": "ok"}')
+    assert big.line == 2 and big.reasons == [
+        f"{train}:2: the row is {size:,} bytes, over validate.max_row_bytes={limit:,} (quarantined unparsed)"
+    ]
+    assert big.digest == hashlib.sha256(train.read_bytes().split(b"\n")[1]).hexdigest() and big.size == size
+    assert big.raw.startswith('{"instruction": "Read this.", "input": "aaa') and big.data is None
+    assert [row.line for row in outcome.kept] == [1, 3]
+    # ~0.8 MB measured: the limit's bytes and the gate's own objects; on main, 11x the row (440 MB here)
+    assert peak < 32 * limit + 2_000_000, f"peak {peak / 1e6:.1f} MB for a {mb} MB row"
+
+
+def test_max_row_bytes_is_bounded_and_leaves_room_for_max_chars():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="max_row_bytes"):
+        ValidateParams(max_row_bytes=100)
+    with pytest.raises(ValidationError, match=r"max_row_bytes \(4,096\) must be >= max_chars \(10,000\)"):
+        ValidateParams(max_row_bytes=4096, max_chars=10_000)
+    assert ValidateParams().max_row_bytes == 1 << 20

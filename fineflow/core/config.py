@@ -130,7 +130,21 @@ class ValidateParams(_Section):
     pii: Literal["quarantine", "redact"] = "quarantine"  # redact: replace spans with [EMAIL], [PHONE], ...
     leakage_ngram: int = Field(8, gt=0)  # word n-gram length for train/eval overlap
     leakage_max_overlap: float = Field(0.5, gt=0, le=1)  # a train row sharing more of its n-grams leaks
+    # a source row (a JSONL line, a CSV record, a Parquet row as JSON) over this many bytes is quarantined by
+    # the reader, unparsed and never held whole: validating it would cost ~11x its size. 1 MiB is far over any
+    # row that trains whole: 65,536 tokens (tokenize.seq_len's maximum) of ~4 bytes, or of JSON-escaped
+    # non-ASCII (6 bytes a character), take 256-384 KiB
+    max_row_bytes: int = Field(1 << 20, ge=1024, le=2**31 - 1)
     checks: ValidationChecks = ValidationChecks()
+
+    @model_validator(mode="after")
+    def _row_holds_max_chars(self) -> ValidateParams:
+        if self.max_row_bytes < self.max_chars:  # a row of max_chars characters takes at least as many bytes
+            raise ValueError(
+                f"max_row_bytes ({self.max_row_bytes:,}) must be >= max_chars ({self.max_chars:,}): a row of "
+                f"max_chars characters takes at least that many bytes"
+            )
+        return self
 
 
 # Shards store position ids as uint16 (fineflow.tokenize.shards.POSITION_DTYPE): a row holds positions 0..65,535.

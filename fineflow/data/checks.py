@@ -17,6 +17,7 @@ Adding a check means:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -159,6 +160,37 @@ def _pii_kinds(ctx: CheckContext) -> list[str | None]:
     return [",".join(sorted(pii_kinds(text))) or None for text in ctx.texts]
 
 
+# Characters that show nothing: an output of only these is empty. Unicode whitespace (\s: spaces, tabs, line
+# breaks, the no-break and ideographic spaces), controls, and the invisible format characters and fillers
+# (zero-width space/joiners, word joiner, byte-order mark, soft hyphen, bidi marks, variation selectors,
+# Hangul fillers, the braille blank, tags). Written as escapes: the suite (and its Data Docs) shows them.
+INVISIBLE = (
+    r"\s\x00-\x1f\x7f-\x9f\u00ad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f"
+    r"\u202a-\u202e\u2060-\u206f\u2800\u3164\ufe00-\ufe0f\ufeff\uffa0\ufff9-\ufffb"
+    r"\U0001d173-\U0001d17a\U000e0000-\U000e007f\U000e0100-\U000e01ef"
+)
+VISIBLE = f"[^{INVISIBLE}]"  # a value with one such character is not empty
+# C0 control characters but tab, newline and carriage return: not text (a NUL truncates C strings, an escape
+# drives a terminal); quarantined in the fields the model sees, so they never reach training
+CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
+
+
+def _control_chars(ctx: CheckContext) -> list[str | None]:
+    """Which field of each row holds a control character, and which; None when none does."""
+    return [_control_char(row.data) for row in ctx.rows]
+
+
+def _control_char(data: dict) -> str | None:
+    for name in ("instruction", "input", "output"):
+        value = data.get(name)
+        found = CONTROL.search(value) if isinstance(value, str) else None
+        if found:
+            char = f"U+{ord(found.group()):04X}"
+            what = f"a NUL byte ({char})" if char == "U+0000" else f"a control character ({char})"
+            return f'field "{name}" contains {what}'
+    return None
+
+
 def _token_counts(ctx: CheckContext) -> list[int | None]:
     return [n_tokens for n_tokens, _, _ in ctx.measured]
 
@@ -182,6 +214,11 @@ def _int(value: Any) -> int:
 
 def _expect_str(column: str, ctx: CheckContext) -> Expectation:
     return _gxe().ExpectColumnValuesToBeOfType(column=column, type_="str")
+
+
+def _expect_null(column: str, ctx: CheckContext) -> Expectation:
+    """A derived column that is None where the row passes (the line it duplicates, the PII it holds ...)."""
+    return _gxe().ExpectColumnValuesToBeNull(column=column)
 
 
 def schema_checks(columns: tuple[str, ...]) -> list[Check]:
@@ -211,10 +248,19 @@ CHECKS: list[Check] = [
         "non_empty(output)",
         "non_empty",
         "output",
-        lambda col, ctx: _gxe().ExpectColumnValueLengthsToBeBetween(column=col, min_value=1),
+        # a value of only whitespace or invisible characters is empty too: a response the model learns nothing from
+        lambda col, ctx: _gxe().ExpectColumnValuesToMatchRegex(column=col, regex=VISIBLE),
         applies=rows_have("output"),
     ),
     Check("type_str(input)", "types", "input", _expect_str),  # the frame always has input ("" where absent)
+    Check(  # a string with a NUL or another control character is not text: the types knob sets its severity
+        "no_control_chars(text)",
+        "types",
+        "control_char",
+        _expect_null,
+        derive=_control_chars,
+        detail=lambda row: f" ({row['control_char']})",
+    ),
     Check(
         "length_chars(text)",
         "length_chars",
@@ -228,7 +274,7 @@ CHECKS: list[Check] = [
         "unique(row)",
         "duplicate",
         "duplicate_of",
-        lambda col, ctx: _gxe().ExpectColumnValuesToBeNull(column=col),
+        _expect_null,
         derive=_duplicate_of,
         detail=lambda row: f" (first seen at line {_int(row['duplicate_of'])})",
     ),
@@ -236,7 +282,7 @@ CHECKS: list[Check] = [
         "near_unique(normalized)",
         "near_duplicate",
         "near_duplicate_of",
-        lambda col, ctx: _gxe().ExpectColumnValuesToBeNull(column=col),
+        _expect_null,
         derive=_near_duplicate_of,
         detail=lambda row: f" (same as line {_int(row['near_duplicate_of'])} up to case/punctuation)",
     ),
@@ -244,7 +290,7 @@ CHECKS: list[Check] = [
         "no_pii(text)",
         "pii",
         "pii_kinds",
-        lambda col, ctx: _gxe().ExpectColumnValuesToBeNull(column=col),
+        _expect_null,
         derive=_pii_kinds,
         applies=pii_quarantined,
         detail=lambda row: f" ({row['pii_kinds']})",
@@ -271,7 +317,7 @@ CHECKS: list[Check] = [
         "chat_template_renders(row)",
         "chat_template",
         "render_error",
-        lambda col, ctx: _gxe().ExpectColumnValuesToBeNull(column=col),
+        _expect_null,
         derive=_render_errors,
         applies=with_tokens,
         detail=lambda row: f" ({row['render_error']})",

@@ -1,20 +1,24 @@
 """Reading instruction rows: JSONL, CSV or Parquet files, chat ``messages``, and the column mapping.
 
-Readers stream: they yield one ``Row`` at a time, so a file of any size is read in bounded memory. They never
-raise on a bad row: a row that cannot be used becomes a ``Row`` without data that carries its reason (bad
-JSON, not UTF-8, an object with a duplicate key, nesting deeper than ``MAX_NESTING``, a lone surrogate), so
-the gate (fineflow.data.validation) can quarantine it with everything else. They raise ``DataError`` only
+Readers stream: they yield one ``Row`` at a time, so a file of any size is read in bounded memory, and a row
+over ``max_row_bytes`` (validate.max_row_bytes) is read in chunks, hashed and quarantined unparsed, so it
+costs ``READ_CHUNK`` bytes, not ~11x its size in the gate's copies. They never raise on a bad row: a row that
+cannot be used becomes a ``Row`` without data that carries its reason (too large, bad JSON, not UTF-8 — a
+JSONL line or a CSV line alike —, an object with a duplicate key, nesting deeper than ``MAX_NESTING``, a lone
+surrogate), so the gate (fineflow.data.validation) can quarantine it with everything else. They raise ``DataError`` only
 when the whole file is unusable (unreadable, empty, wrong format) — when the stream reaches the problem.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fineflow.core.errors import DataError
 from fineflow.data.pii import PREVIEW_SOURCE_CHARS, redacted_preview
@@ -127,26 +131,113 @@ def _open(path: Path):
         raise DataError(f"{path}: cannot read the file ({exc.strerror})") from None
 
 
-def read_jsonl(path: str | Path) -> Iterator[Row]:
-    """Every line of a JSONL file as a Row, one at a time; unusable lines carry their reason."""
+BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark is harmless; skipped rather than fail line 1
+READ_CHUNK = 1 << 16  # a line over max_row_bytes is read this much at a time
+HEAD_BYTES = 4 * PREVIEW_SOURCE_CHARS  # enough bytes for PREVIEW_SOURCE_CHARS characters of UTF-8
+
+
+def _preview_source(raw: bytes) -> str:
+    """The start of a row's bytes that a quarantine preview needs (PREVIEW_SOURCE_CHARS characters)."""
+    return raw[:HEAD_BYTES].decode("utf-8", "replace")[:PREVIEW_SOURCE_CHARS]
+
+
+def _skip_bom(fh) -> None:
+    if fh.peek(len(BOM))[: len(BOM)] == BOM:
+        fh.read(len(BOM))
+
+
+@dataclass
+class _Source:
+    """The source bytes of one row (a JSONL line, or the lines of a CSV record) as they are read: held while
+    within max_row_bytes, then only hashed, with the start its preview needs; and the first reason (a line
+    not UTF-8) that it cannot be a row. An oversized row costs READ_CHUNK bytes at a time, whatever its size."""
+
+    limit: int | None
+    held: list[bytes] = field(default_factory=list)
+    lines: int = 0
+    size: int = 0
+    hasher: Any = None  # sha256 of the bytes once over the limit (then they are no longer held)
+    head: bytes = b""
+    problem: str | None = None
+
+    @property
+    def oversized(self) -> bool:
+        return self.hasher is not None
+
+    def add(self, data: bytes) -> None:
+        self.size += len(data)
+        if self.hasher is None and (self.limit is None or self.size <= self.limit):
+            self.held.append(data)
+            return
+        if self.hasher is None:
+            held, self.held = b"".join(self.held), []
+            self.hasher, self.head = hashlib.sha256(held), held[:HEAD_BYTES]
+        self.head += data[: max(0, HEAD_BYTES - len(self.head))]
+        self.hasher.update(data)
+
+    def read_line(self, fh) -> bytes | int | None:
+        """Read the file's next line (split on \\n only, never on U+2028) into the source. Returns the line
+        without its \\n; once the source is over the limit, the count of double quotes in the line instead
+        (the line is not kept); None at the end of the file."""
+        piece = fh.readline() if self.limit is None else fh.readline(self.limit + 1)
+        if not piece:
+            return None
+        if self.lines:
+            self.add(b"\n")  # between two lines of one record
+        self.lines += 1
+        quotes = 0
+        while True:
+            ended = piece.endswith(b"\n")
+            content = piece[:-1] if ended else piece
+            self.add(content)
+            quotes += content.count(b'"')
+            if ended or not piece or not self.oversized:
+                return quotes if self.oversized else content
+            piece = fh.readline(READ_CHUNK)
+
+    def digest(self, strip: bytes = b"") -> str:
+        """sha256 of the row's bytes (without the final newline): names a rejected row without keeping it."""
+        return (
+            self.hasher.hexdigest() if self.oversized else hashlib.sha256(b"".join(self.held).strip(strip)).hexdigest()
+        )
+
+    def rejected(self, line: int, reason: str, strip: bytes = b"") -> Row:
+        raw = self.head if self.oversized else b"".join(self.held)
+        return Row(line, raw=_preview_source(raw), reasons=[reason], digest=self.digest(strip), size=self.size)
+
+    def too_large(self, where: str) -> str:
+        over = f"over validate.max_row_bytes={self.limit:,}"
+        return f"{where}: the row is {self.size:,} bytes, {over} (quarantined unparsed)"
+
+
+def read_jsonl(path: str | Path, max_row_bytes: int | None = None) -> Iterator[Row]:
+    """Every line of a JSONL file as a Row, one at a time; unusable lines carry their reason, and a line over
+    max_row_bytes is quarantined without being held or parsed."""
     path = Path(path)
     any_rows = False
     with _open(path) as fh:
-        for number, raw_line in enumerate(fh, start=1):  # binary lines: split on \n only, never on U+2028
-            raw_line = raw_line.rstrip(b"\n")
-            if number == 1 and raw_line.startswith(b"\xef\xbb\xbf"):
-                raw_line = raw_line[3:]  # a UTF-8 byte-order mark is harmless; strip it rather than fail line 1
+        _skip_bom(fh)
+        for number in itertools.count(1):
+            source = _Source(max_row_bytes)
+            raw_line = source.read_line(fh)
+            if raw_line is None:
+                break
+            where = f"{path}:{number}"
+            if source.oversized:
+                any_rows = True
+                yield source.rejected(number, source.too_large(where))
+                continue
             if not raw_line.strip():
                 continue
             any_rows = True
-            obj, problem = parse_json_row(raw_line, f"{path}:{number}")
-            digest, size = hashlib.sha256(raw_line).hexdigest(), len(raw_line)
-            raw = raw_line[: 4 * PREVIEW_SOURCE_CHARS].decode("utf-8", "replace")[:PREVIEW_SOURCE_CHARS]
-            del raw_line  # not held while the row is checked: a line can be many megabytes
-            if problem:
-                yield Row(number, raw=raw, reasons=[problem], digest=digest, size=size)
-            else:
-                yield Row(number, data=obj, digest=digest, size=size)
+            obj, problem = parse_json_row(raw_line, where)
+            row = (
+                source.rejected(number, problem)
+                if problem
+                else Row(number, data=obj, digest=source.digest(), size=source.size)
+            )
+            del raw_line, source  # not held while the row is checked: a line can be many megabytes
+            yield row
     if not any_rows:
         raise DataError(
             f"{path}: the file is empty (no rows); point data.train_path at a JSONL file with one object per line"
@@ -155,73 +246,87 @@ def read_jsonl(path: str | Path) -> Iterator[Row]:
 
 class _CsvLines:
     """A CSV file's lines for csv.reader, decoded one by one: split on \\n only (str.splitlines would also
-    split cells on U+2028, U+2029, \\x85 ...), a non-UTF-8 line named by its number, and the text of the
-    lines a record used remembered for its digest."""
+    split cells on U+2028, U+2029, \\x85 ...), each record's source bytes collected for ``take``.
 
-    def __init__(self, fh, path: Path):
-        self.fh, self.path, self.number, self.taken = fh, path, 0, []
+    A line that is not UTF-8 makes its record a quarantined row naming the line (decoded with U+FFFD, so
+    the cells and quotes around it parse as they are). Once a record is over max_row_bytes, csv.reader gets
+    a stand-in for each further line, a lone quote or "x" as the line has an odd or even number of quotes
+    (so it leaves a quoted cell open or closed as the line does): the record ends where the file says, and
+    neither this class nor csv.reader ever holds it."""
+
+    def __init__(self, fh, path: Path, limit: int | None):
+        self.fh, self.path, self.limit, self.number = fh, path, limit, 0
+        self.source = _Source(limit)
 
     def __iter__(self):
         return self
 
     def __next__(self) -> str:
-        raw = next(self.fh)
+        line = self.source.read_line(self.fh)
+        if line is None:
+            raise StopIteration
         self.number += 1
-        if self.number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-            raw = raw[3:]
+        if self.source.oversized:
+            return '"\n' if line % 2 else "x\n"
         try:
-            line = raw.decode("utf-8")
+            return line.decode("utf-8") + "\n"
         except UnicodeDecodeError as exc:
-            raise DataError(
-                f"{self.path}:{self.number}: not UTF-8 (byte {exc.start} of the line); re-encode the file as UTF-8"
-            ) from None
-        self.taken.append(raw)
-        return line
+            if self.source.problem is None:
+                self.source.problem = f"{self.path}:{self.number}: not UTF-8 (byte {exc.start} of the line)"
+            return line.decode("utf-8", "replace") + "\n"
 
-    def take(self) -> bytes:
-        """The bytes of the lines read since the last take (one record's)."""
-        taken, self.taken = b"".join(self.taken), []
-        return taken
+    def take(self) -> _Source:
+        """The source of the record read since the last take; the next record starts afresh."""
+        source, self.source = self.source, _Source(self.limit)
+        return source
 
 
-def read_csv(path: str | Path) -> Iterator[Row]:
+def _csv_row(source: _Source, line: int, record: dict, where: str) -> Row:
+    if source.oversized:
+        return source.rejected(line, source.too_large(where))
+    problem = source.problem or (f"{where}: more cells than the header has columns" if None in record else None)
+    if problem:
+        return source.rejected(line, problem, strip=b"\r\n")
+    data = {k: v for k, v in record.items() if v is not None}
+    return Row(line, data=data, digest=source.digest(strip=b"\r\n"), size=source.size)
+
+
+def read_csv(path: str | Path, max_row_bytes: int | None = None) -> Iterator[Row]:
     """Every record of a CSV file (header first) as a Row numbered by its line in the file, one at a time."""
     import csv
 
     path = Path(path)
     any_rows = False
     # csv refuses a cell over 128 KiB by default, which would fail the whole file; an over-long row is the
-    # length check's to quarantine, as in JSONL
+    # length check's (or max_row_bytes') to quarantine, as in JSONL
     csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))
     with _open(path) as fh:
-        lines = _CsvLines(fh, path)
+        _skip_bom(fh)
+        lines = _CsvLines(fh, path, max_row_bytes)
         reader = csv.DictReader(lines)
         try:
             if reader.fieldnames is not None:
-                lines.take()  # the header's bytes are no record's
+                _check_header(lines.take(), path)
             for record in reader:
-                source = lines.take()
                 any_rows = True
-                digest = hashlib.sha256(source.strip(b"\r\n")).hexdigest()
-                if None in record:  # more cells than header columns
-                    yield Row(
-                        reader.line_num,
-                        raw=source[: 4 * PREVIEW_SOURCE_CHARS].decode("utf-8", "replace")[:PREVIEW_SOURCE_CHARS],
-                        reasons=[f"{path}:{reader.line_num}: more cells than the header has columns"],
-                        digest=digest,
-                        size=len(source),
-                    )
-                else:
-                    data = {k: v for k, v in record.items() if v is not None}
-                    yield Row(reader.line_num, data=data, digest=digest, size=len(source))
+                yield _csv_row(lines.take(), reader.line_num, record, f"{path}:{reader.line_num}")
         except csv.Error as exc:
             raise DataError(f"{path}:{reader.line_num}: malformed CSV ({exc})") from None
     if not any_rows:
         raise DataError(f"{path}: the file is empty (no rows below the header)")
 
 
-def read_parquet(path: str | Path, batch_rows: int = 10_000) -> Iterator[Row]:
-    """Every row of a Parquet file as a Row numbered from 1, read in record batches."""
+def _check_header(header: _Source, path: Path) -> None:
+    """The header names the columns: one that cannot be read fails the file, not a row."""
+    if header.oversized:
+        raise DataError(f"{path}:1: the header is over validate.max_row_bytes={header.limit:,} bytes")
+    if header.problem:
+        raise DataError(f"{header.problem} in the header; re-encode the file as UTF-8")
+
+
+def read_parquet(path: str | Path, batch_rows: int = 10_000, max_row_bytes: int | None = None) -> Iterator[Row]:
+    """Every row of a Parquet file as a Row numbered from 1, read in record batches. A row's size is its
+    canonical JSON's: pyarrow has read it by then, so max_row_bytes bounds the gate's copies, not the read."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -232,24 +337,22 @@ def read_parquet(path: str | Path, batch_rows: int = 10_000) -> Iterator[Row]:
         for batch in batches:
             for record in batch.to_pylist():
                 number += 1
-                data = {k: v for k, v in record.items() if v is not None}
-                canonical = json.dumps(data, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8", "replace")
-                digest = hashlib.sha256(canonical).hexdigest()
-                if nesting_exceeds(data):
-                    reason = f"{path}:{number}: nested too deeply to read (over {MAX_NESTING} levels)"
-                    yield Row(
-                        number,
-                        raw=canonical[:PREVIEW_SOURCE_CHARS].decode("utf-8", "replace"),
-                        reasons=[reason],
-                        digest=digest,
-                        size=len(canonical),
-                    )
-                else:
-                    yield Row(number, data=data, digest=digest, size=len(canonical))
+                yield _parquet_row(record, number, f"{path}:{number}", max_row_bytes)
     except (OSError, pa.ArrowException) as exc:
         raise DataError(f"{path}: cannot read the file as Parquet ({exc})") from None
     if not number:
         raise DataError(f"{path}: the file is empty (no rows)")
+
+
+def _parquet_row(record: dict, number: int, where: str, max_row_bytes: int | None) -> Row:
+    data = {k: v for k, v in record.items() if v is not None}
+    source = _Source(max_row_bytes)
+    source.add(json.dumps(data, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8", "replace"))
+    if source.oversized:
+        return source.rejected(number, source.too_large(where))
+    if nesting_exceeds(data):
+        return source.rejected(number, f"{where}: nested too deeply to read (over {MAX_NESTING} levels)")
+    return Row(number, data=data, digest=source.digest(), size=source.size)
 
 
 READERS = {"jsonl": read_jsonl, "csv": read_csv, "parquet": read_parquet}
@@ -263,8 +366,9 @@ EXTENSIONS = {
 }
 
 
-def read_rows(path: str | Path, fmt: str = "auto") -> Iterator[Row]:
-    """Rows of a JSONL, CSV or Parquet file, one at a time; with fmt "auto" the extension decides."""
+def read_rows(path: str | Path, fmt: str = "auto", max_row_bytes: int | None = None) -> Iterator[Row]:
+    """Rows of a JSONL, CSV or Parquet file, one at a time; with fmt "auto" the extension decides. A row over
+    max_row_bytes (validate.max_row_bytes) comes quarantined, unparsed."""
     path = Path(path)
     if fmt == "auto":
         fmt = EXTENSIONS.get(path.suffix.lower())
@@ -273,7 +377,7 @@ def read_rows(path: str | Path, fmt: str = "auto") -> Iterator[Row]:
                 f"{path}: cannot tell the format from the extension {path.suffix!r}; set "
                 f"data.format in params.yaml to jsonl, csv or parquet"
             )
-    return READERS[fmt](path)
+    return READERS[fmt](path, max_row_bytes=max_row_bytes)
 
 
 CHAT_ROLES = ("system", "user", "assistant")
