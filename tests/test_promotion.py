@@ -430,3 +430,15 @@ def test_an_approval_from_the_environment():
     assert approval_from_env({}) is None and approval_from_env({"FINEFLOW_APPROVAL": " "}) is None
     given = approval_from_env({"FINEFLOW_APPROVAL": '{"approved": false, "approver": "bob ", "candidate_id": "c1"}'})
     assert given == Approval(False, "bob", "", "c1")
+
+
+def test_when_the_base_and_the_eval_set_change_in_one_run_both_changes_are_recorded():
+    champion = {**CHAMPION, "base_digest": "a" * 16}
+    scores = {"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)}), "base_digest": "b" * 16}
+    gate = {**GATE, "eval_data_sha256": "f" * 64, "on_base_change": "compare_to_base"}
+    for policy in ("compare_on_current", "refuse"):
+        d = promotion_decision(scores, champion, [], **{**gate, "on_eval_change": policy})
+        assert d.context["base_change"] == {"from": "a" * 16, "to": "b" * 16, "policy": "compare_to_base"}
+        assert d.context["eval_change"] == {"from": H, "to": "f" * 64, "policy": policy}
+    d = promotion_decision(scores, champion, [], **{**gate, "on_base_change": "refuse"})
+    assert not d.promote and d.context["base_change"] and d.context["eval_change"]["to"] == "f" * 64

@@ -57,6 +57,7 @@ def model_card(record: dict, base_ref: str, train: dict | None, is_adapter: bool
         "base model and training data before publishing.",
         "",
     ]
+    lines += _override(record)
     lines += _usage(base_ref, is_adapter) + [""]
     lines += _evaluation(record)
     lines += _training(record, train)
@@ -98,6 +99,18 @@ def front_matter(record: dict, base_ref: str, is_adapter: bool) -> dict:
             }
         ],
     }
+
+
+def _override(record: dict) -> list[str]:
+    """A champion installed by `fineflow registry rollback --allow-unpromoted`: the card says so first."""
+    override = record.get("override")
+    if not override:
+        return []
+    return [
+        f"**Override:** this champion was never promoted by the gate; it was installed by `fineflow registry "
+        f"rollback --allow-unpromoted` (reason: {override.get('reason')}).",
+        "",
+    ]
 
 
 def _usage(base_ref: str, is_adapter: bool) -> list[str]:

@@ -26,6 +26,7 @@ from fineflow.registry.card import model_card, train_figures
 from fineflow.registry.gate import Decision, bootstrap_per_metric, decision_record, flatten, promotion_decision, refusal
 from fineflow.registry.install import (
     champion_files_hash,
+    champion_manifest,
     clear_leftovers,
     ensure_empty_champion,
     read_champion,
@@ -36,7 +37,9 @@ from fineflow.registry.lineage import build_manifest, deterministic, missing_fie
 from fineflow.registry.promotion_log import (
     append_log,
     champion_history,
+    gate_promoted,
     last_champion_entry,
+    next_seq,
     read_log,
     repair_log,
     rollback_refusal,
@@ -116,7 +119,7 @@ def promote(
             staging = build_champion(
                 staging_dir(champion_dir), stored, record["base_model"], record, train_figures(train_report, log)
             )
-        entry = append_log(registry_dir, log_entry(params, record, decision, champion))
+        entry = log_decision(registry_dir, log_entry(params, record, decision, champion), staging, record)
         if staging is not None:
             install_built(staging, champion_dir, registry_dir, cid, record, entry["seq"])
     return _finish(decision, cid, entry["seq"], lineage_dir, manifest, log)
@@ -153,12 +156,18 @@ def decided_as(entry: dict) -> Decision:
 
 
 def rollback(
-    registry_dir: Path, champion_dir: Path, to: str | None = None, base_dir: str | None = None, log=print
+    registry_dir: Path,
+    champion_dir: Path,
+    to: str | None = None,
+    base_dir: str | None = None,
+    log=print,
+    allow_unpromoted: str | None = None,
 ) -> dict:
     """Reinstall an earlier champion from candidates/<id> (default: the one before the current) atomically,
     rebuilding its merged model, tokenizer and card, and log a "rollback" entry; under the registry lock,
     after repairing what a writer that died left. The candidate rolled back from is not promoted again by the
-    gate (promotion_log.rollback_refusal) unless a later rollback reinstalls it."""
+    gate (promotion_log.rollback_refusal) unless a later rollback reinstalls it. A candidate the gate never
+    promoted is installed only with allow_unpromoted (the reason), logged as an override and said on its card."""
     if to is not None:
         check_id(to)
     with registry_writes(registry_dir, champion_dir, log, base_dir):
@@ -167,25 +176,64 @@ def rollback(
         cid = source.name
         if cid == current:
             raise FineflowError(f"{cid} is already the champion")
+        override = unpromoted_override(registry_dir, cid, allow_unpromoted)
         record = read_record(registry_dir, cid)
         base_ref = base_dir or record.get("base_model")
         if not base_ref:
             raise FineflowError(f"{source}: the record names no base model; pass --base-dir")
-        staging = build_champion(staging_dir(champion_dir), source, base_ref, record, None)
-        entry = append_log(
-            registry_dir,
-            {
-                "candidate_id": cid,
-                "decision": "rollback",
-                "promote": True,
-                "reason": f"rollback from {current} to {cid}",
-                "champion_before": current,
-                "metrics": record.get("metrics"),
-                "eval_data_sha256": record.get("eval_data_sha256"),
-            },
-        )
+        entry = rollback_entry(cid, current, record, override)
+        staging = build_champion(staging_dir(champion_dir), source, base_ref, card_record(record, entry), None)
+        entry = log_decision(registry_dir, entry, staging, record)
         install_built(staging, champion_dir, registry_dir, cid, record, entry["seq"])
-    return {"from": current, "to": cid, "log_seq": entry["seq"]}
+    return {"from": current, "to": cid, "log_seq": entry["seq"], "override": override}
+
+
+def unpromoted_override(registry_dir: Path, cid: str, reason: str | None) -> dict | None:
+    """The override a rollback to cid logs when the gate never promoted cid ({"unpromoted", "reason"}); None
+    when it did. Without a reason for one it needs, a FineflowError that says how to give it."""
+    if gate_promoted(registry_dir, cid):
+        return None
+    if not (reason or "").strip():
+        raise FineflowError(
+            f"candidate {cid} was never promoted by the gate (its log entries refused it): to serve it anyway, "
+            f"`fineflow registry rollback --to {cid} --allow-unpromoted REASON` (the reason goes into the log "
+            "and the model card)"
+        )
+    return {"unpromoted": True, "reason": reason.strip()}
+
+
+def rollback_entry(cid: str, current: str | None, record: dict, override: dict | None) -> dict:
+    """The promotion log's entry for a rollback to cid (from the champion current)."""
+    entry = {
+        "candidate_id": cid,
+        "decision": "rollback",
+        "promote": True,
+        "reason": f"rollback from {current} to {cid}" + (f" (override: {override['reason']})" if override else ""),
+        "champion_before": current,
+        "metrics": record.get("metrics"),
+        "eval_data_sha256": record.get("eval_data_sha256"),
+    }
+    return {**entry, "override": override} if override else entry
+
+
+def card_record(record: dict, entry: dict) -> dict:
+    """The record the model card is written from: the candidate's, with the override of the entry that
+    installs it (the card then says the gate never promoted it)."""
+    return {**record, "override": entry["override"]} if entry.get("override") else record
+
+
+def log_decision(registry_dir: Path, entry: dict, staging: Path | None, record: dict) -> dict:
+    """Append entry to the log; when it installs the champion built at staging, first write the champion's
+    champion.json there (with the seq the entry gets) and record every staged file's sha256 in the entry
+    (champion_files), so the entry, keyed, binds all that will be served. Under the registry lock."""
+    if staging is None:
+        return append_log(registry_dir, entry)
+    seq = next_seq(registry_dir)
+    write_json_atomic(staging / CHAMPION_FILE, champion_json(record, seq))
+    logged = append_log(registry_dir, {**entry, "champion_files": champion_manifest(staging)})
+    if logged["seq"] != seq:  # only another writer, outside the registry lock, could cause it
+        raise FineflowError(f"{registry_dir}: the log grew during this write (entry {logged['seq']}, not {seq})")
+    return logged
 
 
 def _previous_champion(registry_dir: Path, current: str | None) -> str:
@@ -225,21 +273,21 @@ def recover(
     and the alias is pointed at it. Leftover staged or retired directories are removed."""
     with registry_lock(registry_dir):
         done = repair_log(registry_dir, log)
+        last = last_champion_entry(registry_dir)
+        source = stored_candidate(registry_dir, last["candidate_id"]) if last else None
+        if source is not None:  # before the leftovers go: the staged champion may be the one the entry recorded
+            done += _finish_install(registry_dir, champion_dir, source, last, base_dir, log)
         for path in clear_leftovers(champion_dir, registry_dir):
             done.append(f"removed {path} (left by a writer that died)")
             log(done[-1])
-        last = last_champion_entry(registry_dir)
-        source = stored_candidate(registry_dir, last["candidate_id"]) if last else None
-        if source is not None:
-            done += _finish_install(registry_dir, champion_dir, source, last["seq"], base_dir, log)
     return done
 
 
 def _finish_install(
-    registry_dir: Path, champion_dir: Path, source: Path, seq: int, base_dir: str | None, log: Callable[[str], None]
+    registry_dir: Path, champion_dir: Path, source: Path, last: dict, base_dir: str | None, log: Callable[[str], None]
 ) -> list[str]:
-    """Make champion_dir and the alias the install of log entry seq (candidate source), if they are not yet."""
-    cid = source.name
+    """Make champion_dir and the alias the install of log entry `last` (candidate source), if they are not yet."""
+    cid, seq = source.name, last["seq"]
     installed = read_champion(champion_dir) or {}
     alias = read_alias(registry_dir) or {}
     if installed.get("candidate_id") == cid and installed.get("promotion_seq") == seq:
@@ -249,21 +297,31 @@ def _finish_install(
         log(message)
         set_alias(registry_dir, cid, seq, champion_files_hash(champion_dir))  # the swap was done: only the alias
         return [message]
-    record = read_record(registry_dir, cid)
-    base_ref = base_dir or record.get("base_model")
-    if not base_ref:
-        raise FineflowError(
-            f"{source}: entry {seq} of the log installs {cid}, whose record names no base model to rebuild it on; "
-            "pass --base-dir to `fineflow registry repair`"
-        )
     message = (
         f"{champion_dir}: finishing the install of {cid} that entry {seq} of the log records (its writer died "
         f"before the champion directory held it)"
     )
     log(message)
-    staging = build_champion(staging_dir(champion_dir), source, base_ref, record, None)
-    install_built(staging, champion_dir, registry_dir, cid, record, seq)
+    record = read_record(registry_dir, cid)
+    install_built(
+        _staged_or_rebuilt(champion_dir, source, last, record, base_dir), champion_dir, registry_dir, cid, record, seq
+    )
     return [message]
+
+
+def _staged_or_rebuilt(champion_dir: Path, source: Path, last: dict, record: dict, base_dir: str | None) -> Path:
+    """The champion entry `last` installs, assembled: the staged copy its writer left when every file is the one
+    the entry recorded (a crash between the log append and the swap), else built again from the candidate."""
+    staged = champion_dir.with_name(f".{champion_dir.name}.staging")
+    if last.get("champion_files") and staged.is_dir() and champion_manifest(staged) == last["champion_files"]:
+        return staged
+    base_ref = base_dir or record.get("base_model")
+    if not base_ref:
+        raise FineflowError(
+            f"{source}: entry {last['seq']} of the log installs {source.name}, whose record names no base model to "
+            "rebuild it on; pass --base-dir to `fineflow registry repair`"
+        )
+    return build_champion(staging_dir(champion_dir), source, base_ref, card_record(record, last), None)
 
 
 # ---- the evidence ----------------------------------------------------------------------------------

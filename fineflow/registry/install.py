@@ -12,12 +12,20 @@ import shutil
 import sys
 from pathlib import Path
 
+from fineflow.core.reports import sha256_file
 from fineflow.registry.store import CARD_FILE, CHAMPION_FILE, directory_hash
 
 
 def champion_files_hash(champion_dir: Path) -> str:
-    """The installed champion's content hash, as the alias records it: every file but the model card."""
+    """The installed champion's content hash, as the alias records it: every file but the model card (what
+    verify checks a champion installed by a log entry without champion_files against, unkeyed only)."""
     return directory_hash(champion_dir, exclude=(CARD_FILE,))
+
+
+def champion_manifest(champion_dir: Path) -> dict[str, str]:
+    """{relative path: sha256} of every file in the champion directory, model card and champion.json included:
+    what the log entry that installs it records (its champion_files), so a keyed entry binds all that is served."""
+    return {str(p.relative_to(champion_dir)): sha256_file(p) for p in sorted(champion_dir.rglob("*")) if p.is_file()}
 
 
 def read_champion(champion_dir: Path) -> dict | None:
