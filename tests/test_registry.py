@@ -194,6 +194,26 @@ def test_tampered_log_fails_verify_naming_the_line(promoted, capsys):
     assert "promotions.jsonl:3:" in out and "line 2 was edited" in out
 
 
+def test_the_entry_that_installed_the_champion_binds_every_served_file(promoted, capsys):
+    """Issue 29: the merged weights replaced and the alias's content hash recomputed passed verify; the log entry
+    that installed the champion now records every file a server loads, and verify checks them against it."""
+    from fineflow.registry.install import champion_manifest
+    from fineflow.registry.promotion_log import last_champion_entry
+    from fineflow.registry.store import read_alias, set_alias
+
+    registry, champion = promoted["registry"], promoted["champion"]
+    entry = last_champion_entry(registry)
+    served = {"merged/model.safetensors", "merged/config.json", "tokenizer.json", "README.md", "champion.json"}
+    assert served <= set(entry["champion_files"]) and entry["champion_files"] == champion_manifest(champion)
+    weights = champion / "merged/model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
+    alias = read_alias(registry)
+    set_alias(registry, alias["id"], alias["seq"], champion_files_hash(champion))
+    args = ["--registry", str(registry), "--champion", str(champion)]
+    assert cli.main(["registry", "verify", *args]) == 1
+    assert f"merged/model.safetensors: differs from what entry {entry['seq']} installed" in capsys.readouterr().out
+
+
 def test_lineage_cli_prints_a_tree(promoted, capsys):
     args = ["--registry", str(promoted["registry"]), "--runs", str(promoted["runs"])]
     assert cli.main(["lineage", str(promoted["champion"]), *args]) == 0

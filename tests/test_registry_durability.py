@@ -635,3 +635,16 @@ def test_a_crash_between_the_log_append_and_the_swap_installs_the_staged_champio
     assert store.alias_id(registry) == cid and _verify_keyed(keyed) == []
     assert (champion / store.CARD_FILE).read_text() == "a card with this run's figures"
     assert not staging.exists()
+
+
+def test_the_card_is_bound_but_for_its_run_figures_which_differ_between_two_runs_of_the_same_inputs(keyed):
+    """The registry is a DVC output that the flow and `dvc repro` must leave alike: the entry binds every line
+    of the card but the run figures (wall time, tokens/s), and only figures as the card writes them."""
+    card_path = keyed["champion"] / store.CARD_FILE
+    text = card_path.read_text()
+    assert card.NO_RUN_FIGURES in text
+    card_path.write_text(text.replace(card.NO_RUN_FIGURES, card.RUN_FIGURES + "wall_s 3.5, tokens_per_s 1234.5"))
+    assert _verify_keyed(keyed) == []
+    card_path.write_text(text.replace(card.NO_RUN_FIGURES, card.RUN_FIGURES + "wall_s 3.5, audited by the safety team"))
+    [problem] = _verify_keyed(keyed)
+    assert "README.md" in problem and "entry 2" in problem

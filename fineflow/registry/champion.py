@@ -6,6 +6,8 @@ candidate in the registry by id, appends the decision and its evidence to the pr
 installs the champion atomically: the PEFT adapter, the merged model (``merged/``), the tokenizer, a model
 card (``README.md``) and the deterministic lineage (``lineage.json``). The slow, failure-prone assembly
 happens before anything is logged or replaced, so a crash leaves the registry and the champion as they were.
+The whole staged directory, champion.json included, is final before the log append, and the entry records each
+file's sha256 (``log_decision``): keyed, the entry binds every file that is served.
 """
 
 from __future__ import annotations
@@ -466,7 +468,7 @@ def stage_report(decision: Decision, cid: str, log_seq: int, lineage_path: Path 
 
 def build_champion(staging: Path, source: Path, base_ref: str, record: dict, train: dict | None) -> Path:
     """Assemble a complete champion directory at staging: adapter files, merged model, tokenizer, card,
-    lineage.json. install_built then writes champion.json and swaps it in."""
+    lineage.json. log_decision then writes champion.json and logs every file's hash; install_built swaps it in."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -489,9 +491,9 @@ def build_champion(staging: Path, source: Path, base_ref: str, record: dict, tra
 
 
 def install_built(staging: Path, champion_dir: Path, registry_dir: Path, cid: str, record: dict, seq: int) -> None:
-    """Make the assembled staging dir the champion cid, after log entry seq was written: its champion.json,
-    the atomic swap, then the registry's alias, which records the installed directory's content hash (what
-    `fineflow registry verify` checks the champion against)."""
+    """Make the assembled staging dir the champion cid, after log entry seq was written: its champion.json (the
+    one log_decision wrote, again), the atomic swap, then the registry's alias, which records the installed
+    directory's content hash (what verify checks a champion whose entry has no champion_files against)."""
     write_json_atomic(staging / CHAMPION_FILE, champion_json(record, seq))
     files_sha256 = champion_files_hash(staging)
     swap_in(staging, champion_dir)

@@ -1,12 +1,21 @@
 """The promotion log (``promotions.jsonl`` in the registry): append-only, each entry carrying the sha256 of
-the line before it (and, with FINEFLOW_REGISTRY_KEY set, an HMAC of itself), with ``HEAD`` holding the sha256 of
-the last line so that editing the last entry is detectable too. Here: appending under the registry lock, reading
-and the questions asked of it, the repair of what a writer that died mid-append left, and the checks of its
-chain and its HMACs (``verify.verify_log`` runs them first).
+the line before it (and, with FINEFLOW_REGISTRY_KEY set, an HMAC of itself), with ``HEAD`` holding the log's
+entry count and the sha256 of its last line (keyed: and an HMAC over both), so that removing entries from the
+end or editing the last one is detectable too. Here: appending under the registry lock, reading and the
+questions asked of it, HEAD, the repair of what a writer that died mid-append left, and the checks of its chain
+and its HMACs (``verify.verify_log`` runs them first).
 
 The log is the record of what was decided. What the chain shows: an accidental edit, truncation or reordering
 of the log. It does not stop someone who edits a line on purpose and recomputes the hashes after it; with the
-HMAC key set (kept away from the registry's writers-by-hand), such an edit fails ``verify_log(key=...)`` too.
+HMAC key set (kept away from the registry's writers-by-hand), such an edit fails ``verify_log(key=...)`` too,
+and so does a log cut short or a HEAD removed (keyed, HEAD must exist).
+
+Crash safety of HEAD: an append writes and fsyncs the line, then replaces HEAD atomically (keyed, an empty
+log gets a HEAD of count 0 first). A crash between leaves HEAD one entry behind a complete, chained (keyed:
+HMAC-valid) last line: repair finishes it. HEAD ahead of the log, or naming another last line, is truncation or
+an edit: left for verify. HEAD's old format (a bare sha256, before it carried a count) is still read; keyed mode
+does not accept it (the same HEAD is what someone who cut the log short would write): ``fineflow registry repair
+--seal-head`` re-keys a log a person has checked.
 """
 
 from __future__ import annotations
