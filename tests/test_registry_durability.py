@@ -648,3 +648,33 @@ def test_the_card_is_bound_but_for_its_run_figures_which_differ_between_two_runs
     card_path.write_text(text.replace(card.NO_RUN_FIGURES, card.RUN_FIGURES + "wall_s 3.5, audited by the safety team"))
     [problem] = _verify_keyed(keyed)
     assert "README.md" in problem and "entry 2" in problem
+
+
+def test_with_the_key_set_on_an_unkeyed_registry_a_torn_line_is_still_repaired_and_appends_go_on(tmp_path, monkeypatch):
+    """Keyed verify never vouches for a log not keyed from its first entry, but its promotions are not stopped."""
+    registry = tmp_path / "registry"
+    for _ in range(2):
+        promotion_log.append_log(registry, {"decision": "refused"})
+    monkeypatch.setenv(promotion_log.KEY_VAR, "s3cret")
+    with (registry / promotion_log.LOG_FILE).open("a") as fh:
+        fh.write('{"candidate_id": "c0ffee", "decis')
+    [message] = promotion_log.repair_log(registry, log=lambda m: None)
+    assert "half-written" in message
+    assert promotion_log.append_log(registry, {"decision": "refused"})["seq"] == 3
+    assert verify.verify_log(registry) == []
+    [problem] = verify.verify_log(registry, key="s3cret")
+    assert "carry no hmac" in problem
+
+
+def test_no_champion_is_built_from_a_stored_candidate_whose_files_were_changed(keyed):
+    """A rollback (or a promote of the same adapter) would otherwise install the changed files, and the keyed
+    entry would record them as served."""
+    registry, champion = keyed["registry"], keyed["champion"]
+    a = keyed["ids"][0]
+    (registry / "candidates" / a / "adapter_model.safetensors").write_text("weights of someone else's choosing")
+    before = _files(champion), (registry / promotion_log.LOG_FILE).read_bytes()
+    with pytest.raises(FineflowError, match="no longer hash to the candidate id"):
+        champion_mod.rollback(registry, champion, to=a)
+    with pytest.raises(FineflowError, match="no longer hash to the candidate id"):
+        _store(registry, _adapter(keyed["tmp"] / "adapter-a-again", "a"))
+    assert (_files(champion), (registry / promotion_log.LOG_FILE).read_bytes()) == before

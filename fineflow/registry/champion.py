@@ -55,6 +55,7 @@ from fineflow.registry.store import (
     check_id,
     current_champion,
     directory_hash,
+    intact_candidate,
     read_alias,
     read_record,
     registry_lock,
@@ -175,7 +176,7 @@ def rollback(
     with registry_writes(registry_dir, champion_dir, log, base_dir):
         current = alias_id(registry_dir)
         source = candidate_dir(registry_dir, to if to is not None else _previous_champion(registry_dir, current))
-        cid = source.name
+        cid = intact_candidate(source).name
         if cid == current:
             raise FineflowError(f"{cid} is already the champion")
         override = unpromoted_override(registry_dir, cid, allow_unpromoted)
@@ -318,6 +319,7 @@ def _staged_or_rebuilt(champion_dir: Path, source: Path, last: dict, record: dic
     if last.get("champion_files") and staged.is_dir() and champion_manifest(staged) == last["champion_files"]:
         return staged
     base_ref = base_dir or record.get("base_model")
+    intact_candidate(source)
     if not base_ref:
         raise FineflowError(
             f"{source}: entry {last['seq']} of the log installs {source.name}, whose record names no base model to "

@@ -73,8 +73,7 @@ def append_log(registry_dir: Path, entry: dict) -> dict:
             )
         lines = data.splitlines()
         key = registry_key()
-        # a log with unkeyed entries is one keyed verify never vouches for: its HEAD is checked as unkeyed
-        disowned = head_problem(registry_dir, lines, key if not lines or '"hmac": ' in lines[0] else None)
+        disowned = head_problem(registry_dir, lines, head_key(registry_dir, key))
         if disowned:
             raise FineflowError(f"{disowned}; no entry is appended to a log its HEAD does not vouch for")
         if key and not lines:  # a keyed HEAD from the start: a crash after the first line leaves it one behind
@@ -153,6 +152,21 @@ class Head:
     count: int | None
     last_sha256: str | None
     hmac: str | None = None
+
+
+def head_key(registry_dir: Path, key: str | None) -> str | None:
+    """The key HEAD is checked with: FINEFLOW_REGISTRY_KEY, unless the log's first entry carries no hmac. Such a
+    log is one keyed verify never vouches for (keyed mode needs a log keyed from its first entry), so its HEAD
+    is checked as unkeyed: setting the key on an older unkeyed registry does not stop its promotions."""
+    path = registry_dir / LOG_FILE
+    if not key or not path.exists():
+        return key
+    with path.open("rb") as fh:
+        first = fh.readline()
+    try:
+        return key if not first or "hmac" in json.loads(first) else None
+    except (json.JSONDecodeError, TypeError):
+        return key
 
 
 def head_hmac(count: int, last_sha256: str | None, key: str) -> str:
@@ -309,7 +323,7 @@ def repair_log(registry_dir: Path, log: Callable[[str], None] = print) -> list[s
     path = registry_dir / LOG_FILE
     if not path.exists():
         return []
-    key = registry_key()
+    key = head_key(registry_dir, registry_key())
     done = [m for m in [_cut_torn_tail(registry_dir, key)] if m]
     lines = path.read_text(encoding="utf-8").splitlines()
     head = registry_dir / HEAD_FILE

@@ -174,13 +174,24 @@ def store_candidate(registry_dir: Path, adapter_dir: Path, cid: str, record: dic
     dest = registry_dir / "candidates" / cid
     staging = dest.with_name(f".{cid}.staging")
     shutil.rmtree(staging, ignore_errors=True)
-    if dest.is_dir():  # the same adapter evaluated again: files are identical by construction
-        write_json_atomic(dest / RECORD_FILE, record)
+    if dest.is_dir():  # the same adapter evaluated again: files are identical by construction, unless changed
+        write_json_atomic(intact_candidate(dest) / RECORD_FILE, record)
         return dest
     shutil.copytree(adapter_dir, staging)
     write_json_atomic(staging / RECORD_FILE, record)
     os.replace(staging, dest)
     return dest
+
+
+def intact_candidate(cdir: Path) -> Path:
+    """cdir, when its files still hash to its id; a FineflowError otherwise. What a champion is built from: a
+    keyed log entry must never record files someone changed in the registry."""
+    if candidate_id(cdir) != cdir.name:
+        raise FineflowError(
+            f"{cdir}: files no longer hash to the candidate id (changed after it was stored); restore them "
+            "(`dvc checkout models/registry`) or remove the directory, then try again"
+        )
+    return cdir
 
 
 def stored_candidate(registry_dir: Path, cid: str) -> Path | None:
