@@ -243,6 +243,14 @@ def test_rollback_reinstalls_the_previous_champion_and_is_logged(promoted, capsy
         == 0
     )  # and forward again, by id prefix
     assert json.loads((registry / "champion.json").read_text())["id"] == id2 and verify_log(registry, champion) == []
+    # rebuilt without the run's figures, the champion's files are the ones its promotion recorded (but its
+    # champion.json, which names the entry): a rebuild, and a second run of the same inputs, log the same files
+    promoted_files, rebuilt_files = (
+        {k: v for k, v in e["champion_files"].items() if k != "champion.json"}
+        for e in (read_log(registry)[2], read_log(registry)[-1])
+    )
+    assert read_log(registry)[2]["candidate_id"] == id2 and rebuilt_files == promoted_files
+    assert "wall_s 12.5" not in (champion / "README.md").read_text()  # the card's run figures are not bound
 
 
 def test_stage_refuses_missing_scores_and_incomplete_lineage(promoted, adapters, built, tmp_path, tiny_params_module):

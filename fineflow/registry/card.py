@@ -183,7 +183,8 @@ def _training(record: dict, train: dict | None) -> list[str]:
     train_params = dict(params.get("train") or {})
     lora = train_params.pop("lora", None) or {}
     lines += [f"| train.{key} | {train_params[key]} |" for key in TRAIN_PARAMS if key in train_params]
-    lines += [f"| train.lora.{key} | {value} |" for key, value in lora.items()]
+    # sorted: the record as promote holds it and as read back from record.json (keys sorted) give one card
+    lines += [f"| train.lora.{key} | {value} |" for key, value in sorted(lora.items())]
     if "tokenize" in params:
         lines.append(f"| tokenize.seq_len | {params['tokenize'].get('seq_len')} |")
     if train:
