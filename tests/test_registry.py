@@ -214,6 +214,29 @@ def test_the_entry_that_installed_the_champion_binds_every_served_file(promoted,
     assert f"merged/model.safetensors: differs from what entry {entry['seq']} installed" in capsys.readouterr().out
 
 
+def test_two_promotions_of_the_same_inputs_leave_the_same_registry_whatever_their_run_figures(
+    promoted, adapters, built, tiny_params_module
+):
+    """The registry is a DVC output the Prefect flow and `dvc repro` must leave alike, though their trainings'
+    wall times differ: the entry binds the card but for its run figures."""
+    from fineflow.registry.champion import promote
+    from tests.test_chaos import tree
+
+    root = promoted["root"]
+    registries = []
+    for name, wall_s in (("one", 12.5), ("two", 99.0)):
+        report = root / f"reports/train-{name}.json"
+        report.write_text(json.dumps({"wall_s": wall_s, "tokens_per_s": 4321.0 / wall_s, "steps": 4}))
+        models = root / f"models-{name}"
+        kw = dict(base_dir=promoted["base"], train_report=report, shards_dir=built / "data/shards", root=root)
+        promote(
+            tiny_params_module, _write_scores(root / "s.json", 30, 5), adapters[0], models / "c", models / "r", **kw
+        )
+        assert f"wall_s {wall_s}" in (models / "c/README.md").read_text()
+        registries.append(tree(models / "r"))
+    assert registries[0] == registries[1]
+
+
 def test_lineage_cli_prints_a_tree(promoted, capsys):
     args = ["--registry", str(promoted["registry"]), "--runs", str(promoted["runs"])]
     assert cli.main(["lineage", str(promoted["champion"]), *args]) == 0
