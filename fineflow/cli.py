@@ -276,15 +276,15 @@ def _run_verify(args) -> int:
         for problem in problems:
             print(f"BROKEN: {problem}")
         return 1
-    last = last_champion_entry(registry)
+    last, note = last_champion_entry(registry), override_note(registry)
     print(
         f"OK: {len(read_log(registry))} entries, hash chain intact"
-        + (", every HMAC valid" if key else "")
+        + (", every HMAC valid (HEAD's too)" if key else "")
         + ", candidates match their ids"
         + (f", champion {last['candidate_id']} as installed by entry {last['seq']}" if last else "")
     )
-    if override_note(registry):
-        print(f"NOTE: {override_note(registry)}")
+    if note:
+        print(f"NOTE: {note}")
     if not key:
         print(f"(HMACs not checked: {KEY_VAR} is not set; the chain shows accidental edits, not deliberate ones)")
     return 0
