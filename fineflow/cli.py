@@ -236,7 +236,8 @@ def _registry_parser(sub) -> None:
     rollback.add_argument(
         "--allow-unpromoted",
         metavar="REASON",
-        help="install a candidate the gate never promoted; the reason goes into the log entry and the model card",
+        help="install a candidate the gate never promoted; the reason goes into the log entry and the model card "
+        "(not needed, and not logged, for a candidate the gate promoted)",
     )
     repair = actions.add_parser("repair", help="finish what a promote or rollback that died midway left")
     repair.add_argument(

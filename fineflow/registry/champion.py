@@ -272,8 +272,9 @@ def recover(
     """Bring the log, the champion directory and the alias back in line after a writer died midway; returns
     what was done, each also passed to log. The log is the record of what was decided: a half-written last line
     was never committed and is cut (promotion_log.repair_log); a promotion or rollback that was logged is finished,
-    never undone: the champion it names is rebuilt from candidates/<id> when the directory does not hold it,
-    and the alias is pointed at it. Leftover staged or retired directories are removed."""
+    never undone: when the directory does not hold the champion it names, the staged copy whose files the entry
+    recorded is swapped in, else it is rebuilt from candidates/<id>; and the alias is pointed at it. Leftover
+    staged or retired directories are removed."""
     with registry_lock(registry_dir):
         done = repair_log(registry_dir, log)
         last = last_champion_entry(registry_dir)
