@@ -8,8 +8,8 @@ on-new-data deployment).
     fineflow plan --table --gradient-checkpointing --device-gib 80
     fineflow registry verify [--registry models/registry] [--champion models/champion]
     FINEFLOW_REGISTRY_KEY=... fineflow registry verify   # keyed: every entry's HMAC is checked too
-    fineflow registry rollback [--to ID] [--registry models/registry] [--champion models/champion]
-    fineflow registry repair             # finish what a promote or rollback that died left (they do it too)
+    fineflow registry rollback [--to ID] [--allow-unpromoted REASON] [--registry ...] [--champion ...]
+    fineflow registry repair [--seal-head]  # finish what a promote or rollback that died left (they do it too)
     fineflow registry list
     fineflow lineage models/champion     # or a candidate id, or reports/lineage/<id>.json
     fineflow data add data/mine/train.jsonl   # dvc add it, then tell Prefect (the on-new-data deployment runs)
@@ -233,7 +233,18 @@ def _registry_parser(sub) -> None:
     )
     rollback = actions.add_parser("rollback", help="reinstall an earlier champion (logged, recorded in dvc.lock)")
     rollback.add_argument("--to", help="candidate id (or a unique prefix); default: the champion before the current")
+    rollback.add_argument(
+        "--allow-unpromoted",
+        metavar="REASON",
+        help="install a candidate the gate never promoted; the reason goes into the log entry and the model card "
+        "(not needed, and not logged, for a candidate the gate promoted)",
+    )
     repair = actions.add_parser("repair", help="finish what a promote or rollback that died midway left")
+    repair.add_argument(
+        "--seal-head",
+        action="store_true",
+        help="rewrite HEAD (keyed, with the key set) for the log as it stands: only for a log you have checked",
+    )
     for q in (rollback, repair):
         q.add_argument("--base-dir", help="base model to merge into (default: the one recorded at promotion)")
     listing = actions.add_parser("list", help="candidates, their decisions and the champion")
@@ -257,7 +268,7 @@ def _registry_paths(args):
 
 def _run_verify(args) -> int:
     from fineflow.registry.promotion_log import KEY_VAR, last_champion_entry, read_log, registry_key
-    from fineflow.registry.verify import verify_log
+    from fineflow.registry.verify import override_note, verify_log
 
     registry, champion = _registry_paths(args)
     key = registry_key()
@@ -266,13 +277,15 @@ def _run_verify(args) -> int:
         for problem in problems:
             print(f"BROKEN: {problem}")
         return 1
-    last = last_champion_entry(registry)
+    last, note = last_champion_entry(registry), override_note(registry)
     print(
         f"OK: {len(read_log(registry))} entries, hash chain intact"
-        + (", every HMAC valid" if key else "")
+        + (", every HMAC valid (HEAD's too)" if key else "")
         + ", candidates match their ids"
         + (f", champion {last['candidate_id']} as installed by entry {last['seq']}" if last else "")
     )
+    if note:
+        print(f"NOTE: {note}")
     if not key:
         print(f"(HMACs not checked: {KEY_VAR} is not set; the chain shows accidental edits, not deliberate ones)")
     return 0
@@ -290,17 +303,22 @@ def _run_rollback(args) -> int:
     # not while a run holds the workspace (its promote, and the dvc.lock it writes, would race the rollback's)
     with held_for(Path.cwd(), "registry rollback"), registry_lock(registry):
         # no other write between the rollback and what dvc.lock records of it
-        result = rollback(registry, champion, args.to, args.base_dir)
+        result = rollback(registry, champion, args.to, args.base_dir, allow_unpromoted=args.allow_unpromoted)
         note = record_outputs(registry, champion)
     print(f"rolled back: champion {result['from']} -> {result['to']} (log entry {result['log_seq']})")
+    if result["override"]:
+        print(f"override logged: {result['to']} was never promoted by the gate ({result['override']['reason']})")
     print(note)
     return 0
 
 
 def _run_repair(args) -> int:
     from fineflow.registry.champion import recover
+    from fineflow.registry.promotion_log import seal_head
 
     registry, champion = _registry_paths(args)
+    if args.seal_head:
+        seal_head(registry)
     if not recover(registry, champion, base_dir=args.base_dir):
         print("nothing to repair")
     return _run_verify(args)

@@ -88,28 +88,29 @@ def test_staging_dir_discards_what_a_crashed_build_left(tmp_path):
 
 def _registry_with_two_champions(tmp_path):
     """A registry whose log promoted "a" then "b" (the champion installed now); the base model named in the
-    records is never loaded by the test."""
+    records is never loaded by the test. Returns the registry, the champion and the two ids."""
+    from fineflow.registry.store import candidate_id
+
     registry, champion = tmp_path / "registry", tmp_path / "champion"
-    for cid in ("a" * 16, "b" * 16):
-        _write(
-            registry / "candidates" / cid,
-            {
-                "adapter_model.safetensors": cid,
-                "adapter_config.json": "{}",
-                "record.json": json.dumps({"candidate_id": cid, "base_model": "base", "metrics": {P: 0.5}}),
-            },
-        )
+    ids = []
+    for name in ("a", "b"):
+        files = {"adapter_model.safetensors": f"weights {name}", "adapter_config.json": "{}"}
+        _write(tmp_path / f"adapter-{name}", files)
+        cid = candidate_id(tmp_path / f"adapter-{name}")
+        record = json.dumps({"candidate_id": cid, "base_model": "base", "metrics": {P: 0.5}})
+        _write(registry / "candidates" / cid, {**files, "record.json": record})
         entry = append_log(registry, {"candidate_id": cid, "decision": "promoted"})
-    set_alias(registry, "b" * 16, entry["seq"])
+        ids.append(cid)
+    set_alias(registry, ids[1], entry["seq"])
     _write(
         champion,
         {
-            "adapter_model.safetensors": "b" * 16,
+            "adapter_model.safetensors": "weights b",
             "merged/model.safetensors": "merged b",
-            "champion.json": json.dumps({"candidate_id": "b" * 16, "promotion_seq": 2}),
+            "champion.json": json.dumps({"candidate_id": ids[1], "promotion_seq": 2}),
         },
     )
-    return registry, champion
+    return registry, champion, ids
 
 
 def test_a_champion_build_that_fails_midway_leaves_the_old_champion_and_the_log_as_they_were(tmp_path, monkeypatch):
@@ -121,7 +122,7 @@ def test_a_champion_build_that_fails_midway_leaves_the_old_champion_and_the_log_
 
     from fineflow.registry.champion import rollback
 
-    registry, champion = _registry_with_two_champions(tmp_path)
+    registry, champion, ids = _registry_with_two_champions(tmp_path)
     before = _files(champion), (registry / "promotions.jsonl").read_bytes(), (registry / "HEAD").read_bytes()
 
     def no_space(*args, **kwargs):
@@ -131,9 +132,9 @@ def test_a_champion_build_that_fails_midway_leaves_the_old_champion_and_the_log_
     with pytest.raises(OSError, match="No space left on device"):
         rollback(registry, champion)
     assert (_files(champion), (registry / "promotions.jsonl").read_bytes(), (registry / "HEAD").read_bytes()) == before
-    assert alias_id(registry) == "b" * 16
+    assert alias_id(registry) == ids[1]
     assert _files(tmp_path / ".champion.staging") == {
-        "adapter_model.safetensors": b"a" * 16,
+        "adapter_model.safetensors": b"weights a",
         "adapter_config.json": b"{}",
     }  # the failure was midway
 
@@ -430,3 +431,15 @@ def test_an_approval_from_the_environment():
     assert approval_from_env({}) is None and approval_from_env({"FINEFLOW_APPROVAL": " "}) is None
     given = approval_from_env({"FINEFLOW_APPROVAL": '{"approved": false, "approver": "bob ", "candidate_id": "c1"}'})
     assert given == Approval(False, "bob", "", "c1")
+
+
+def test_when_the_base_and_the_eval_set_change_in_one_run_both_changes_are_recorded():
+    champion = {**CHAMPION, "base_digest": "a" * 16}
+    scores = {"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)}), "base_digest": "b" * 16}
+    gate = {**GATE, "eval_data_sha256": "f" * 64, "on_base_change": "compare_to_base"}
+    for policy in ("compare_on_current", "refuse"):
+        d = promotion_decision(scores, champion, [], **{**gate, "on_eval_change": policy})
+        assert d.context["base_change"] == {"from": "a" * 16, "to": "b" * 16, "policy": "compare_to_base"}
+        assert d.context["eval_change"] == {"from": H, "to": "f" * 64, "policy": policy}
+    d = promotion_decision(scores, champion, [], **{**gate, "on_base_change": "refuse"})
+    assert not d.promote and d.context["base_change"] and d.context["eval_change"]["to"] == "f" * 64

@@ -194,6 +194,49 @@ def test_tampered_log_fails_verify_naming_the_line(promoted, capsys):
     assert "promotions.jsonl:3:" in out and "line 2 was edited" in out
 
 
+def test_the_entry_that_installed_the_champion_binds_every_served_file(promoted, capsys):
+    """Issue 29: the merged weights replaced and the alias's content hash recomputed passed verify; the log entry
+    that installed the champion now records every file a server loads, and verify checks them against it."""
+    from fineflow.registry.install import champion_manifest
+    from fineflow.registry.promotion_log import last_champion_entry
+    from fineflow.registry.store import read_alias, set_alias
+
+    registry, champion = promoted["registry"], promoted["champion"]
+    entry = last_champion_entry(registry)
+    served = {"merged/model.safetensors", "merged/config.json", "tokenizer.json", "README.md", "champion.json"}
+    assert served <= set(entry["champion_files"]) and entry["champion_files"] == champion_manifest(champion)
+    weights = champion / "merged/model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
+    alias = read_alias(registry)
+    set_alias(registry, alias["id"], alias["seq"], champion_files_hash(champion))
+    args = ["--registry", str(registry), "--champion", str(champion)]
+    assert cli.main(["registry", "verify", *args]) == 1
+    assert f"merged/model.safetensors: differs from what entry {entry['seq']} installed" in capsys.readouterr().out
+
+
+def test_two_promotions_of_the_same_inputs_leave_the_same_registry_whatever_their_run_figures(
+    promoted, adapters, built, tiny_params_module
+):
+    """The registry is a DVC output the Prefect flow and `dvc repro` must leave alike, though their trainings'
+    wall times differ: the entry binds the card but for its run figures."""
+    from fineflow.registry.champion import promote
+    from tests.test_chaos import tree
+
+    root = promoted["root"]
+    registries = []
+    for name, wall_s in (("one", 12.5), ("two", 99.0)):
+        report = root / f"reports/train-{name}.json"
+        report.write_text(json.dumps({"wall_s": wall_s, "tokens_per_s": 4321.0 / wall_s, "steps": 4}))
+        models = root / f"models-{name}"
+        kw = dict(base_dir=promoted["base"], train_report=report, shards_dir=built / "data/shards", root=root)
+        promote(
+            tiny_params_module, _write_scores(root / "s.json", 30, 5), adapters[0], models / "c", models / "r", **kw
+        )
+        assert f"wall_s {wall_s}" in (models / "c/README.md").read_text()
+        registries.append(tree(models / "r"))
+    assert registries[0] == registries[1]
+
+
 def test_lineage_cli_prints_a_tree(promoted, capsys):
     args = ["--registry", str(promoted["registry"]), "--runs", str(promoted["runs"])]
     assert cli.main(["lineage", str(promoted["champion"]), *args]) == 0
@@ -223,6 +266,14 @@ def test_rollback_reinstalls_the_previous_champion_and_is_logged(promoted, capsy
         == 0
     )  # and forward again, by id prefix
     assert json.loads((registry / "champion.json").read_text())["id"] == id2 and verify_log(registry, champion) == []
+    # rebuilt without the run's figures, the champion's files are the ones its promotion recorded (but its
+    # champion.json, which names the entry): a rebuild, and a second run of the same inputs, log the same files
+    promoted_files, rebuilt_files = (
+        {k: v for k, v in e["champion_files"].items() if k != "champion.json"}
+        for e in (read_log(registry)[2], read_log(registry)[-1])
+    )
+    assert read_log(registry)[2]["candidate_id"] == id2 and rebuilt_files == promoted_files
+    assert "wall_s 12.5" not in (champion / "README.md").read_text()  # the card's run figures are not bound
 
 
 def test_stage_refuses_missing_scores_and_incomplete_lineage(promoted, adapters, built, tmp_path, tiny_params_module):

@@ -21,8 +21,8 @@ import pytest
 
 from fineflow import cli
 from fineflow.core.errors import FineflowError
+from fineflow.registry import card, install, promotion_log, store, verify
 from fineflow.registry import champion as champion_mod
-from fineflow.registry import install, promotion_log, store, verify
 
 P = "synth/exact_match"
 
@@ -39,10 +39,13 @@ def _adapter(root, text: str):
 
 
 def fake_build(staging, source, base_ref, record, train):
-    """build_champion without a model: the adapter files and a stand-in for the merged model."""
+    """build_champion without a model: the adapter files, stand-ins for the merged model and the tokenizer, and
+    the model card (what build_champion writes, override notice included)."""
     shutil.copytree(source, staging, ignore=shutil.ignore_patterns(store.RECORD_FILE))
     (staging / "merged").mkdir()
     (staging / "merged/model.safetensors").write_text(f"merged {record['candidate_id']}")
+    (staging / "tokenizer.json").write_text("{}")
+    (staging / store.CARD_FILE).write_text(card.model_card(record, base_ref, train, True))
     return staging
 
 
@@ -54,17 +57,19 @@ def _store(registry, adapter, decision: str = "promoted") -> tuple[str, dict]:
 
 
 def _install(registry, champion, cid: str, record: dict, decision: str = "promoted") -> dict:
-    """What promote does for a passing candidate: log the decision, then install the built champion."""
-    entry = promotion_log.append_log(registry, {"candidate_id": cid, "decision": decision, "promote": True})
+    """What promote does for a passing candidate: build the champion, log the decision with its files, install."""
     staging = fake_build(install.staging_dir(champion), store.candidate_dir(registry, cid), "base", record, None)
+    entry = {"candidate_id": cid, "decision": decision, "promote": True}
+    entry = champion_mod.log_decision(registry, entry, staging, record)
     champion_mod.install_built(staging, champion, registry, cid, record, entry["seq"])
     return entry
 
 
-@pytest.fixture
-def reg(tmp_path, monkeypatch):
+def _two_promotions(tmp_path, monkeypatch, key: str | None = None) -> dict:
     """A registry that promoted a, then b (the champion now); build_champion is the fake one."""
     monkeypatch.setattr(champion_mod, "build_champion", fake_build)
+    if key:
+        monkeypatch.setenv(promotion_log.KEY_VAR, key)
     registry, champion = tmp_path / "models/registry", tmp_path / "models/champion"
     install.ensure_empty_champion(champion)
     ids = []
@@ -72,8 +77,20 @@ def reg(tmp_path, monkeypatch):
         cid, record = _store(registry, _adapter(tmp_path / f"adapter-{name}", name))
         _install(registry, champion, cid, record)
         ids.append(cid)
-    assert verify.verify_log(registry, champion) == []
-    return {"registry": registry, "champion": champion, "ids": ids, "tmp": tmp_path}
+    assert verify.verify_log(registry, champion, key=key) == []
+    return {"registry": registry, "champion": champion, "ids": ids, "tmp": tmp_path, "key": key}
+
+
+@pytest.fixture
+def reg(tmp_path, monkeypatch):
+    """Two promotions, unkeyed."""
+    return _two_promotions(tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def keyed(tmp_path, monkeypatch):
+    """Two promotions with FINEFLOW_REGISTRY_KEY set (it stays set for the test)."""
+    return _two_promotions(tmp_path, monkeypatch, key="s3cret")
 
 
 def _files(root):
@@ -115,13 +132,16 @@ def _read_heads(path, start, stop, bad) -> None:
             text = path.read_text()
         except FileNotFoundError:
             text = "<missing>"
-        if len(text.strip()) != 64:
-            bad.value += 1
+        try:
+            whole = len(json.loads(text)["last_sha256"]) == 64
+        except (ValueError, KeyError, TypeError):
+            whole = False
+        bad.value += not whole
 
 
 @pytest.mark.slow  # two processes
 def test_a_reader_never_sees_a_partial_head(tmp_path):
-    """HEAD is replaced by a rename: a reader sees the old hash or the new one, never an empty file."""
+    """HEAD is replaced by a rename: a reader sees the old HEAD or the new one, never an empty or partial file."""
     registry = tmp_path / "registry"
     promotion_log.append_log(registry, {"decision": "refused"})
     ctx = multiprocessing.get_context("fork")
@@ -348,11 +368,16 @@ def test_verify_checks_the_champions_files_and_record_against_the_log(reg):
     (champion / "adapter_model.safetensors").write_text("weights b")
     (champion / "merged/model.safetensors").write_text("edited")
     [problem] = verify.verify_log(registry, champion)
-    assert str(champion) in problem and "files" in problem
+    assert "merged/model.safetensors" in problem and "entry 2" in problem
     (champion / "merged/model.safetensors").write_text(f"merged {cid}")
     assert verify.verify_log(registry, champion) == []
-    (champion / "README.md").write_text("a card with other timings")  # not evidence (and DVC ignores it)
+    card = (champion / "README.md").read_text()
+    (champion / "README.md").write_text("a card with other claims")  # the card is served: bound too
+    [problem] = verify.verify_log(registry, champion)
+    assert "README.md" in problem and "entry 2" in problem
+    (champion / "README.md").unlink()  # absent (DVC does not restore it: .dvcignore), so not served
     assert verify.verify_log(registry, champion) == []
+    (champion / "README.md").write_text(card)
     data = json.loads((champion / "champion.json").read_text())
     (champion / "champion.json").write_text(json.dumps({**data, "candidate_id": reg["ids"][0]}))
     problems = verify.verify_log(registry, champion)
@@ -440,3 +465,216 @@ def test_a_rolled_back_candidate_is_refused_until_it_is_reinstalled_deliberately
     champion_mod.rollback(registry, champion, to=b)  # forward again, deliberately
     assert promotion_log.rollback_refusal(registry, b) is None
     assert promotion_log.rollback_refusal(registry, a) is not None
+
+
+# ---- keyed mode binds what is served and the log's length (issue 29) ---------------------------------------
+
+
+def _verify_keyed(reg) -> list[str]:
+    return verify.verify_log(reg["registry"], reg["champion"], key=reg["key"])
+
+
+@pytest.mark.parametrize(
+    "served", ["merged/model.safetensors", "tokenizer.json", store.CARD_FILE, "merged/model-00002.safetensors"]
+)
+def test_keyed_verify_names_a_served_file_changed_even_with_the_alias_hash_recomputed(keyed, served):
+    """Someone with write access but not the key replaces (or adds) a file a server loads and recomputes the
+    alias's files_sha256: the keyed log entry that installed the champion still names the original bytes."""
+    registry, champion = keyed["registry"], keyed["champion"]
+    (champion / served).write_text("weights of someone else's choosing")
+    alias = store.read_alias(registry)
+    store.set_alias(registry, alias["id"], alias["seq"], install.champion_files_hash(champion))
+    problems = _verify_keyed(keyed)
+    assert any(served in p and "entry 2" in p for p in problems), problems
+
+
+def _cut_log(registry, keep: int) -> None:
+    path = registry / promotion_log.LOG_FILE
+    path.write_text("".join(path.read_text().splitlines(keepends=True)[:keep]))
+
+
+@pytest.mark.parametrize("head", ["deleted", "recomputed"])
+def test_keyed_verify_names_trailing_entries_deleted(keyed, head):
+    registry = keyed["registry"]
+    promotion_log.append_log(registry, {"decision": "refused", "candidate_id": "f" * 16})
+    _cut_log(registry, 2)  # entry 3 (a refusal: nothing installed after it) is gone
+    head_file = registry / promotion_log.HEAD_FILE
+    if head == "deleted":
+        head_file.unlink()
+    else:  # as the unkeyed HEAD is computed: the sha256 of the (new) last line
+        last = (registry / promotion_log.LOG_FILE).read_text().splitlines()[-1]
+        head_file.write_text(hashlib.sha256(last.encode()).hexdigest() + "\n")
+    problems = _verify_keyed(keyed)
+    assert problems and "HEAD" in problems[0], problems
+    # and no keyed writer extends (and so vouches for) a log its HEAD does not
+    with pytest.raises(FineflowError, match="HEAD"):
+        promotion_log.append_log(registry, {"decision": "refused"})
+    promotion_log.repair_log(registry, log=lambda m: None)  # nor does repair, which promote runs first
+    assert _verify_keyed(keyed)
+
+
+def test_keyed_verify_names_an_edited_last_line_with_head_deleted(keyed):
+    """An edit the entry's HMAC does not see (the HMAC is over the parsed entry): a duplicate key that a
+    first-key-wins reader takes as "promoted", and other bytes; with HEAD deleted the chain cannot tell."""
+    registry = keyed["registry"]
+    promotion_log.append_log(registry, {"decision": "refused", "candidate_id": "f" * 16})
+    path = registry / promotion_log.LOG_FILE
+    lines = path.read_text().splitlines()
+    lines[-1] = '{"decision": "promoted", ' + lines[-1][1:]
+    path.write_text("\n".join(lines) + "\n")
+    (registry / promotion_log.HEAD_FILE).unlink()
+    problems = _verify_keyed(keyed)
+    assert problems and "promotions.jsonl:3" in problems[0], problems
+
+
+def _refused_candidate(reg, name: str = "c") -> str:
+    """A candidate the gate refused: stored, and logged as refused."""
+    cid, _ = _store(reg["registry"], _adapter(reg["tmp"] / f"adapter-{name}", name), decision="refused")
+    promotion_log.append_log(reg["registry"], {"candidate_id": cid, "decision": "refused", "promote": False})
+    return cid
+
+
+def test_a_rollback_to_a_candidate_the_gate_refused_needs_an_override_and_is_logged_as_one(keyed, capsys):
+    registry, champion = keyed["registry"], keyed["champion"]
+    refused = _refused_candidate(keyed)
+    before = _files(champion), (registry / promotion_log.LOG_FILE).read_bytes()
+    args = ["--to", refused, "--registry", str(registry), "--champion", str(champion)]
+    assert cli.main(["registry", "rollback", *args]) == 2
+    err = capsys.readouterr().err
+    assert "never promoted" in err and "--allow-unpromoted" in err
+    assert (_files(champion), (registry / promotion_log.LOG_FILE).read_bytes()) == before
+    assert cli.main(["registry", "rollback", *args, "--allow-unpromoted", "hotfix: b leaks PII"]) == 0
+    last = promotion_log.read_log(registry)[-1]
+    assert last["decision"] == "rollback" and last["candidate_id"] == refused
+    assert last["override"] == {"unpromoted": True, "reason": "hotfix: b leaks PII"}
+    assert "never promoted by the gate" in (champion / store.CARD_FILE).read_text()
+    assert _verify_keyed(keyed) == []
+    assert cli.main(["registry", "verify", "--registry", str(registry), "--champion", str(champion)]) == 0
+    out = capsys.readouterr().out
+    assert "never promoted by the gate" in out and "hotfix: b leaks PII" in out
+
+
+def test_verify_names_a_rollback_to_an_unpromoted_candidate_logged_without_the_override(reg):
+    """What main's rollback wrote (or a hand edit of an unkeyed log): an install of a refused candidate with no
+    logged override."""
+    registry = reg["registry"]
+    refused = _refused_candidate(reg)
+    promotion_log.append_log(registry, {"candidate_id": refused, "decision": "rollback", "promote": True})
+    problems = verify.verify_log(registry)
+    assert any("promotions.jsonl:4" in p and refused in p and "never promoted" in p for p in problems), problems
+
+
+def test_keyed_head_one_behind_is_finished_and_head_ahead_is_truncation(keyed):
+    """A keyed append writes the line, then HEAD: a crash between leaves HEAD one entry behind a complete, keyed
+    last line (repair finishes HEAD); HEAD ahead of the log is truncation (verify fails, repair leaves it)."""
+    registry = keyed["registry"]
+    head = registry / promotion_log.HEAD_FILE
+    behind = head.read_bytes()
+    promotion_log.append_log(registry, {"decision": "refused", "candidate_id": "f" * 16})
+    ahead = head.read_bytes()
+    head.write_bytes(behind)
+    [problem] = _verify_keyed(keyed)
+    assert "one entry behind" in problem
+    promotion_log.repair_log(registry, log=lambda m: None)
+    assert _verify_keyed(keyed) == [] and head.read_bytes() == ahead
+    # the last newline removed: not a half-written line to cut, since the keyed HEAD counts it
+    path = registry / promotion_log.LOG_FILE
+    path.write_bytes(path.read_bytes()[:-1])
+    [problem] = _verify_keyed(keyed)
+    assert "promotions.jsonl:3: no newline" in problem
+    promotion_log.repair_log(registry, log=lambda m: None)
+    assert len(path.read_text().splitlines()) == 3 and _verify_keyed(keyed) == []
+    # HEAD ahead of the log (entry 3 cut off with its newline): truncation, which repair leaves for verify
+    _cut_log(registry, 2)
+    promotion_log.repair_log(registry, log=lambda m: None)
+    [problem] = _verify_keyed(keyed)
+    assert "counts 3 entries, the log has 2" in problem and "removed from its end" in problem
+
+
+def test_an_unkeyed_head_of_the_old_format_is_still_read(reg):
+    """Registries written before HEAD carried a count: HEAD is the bare sha256 of the last line."""
+    registry = reg["registry"]
+    last = (registry / promotion_log.LOG_FILE).read_text().splitlines()[-1]
+    (registry / promotion_log.HEAD_FILE).write_text(hashlib.sha256(last.encode()).hexdigest() + "\n")
+    assert verify.verify_log(registry, reg["champion"]) == []
+    (registry / promotion_log.HEAD_FILE).write_text("0" * 64 + "\n")
+    [problem] = verify.verify_log(registry, reg["champion"])
+    assert "last line was edited" in problem
+
+
+def test_a_keyed_log_with_an_unkeyed_head_is_sealed_only_on_request(keyed, capsys):
+    """A log keyed by a fineflow whose HEAD was the bare sha256: keyed verify and appends refuse it (the same
+    HEAD is what someone who truncated the log would write), until a person who checked it seals it."""
+    registry = keyed["registry"]
+    last = (registry / promotion_log.LOG_FILE).read_text().splitlines()[-1]
+    (registry / promotion_log.HEAD_FILE).write_text(hashlib.sha256(last.encode()).hexdigest() + "\n")
+    [problem] = _verify_keyed(keyed)
+    assert "no valid hmac" in problem and "--seal-head" in problem
+    args = ["--registry", str(registry), "--champion", str(keyed["champion"])]
+    assert cli.main(["registry", "repair", *args]) == 1  # repair alone does not re-key it
+    assert cli.main(["registry", "repair", "--seal-head", *args]) == 0
+    assert _verify_keyed(keyed) == [] and "now names the log's 2 entries (keyed)" in capsys.readouterr().out
+
+
+def test_a_crash_between_the_log_append_and_the_swap_installs_the_staged_champion_the_entry_recorded(
+    keyed, monkeypatch
+):
+    """The staged copy is the one whose files the keyed entry recorded: recover swaps it in rather than build
+    again (a rebuild need not give the same bytes: the card's run figures are not in the record)."""
+    registry, champion = keyed["registry"], keyed["champion"]
+    cid, record = _store(registry, _adapter(keyed["tmp"] / "adapter-c", "c"))
+    staging = fake_build(install.staging_dir(champion), store.candidate_dir(registry, cid), "base", record, None)
+    (staging / store.CARD_FILE).write_text("a card with this run's figures")
+    champion_mod.log_decision(registry, {"candidate_id": cid, "decision": "promoted", "promote": True}, staging, record)
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the staged champion is the one the entry recorded: nothing to build")
+
+    monkeypatch.setattr(champion_mod, "build_champion", no_build)
+    champion_mod.recover(registry, champion, log=lambda m: None)
+    assert store.alias_id(registry) == cid and _verify_keyed(keyed) == []
+    assert (champion / store.CARD_FILE).read_text() == "a card with this run's figures"
+    assert not staging.exists()
+
+
+def test_the_card_is_bound_but_for_its_run_figures_which_differ_between_two_runs_of_the_same_inputs(keyed):
+    """The registry is a DVC output that the flow and `dvc repro` must leave alike: the entry binds every line
+    of the card but the run figures (wall time, tokens/s), and only figures as the card writes them."""
+    card_path = keyed["champion"] / store.CARD_FILE
+    text = card_path.read_text()
+    assert card.NO_RUN_FIGURES in text
+    card_path.write_text(text.replace(card.NO_RUN_FIGURES, card.RUN_FIGURES + "wall_s 3.5, tokens_per_s 1234.5"))
+    assert _verify_keyed(keyed) == []
+    card_path.write_text(text.replace(card.NO_RUN_FIGURES, card.RUN_FIGURES + "wall_s 3.5, audited by the safety team"))
+    [problem] = _verify_keyed(keyed)
+    assert "README.md" in problem and "entry 2" in problem
+
+
+def test_with_the_key_set_on_an_unkeyed_registry_a_torn_line_is_still_repaired_and_appends_go_on(tmp_path, monkeypatch):
+    """Keyed verify never vouches for a log not keyed from its first entry, but its promotions are not stopped."""
+    registry = tmp_path / "registry"
+    for _ in range(2):
+        promotion_log.append_log(registry, {"decision": "refused"})
+    monkeypatch.setenv(promotion_log.KEY_VAR, "s3cret")
+    with (registry / promotion_log.LOG_FILE).open("a") as fh:
+        fh.write('{"candidate_id": "c0ffee", "decis')
+    [message] = promotion_log.repair_log(registry, log=lambda m: None)
+    assert "half-written" in message
+    assert promotion_log.append_log(registry, {"decision": "refused"})["seq"] == 3
+    assert verify.verify_log(registry) == []
+    [problem] = verify.verify_log(registry, key="s3cret")
+    assert "carry no hmac" in problem
+
+
+def test_no_champion_is_built_from_a_stored_candidate_whose_files_were_changed(keyed):
+    """A rollback (or a promote of the same adapter) would otherwise install the changed files, and the keyed
+    entry would record them as served."""
+    registry, champion = keyed["registry"], keyed["champion"]
+    a = keyed["ids"][0]
+    (registry / "candidates" / a / "adapter_model.safetensors").write_text("weights of someone else's choosing")
+    before = _files(champion), (registry / promotion_log.LOG_FILE).read_bytes()
+    with pytest.raises(FineflowError, match="no longer hash to the candidate id"):
+        champion_mod.rollback(registry, champion, to=a)
+    with pytest.raises(FineflowError, match="no longer hash to the candidate id"):
+        _store(registry, _adapter(keyed["tmp"] / "adapter-a-again", "a"))
+    assert (_files(champion), (registry / promotion_log.LOG_FILE).read_bytes()) == before

@@ -2,10 +2,11 @@
 
     gate.py      the statistics (paired bootstrap) and the promotion decision, on numbers only
     store.py     the registry on disk: ids, the write lock, stored candidates, the champion alias
-    promotion_log.py  the hash-chained (optionally keyed) promotion log: append, read, its repair after a
-                 crash, its chain and HMAC checks
+    promotion_log.py  the hash-chained (optionally keyed) promotion log and its HEAD: append, read, its repair
+                 after a crash, its chain, HEAD and HMAC checks
     install.py   the champion directory: its record, the staging sibling, the atomic swap, leftovers
-    verify.py    `fineflow registry verify`: the log, the candidates, the alias and the champion, checked
+    verify.py    `fineflow registry verify`: the log, its overrides, the candidates, the alias and the champion
+                 (every file against the entry that installed it), checked
     card.py      the champion's model card (README.md)
     champion.py  the promote procedure, the champion's assembly (merged model, tokenizer, card), rollback and
                  recover (finishing what a writer that died left)

@@ -1,10 +1,13 @@
 """The champion's model card (``README.md``): Hugging Face YAML front matter, how to load it, the evaluation
 table with paired-bootstrap CIs versus the base model, the training params and run figures, and the lineage.
-Written from the candidate's registry record, so a rollback rebuilds the same card."""
+Written from the candidate's registry record, so a rollback rebuilds the same card but for its run figures
+(``card_digest``: what the log entry binds of it)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from pathlib import Path
 
 import yaml
@@ -24,6 +27,24 @@ TRAIN_PARAMS = (
     "max_grad_norm",
     "num_processes",
 )
+
+
+RUN_FIGURES = "Training run: "
+NO_RUN_FIGURES = "Training run figures (wall time, tokens/s): not given to the promote stage (--train-report)."
+_FIGURE = re.compile(rf"({'|'.join(TRAIN_FIGURES)}) (-?[0-9.]+(e[-+]?[0-9]+)?|None|nan|-?inf)")
+
+
+def card_digest(text: str) -> str:
+    """The card's sha256 as the log entry that installs the champion records it: of every line but the run
+    figures (wall time, tokens/s, ...), which differ between two runs of the same inputs (the registry, a DVC
+    output, must not). Only a line of figures as _training writes them is left out: any other text in it counts."""
+
+    def bound(line: str) -> str:
+        figures = line.removeprefix(RUN_FIGURES).split(", ")
+        is_figures = line.startswith(RUN_FIGURES) and all(_FIGURE.fullmatch(f) for f in figures)
+        return "<run figures>" if is_figures or line == NO_RUN_FIGURES else line
+
+    return hashlib.sha256("\n".join(bound(line) for line in text.split("\n")).encode("utf-8")).hexdigest()
 
 
 def train_figures(train_report: Path | None, log=print) -> dict | None:
@@ -57,6 +78,7 @@ def model_card(record: dict, base_ref: str, train: dict | None, is_adapter: bool
         "base model and training data before publishing.",
         "",
     ]
+    lines += _override(record)
     lines += _usage(base_ref, is_adapter) + [""]
     lines += _evaluation(record)
     lines += _training(record, train)
@@ -98,6 +120,18 @@ def front_matter(record: dict, base_ref: str, is_adapter: bool) -> dict:
             }
         ],
     }
+
+
+def _override(record: dict) -> list[str]:
+    """A champion installed by `fineflow registry rollback --allow-unpromoted`: the card says so first."""
+    override = record.get("override")
+    if not override:
+        return []
+    return [
+        f"**Override:** this champion was never promoted by the gate; it was installed by `fineflow registry "
+        f"rollback --allow-unpromoted` (reason: {override.get('reason')}).",
+        "",
+    ]
 
 
 def _usage(base_ref: str, is_adapter: bool) -> list[str]:
@@ -149,12 +183,13 @@ def _training(record: dict, train: dict | None) -> list[str]:
     train_params = dict(params.get("train") or {})
     lora = train_params.pop("lora", None) or {}
     lines += [f"| train.{key} | {train_params[key]} |" for key in TRAIN_PARAMS if key in train_params]
-    lines += [f"| train.lora.{key} | {value} |" for key, value in lora.items()]
+    # sorted: the record as promote holds it and as read back from record.json (keys sorted) give one card
+    lines += [f"| train.lora.{key} | {value} |" for key, value in sorted(lora.items())]
     if "tokenize" in params:
         lines.append(f"| tokenize.seq_len | {params['tokenize'].get('seq_len')} |")
     if train:
-        return lines + ["", "Training run: " + ", ".join(f"{k} {v}" for k, v in train.items())]
-    return lines + ["", "Training run figures (wall time, tokens/s): not given to the promote stage (--train-report)."]
+        return lines + ["", RUN_FIGURES + ", ".join(f"{k} {v}" for k, v in train.items())]
+    return lines + ["", NO_RUN_FIGURES]
 
 
 def _lineage(record: dict) -> list[str]:

@@ -6,6 +6,8 @@ candidate in the registry by id, appends the decision and its evidence to the pr
 installs the champion atomically: the PEFT adapter, the merged model (``merged/``), the tokenizer, a model
 card (``README.md``) and the deterministic lineage (``lineage.json``). The slow, failure-prone assembly
 happens before anything is logged or replaced, so a crash leaves the registry and the champion as they were.
+The whole staged directory, champion.json included, is final before the log append, and the entry records each
+file's sha256 (``log_decision``): keyed, the entry binds every file that is served.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from fineflow.registry.card import model_card, train_figures
 from fineflow.registry.gate import Decision, bootstrap_per_metric, decision_record, flatten, promotion_decision, refusal
 from fineflow.registry.install import (
     champion_files_hash,
+    champion_manifest,
     clear_leftovers,
     ensure_empty_champion,
     read_champion,
@@ -36,7 +39,9 @@ from fineflow.registry.lineage import build_manifest, deterministic, missing_fie
 from fineflow.registry.promotion_log import (
     append_log,
     champion_history,
+    gate_promoted,
     last_champion_entry,
+    next_seq,
     read_log,
     repair_log,
     rollback_refusal,
@@ -50,6 +55,7 @@ from fineflow.registry.store import (
     check_id,
     current_champion,
     directory_hash,
+    intact_candidate,
     read_alias,
     read_record,
     registry_lock,
@@ -116,7 +122,7 @@ def promote(
             staging = build_champion(
                 staging_dir(champion_dir), stored, record["base_model"], record, train_figures(train_report, log)
             )
-        entry = append_log(registry_dir, log_entry(params, record, decision, champion))
+        entry = log_decision(registry_dir, log_entry(params, record, decision, champion), staging, record)
         if staging is not None:
             install_built(staging, champion_dir, registry_dir, cid, record, entry["seq"])
     return _finish(decision, cid, entry["seq"], lineage_dir, manifest, log)
@@ -153,39 +159,84 @@ def decided_as(entry: dict) -> Decision:
 
 
 def rollback(
-    registry_dir: Path, champion_dir: Path, to: str | None = None, base_dir: str | None = None, log=print
+    registry_dir: Path,
+    champion_dir: Path,
+    to: str | None = None,
+    base_dir: str | None = None,
+    log=print,
+    allow_unpromoted: str | None = None,
 ) -> dict:
     """Reinstall an earlier champion from candidates/<id> (default: the one before the current) atomically,
     rebuilding its merged model, tokenizer and card, and log a "rollback" entry; under the registry lock,
     after repairing what a writer that died left. The candidate rolled back from is not promoted again by the
-    gate (promotion_log.rollback_refusal) unless a later rollback reinstalls it."""
+    gate (promotion_log.rollback_refusal) unless a later rollback reinstalls it. A candidate the gate never
+    promoted is installed only with allow_unpromoted (the reason), logged as an override and said on its card."""
     if to is not None:
         check_id(to)
     with registry_writes(registry_dir, champion_dir, log, base_dir):
         current = alias_id(registry_dir)
         source = candidate_dir(registry_dir, to if to is not None else _previous_champion(registry_dir, current))
-        cid = source.name
+        cid = intact_candidate(source).name
         if cid == current:
             raise FineflowError(f"{cid} is already the champion")
+        override = unpromoted_override(registry_dir, cid, allow_unpromoted)
         record = read_record(registry_dir, cid)
         base_ref = base_dir or record.get("base_model")
         if not base_ref:
             raise FineflowError(f"{source}: the record names no base model; pass --base-dir")
-        staging = build_champion(staging_dir(champion_dir), source, base_ref, record, None)
-        entry = append_log(
-            registry_dir,
-            {
-                "candidate_id": cid,
-                "decision": "rollback",
-                "promote": True,
-                "reason": f"rollback from {current} to {cid}",
-                "champion_before": current,
-                "metrics": record.get("metrics"),
-                "eval_data_sha256": record.get("eval_data_sha256"),
-            },
-        )
+        entry = rollback_entry(cid, current, record, override)
+        staging = build_champion(staging_dir(champion_dir), source, base_ref, card_record(record, entry), None)
+        entry = log_decision(registry_dir, entry, staging, record)
         install_built(staging, champion_dir, registry_dir, cid, record, entry["seq"])
-    return {"from": current, "to": cid, "log_seq": entry["seq"]}
+    return {"from": current, "to": cid, "log_seq": entry["seq"], "override": override}
+
+
+def unpromoted_override(registry_dir: Path, cid: str, reason: str | None) -> dict | None:
+    """The override a rollback to cid logs when the gate never promoted cid ({"unpromoted", "reason"}); None
+    when it did. Without a reason for one it needs, a FineflowError that says how to give it."""
+    if gate_promoted(registry_dir, cid):
+        return None
+    if not (reason or "").strip():
+        raise FineflowError(
+            f"candidate {cid} was never promoted by the gate (its log entries refused it): to serve it anyway, "
+            f"`fineflow registry rollback --to {cid} --allow-unpromoted REASON` (the reason goes into the log "
+            "and the model card)"
+        )
+    return {"unpromoted": True, "reason": reason.strip()}
+
+
+def rollback_entry(cid: str, current: str | None, record: dict, override: dict | None) -> dict:
+    """The promotion log's entry for a rollback to cid (from the champion current)."""
+    entry = {
+        "candidate_id": cid,
+        "decision": "rollback",
+        "promote": True,
+        "reason": f"rollback from {current} to {cid}" + (f" (override: {override['reason']})" if override else ""),
+        "champion_before": current,
+        "metrics": record.get("metrics"),
+        "eval_data_sha256": record.get("eval_data_sha256"),
+    }
+    return {**entry, "override": override} if override else entry
+
+
+def card_record(record: dict, entry: dict) -> dict:
+    """The record the model card is written from: the candidate's, with the override of the entry that
+    installs it (the card then says the gate never promoted it)."""
+    return {**record, "override": entry["override"]} if entry.get("override") else record
+
+
+def log_decision(registry_dir: Path, entry: dict, staging: Path | None, record: dict) -> dict:
+    """Append entry to the log; when it installs the champion built at staging, first write the champion's
+    champion.json there (with the seq the entry gets) and record every staged file's sha256 in the entry
+    (champion_files), so the entry, keyed, binds all that will be served. Under the registry lock."""
+    if staging is None:
+        return append_log(registry_dir, entry)
+    seq = next_seq(registry_dir)
+    write_json_atomic(staging / CHAMPION_FILE, champion_json(record, seq))
+    logged = append_log(registry_dir, {**entry, "champion_files": champion_manifest(staging)})
+    if logged["seq"] != seq:  # only another writer, outside the registry lock, could cause it
+        raise FineflowError(f"{registry_dir}: the log grew during this write (entry {logged['seq']}, not {seq})")
+    return logged
 
 
 def _previous_champion(registry_dir: Path, current: str | None) -> str:
@@ -221,25 +272,26 @@ def recover(
     """Bring the log, the champion directory and the alias back in line after a writer died midway; returns
     what was done, each also passed to log. The log is the record of what was decided: a half-written last line
     was never committed and is cut (promotion_log.repair_log); a promotion or rollback that was logged is finished,
-    never undone: the champion it names is rebuilt from candidates/<id> when the directory does not hold it,
-    and the alias is pointed at it. Leftover staged or retired directories are removed."""
+    never undone: when the directory does not hold the champion it names, the staged copy whose files the entry
+    recorded is swapped in, else it is rebuilt from candidates/<id>; and the alias is pointed at it. Leftover
+    staged or retired directories are removed."""
     with registry_lock(registry_dir):
         done = repair_log(registry_dir, log)
+        last = last_champion_entry(registry_dir)
+        source = stored_candidate(registry_dir, last["candidate_id"]) if last else None
+        if source is not None:  # before the leftovers go: the staged champion may be the one the entry recorded
+            done += _finish_install(registry_dir, champion_dir, source, last, base_dir, log)
         for path in clear_leftovers(champion_dir, registry_dir):
             done.append(f"removed {path} (left by a writer that died)")
             log(done[-1])
-        last = last_champion_entry(registry_dir)
-        source = stored_candidate(registry_dir, last["candidate_id"]) if last else None
-        if source is not None:
-            done += _finish_install(registry_dir, champion_dir, source, last["seq"], base_dir, log)
     return done
 
 
 def _finish_install(
-    registry_dir: Path, champion_dir: Path, source: Path, seq: int, base_dir: str | None, log: Callable[[str], None]
+    registry_dir: Path, champion_dir: Path, source: Path, last: dict, base_dir: str | None, log: Callable[[str], None]
 ) -> list[str]:
-    """Make champion_dir and the alias the install of log entry seq (candidate source), if they are not yet."""
-    cid = source.name
+    """Make champion_dir and the alias the install of log entry `last` (candidate source), if they are not yet."""
+    cid, seq = source.name, last["seq"]
     installed = read_champion(champion_dir) or {}
     alias = read_alias(registry_dir) or {}
     if installed.get("candidate_id") == cid and installed.get("promotion_seq") == seq:
@@ -249,21 +301,32 @@ def _finish_install(
         log(message)
         set_alias(registry_dir, cid, seq, champion_files_hash(champion_dir))  # the swap was done: only the alias
         return [message]
-    record = read_record(registry_dir, cid)
-    base_ref = base_dir or record.get("base_model")
-    if not base_ref:
-        raise FineflowError(
-            f"{source}: entry {seq} of the log installs {cid}, whose record names no base model to rebuild it on; "
-            "pass --base-dir to `fineflow registry repair`"
-        )
     message = (
         f"{champion_dir}: finishing the install of {cid} that entry {seq} of the log records (its writer died "
         f"before the champion directory held it)"
     )
     log(message)
-    staging = build_champion(staging_dir(champion_dir), source, base_ref, record, None)
-    install_built(staging, champion_dir, registry_dir, cid, record, seq)
+    record = read_record(registry_dir, cid)
+    install_built(
+        _staged_or_rebuilt(champion_dir, source, last, record, base_dir), champion_dir, registry_dir, cid, record, seq
+    )
     return [message]
+
+
+def _staged_or_rebuilt(champion_dir: Path, source: Path, last: dict, record: dict, base_dir: str | None) -> Path:
+    """The champion entry `last` installs, assembled: the staged copy its writer left when every file is the one
+    the entry recorded (a crash between the log append and the swap), else built again from the candidate."""
+    staged = champion_dir.with_name(f".{champion_dir.name}.staging")
+    if last.get("champion_files") and staged.is_dir() and champion_manifest(staged) == last["champion_files"]:
+        return staged
+    base_ref = base_dir or record.get("base_model")
+    intact_candidate(source)
+    if not base_ref:
+        raise FineflowError(
+            f"{source}: entry {last['seq']} of the log installs {source.name}, whose record names no base model to "
+            "rebuild it on; pass --base-dir to `fineflow registry repair`"
+        )
+    return build_champion(staging_dir(champion_dir), source, base_ref, card_record(record, last), None)
 
 
 # ---- the evidence ----------------------------------------------------------------------------------
@@ -408,7 +471,7 @@ def stage_report(decision: Decision, cid: str, log_seq: int, lineage_path: Path 
 
 def build_champion(staging: Path, source: Path, base_ref: str, record: dict, train: dict | None) -> Path:
     """Assemble a complete champion directory at staging: adapter files, merged model, tokenizer, card,
-    lineage.json. install_built then writes champion.json and swaps it in."""
+    lineage.json. log_decision then writes champion.json and logs every file's hash; install_built swaps it in."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -431,9 +494,9 @@ def build_champion(staging: Path, source: Path, base_ref: str, record: dict, tra
 
 
 def install_built(staging: Path, champion_dir: Path, registry_dir: Path, cid: str, record: dict, seq: int) -> None:
-    """Make the assembled staging dir the champion cid, after log entry seq was written: its champion.json,
-    the atomic swap, then the registry's alias, which records the installed directory's content hash (what
-    `fineflow registry verify` checks the champion against)."""
+    """Make the assembled staging dir the champion cid, after log entry seq was written: its champion.json (the
+    one log_decision wrote, again), the atomic swap, then the registry's alias, which records the installed
+    directory's content hash (what verify checks a champion whose entry has no champion_files against)."""
     write_json_atomic(staging / CHAMPION_FILE, champion_json(record, seq))
     files_sha256 = champion_files_hash(staging)
     swap_in(staging, champion_dir)

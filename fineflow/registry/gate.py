@@ -257,7 +257,8 @@ def promotion_decision(
         reference_name, context = "base model", {}
         reference, problem = _base_as_reference(scores)
     elif _base_changed(scores, champion):
-        return _judge_on_a_new_base(scores, champion, on_base_change, compare)
+        eval_change = _eval_change(champion, eval_data_sha256, on_eval_change)
+        return _judge_on_a_new_base(scores, champion, on_base_change, compare, eval_change)
     else:
         reference_name = f"champion {champion['id']}"
         reference, problem, context = _champion_as_reference(
@@ -276,9 +277,11 @@ def _base_changed(scores: dict, champion: dict) -> bool:
     return bool(now and then and now != then)
 
 
-def _judge_on_a_new_base(scores: dict, champion: dict, policy: str, compare: dict) -> Decision:
+def _judge_on_a_new_base(scores: dict, champion: dict, policy: str, compare: dict, eval_change: dict) -> Decision:
     """The candidate is on another base than the champion: refused (policy refuse), or judged against its own
-    base, with the old champion's merged model on the same docs reported side by side (compare_to_base)."""
+    base, with the old champion's merged model on the same docs reported side by side (compare_to_base).
+    eval_change: the eval set's change in the same run ({} or {"eval_change": ...}), recorded beside the base's
+    (the candidate is not compared with the champion's recorded metrics then, so it decides nothing)."""
     cid = champion["id"]
     change = {"from": champion["base_digest"], "to": scores["base_digest"], "policy": policy}
     switch = (
@@ -290,10 +293,10 @@ def _judge_on_a_new_base(scores: dict, champion: dict, policy: str, compare: dic
             "its own base, the old champion's merged model side by side)",
             compare["primary"],
             f"champion {cid}",
-            context={"base_change": change},
+            context={"base_change": change, **eval_change},
         )
     reference, problem = _base_as_reference(scores)
-    context = {"base_change": change, "vs_old_champion": _side_by_side(scores, champion, compare)}
+    context = {"base_change": change, **eval_change, "vs_old_champion": _side_by_side(scores, champion, compare)}
     if problem:
         return refusal(f"{switch}; {problem}", compare["primary"], "base model", context=context)
     decision = _compare(scores["candidate"], reference, "base model", **compare)
@@ -350,9 +353,7 @@ def _champion_as_reference(
     current data) is the reference; with refuse, or when the champion was not re-scored, it is refused."""
     recorded = champion.get("eval_data_sha256")
     evaluated = scores.get("champion")
-    context = {}
-    if recorded and eval_data_sha256 and recorded != eval_data_sha256:
-        context["eval_change"] = {"from": recorded, "to": eval_data_sha256, "policy": on_eval_change}
+    context = _eval_change(champion, eval_data_sha256, on_eval_change)
     problem = _eval_data_problem(recorded, eval_data_sha256, evaluated is not None, reference_name, on_eval_change)
     if problem is None and evaluated is not None:
         problem = _evaluation_problem(evaluated, champion["id"], reference_name)
@@ -361,6 +362,14 @@ def _champion_as_reference(
     if evaluated is not None:
         return evaluated, None, context
     return {"metrics": None, "flat": champion.get("metrics") or {}, "samples": champion.get("samples")}, None, context
+
+
+def _eval_change(champion: dict, eval_data_sha256: str | None, on_eval_change: str) -> dict:
+    """{"eval_change": {"from", "to", "policy"}} when the eval data is not the champion's any more, else {}."""
+    recorded = champion.get("eval_data_sha256")
+    if recorded and eval_data_sha256 and recorded != eval_data_sha256:
+        return {"eval_change": {"from": recorded, "to": eval_data_sha256, "policy": on_eval_change}}
+    return {}
 
 
 def _eval_data_problem(

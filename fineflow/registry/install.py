@@ -1,6 +1,7 @@
-"""The champion directory (``models/champion``): its record (champion.json), its content hash, and its
-install: assembled in a staging sibling, then swapped in with one atomic exchange. What writers that died left
-beside it is cleared here too. What goes into the directory is ``fineflow.registry.champion``'s."""
+"""The champion directory (``models/champion``): its record (champion.json), its content hash and per-file
+manifest (what the log entry that installs it records), and its install: assembled in a staging sibling, then
+swapped in with one atomic exchange. What writers that died left beside it is cleared here too. What goes into
+the directory is ``fineflow.registry.champion``'s."""
 
 from __future__ import annotations
 
@@ -12,12 +13,29 @@ import shutil
 import sys
 from pathlib import Path
 
+from fineflow.core.reports import sha256_file
+from fineflow.registry.card import card_digest
 from fineflow.registry.store import CARD_FILE, CHAMPION_FILE, directory_hash
 
 
 def champion_files_hash(champion_dir: Path) -> str:
-    """The installed champion's content hash, as the alias records it: every file but the model card."""
+    """The installed champion's content hash, as the alias records it: every file but the model card (what
+    verify checks a champion installed by a log entry without champion_files against, unkeyed only)."""
     return directory_hash(champion_dir, exclude=(CARD_FILE,))
+
+
+def champion_manifest(champion_dir: Path) -> dict[str, str]:
+    """{relative path: sha256} of every file in the champion directory, model card and champion.json included:
+    what the log entry that installs it records (its champion_files), so a keyed entry binds all that is served.
+    The card's is card_digest: every line but its run figures, so the registry stays a function of the inputs."""
+    files = sorted(p for p in champion_dir.rglob("*") if p.is_file())
+    return {str(p.relative_to(champion_dir)): _file_digest(champion_dir, p) for p in files}
+
+
+def _file_digest(champion_dir: Path, path: Path) -> str:
+    if path == champion_dir / CARD_FILE:
+        return card_digest(path.read_text(encoding="utf-8", errors="replace"))
+    return sha256_file(path)
 
 
 def read_champion(champion_dir: Path) -> dict | None:

@@ -5,8 +5,11 @@ holds. The registry (``models/registry``, DVC-tracked, persist)::
                               the adapter (or full model) files + record.json (metrics, samples, eval data
                               hash, decision, deterministic lineage)
     champion.json             the alias: {"id", "seq" (the log entry that installed it), "files_sha256" (the
-                              installed champion directory's content hash)}
-    promotions.jsonl, HEAD    the hash-chained promotion log and its last line's hash (promotion_log.py)
+                              installed champion directory's content hash, but the card's: what verify checks a
+                              champion installed by an entry without champion_files against)}
+    promotions.jsonl, HEAD    the hash-chained promotion log (an entry that installs a champion records each of
+                              its files' sha256: champion_files) and its length and last line's hash
+                              (promotion_log.py)
 
 and beside it (not in it: any file inside a DVC output changes the output's hash) ``.registry.lock``, the
 flock every write holds, so promote and rollback never interleave.
@@ -36,7 +39,7 @@ from fineflow.core.reports import sha256_file, write_json_atomic
 CHAMPION_FILE = "champion.json"  # the registry's alias, and the installed champion's own record
 RECORD_FILE = "record.json"
 ID_LEN = 16
-CARD_FILE = "README.md"  # the model card: carries run timings, DVC ignores it, so it is not evidence
+CARD_FILE = "README.md"  # the model card: carries run timings, so DVC ignores it; the log entry binds it
 # a candidate id or a prefix of one: hex only, so a user's --to can never name a path (../x) or a glob pattern (*)
 # below candidates/
 _ID = re.compile(rf"[0-9a-f]{{1,{ID_LEN}}}")
@@ -171,13 +174,24 @@ def store_candidate(registry_dir: Path, adapter_dir: Path, cid: str, record: dic
     dest = registry_dir / "candidates" / cid
     staging = dest.with_name(f".{cid}.staging")
     shutil.rmtree(staging, ignore_errors=True)
-    if dest.is_dir():  # the same adapter evaluated again: files are identical by construction
-        write_json_atomic(dest / RECORD_FILE, record)
+    if dest.is_dir():  # the same adapter evaluated again: files are identical by construction, unless changed
+        write_json_atomic(intact_candidate(dest) / RECORD_FILE, record)
         return dest
     shutil.copytree(adapter_dir, staging)
     write_json_atomic(staging / RECORD_FILE, record)
     os.replace(staging, dest)
     return dest
+
+
+def intact_candidate(cdir: Path) -> Path:
+    """cdir, when its files still hash to its id; a FineflowError otherwise. What a champion is built from: a
+    keyed log entry must never record files someone changed in the registry."""
+    if candidate_id(cdir) != cdir.name:
+        raise FineflowError(
+            f"{cdir}: files no longer hash to the candidate id (changed after it was stored); restore them "
+            "(`dvc checkout models/registry`) or remove the directory, then try again"
+        )
+    return cdir
 
 
 def stored_candidate(registry_dir: Path, cid: str) -> Path | None:

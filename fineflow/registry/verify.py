@@ -6,8 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from fineflow.core.reports import sha256_file
-from fineflow.registry.install import champion_files_hash, read_champion
-from fineflow.registry.promotion_log import LOG_FILE, REPAIRS, chain_problem, hmac_problems, last_champion_entry
+from fineflow.registry.install import champion_files_hash, champion_manifest, read_champion
+from fineflow.registry.promotion_log import (
+    LOG_FILE,
+    REPAIRS,
+    chain_problem,
+    head_problem,
+    hmac_problems,
+    last_champion_entry,
+    read_log,
+)
 from fineflow.registry.store import (
     CARD_FILE,
     CHAMPION_FILE,
@@ -22,22 +30,28 @@ from fineflow.registry.store import (
 def verify_log(registry_dir: Path, champion_dir: Path | None = None, key: str | None = None) -> list[str]:
     """Problems with the registry, first the first bad line of the chain; [] when it is intact.
 
-    Checks: every line is JSON with seq = its line number and prev_sha256 = sha256 of the line before;
-    HEAD (when present) is the sha256 of the last line; with key, every entry carries a valid HMAC; every
-    stored candidate's files still hash to its id; the champion alias names a stored candidate and agrees
-    with the log's last promotion or rollback; and (with champion_dir) the installed champion is that
-    candidate: its champion.json, its adapter files and the content hash its install recorded."""
+    Checks: every line is the JSON fineflow wrote, with seq = its line number and prev_sha256 = sha256 of the
+    line before; with key, every entry carries a valid HMAC; HEAD names the log's length and last line (keyed:
+    it must exist and carry a valid HMAC; unkeyed, a missing one is tolerated); every rollback to a candidate
+    the gate never promoted logged its override; every stored candidate's files still hash to its id; the
+    champion alias names a stored candidate and agrees with the log's last promotion or rollback; and (with
+    champion_dir) the installed champion is that candidate: its champion.json, its adapter files, and every
+    file as that entry recorded it."""
     path = registry_dir / LOG_FILE
     if not path.exists():
         return [f"{path}: no promotion log"]
-    broken = chain_problem(registry_dir, path)
+    broken = chain_problem(path)
     if broken:
         return [broken]
+    forged = hmac_problems(path, key) if key else []
+    head = None if forged else head_problem(registry_dir, path.read_text(encoding="utf-8").splitlines(), key)
     return (
-        (hmac_problems(path, key) if key else [])
+        forged
+        + ([head] if head else [])
+        + unlogged_overrides(registry_dir)
         + _changed_candidates(registry_dir)
         + _dangling_alias(registry_dir)
-        + _champion_problems(registry_dir, champion_dir)
+        + _champion_problems(registry_dir, champion_dir, key)
     )
 
 
@@ -58,7 +72,7 @@ def _dangling_alias(registry_dir: Path) -> list[str]:
     return []
 
 
-def _champion_problems(registry_dir: Path, champion_dir: Path | None) -> list[str]:
+def _champion_problems(registry_dir: Path, champion_dir: Path | None, key: str | None) -> list[str]:
     """The alias and the installed champion against the log's last promotion or rollback. When that entry's
     candidate is no longer stored there is nothing to compare them with (an alias naming it is _dangling_alias's)."""
     last = last_champion_entry(registry_dir)
@@ -78,14 +92,16 @@ def _champion_problems(registry_dir: Path, champion_dir: Path | None) -> list[st
             f"{cid} (a writer died between the log append and the install); {REPAIRS}"
         )
     if champion_dir is not None:
-        problems += _installed_problems(champion_dir, stored, seq, alias if alias_ok else None)
+        problems += _installed_problems(champion_dir, stored, last, alias if alias_ok else None, key)
     return problems
 
 
-def _installed_problems(champion_dir: Path, stored: Path, seq: int, alias: dict | None) -> list[str]:
-    """The champion directory is the one entry seq installed: its champion.json, the stored candidate's
-    files byte for byte, and (when the alias agrees with the log) the content hash recorded at the install."""
-    cid = stored.name
+def _installed_problems(champion_dir: Path, stored: Path, last: dict, alias: dict | None, key: str | None) -> list[str]:
+    """The champion directory is the one entry `last` installed: its champion.json, the stored candidate's
+    files byte for byte, and every file as the entry recorded it (champion_files: keyed, so no one without the
+    key can change a served file and its recorded hash together). Entries older than champion_files: the
+    content hash in the alias, unkeyed only."""
+    cid, seq = stored.name, last["seq"]
     installed = read_champion(champion_dir)
     if installed is None or installed.get("candidate_id") != cid or installed.get("promotion_seq") != seq:
         holds = f"{installed['candidate_id']} (entry {installed.get('promotion_seq')})" if installed else "no champion"
@@ -101,6 +117,13 @@ def _installed_problems(champion_dir: Path, stored: Path, seq: int, alias: dict 
             return [
                 f"{mine}: differs from {stored.parent.name}/{cid}/{rel} (the champion was changed after its install)"
             ]
+    if last.get("champion_files") is not None:
+        return manifest_problems(champion_dir, last["champion_files"], seq)
+    if key:
+        return [
+            f"{champion_dir}: entry {seq} installed it before the log recorded a champion's files, so keyed verify "
+            "cannot vouch for what is served; a promotion or a rollback binds them"
+        ]
     recorded = (alias or {}).get("files_sha256")
     if recorded and champion_files_hash(champion_dir) != recorded:
         return [
@@ -108,3 +131,51 @@ def _installed_problems(champion_dir: Path, stored: Path, seq: int, alias: dict 
             "a file was changed, added or removed after the install"
         ]
     return []
+
+
+def manifest_problems(champion_dir: Path, recorded: dict, seq: int) -> list[str]:
+    """Every file of champion_dir against the sha256 entry seq recorded for it: changed, missing, or added.
+    A missing model card is not one: DVC does not restore it (.dvcignore), and a card that is absent is not
+    served."""
+    found = champion_manifest(champion_dir)
+    problems = []
+    for rel, sha in sorted(recorded.items()):
+        if rel not in found and rel != CARD_FILE:
+            problems.append(f"{champion_dir / rel}: missing (entry {seq} installed it)")
+        elif rel in found and found[rel] != sha:
+            problems.append(f"{champion_dir / rel}: differs from what entry {seq} installed (changed after it)")
+    added = sorted(set(found) - set(recorded))
+    return problems + [f"{champion_dir / rel}: not installed by entry {seq} (added after it)" for rel in added]
+
+
+def unlogged_overrides(registry_dir: Path) -> list[str]:
+    """Rollback entries that install a candidate the gate never promoted before them, without the override
+    (`rollback --allow-unpromoted REASON`) logged: what a rollback before the override existed wrote, or an
+    unkeyed hand edit."""
+    promoted, problems = set(), []
+    for entry in read_log(registry_dir):
+        cid = entry.get("candidate_id")
+        if entry.get("decision") == "promoted":
+            promoted.add(cid)
+        elif entry.get("decision") == "rollback" and cid not in promoted and not is_override(entry):
+            problems.append(
+                f"{registry_dir / LOG_FILE}:{entry.get('seq')}: rolls back to {cid}, which the gate never promoted, "
+                "with no override logged (`fineflow registry rollback --allow-unpromoted REASON` logs one); roll "
+                "back to a candidate the gate promoted"
+            )
+    return problems
+
+
+def is_override(entry: dict) -> bool:
+    return bool((entry.get("override") or {}).get("unpromoted"))
+
+
+def override_note(registry_dir: Path) -> str | None:
+    """What verify's OK says when the champion was installed by an override: never promoted by the gate."""
+    last = last_champion_entry(registry_dir)
+    if last is None or not is_override(last):
+        return None
+    return (
+        f"champion {last['candidate_id']} was never promoted by the gate: entry {last['seq']} installed it with "
+        f"--allow-unpromoted (reason: {last['override'].get('reason')})"
+    )
