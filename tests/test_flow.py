@@ -393,6 +393,18 @@ def test_make_run_with_a_params_mistake_exits_2_with_one_message_before_any_stag
     assert not (project / "models/base").exists()
 
 
+@pytest.mark.slow
+def test_serving_the_flow_with_a_params_mistake_is_refused_at_once(tmp_path):
+    """`make serve` (python -m flows.deploy): every scheduled run would fail on it, so it exits 2 now."""
+    project = copy_project(tmp_path / "project", {"data.train_path": "mine/train.jsonl"})
+    env = {**venv_env(), "PREFECT_HOME": str(tmp_path / "prefect")}
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.deploy"], cwd=project, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-4000:]
+    assert done.stderr.startswith("fineflow serve: error: ") and "data.train_path: no such file" in done.stderr
+
+
 @pytest.mark.slow  # ~14 s: the one test here that starts the flow's temporary server
 def test_a_user_error_in_a_stage_of_the_flow_exits_2_with_its_message_last_and_no_traceback(tmp_path):
     """A user error only a stage can find (a hub id the offline cache lacks: no path to check beforehand) fails
