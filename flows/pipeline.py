@@ -117,6 +117,15 @@ def supervise_flow(project: Path) -> int:
     return code
 
 
+def report_user_error(message: str) -> None:
+    """For the supervisor to print last (USER_ERROR_FILE_ENV); on stderr when no supervisor asked for it."""
+    target = os.environ.get(USER_ERROR_FILE_ENV)
+    if target:
+        Path(target).write_text(message, encoding="utf-8")
+    else:
+        print(f"fineflow run: error: {message}", file=sys.stderr, flush=True)
+
+
 def _interrupted(signum, frame):
     raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
 
@@ -139,7 +148,7 @@ def run_flow(project: Path) -> int:
     except Exception as exc:
         if not is_user_error(exc):
             raise  # a crash: its traceback, exit 1
-        Path(os.environ[USER_ERROR_FILE_ENV]).write_text(str(exc), encoding="utf-8")  # the supervisor prints it
+        report_user_error(str(exc))
         return USER_ERROR_EXIT
     ran = [stage for stage, r in results.items() if r["ran"]]
     # a project's dvc.yaml may leave stages out

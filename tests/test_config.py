@@ -151,3 +151,12 @@ def test_the_shipped_params_name_no_missing_path():
     from tests.conftest import ROOT
 
     preflight(ROOT)  # data/raw/*: the data stage's outputs
+
+
+def test_a_broken_dvc_yaml_is_named_not_a_traceback(tmp_path):
+    from fineflow.core.preflight import preflight
+
+    project = _project(tmp_path, {})
+    (project / "dvc.yaml").write_text("stages:\n  data: [\n")
+    with pytest.raises(ConfigError, match=r"dvc.yaml: not valid YAML"):
+        preflight(project)

@@ -87,7 +87,13 @@ def stage_outputs(project: Path) -> list[str]:
     path = project / DVC_FILE
     if not path.is_file():
         return []
-    stages = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("stages") or {}
+    try:
+        pipeline = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    stages = pipeline.get("stages") if isinstance(pipeline, dict) else None
+    if not isinstance(stages, dict):
+        return []  # no pipeline to write anything (DVC says so when it runs)
     outs = [out for stage in stages.values() if isinstance(stage, dict) for out in stage.get("outs") or []]
     return [next(iter(out)) if isinstance(out, dict) else str(out) for out in outs]
 
