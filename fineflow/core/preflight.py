@@ -70,9 +70,9 @@ def check_input_paths(params: Params, project: Path) -> None:
     if missing:
         lines = [f"{PARAMS_FILE}: {entry.key}: no such {entry.kind}: {entry.path!r}" for entry in missing]
         raise ConfigError(
-            f"{len(lines)} input path(s) named in {PARAMS_FILE} do not exist (relative paths are read from "
-            f"{project.resolve()}; a stage's output or a DVC-tracked file may be missing until DVC brings it):\n  "
-            + "\n  ".join(lines)
+            f"{len(lines)} input path(s) named in {PARAMS_FILE} do not exist (relative ones are read from "
+            f"{project.resolve()}): point each key at an existing file or folder, or at one DVC tracks (`fineflow "
+            f"data add FILE`):\n  " + "\n  ".join(lines)
         )
 
 
