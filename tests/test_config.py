@@ -79,7 +79,14 @@ def test_params_yaml_states_exactly_the_config_defaults():
 
 # --- the input paths params.yaml names (fineflow.core.preflight) ---------------------------------------------
 
-PIPELINE = "stages:\n  data:\n    cmd: x\n    outs: [data/raw/train.jsonl, data/raw/eval.jsonl]\n"
+# the stages that write and read the paths params.yaml names (only the inputs of stages dvc.yaml has are checked)
+PIPELINE = """\
+stages:
+  data: {cmd: x, outs: [data/raw/train.jsonl, data/raw/eval.jsonl]}
+  validate: {cmd: x}
+  train: {cmd: x}
+  evaluate: {cmd: x}
+"""
 
 
 def _project(tmp_path, params: dict):
@@ -159,4 +166,17 @@ def test_a_broken_dvc_yaml_is_named_not_a_traceback(tmp_path):
     project = _project(tmp_path, {})
     (project / "dvc.yaml").write_text("stages:\n  data: [\n")
     with pytest.raises(ConfigError, match=r"dvc.yaml: not valid YAML"):
+        preflight(project)
+
+
+def test_only_the_inputs_of_the_stages_dvc_yaml_has_are_checked(tmp_path):
+    """A pipeline cut down to promote (the tests' gate-only project) reads no training data nor task folders."""
+    from fineflow.core.preflight import preflight
+
+    params = {"data": {"train_path": "mine/train.jsonl"}, "evaluate": {"task_dirs": ["eval_tasks/mine"]}}
+    project = _project(tmp_path, params)
+    (project / "dvc.yaml").write_text("stages:\n  promote:\n    cmd: x\n")
+    preflight(project)
+    (project / "dvc.yaml").write_text("stages:\n  promote:\n    cmd: x\n  evaluate:\n    cmd: y\n")
+    with pytest.raises(ConfigError, match=r"^1 input path.*\n  params.yaml: evaluate.task_dirs: no such folder"):
         preflight(project)

@@ -8,8 +8,10 @@ every stage entry (fineflow.core.entry), so that the first stage ``dvc repro`` r
 
 A path counts as there when it exists, when a stage of ``dvc.yaml`` writes it (``data.train_path``'s default,
 ``data/raw/train.jsonl``, is the data stage's output), or when DVC tracks it (a ``<path>.dvc`` beside it or
-beside a folder above it: ``dvc pull`` or ``dvc repro --pull`` brings it). Relative paths are read from the
-project root, where DVC runs the stages. Missing paths are reported all at once, each with its key.
+beside a folder above it: ``dvc pull`` or ``dvc repro --pull`` brings it). A path is checked only when
+``dvc.yaml`` has the stage that reads it (a pipeline cut down to promote needs no training data). Relative
+paths are read from the project root, where DVC runs the stages. Missing paths are reported all at once, each
+with its key.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class InputPath(NamedTuple):
     key: str  # the params key that names it
     path: str  # as params.yaml gives it
     kind: str  # "file" | "folder": what must be there
+    reader: str | None  # the stage that reads it (None: several); unchecked when dvc.yaml has no such stage
 
 
 def preflight(project: Path) -> Params:
@@ -43,17 +46,18 @@ def preflight(project: Path) -> Params:
 
 
 def input_paths(params: Params) -> list[InputPath]:
-    """Every path params.yaml names that the pipeline reads and does not write itself."""
-    paths = [InputPath("data.train_path", params.data.train_path, "file")]
-    paths.append(InputPath("data.eval_path", params.data.eval_path, "file"))
+    """Every path params.yaml names as an input of the pipeline, with the stage that reads it."""
+    paths = [InputPath("data.train_path", params.data.train_path, "file", "validate")]
+    paths.append(InputPath("data.eval_path", params.data.eval_path, "file", "validate"))
     if names_a_directory(params.model.base):
-        paths.append(InputPath("model.base", params.model.base, "folder"))
-    paths += [InputPath("evaluate.task_dirs", folder, "folder") for folder in params.evaluate.task_dirs]
+        paths.append(InputPath("model.base", params.model.base, "folder", None))
+    paths += [InputPath("evaluate.task_dirs", folder, "folder", "evaluate") for folder in params.evaluate.task_dirs]
     profile = params.train.accelerate_profile
     if profile.endswith((".yaml", ".yml")):
-        paths.append(InputPath("train.accelerate_profile", profile, "file"))
+        paths.append(InputPath("train.accelerate_profile", profile, "file", "train"))
     elif profile != "auto":  # a name: a file of configs/accelerate/
-        paths.append(InputPath("train.accelerate_profile", str(PROFILE_DIR / f"{profile}.yaml"), "file"))
+        profile_file = str(PROFILE_DIR / f"{profile}.yaml")
+        paths.append(InputPath("train.accelerate_profile", profile_file, "file", "train"))
     return paths
 
 
@@ -64,9 +68,13 @@ def names_a_directory(reference: str) -> bool:
 
 
 def check_input_paths(params: Params, project: Path) -> None:
-    """Raise one ConfigError naming every input path (key and path) that is missing from project."""
-    produced = stage_outputs(project)
-    missing = [entry for entry in input_paths(params) if not _available(entry, project, produced)]
+    """Raise one ConfigError naming every input path (key and path) that is missing from project. Only the
+    inputs of the stages project's dvc.yaml has are checked (all of them without a dvc.yaml), and a path one
+    of its stages writes counts as there."""
+    stages = pipeline_stages(project)
+    produced = stage_outputs(stages or {})
+    wanted = [entry for entry in input_paths(params) if stages is None or entry.reader in (None, *stages)]
+    missing = [entry for entry in wanted if not _available(entry, project, produced)]
     if missing:
         lines = [f"{PARAMS_FILE}: {entry.key}: no such {entry.kind}: {entry.path!r}" for entry in missing]
         raise ConfigError(
@@ -82,18 +90,21 @@ def _available(entry: InputPath, project: Path, produced: list[str]) -> bool:
     return there or _under_any(entry.path, produced) or _tracked_by_dvc(path, project)
 
 
-def stage_outputs(project: Path) -> list[str]:
-    """The outputs the stages of project's dvc.yaml declare (as written there); none without a dvc.yaml."""
+def pipeline_stages(project: Path) -> dict | None:
+    """The `stages:` of project's dvc.yaml ({} when it has none); None without a dvc.yaml."""
     path = project / DVC_FILE
     if not path.is_file():
-        return []
+        return None
     try:
         pipeline = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
     stages = pipeline.get("stages") if isinstance(pipeline, dict) else None
-    if not isinstance(stages, dict):
-        return []  # no pipeline to write anything (DVC says so when it runs)
+    return stages if isinstance(stages, dict) else {}  # no stages: DVC says so when it runs
+
+
+def stage_outputs(stages: dict) -> list[str]:
+    """The outputs the stages declare, as written in dvc.yaml."""
     outs = [out for stage in stages.values() if isinstance(stage, dict) for out in stage.get("outs") or []]
     return [next(iter(out)) if isinstance(out, dict) else str(out) for out in outs]
 
