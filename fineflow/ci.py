@@ -1,7 +1,8 @@
 """The CI retraining job as one command (``fineflow ci``), so GitHub Actions, GitLab and Jenkins call the same.
 
 In order:
-1. params.yaml is checked, every error at once, before anything is pulled or run.
+1. params.yaml is checked, every error at once, and every input path it names (fineflow.core.preflight), before
+   anything is pulled or run.
 2. ``dvc pull`` from the default remote: what earlier runs pushed is reused, only what changed is rebuilt.
 3. ``dvc repro``: the pipeline, the gate included (the promote stage).
 4. ``dvc push``: the new artefacts go to the remote, refused candidates too (the next run finds them).
@@ -17,8 +18,8 @@ In order:
 Exit codes (``Outcome.exit_code``): 0 promoted, already up to date, or refused; ``REFUSED_EXIT`` (4) refused
 under ``fail_on_refusal``; ``APPROVAL_NEEDED_EXIT`` (3) the candidate waits for a person
 (promote.require_approval: answer in FINEFLOW_APPROVAL and run again, only promote re-runs); 2 bad params or
-input, or another run holds the workspace; 1 a crash (a stage's traceback, the remote unreachable, a preempted
-stage): running again resumes.
+input (a missing input path included), or another run holds the workspace; 1 a crash (a stage's traceback, the
+remote unreachable, a preempted stage): running again resumes.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import yaml
 
 from fineflow import remote
 from fineflow.core import journal
-from fineflow.core.config import load_params
 from fineflow.core.errors import (
     APPROVAL_NEEDED_EXIT,
     PREEMPTED_EXIT,
@@ -45,6 +45,7 @@ from fineflow.core.errors import (
     USER_ERROR_EXIT,
     FineflowError,
 )
+from fineflow.core.preflight import preflight
 from fineflow.core.reports import gate_evidence_table, read_approval_request, read_error_record, read_json
 from fineflow.dvc_rwlock import repair_rwlock
 
@@ -102,9 +103,9 @@ class Outcome:
 
 
 def check_params(project: Path) -> str | None:
-    """Every problem in params.yaml at once (None: valid)."""
+    """Every problem in params.yaml at once, else every input path it names that is missing (None: all well)."""
     try:
-        load_params(project / "params.yaml")
+        preflight(project)
     except FineflowError as exc:
         return str(exc)
     return None

@@ -10,6 +10,12 @@ With promote.require_approval, the run pauses at promote for a person's answer (
 Retries: train is retried (a transient crash, or a stop of the stage alone after it saved its step: the retry
 resumes); bad input or params are never retried.
 
+Exit codes, as every entry's (README): 0 done; 2 a user error (bad params, a missing input path, bad data: every
+FineflowError), one message at the end of stderr and no traceback, Prefect's logs included; 1 a crash (its
+traceback); 130 / 143 stopped by Ctrl-C / SIGTERM. The params and every input path they name are checked before
+the flow starts (fineflow.core.preflight), and again by the flow before its first stage (a deployment's run, its
+overrides applied and the remote pulled).
+
 Ctrl-C and SIGTERM: ``python -m flows.pipeline`` is a small supervisor that runs the flow in a process of its
 own session and forwards it the first SIGINT/SIGTERM (fineflow.train.preempt.supervise). A terminal's Ctrl-C
 would otherwise also reach Prefect's temporary server, which then dies before the run is marked, and leaves the
@@ -22,6 +28,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,13 +36,18 @@ from typing import Any
 from prefect import flow
 
 from fineflow.core import journal
+from fineflow.core.errors import USER_ERROR_EXIT
+from fineflow.core.preflight import preflight
 from fineflow.dag import stage_names, upstream_stages
 from fineflow.train import preempt
 from tasks import runs
 from tasks.approval import answered_task_name, ask_for_approval
-from tasks.stages import preempt_grace_s, run_stage
+from tasks.stages import is_user_error, log_user_errors_without_tracebacks, preempt_grace_s, run_stage
 
 FLOW_PROCESS_ENV = "FINEFLOW_FLOW_SUPERVISOR"  # the supervisor's pid, in the flow process it starts
+# where the flow process leaves a user error's message for its supervisor, which prints it last (after Prefect's
+# temporary server has logged its stop at the flow process's exit)
+USER_ERROR_FILE_ENV = "FINEFLOW_FLOW_USER_ERROR"
 
 RETRIES = {"train": 2}  # a crashed train stage resumes from its last valid checkpoint
 
@@ -51,6 +63,7 @@ def fineflow_pipeline(project_dir: str = ".", overrides: dict[str, Any] | None =
     from fineflow.core.runtime import RUN_NAME_ENV, apply_offline_environment
 
     started = time.time()
+    log_user_errors_without_tracebacks()  # a failed stage's user error: its message, not our plumbing's traceback
     apply_offline_environment(project_dir)  # a worker's run starts here, not in run_flow: offline for its stages
     runs.claim_workspace(project_dir, owner=f"flow run {flow_run.name!r}")
     os.environ[RUN_NAME_ENV] = flow_run.name or ""  # its stages name their tracker runs after it
@@ -59,6 +72,7 @@ def fineflow_pipeline(project_dir: str = ".", overrides: dict[str, Any] | None =
     try:
         applied = runs.apply_overrides(project_dir, overrides or {})
         runs.pull_state(project_dir)
+        preflight(Path(project_dir))  # the params as the stages will read them, and every input path they name
         upstream = upstream_stages(project_dir)
         results = {}
         for stage in stage_names(project_dir):
@@ -89,12 +103,27 @@ def main() -> int:
 
 
 def supervise_flow(project: Path) -> int:
-    """Run this module again as the flow process, in a session of its own (see the module docstring)."""
-    env = {**os.environ, FLOW_PROCESS_ENV: str(os.getpid())}
-    # a Prefect API call to a dead server fails within seconds (2 + 4) instead of retrying 5 times for a minute
-    env.setdefault("PREFECT_CLIENT_MAX_RETRIES", "2")
-    budget = preempt.budget_s(preempt_grace_s(project), "flow")
-    return preempt.supervise([sys.executable, "-m", "flows.pipeline", *sys.argv[1:]], env, budget)
+    """Run this module again as the flow process, in a session of its own (see the module docstring); its exit
+    code, and a user error's message as the last line of stderr."""
+    with tempfile.TemporaryDirectory(prefix="fineflow-flow-") as scratch:
+        user_error = Path(scratch) / "user-error.txt"
+        env = {**os.environ, FLOW_PROCESS_ENV: str(os.getpid()), USER_ERROR_FILE_ENV: str(user_error)}
+        # a Prefect API call to a dead server fails within seconds (2 + 4) instead of retrying 5 times for a minute
+        env.setdefault("PREFECT_CLIENT_MAX_RETRIES", "2")
+        budget = preempt.budget_s(preempt_grace_s(project), "flow")
+        code = preempt.supervise([sys.executable, "-m", "flows.pipeline", *sys.argv[1:]], env, budget)
+        if code == USER_ERROR_EXIT and user_error.is_file():
+            print(f"fineflow run: error: {user_error.read_text(encoding='utf-8')}", file=sys.stderr, flush=True)
+    return code
+
+
+def report_user_error(message: str) -> None:
+    """For the supervisor to print last (USER_ERROR_FILE_ENV); on stderr when no supervisor asked for it."""
+    target = os.environ.get(USER_ERROR_FILE_ENV)
+    if target:
+        Path(target).write_text(message, encoding="utf-8")
+    else:
+        print(f"fineflow run: error: {message}", file=sys.stderr, flush=True)
 
 
 def _interrupted(signum, frame):
@@ -113,7 +142,14 @@ def run_flow(project: Path) -> int:
     signal.signal(signal.SIGINT, _interrupted)
     # a SIGKILLed supervisor (OOM killer, kill -9) stops the flow too, in order
     preempt.die_with_parent(signal.SIGTERM, parent=int(os.environ[FLOW_PROCESS_ENV]))
-    results = fineflow_pipeline(str(project))
+    try:
+        preflight(project)  # a params mistake or a missing input: refused before a server starts or a stage runs
+        results = fineflow_pipeline(str(project))
+    except Exception as exc:
+        if not is_user_error(exc):
+            raise  # a crash: its traceback, exit 1
+        report_user_error(str(exc))
+        return USER_ERROR_EXIT
     ran = [stage for stage, r in results.items() if r["ran"]]
     # a project's dvc.yaml may leave stages out
     evaluate, promote = (results.get(stage, {}).get("report", {}) for stage in ("evaluate", "promote"))

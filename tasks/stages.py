@@ -10,11 +10,15 @@ KeyboardInterrupt; SIGTERM: Prefect's TerminationSignal) while a stage runs, tha
 for its stage command, which stops: the train stage saves its step), is killed if it is still there a few
 seconds after the train grace, and the interruption goes on up: the run ends Crashed, never retried. A stage
 stopped on its own (its node preempted) exits 75 with a record: retried, it resumes from the saved step.
+
+A user error (the stage's record says so; ``is_user_error``) is never retried, and Prefect logs it without a
+traceback (``log_user_errors_without_tracebacks``): its message is the whole story.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import signal
 import subprocess
@@ -147,14 +151,39 @@ def _stream(pipe, log) -> None:
         pass
 
 
+def is_user_error(exc: BaseException | None) -> bool:
+    """A FineflowError, or a stage that recorded one: exit 2 and one message at every layer, never retried."""
+    if isinstance(exc, StageFailed):
+        return exc.returncode == USER_ERROR_EXIT
+    return isinstance(exc, FineflowError)
+
+
 def _retry_unless_user_error(task, task_run, state) -> bool:
     try:
         state.result()
-    except StageFailed as exc:
-        return exc.returncode != USER_ERROR_EXIT
-    except Exception:
-        return True
+    except Exception as exc:
+        return not is_user_error(exc)
     return False
+
+
+class _WithoutUserErrorTracebacks(logging.Filter):
+    """Prefect logs a failed task or flow run with the exception's traceback. A user error's traceback shows
+    only fineflow's own plumbing (the stage ran in another process, and its message is the whole story), so it
+    is logged without one, on the console and in the UI alike; a crash keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and is_user_error(record.exc_info[1]):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_QUIET = _WithoutUserErrorTracebacks()
+
+
+def log_user_errors_without_tracebacks() -> None:
+    """On Prefect's task-run and flow-run loggers, in this process (idempotent: a filter is added once)."""
+    for name in ("prefect.task_runs", "prefect.flow_runs"):
+        logging.getLogger(name).addFilter(_QUIET)
 
 
 @task(task_run_name="{stage}", retry_condition_fn=_retry_unless_user_error)

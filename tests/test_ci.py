@@ -123,6 +123,21 @@ def test_commit_without_a_remote_stops_before_running_anything(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_missing_input_path_is_a_user_error_before_anything_is_pulled_or_run(tmp_path):
+    """`fineflow ci` with params.yaml naming a file that is not there: exit 2 naming the key and the path,
+    before any stage runs; not a crash to "run again"."""
+    project = copy_project(tmp_path / "project", {"data.train_path": "mine/train.jsonl"})
+    done = subprocess.run(
+        [sys.executable, "-m", "fineflow.cli", "ci"], cwd=project, env=venv_env(), capture_output=True, text=True
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == USER_ERROR_EXIT, output[-4000:]
+    assert "data.train_path: no such file: 'mine/train.jsonl'" in output, output[-4000:]
+    assert "run again" not in output and "Traceback" not in output, output[-4000:]
+    assert not (project / "models/base").exists()
+
+
+@pytest.mark.slow
 def test_a_failed_jobs_finished_stages_come_back_from_the_run_cache_in_a_fresh_clone(tmp_path):
     """A job that fails after a stage finished commits no lock; its push carries DVC's run cache, so the next
     job's `dvc repro --pull` restores that stage ("is cached - skipping run") instead of redoing hours of

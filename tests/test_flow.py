@@ -198,18 +198,21 @@ class _RecordingTask:
         return run
 
 
-def _run_the_flow_body(project_dir, monkeypatch) -> _RecordingTask:
+def _run_the_flow_body(project_dir, monkeypatch, recorder=None, check_inputs=False) -> _RecordingTask:
     """The flow's body without Prefect (``.fn``), with a recorder in place of the task and the run's own
-    bookkeeping (the workspace's lock, the run's name, the DVC remote) left out."""
+    bookkeeping (the workspace's lock, the run's name, the DVC remote) left out, and the preflight too unless
+    check_inputs."""
     import flows.pipeline as pipeline
 
-    recorder = _RecordingTask()
+    recorder = recorder or _RecordingTask()
     monkeypatch.setattr(pipeline, "run_stage", recorder)
     monkeypatch.setattr(pipeline.runs, "claim_workspace", lambda project_dir, owner: {"waited_s": 0})
     monkeypatch.setattr(pipeline.runs, "rename_run", lambda name: name)
     monkeypatch.setattr(pipeline.runs, "apply_overrides", lambda project_dir, overrides: [])
     monkeypatch.setattr(pipeline.runs, "pull_state", lambda project_dir: None)
     monkeypatch.setattr(pipeline.runs, "push_state", lambda project_dir, wait_for=(): None)
+    if not check_inputs:  # a bare dvc.yaml has no params.yaml
+        monkeypatch.setattr(pipeline, "preflight", lambda project: None)
     pipeline.fineflow_pipeline.fn(str(project_dir))
     return recorder
 
@@ -226,6 +229,18 @@ def test_each_task_waits_for_the_stages_whose_outputs_it_reads(monkeypatch):
     assert set(upstream["tokenize"]) == {"base", "fingerprint", "validate"}
     assert set(upstream["train"]) == {"base", "fingerprint", "tokenize"}
     assert "train" in upstream["evaluate"] and {"train", "evaluate"} <= set(upstream["promote"])
+
+
+def test_the_flow_checks_the_params_and_input_paths_before_its_first_stage(tmp_path, monkeypatch):
+    """A deployment's run (no `make run` around it): the params as its overrides left them and every input path
+    they name are checked after the pull, before any stage task; the run fails on the user error."""
+    from fineflow.core.errors import ConfigError
+
+    project = copy_project(tmp_path / "project", {"data.train_path": "mine/train.jsonl"})
+    recorder = _RecordingTask()
+    with pytest.raises(ConfigError, match=r"data.train_path: no such file: 'mine/train.jsonl'"):
+        _run_the_flow_body(project, monkeypatch, recorder, check_inputs=True)
+    assert recorder.calls == []
 
 
 def test_stage_entries_are_exactly_dvc_yamls_stages():
@@ -342,3 +357,64 @@ def test_param_overrides_are_applied_by_their_task_or_refused_all_at_once(prefec
         refused.value
     )
     assert (project / "params.yaml").read_bytes() == before
+
+
+# --- the exit-code contract from `make run` (python -m flows.pipeline) -------------------------------------
+
+
+def _make_run(project, prefect_home):
+    """`make run` in the project copy: the supervisor, the flow process, Prefect's temporary server."""
+    env = {**venv_env(), "PREFECT_HOME": str(prefect_home), "PREFECT_LOGGING_LEVEL": "INFO"}
+    return subprocess.run(
+        [sys.executable, "-m", "flows.pipeline"], cwd=project, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides, problems",
+    [
+        ({"train.lr": -1, "train.lrr": 1}, ["train.lr must be > 0 (got -1)", "train.lrr is not a known key"]),
+        ({"data.eval_path": "mine/eval.jsonl"}, ["data.eval_path: no such file: 'mine/eval.jsonl'"]),
+    ],
+    ids=["bad-value-and-unknown-key", "missing-input-path"],
+)
+def test_make_run_with_a_params_mistake_exits_2_with_one_message_before_any_stage(tmp_path, overrides, problems):
+    """A params mistake is a user error from `make run` as from a stage: exit 2, every problem named once, no
+    traceback, and nothing run (the params and the input paths are checked before the flow starts)."""
+    project = copy_project(tmp_path / "project", overrides)
+    done = _make_run(project, tmp_path / "prefect")
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output[-6000:]
+    assert "Traceback" not in output, output[-6000:]
+    for problem in problems:
+        assert output.count(problem) == 1, (problem, output[-6000:])
+    assert problems[-1] in done.stderr.rstrip().splitlines()[-1]  # the message is what stderr ends with
+    assert not (project / "models/base").exists()
+
+
+@pytest.mark.slow
+def test_serving_the_flow_with_a_params_mistake_is_refused_at_once(tmp_path):
+    """`make serve` (python -m flows.deploy): every scheduled run would fail on it, so it exits 2 now."""
+    project = copy_project(tmp_path / "project", {"data.train_path": "mine/train.jsonl"})
+    env = {**venv_env(), "PREFECT_HOME": str(tmp_path / "prefect")}
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.deploy"], cwd=project, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-4000:]
+    assert done.stderr.startswith("fineflow serve: error: ") and "data.train_path: no such file" in done.stderr
+
+
+@pytest.mark.slow  # ~14 s: the one test here that starts the flow's temporary server
+def test_a_user_error_in_a_stage_of_the_flow_exits_2_with_its_message_last_and_no_traceback(tmp_path):
+    """A user error only a stage can find (a hub id the offline cache lacks: no path to check beforehand) fails
+    the flow at its first stage: `make run` exits 2, Prefect logs no traceback, and stderr ends with the message."""
+    project = copy_project(tmp_path / "project", {"model.base": "nobody/no-such-model"})
+    done = _make_run(project, tmp_path / "prefect")
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output[-6000:]
+    assert "Traceback" not in output, output[-6000:]
+    last = done.stderr.rstrip().splitlines()[-1]
+    assert last.startswith("fineflow run: error: ") and "model.base 'nobody/no-such-model'" in last, last
+    assert not (project / "reports/base.json").exists()  # base refused; no stage after it ran
+    assert not (project / "reports/fingerprint.json").exists()

@@ -360,3 +360,25 @@ def test_a_stage_writes_the_few_figures_worth_diffing_beside_its_full_report(tmp
     }
     declared = yaml.safe_load((ROOT / "dvc.yaml").read_text())["metrics"]
     assert declared and all(path.startswith("reports/metrics/") for path in declared)
+
+
+@pytest.mark.slow
+def test_dvc_repro_refuses_missing_input_paths_at_its_first_stage_before_pretraining(tmp_path):
+    """params.yaml names input files that are not there: the first stage `dvc repro` runs (base) refuses at
+    once, exit 2, naming every key and path, instead of pretraining the base and leaving it to DVC to fail at
+    validate with a bare "No such file or directory"."""
+    from tests.conftest import copy_project
+
+    missing = {"data.train_path": "mine/train.jsonl", "evaluate.task_dirs": ["eval_tasks/mine"]}
+    project = copy_project(tmp_path / "project", missing)
+    done = subprocess.run(
+        [sys.executable, "-m", "dvc", "repro"], cwd=project, env=venv_env(), capture_output=True, text=True
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode != 0 and "failed to reproduce 'base'" in output and "exited with 2" in output, output
+    assert "Traceback" not in output and "No such file or directory" not in output, output
+    assert "data.train_path: no such file: 'mine/train.jsonl'" in output, output
+    assert "evaluate.task_dirs: no such folder: 'eval_tasks/mine'" in output, output
+    assert not (project / "models/base").exists()  # the base was not pretrained
+    record = json.loads((project / "reports/base.error.json").read_text())
+    assert record["kind"] == "user_error" and "data.train_path" in record["message"]

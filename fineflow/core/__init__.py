@@ -1,6 +1,7 @@
 """What every stage runs, whatever it does: one folder, so each stage in ``dvc.yaml`` depends on it once.
 
 config.py      params.yaml validated into typed models (all errors at once)
+preflight.py   before the first stage: valid params, and every input path they name there
 errors.py      the user-error type and the exit codes
 entry.py       what every stage entry does around its ``run``: params, reports, clean errors, the workspace turn
 reports.py     atomic JSON/text writes, the error record and the approval request

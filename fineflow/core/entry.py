@@ -1,4 +1,4 @@
-"""What every stage entry does around its ``run``: environment, params, reports, and clean errors."""
+"""What every stage entry does around its ``run``: environment, params and input paths, reports, and clean errors."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from fineflow.core.config import Params, load_params
 from fineflow.core.errors import APPROVAL_NEEDED_EXIT, USER_ERROR_EXIT, ApprovalNeeded, FineflowError, WorkspaceBusy
 from fineflow.core.journal import Attempt, ledger_dir
 from fineflow.core.metrics import curated, metrics_path
+from fineflow.core.preflight import DVC_FILE, check_input_paths
 from fineflow.core.reports import clear_error_record, write_approval_request, write_error_record, write_json_atomic
 from fineflow.core.runtime import apply_offline_environment, is_train_worker
 from fineflow.core.workspace import held_for, queued_experiment
@@ -70,6 +71,16 @@ def journal_attempt(stage: str, report: str) -> Attempt | None:
     return attempt
 
 
+def check_pipeline_inputs(params: Params) -> None:
+    """A stage DVC runs (from the project root, beside dvc.yaml) refuses at once when an input path params.yaml
+    names is missing (fineflow.core.preflight): so the first stage `dvc repro` runs stops the run, before the
+    base is pretrained. A stage started by hand elsewhere reads the paths its arguments name; a training rank
+    leaves it to its launcher."""
+    project = Path.cwd()
+    if not is_train_worker() and (project / DVC_FILE).is_file():
+        check_input_paths(params, project)
+
+
 def run_entry(stage: str, args: argparse.Namespace, body: Callable[[Params], dict]) -> int:
     """Run body(params) holding the workspace, write its report with the wall time, and turn user errors into
     one clean line, an error record and exit 2 (a candidate waiting for approval: its record and exit 3). The
@@ -93,6 +104,7 @@ def _run_entry(stage: str, args: argparse.Namespace, body: Callable[[Params], di
             if not is_train_worker():  # a rank leaves it to its launcher: another rank may have written it already
                 clear_error_record(args.report)
             params = load_params(args.params)
+            check_pipeline_inputs(params)
             apply_offline_environment(model_base=params.model.base)  # before any HF library is imported
             body_started = time.perf_counter()
             try:
