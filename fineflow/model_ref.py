@@ -12,6 +12,7 @@ from pathlib import Path
 
 from fineflow.core.config import ModelParams
 from fineflow.core.errors import FineflowError
+from fineflow.core.preflight import names_a_directory
 from fineflow.core.reports import read_json, sha256_file, write_json_atomic
 
 EXTERNAL_MARKER = "external_base.json"
@@ -69,7 +70,7 @@ def base_source(reference: str) -> str:
     error naming the param, raised before a stage loads anything (not a traceback from from_pretrained)."""
     if Path(reference).expanduser().is_dir():
         return "dir"
-    if reference.startswith((".", "/", "~")) or reference.count("/") > 1:
+    if names_a_directory(reference):
         raise FineflowError(
             f"params.yaml: model.base {reference!r} is not a directory (looked in {Path.cwd()}): point it at a "
             f"Hugging Face model directory (config.json, weights, tokenizer), or at a hub id such as org/name"

@@ -247,6 +247,23 @@ def test_chat_template_check_quarantines_conversations_the_template_rejects(buil
     assert len(plain.kept) == 3
 
 
+def test_a_chat_template_error_that_quotes_the_row_shows_no_secret_in_the_reason(built, tmp_path):
+    """A template's raise_exception may quote a message: the reason carries its text, redacted (issue 29)."""
+    from fineflow.data.tokens import TokenView
+
+    tokenizer = _chat_tokenizer(built, tmp_path)
+    tokenizer.chat_template = "{{ raise_exception('bad turn: ' + messages[0]['content']) }}"
+    secret = "ghp_" + "a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8"
+    path = tmp_path / "chat.jsonl"
+    messages = [{"role": "user", "content": f"my token {secret}"}, {"role": "assistant", "content": "ok"}]
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    tokens = TokenView(tokenizer, 128)
+    outcome = validate_rows(apply_mapping(read_rows(path), CHAT, str(path)), str(path), ValidateParams(), tokens=tokens)
+    reasons = " ".join(outcome.quarantined[0].reasons)
+    assert "chat_template_renders(row)" in reasons and "[SECRET]" in reasons
+    assert not any(secret[i : i + 8] in reasons for i in range(len(secret) - 7))
+
+
 def test_json_nested_too_deeply_is_quarantined_not_a_crash(tmp_path):
     from fineflow.data.formats import read_jsonl
 

@@ -62,8 +62,8 @@ def input_paths(params: Params) -> list[InputPath]:
 
 
 def names_a_directory(reference: str) -> bool:
-    """model.base names a local directory, not a hub id (`name`, `org/name`): fineflow.model_ref.base_source's
-    rule, which fails the base stage for such a reference that is no directory."""
+    """model.base names a local directory, not a hub id (`name`, `org/name`). fineflow.model_ref.base_source
+    uses this rule too: such a reference that is no directory fails the base stage."""
     return reference.startswith((".", "/", "~")) or reference.count("/") > 1
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from fineflow.core.config import CheckParams, ValidateParams, ValidationChecks
 from fineflow.data.formats import REQUIRED, Row, example_text
 from fineflow.data.overlap import FirstSeen, LeakIndex, normalize, stable_hash
-from fineflow.data.pii import pii_kinds
+from fineflow.data.pii import pii_kinds, redacted_preview
 
 if TYPE_CHECKING:  # only its type is needed here
     from fineflow.data.tokens import TokenView
@@ -320,7 +320,8 @@ CHECKS: list[Check] = [
         _expect_null,
         derive=_render_errors,
         applies=with_tokens,
-        detail=lambda row: f" ({row['render_error']})",
+        # a template's own error may quote the conversation (raise_exception): its PII and secrets are redacted
+        detail=lambda row: f" ({redacted_preview(row['render_error'])})",
     ),
     Check(
         "no_leakage(eval)",
