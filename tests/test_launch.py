@@ -185,7 +185,7 @@ EXPECTED = {
         mixed_precision="bf16",
         fsdp_version=2,
         fsdp_auto_wrap_policy="TRANSFORMER_BASED_WRAP",
-        fsdp_transformer_layer_cls_to_wrap="LlamaDecoderLayer",
+        fsdp_transformer_layer_cls_to_wrap=None,  # the loaded model's decoder layer (fineflow.train.fsdp)
         fsdp_reshard_after_forward=True,
         fsdp_state_dict_type="FULL_STATE_DICT",
     ),
@@ -222,7 +222,7 @@ def test_fsdp_profile_reaches_the_ranks_environment():
     args.main_process_port = 0  # prepare_multi_gpu_env probes the port; 0 = any free one
     env = prepare_multi_gpu_env(args)
     assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "2"
-    assert env["FSDP_TRANSFORMER_CLS_TO_WRAP"] == "LlamaDecoderLayer" and env["FSDP_RESHARD_AFTER_FORWARD"] == "true"
+    assert "FSDP_TRANSFORMER_CLS_TO_WRAP" not in env and env["FSDP_RESHARD_AFTER_FORWARD"] == "true"
     assert env["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "true" and env["ACCELERATE_MIXED_PRECISION"] == "bf16"
 
 

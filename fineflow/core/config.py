@@ -171,7 +171,14 @@ class LoraParams(_Section):
     r: int = Field(16, gt=0)  # higher adapts more and costs memory
     alpha: float = Field(32, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
+    # the linears of each decoder layer that get an adapter, in Llama's names (a model with a fused qkv / gate_up
+    # linear adapts that one for them: fineflow.train.architecture), or "all-linear": every linear but the head
     target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _one_name(cls, value):
+        return [value] if isinstance(value, str) else value  # `target_modules: all-linear`, as peft writes it
 
 
 class TrainParams(_Section):

@@ -7,6 +7,7 @@ planner/         the memory planner (also ``fineflow plan``): shapes.py, memory.
 launch.py        the ``accelerate launch`` command line, and DeepSpeed's batch keys from params
 precision.py     which precision a run trains in, and the dtypes that follow
 model.py         the model to train (LoRA / QLoRA / full) and saving it
+architecture.py  what the loaded model is: its decoder-layer class, its linears, fused qkv / gate_up; LoRA targets
 schedule.py      the learning-rate schedule
 loop.py          ``fit()``: the loop, one optimizer step at a time; token_loss_sum, evaluate_loss
 steps.py         what the loop reports through: StepTimer (a span per phase), StepLog, Progress

@@ -1,7 +1,8 @@
 """What FSDP needs beyond accelerate's defaults for LoRA: wrapping, buffer precision, fused layers, and states.
 
 accelerate prepares FSDP from the profile's ``fsdp_config``; for a LoRA model that leaves three problems, fixed
-here before ``accelerator.prepare`` (``prepare_model_for_fsdp``):
+here before ``accelerator.prepare`` (``prepare_model_for_fsdp``), after the wrap unit is set from the loaded model
+(``set_wrap_classes``: its decoder-layer class, so the shipped profile names none and fits every family):
 
 - FSDP1 flattens every parameter of a wrapped unit into one flat parameter. With
   TRANSFORMER_BASED_WRAP a decoder block's frozen base weights and its LoRA weights share one flat parameter,
@@ -43,6 +44,7 @@ def prepare_model_for_fsdp(accelerator, model, fused_layers: int) -> int:
     if not is_fsdp(accelerator):
         return fused_layers
     plugin = accelerator.state.fsdp_plugin
+    set_wrap_classes(plugin, model)
     keep_buffers_fp32(plugin)
     if fsdp_version(accelerator) == 1:
         if _is_peft(model):
@@ -51,6 +53,28 @@ def prepare_model_for_fsdp(accelerator, model, fused_layers: int) -> int:
             plugin.auto_wrap_policy = fsdp_auto_wrap_policy(model)
         unfuse_lora_layers(model)
     return count_fused_layers(model)
+
+
+def set_wrap_classes(plugin, model) -> None:
+    """The decoder-layer class(es) FSDP wraps, from the loaded model (fineflow.train.architecture) when the profile
+    names none, so one profile fits Llama, Qwen, Mistral, Gemma and Phi-3 alike; a class the profile names that the
+    model lacks is refused here with the model's own (accelerate would raise a bare ValueError inside prepare)."""
+    from fineflow.core.errors import FineflowError
+    from fineflow.train.architecture import decoder_layer_classes
+
+    detected = decoder_layer_classes(model)
+    named = plugin.transformer_cls_names_to_wrap
+    if named is None:
+        plugin.transformer_cls_names_to_wrap = list(detected)
+        return
+    present = {type(m).__name__ for m in model.modules()}
+    missing = [name for name in named if name not in present]
+    if missing:
+        raise FineflowError(
+            f"the accelerate profile's fsdp_transformer_layer_cls_to_wrap names {', '.join(missing)}, which "
+            f"{type(model).__name__} does not have: its decoder layer is {', '.join(detected)}. Remove the key "
+            f"(fineflow then wraps the model's own decoder layer) or name that class"
+        )
 
 
 def keep_buffers_fp32(plugin) -> None:

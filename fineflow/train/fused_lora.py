@@ -8,6 +8,9 @@ pipeline fused layers train 8-12% faster, bench/trl_compare.py). The maths is th
 gradients within float rounding of peft's (tests/test_fused_lora.py); adapters save and load with peft
 as before, since the parameters are peft's own.
 
+Each LoRA linear is fused on its own, whatever its name: a family whose q/k/v (or gate/up) are already one linear
+(Phi-3's qkv_proj, gate_up_proj) has that linear fused as one target, with nothing to group.
+
 Only the plain case is fused: a torch.nn.Linear base of the adapter's dtype (or a bf16/fp16 base under fp32
 adapters, fused under autocast), one active adapter, no dropout, no DoRA/variant, not merged. Under autocast
 (train.precision bf16/fp16) the op runs in the autocast dtype, as autocast would run the linear. Anything

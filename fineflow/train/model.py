@@ -62,12 +62,14 @@ def build_model(base_reference: str, params: Params, profile: Profile, fuse_lora
 
         # upcasts norms, embeddings and lm_head to fp32 and re-enables checkpointing (non-reentrant here)
         model = prepare_model_for_kbit_training(model, **precision.kbit_preparation_kwargs(cfg.gradient_checkpointing))
+    from fineflow.train.architecture import lora_targets
+
     lora = cfg.lora
     config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
+        target_modules=lora_targets(model, lora.target_modules),  # in this family's names (Phi-3: qkv_proj, ...)
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, config)  # autocast_adapter_dtype: adapters in fp32 on a 16-bit base
