@@ -92,6 +92,21 @@ def test_the_layer_class_and_linears_come_from_the_model(family):
     assert arch.fused_qkv == arch.fused_gate_up == (family == "phi3")
 
 
+def test_a_config_alone_gives_the_same_without_weights():
+    """What a planner can call before anything loads: the meta-device model's layer, linears and shapes."""
+    from fineflow.train.architecture import describe, describe_config
+
+    model = tiny_model("phi3")
+    arch = describe_config(model.config)
+    assert arch == describe(model)
+    q_dim, kv_dim = (
+        TINY["hidden_size"],
+        TINY["hidden_size"] // TINY["num_attention_heads"] * TINY["num_key_value_heads"],
+    )
+    assert arch.shapes["qkv_proj"] == (TINY["hidden_size"], q_dim + 2 * kv_dim)
+    assert arch.shapes["gate_up_proj"] == (TINY["hidden_size"], 2 * TINY["intermediate_size"])
+
+
 def test_without_no_split_modules_the_repeated_block_is_the_layer(monkeypatch):
     from fineflow.train.architecture import decoder_layer_classes
 
@@ -114,7 +129,7 @@ def test_the_train_stages_lora_adapts_every_projection_and_trains(tmp_path, fami
     _forward_backward(model)
 
 
-@pytest.mark.parametrize("family", ["llama3", "gemma3", "phi3"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_all_linear_adapts_every_linear_but_the_head(tmp_path, family):
     """Seen on main: `target_modules: all-linear` was refused by the params schema (a list), and ["all-linear"]
     reached peft as a module name."""

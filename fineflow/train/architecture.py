@@ -3,7 +3,9 @@ than from a list written for Llama: the decoder-layer class (FSDP's wrap unit), 
 layer (LoRA's targets, the planner's per-layer linears), and whether q/k/v or gate/up are already one fused
 linear (Phi-3's ``qkv_proj`` and ``gate_up_proj``).
 
-    describe(model)                     # -> Architecture(layer_classes, linears, fused_qkv, fused_gate_up)
+    describe(model)                      # -> Architecture(layer_classes, linears, shapes, fused_qkv, fused_gate_up)
+    describe_config(AutoConfig...)       # the same from a config alone: the model built on the meta device (no
+                                         # weights, no memory), for a planner that sizes a run before it loads
     lora_targets(model, ["q_proj", ...]) # -> what peft gets: the configured names in this model's own names
 
 Llama, Qwen2/2.5/3, Mistral and Gemma 2/3 name their linears q/k/v/o_proj and gate/up/down_proj; Phi-3 has
@@ -35,6 +37,7 @@ STANDS_FOR = {
 class Architecture:
     layer_classes: tuple[str, ...]  # decoder-layer class name(s): FSDP's transformer-based wrap unit
     linears: tuple[str, ...]  # the linears of one decoder layer, by leaf name, in module order
+    shapes: dict[str, tuple[int, int]]  # leaf name -> (in_features, out_features) of that linear
     fused_qkv: bool  # q, k and v are one linear (no separate q_proj/k_proj/v_proj)
     fused_gate_up: bool  # gate and up are one linear
 
@@ -72,30 +75,45 @@ def decoder_layer_classes(model) -> tuple[str, ...]:
     return (type(decoder_layers(model)[0]).__name__,)
 
 
-def layer_linears(model) -> tuple[str, ...]:
-    """Leaf names of the linears in one decoder layer (a LoRA-wrapped or 4-bit linear counts: both subclass or wrap
-    torch.nn.Linear), without peft's own lora_A/lora_B."""
+def layer_linear_shapes(model) -> dict[str, tuple[int, int]]:
+    """Leaf name -> (in_features, out_features) of the linears in one decoder layer, in module order. A LoRA-wrapped
+    or 4-bit linear counts (peft's layer and bitsandbytes' keep in/out_features); peft's lora_A/lora_B do not."""
     import torch
 
-    names: list[str] = []
+    shapes: dict[str, tuple[int, int]] = {}
     for path, module in decoder_layers(model)[0].named_modules():
         leaf = path.rsplit(".", 1)[-1]
-        inside_lora = any(part in ("lora_A", "lora_B", "base_layer") for part in path.split("."))
-        if isinstance(module, torch.nn.Linear) and not inside_lora and leaf not in names:
-            names.append(leaf)
-        elif hasattr(module, "base_layer") and hasattr(module, "lora_A") and leaf not in names:
-            names.append(leaf)
-    return tuple(names)
+        parts = path.split(".")
+        inside_lora = any(part in ("lora_A", "lora_B", "base_layer") for part in parts)
+        is_lora = hasattr(module, "base_layer") and hasattr(module, "lora_A")
+        if (is_lora or (isinstance(module, torch.nn.Linear) and not inside_lora)) and leaf not in shapes:
+            shapes[leaf] = (module.in_features, module.out_features)
+    return shapes
+
+
+def layer_linears(model) -> tuple[str, ...]:
+    """Leaf names of the linears in one decoder layer, in module order."""
+    return tuple(layer_linear_shapes(model))
 
 
 def describe(model) -> Architecture:
-    linears = layer_linears(model)
+    shapes = layer_linear_shapes(model)
     return Architecture(
         layer_classes=decoder_layer_classes(model),
-        linears=linears,
-        fused_qkv="q_proj" not in linears and any(n in linears for n in FUSED_QKV),
-        fused_gate_up="gate_proj" not in linears and any(n in linears for n in FUSED_GATE_UP),
+        linears=tuple(shapes),
+        shapes=shapes,
+        fused_qkv="q_proj" not in shapes and any(n in shapes for n in FUSED_QKV),
+        fused_gate_up="gate_proj" not in shapes and any(n in shapes for n in FUSED_GATE_UP),
     )
+
+
+def describe_config(config) -> Architecture:
+    """describe() for a transformers config: the causal LM built on the meta device (shapes only, no storage)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return describe(AutoModelForCausalLM.from_config(config))
 
 
 def lora_targets(model, configured) -> str | list[str]:
