@@ -206,3 +206,32 @@ def test_a_profile_naming_another_familys_layer_is_refused():
     plugin = SimpleNamespace(transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
     with pytest.raises(FineflowError, match="names LlamaDecoderLayer.*decoder layer is Qwen2DecoderLayer"):
         set_wrap_classes(plugin, tiny_model("qwen2.5"))
+
+
+# --- the train stage on a fused-qkv family ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_train_stage_trains_phi3_with_lora_on_its_fused_linears(built, tmp_path):
+    """The real train stage (one rank, the built shards) on a tiny Phi-3 base in place of the bundled Llama: the
+    adapter covers qkv_proj, o_proj, gate_up_proj and down_proj, every one of them fused, and the loss falls."""
+    import json
+
+    from tests.conftest import finish_train, ranks_overrides, train_project
+
+    project = train_project(built, tmp_path, ranks_overrides(1))
+    vocab = json.loads((project / "models/base/config.json").read_text())["vocab_size"]
+    for weights in (project / "models/base").glob("*.safetensors"):
+        weights.unlink()
+    (project / "models/base/config.json").unlink()
+    phi3 = tiny_model("phi3")
+    phi3.resize_token_embeddings(vocab)
+    phi3.save_pretrained(project / "models/base")  # the bundled tokenizer stays
+    finish_train(project, 1)
+    adapter = json.loads((project / "models/candidate/adapter_config.json").read_text())
+    assert adapter["target_modules"] == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    report = json.loads((project / "reports/train.json").read_text())
+    assert report["fused_lora_layers"] == 2 * 4
+    steps = [json.loads(line) for line in (project / "reports/train_steps.jsonl").read_text().splitlines()]
+    losses = [s["loss"] for s in steps if "loss" in s]
+    assert losses[-1] < losses[0]
