@@ -107,11 +107,13 @@ def test_a_config_alone_gives_the_same_without_weights():
     assert arch.shapes["gate_up_proj"] == (TINY["hidden_size"], 2 * TINY["intermediate_size"])
 
 
-def test_without_no_split_modules_the_repeated_block_is_the_layer(monkeypatch):
+def test_without_usable_no_split_modules_the_repeated_block_is_the_layer(monkeypatch):
     from fineflow.train.architecture import decoder_layer_classes
 
     model = tiny_model("qwen2.5")
     monkeypatch.setattr(model, "_no_split_modules", None)
+    assert decoder_layer_classes(model) == ("Qwen2DecoderLayer",)
+    monkeypatch.setattr(model, "_no_split_modules", {"Qwen2DecoderLayer", "Qwen2VisionBlock"})  # a class it lacks
     assert decoder_layer_classes(model) == ("Qwen2DecoderLayer",)
 
 

@@ -67,12 +67,12 @@ def decoder_layers(model):
 
 
 def decoder_layer_classes(model) -> tuple[str, ...]:
-    """transformers' ``_no_split_modules`` (what accelerate's FSDP wrap defaults to), else the repeated block's
-    class. Sorted: transformers keeps them as a set."""
-    no_split = getattr(base_of(model), "_no_split_modules", None)
-    if no_split:
-        return tuple(sorted(no_split))
-    return (type(decoder_layers(model)[0]).__name__,)
+    """transformers' ``_no_split_modules`` (what accelerate's FSDP wrap defaults to) that the model really contains
+    (accelerate refuses a class it cannot find), else the repeated block's class. Sorted: transformers keeps a set."""
+    base = base_of(model)
+    present = {type(m).__name__ for m in base.modules()}
+    no_split = sorted(name for name in getattr(base, "_no_split_modules", None) or () if name in present)
+    return tuple(no_split) or (type(decoder_layers(model)[0]).__name__,)
 
 
 def layer_linear_shapes(model) -> dict[str, tuple[int, int]]:
