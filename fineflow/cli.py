@@ -33,15 +33,7 @@ from fineflow.core.errors import FineflowError
 
 
 def _plan_parser(sub) -> None:
-    from fineflow.train.planner import (
-        ATTENTIONS,
-        KNOWN_SHAPES,
-        METHODS,
-        OPTIMIZERS,
-        PRECISIONS,
-        SHARDINGS,
-        WEIGHT_STORAGES,
-    )
+    from fineflow.train.planner import KNOWN_SHAPES, METHODS, OPTIMIZERS, PRECISIONS, SHARDINGS
 
     p = sub.add_parser(
         "plan",
@@ -75,6 +67,22 @@ def _plan_parser(sub) -> None:
         default="all-linear",
         help="comma-separated linears (q_proj,v_proj,...) or all-linear (default)",
     )
+    _plan_layout_args(p)
+    p.add_argument("--device-gib", type=float, help="device memory in GiB: say whether the plan fits")
+    p.add_argument(
+        "--auto-fit",
+        action="store_true",
+        help="with --device-gib: enable gradient checkpointing, then lower the micro-batch, until it fits",
+    )
+    p.add_argument("--table", action="store_true", help="print full/lora/qlora for every known size")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(run=_run_plan)
+
+
+def _plan_layout_args(p) -> None:
+    """What the run does with its rows and weights: the attention kind, packing, the dtype weights are held in."""
+    from fineflow.train.planner import ATTENTIONS, WEIGHT_STORAGES
+
     p.add_argument(
         "--attention",
         choices=(*ATTENTIONS, "flash"),
@@ -95,15 +103,6 @@ def _plan_parser(sub) -> None:
         default=True,
         help="rows hold several examples behind an attention mask, as fineflow packs them (default)",
     )
-    p.add_argument("--device-gib", type=float, help="device memory in GiB: say whether the plan fits")
-    p.add_argument(
-        "--auto-fit",
-        action="store_true",
-        help="with --device-gib: enable gradient checkpointing, then lower the micro-batch, until it fits",
-    )
-    p.add_argument("--table", action="store_true", help="print full/lora/qlora for every known size")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.set_defaults(run=_run_plan)
 
 
 def _setup_from_args(args):
