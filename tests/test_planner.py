@@ -616,5 +616,8 @@ def test_a_real_base_with_the_embedded_models_learning_rate_is_warned_about(tmp_
     assert "train.lr 0.003" in run.warnings[0] and "1e-4" in run.warnings[0]
     usual = params.model_copy(update={"train": params.train.model_copy(update={"lr": 2e-4})})
     assert _stage_plan(usual, tmp_path).warnings == ()
+    too_big = params.model_copy(update={"train": params.train.model_copy(update={"device_memory_gib": 40})})
+    with pytest.raises(DoesNotFit, match=r"train.gradient_checkpointing: true.*also: params.yaml train.lr 0.003"):
+        _stage_plan(too_big, tmp_path)  # a refusal says it too: fixing the memory alone would leave the lr
     embedded = _stage_params(tmp_path, lr=3e-3)  # the embedded model takes the high rate: no warning
     assert embedded.model.base == "embedded" and _stage_plan(embedded, tmp_path).warnings == ()

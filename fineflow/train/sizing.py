@@ -110,7 +110,11 @@ def fit_plan(params: Params, profile: Profile, reference: str, has_gpu: bool) ->
     precision.check_qlora_sharding(cfg.method, profile.sharding, profile.path)
     setup = planner_setup(params, profile, chosen.mixed_precision, ranks)
     device = device_memory_bytes(cfg, has_gpu, max(1, ranks // cfg.num_machines))
-    result = planner.check_fit(model_shape(reference), setup, device, adapt=cfg.auto_fit)
+    warnings = real_model_warnings(params)
+    try:
+        result = planner.check_fit(model_shape(reference), setup, device, adapt=cfg.auto_fit)
+    except planner.DoesNotFit as refused:  # said together: fixing the memory alone would still leave the lr
+        raise planner.DoesNotFit("; ".join([str(refused), *(f"also: {w}" for w in warnings)])) from None
     adapted = cfg.model_copy(
         update={
             "micro_batch_size": result.setup.micro_batch_size,
@@ -119,7 +123,6 @@ def fit_plan(params: Params, profile: Profile, reference: str, has_gpu: bool) ->
             "precision": chosen.mixed_precision,
         }
     )
-    warnings = real_model_warnings(params)
     memory = {
         **result.plan.as_dict(),
         "device_bytes": int(device),
