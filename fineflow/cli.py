@@ -4,6 +4,7 @@ fineflow.registry.champion), ``lineage`` (fineflow.registry.lineage) and ``data 
 on-new-data deployment).
 
     fineflow plan --model 7B --method lora --precision bf16 --micro-batch 4 --seq-len 2048
+    fineflow plan --model 8B --micro-batch 2 --seq-len 4096 --attention flash --device-gib 80
     fineflow plan --model models/base --method full --gpus 8 --sharding fsdp --device-gib 80 --auto-fit
     fineflow plan --table --gradient-checkpointing --device-gib 80
     fineflow registry verify [--registry models/registry] [--champion models/champion]
@@ -32,14 +33,7 @@ from fineflow.core.errors import FineflowError
 
 
 def _plan_parser(sub) -> None:
-    from fineflow.train.planner import (
-        ATTENTIONS,
-        KNOWN_SHAPES,
-        METHODS,
-        OPTIMIZERS,
-        PRECISIONS,
-        SHARDINGS,
-    )
+    from fineflow.train.planner import KNOWN_SHAPES, METHODS, OPTIMIZERS, PRECISIONS, SHARDINGS
 
     p = sub.add_parser(
         "plan",
@@ -73,13 +67,7 @@ def _plan_parser(sub) -> None:
         default="all-linear",
         help="comma-separated linears (q_proj,v_proj,...) or all-linear (default)",
     )
-    p.add_argument("--attention", choices=ATTENTIONS, default="sdpa")
-    p.add_argument(
-        "--packed",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="rows hold several examples behind an attention mask, as fineflow packs them (default)",
-    )
+    _plan_layout_args(p)
     p.add_argument("--device-gib", type=float, help="device memory in GiB: say whether the plan fits")
     p.add_argument(
         "--auto-fit",
@@ -89,6 +77,32 @@ def _plan_parser(sub) -> None:
     p.add_argument("--table", action="store_true", help="print full/lora/qlora for every known size")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=_run_plan)
+
+
+def _plan_layout_args(p) -> None:
+    """What the run does with its rows and weights: the attention kind, packing, the dtype weights are held in."""
+    from fineflow.train.planner import ATTENTIONS, WEIGHT_STORAGES
+
+    p.add_argument(
+        "--attention",
+        choices=(*ATTENTIONS, "flash"),
+        default="varlen",
+        help="train.attention's kind: varlen (default, as params.yaml) and flash (flash_attention_2) attend per "
+        "example; sdpa keeps a row mask and expanded k/v per layer; eager the full score matrix",
+    )
+    p.add_argument(
+        "--base-dtype",
+        choices=WEIGHT_STORAGES,
+        default="compute",
+        help="how the weights are held: compute (the precision's; LoRA bases, FSDP2) or fp32 (cast as layers "
+        "run: full fine-tuning under DDP/FSDP autocast, an FSDP1 LoRA base)",
+    )
+    p.add_argument(
+        "--packed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="rows hold several examples behind an attention mask, as fineflow packs them (default)",
+    )
 
 
 def _setup_from_args(args):
@@ -111,8 +125,9 @@ def _setup_from_args(args):
         sharding=args.sharding,
         lora_r=args.lora_r,
         lora_targets=targets,
-        attention=args.attention,
+        attention="flash_attention_2" if args.attention == "flash" else args.attention,
         packed=args.packed,
+        weight_storage=args.base_dtype,
     )
 
 
@@ -120,7 +135,8 @@ def _describe_setup(setup) -> str:
     return (
         f"{setup.precision}, {setup.optimizer}, micro-batch {setup.micro_batch_size} x seq {setup.seq_len}, "
         f"gradient checkpointing {'on' if setup.gradient_checkpointing else 'off'}, {setup.num_gpus} GPU(s), "
-        f"sharding {setup.sharding}, attention {setup.attention}, {'packed' if setup.packed else 'plain'} rows"
+        f"sharding {setup.sharding}, attention {setup.attention}, {'packed' if setup.packed else 'plain'} rows, "
+        f"weights held in {'fp32' if setup.weight_storage == 'fp32' else setup.precision}"
     )
 
 

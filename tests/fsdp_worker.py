@@ -131,6 +131,11 @@ def holdings(model) -> dict:
         "param_bytes": sum(_local_bytes(p) for p in params),
         "frozen_with_grad": sorted(n for n, p in named.items() if not p.requires_grad and p.grad is not None),
         "buffer_dtypes": {n: str(b.dtype) for n, b in model.named_buffers() if b.is_floating_point()},
+        # the dtypes of what trains and of the frozen base, as held (each shard's)
+        "param_dtypes": {
+            kind: sorted({str(p.dtype) for p in named.values() if p.requires_grad == trains})
+            for kind, trains in (("trainable", True), ("frozen", False))
+        },
     }
 
 

@@ -34,6 +34,7 @@ from fineflow.train.planner import (
     refusal,
     shape_from_config,
     shape_from_file,
+    suggestions,
 )
 
 SEVEN_B = KNOWN_SHAPES["7B"]
@@ -510,3 +511,113 @@ def test_planner_and_cli_import_nothing_heavy():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# ---------------------------------------------------------------- what the run really does (issue 30, 5 and 2)
+
+
+def _eight_b_lora(**changes) -> Setup:
+    return replace(Setup(method="lora", precision="bf16", micro_batch_size=2, seq_len=4096), **changes)
+
+
+@pytest.mark.parametrize("attention", ["varlen", "flash_attention_2"])
+def test_per_example_attention_is_sized_without_the_mask_and_the_expanded_kv(attention):
+    """varlen and flash attend per example: no b*s*s mask and no k/v expanded to every head (repeat_kv) in
+    any layer; transformers' sdpa over packed rows keeps both (+5.5 GiB at 8B, micro-batch 2, 4,096 tokens)."""
+    eight_b = KNOWN_SHAPES["8B"]
+    dense, per_example = plan(eight_b, _eight_b_lora()), plan(eight_b, _eight_b_lora(attention=attention))
+    b, s, p = 2, 4096, 2
+    mask, expanded_kv = b * s * s * p, b * s * 2 * p * (eight_b.q_dim - eight_b.kv_dim)
+    assert dense.activations - per_example.activations == eight_b.num_layers * (mask + expanded_kv)
+    assert (dense.activations - per_example.activations) / GiB == pytest.approx(5.0, abs=0.01)
+    assert (dense.total - per_example.total) / GiB == pytest.approx(5.5, abs=0.05)  # with 10% fragmentation
+
+
+def test_the_cli_sizes_the_attention_and_the_base_dtype_it_is_given(capsys):
+    common = ["plan", "--model", "8B", "--micro-batch", "2", "--seq-len", "4096", "--json"]
+    totals, weights = {}, {}
+    for kind in ("sdpa", "varlen", "flash"):
+        assert main([*common, "--attention", kind]) == 0
+        out = json.loads(capsys.readouterr().out)
+        totals[kind], weights[kind] = out["bytes"]["total"], out["bytes"]["weights"]
+        assert out["setup"]["attention"] == ("flash_attention_2" if kind == "flash" else kind)
+    assert totals["varlen"] == totals["flash"] < totals["sdpa"]
+    assert main([*common, "--base-dtype", "fp32"]) == 0
+    fp32_base = json.loads(capsys.readouterr().out)
+    assert fp32_base["setup"]["weight_storage"] == "fp32"
+    assert fp32_base["bytes"]["weights"] > 1.9 * weights["sdpa"]  # 4 bytes per base parameter, not 2
+
+
+def _stage_params(tmp_path, **train):
+    from fineflow.core.config import parse_params
+    from tests.conftest import TINY_PARAMS, _merge
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_8B_CONFIG))
+    settings = {"precision": "bf16", "device_memory_gib": 4096, "micro_batch_size": 2, **train}
+    return parse_params(_merge(TINY_PARAMS, {"tokenize": {"seq_len": 4096}, "train": settings}))
+
+
+def _stage_plan(params, tmp_path):
+    from fineflow.train.profile import load_profile
+    from fineflow.train.sizing import fit_plan
+
+    return fit_plan(params, load_profile(params.train.accelerate_profile), str(tmp_path), has_gpu=False)
+
+
+def test_the_train_stage_sizes_its_attention_kind(tmp_path):
+    plans = {kind: _stage_plan(_stage_params(tmp_path, attention=kind), tmp_path).memory for kind in ("sdpa", "varlen")}
+    assert plans["varlen"]["setup"]["attention"] == "varlen" and plans["varlen"]["setup"]["packed"]
+    eight_b = shape_from_config(LLAMA_3_8B_CONFIG)
+    b, s, p = 2, 4096, 2
+    per_layer = b * s * s * p + b * s * 2 * p * (eight_b.q_dim - eight_b.kv_dim)
+    assert plans["sdpa"]["bytes"]["activations"] - plans["varlen"]["bytes"]["activations"] == pytest.approx(
+        eight_b.num_layers * per_layer, abs=2
+    )
+
+
+def _keys_named(text: str) -> set[str]:
+    import re
+
+    return set(re.findall(r"\b(?:train|tokenize|model)\.[a-z_]+(?:\.[a-z_]+)?", text))
+
+
+def _is_a_params_key(key: str) -> bool:
+    from fineflow.core.config import Params
+
+    model = Params
+    for part in key.split("."):
+        fields = getattr(model, "model_fields", {})
+        if part not in fields:
+            return False
+        model = fields[part].annotation
+    return True
+
+
+def test_every_key_the_advice_names_exists_in_params():
+    from fineflow.train.planner import PARAM_KEYS
+
+    texts = list(PARAM_KEYS.values())
+    seventy = KNOWN_SHAPES["70B"]
+    for method in ("full", "lora"):  # multi-GPU DDP runs too big for a card: the advice suggests sharding
+        setup = Setup(method=method, micro_batch_size=4, seq_len=4096, num_gpus=8)
+        texts += suggestions(seventy, setup, 80 * GiB)
+        texts.append(refusal(seventy, setup, 80 * GiB))
+    named = set().union(*map(_keys_named, texts))
+    assert [key for key in sorted(named) if not _is_a_params_key(key)] == []
+    assert "train.accelerate_profile" in named  # the sharding advice was produced, naming the profile
+
+
+def test_a_real_base_with_the_embedded_models_learning_rate_is_warned_about(tmp_path):
+    """params.yaml's lr (3e-3) suits the 1M-parameter embedded model; on an 8B LoRA it is 15-30x the usual rate."""
+    params = _stage_params(tmp_path, lr=3e-3)
+    params = params.model_copy(update={"model": params.model.model_copy(update={"base": str(tmp_path)})})
+    run = _stage_plan(params, tmp_path)
+    assert len(run.warnings) == 1 and run.memory["warnings"] == list(run.warnings)
+    assert "train.lr 0.003" in run.warnings[0] and "1e-4" in run.warnings[0]
+    usual = params.model_copy(update={"train": params.train.model_copy(update={"lr": 2e-4})})
+    assert _stage_plan(usual, tmp_path).warnings == ()
+    too_big = params.model_copy(update={"train": params.train.model_copy(update={"device_memory_gib": 40})})
+    with pytest.raises(DoesNotFit, match=r"train.gradient_checkpointing: true.*also: params.yaml train.lr 0.003"):
+        _stage_plan(too_big, tmp_path)  # a refusal says it too: fixing the memory alone would leave the lr
+    embedded = _stage_params(tmp_path, lr=3e-3)  # the embedded model takes the high rate: no warning
+    assert embedded.model.base == "embedded" and _stage_plan(embedded, tmp_path).warnings == ()

@@ -98,7 +98,7 @@ def test_the_shipped_profiles_decide_under_auto(profile, expected):
         ("lora", "bf16", "none", "bfloat16", "compute"),  # the base in the compute dtype, adapters fp32
         ("lora", "fp16", "zero2", "float16", "compute"),
         ("lora", "bf16", "zero3", "bfloat16", "compute"),
-        ("lora", "bf16", "fsdp", "float32", "fp32"),  # FSDP1 flattens one dtype per unit: FSDP casts instead
+        ("lora", "bf16", "fsdp", "bfloat16", "compute"),  # FSDP2 (the shipped fsdp_lora): per-parameter shards
         ("lora", "no", "none", "float32", "compute"),
         ("full", "bf16", "none", "float32", "fp32"),  # autocast over fp32 weights, no master copy
         ("full", "bf16", "zero2", "float32", "compute"),  # DeepSpeed converts to 16 bits, fp32 masters
@@ -256,3 +256,28 @@ def test_fit_plan_reports_a_conflict_and_refuses_qlora_on_fsdp(base_dir):
     assert plan["setup"]["precision"] == "bf16" and plan["setup"]["weight_storage"] == "compute"
     with pytest.raises(FineflowError, match="qlora cannot run with the fsdp accelerate profile"):
         _fit_plan(_params(method="qlora", accelerate_profile="fsdp_lora", num_processes=None), str(base_dir))
+
+
+# ---------------------------------------------------------------- FSDP2 (issue 30, 5)
+
+
+def test_fsdp2_keeps_the_lora_base_in_the_compute_dtype(tmp_path):
+    """The shipped fsdp_lora profile is FSDP2: fully_shard needs one dtype among a group's *trainable* parameters
+    only, so a bf16 base beside fp32 adapters is fine; FSDP1's flat parameters still need one dtype per unit."""
+    from fineflow.train.precision import fsdp_version
+
+    shipped = load_profile("fsdp_lora")
+    assert fsdp_version(shipped) == 2
+    assert base_dtype("lora", "bf16", "fsdp") == "bfloat16"
+    assert weight_storage("lora", "bf16", "fsdp") == "compute"
+    fsdp1 = tmp_path / "fsdp1.yaml"
+    shipped_text = Path("configs/accelerate/fsdp_lora.yaml").read_text()
+    fsdp1.write_text(shipped_text.replace("fsdp_version: 2", "fsdp_version: 1"))
+    assert fsdp_version(load_profile(str(fsdp1))) == 1
+    assert base_dtype("lora", "bf16", "fsdp", fsdp_version=1) == "float32"
+    assert weight_storage("lora", "bf16", "fsdp", fsdp_version=1) == "fp32"
+
+
+def test_fit_plan_under_the_fsdp_lora_profile_plans_a_16bit_base(base_dir):
+    run = _fit_plan(_params(accelerate_profile="fsdp_lora", num_processes=None), str(base_dir))
+    assert run.train.precision == "bf16" and run.memory["setup"]["weight_storage"] == "compute"

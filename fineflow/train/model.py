@@ -36,7 +36,8 @@ def build_model(base_reference: str, params: Params, profile: Profile, fuse_lora
     if mixed_precision == precision.AUTO:  # a caller that did not go through fit_plan
         mixed_precision = precision.choose_precision(cfg.precision, profile, torch.cuda.is_available()).mixed_precision
     torch.manual_seed(params.seed)
-    kwargs = {"dtype": getattr(torch, precision.base_dtype(cfg.method, mixed_precision, sharding))}
+    loaded = precision.base_dtype(cfg.method, mixed_precision, sharding, precision.fsdp_version(profile))
+    kwargs = {"dtype": getattr(torch, loaded)}
     if cfg.method == "qlora":
         precision.check_qlora_sharding(cfg.method, sharding, profile.path)
         try:

@@ -11,8 +11,14 @@ memory planner reach the same answer):
 - ``base_dtype``: the dtype the model is loaded in. LoRA on a 16-bit precision loads the frozen base in that
   dtype (half the memory of fp32; peft keeps the adapters, hence their gradients and optimizer states, in
   fp32). Full fine-tuning loads fp32 (autocast computes in 16 bits, the optimizer updates fp32 weights).
-  Under FSDP the base stays fp32 and FSDP's own mixed precision casts each gathered unit: FSDP1 flattens a
-  unit's parameters into one tensor of one dtype, so a 16-bit base beside fp32 adapters cannot share a unit.
+  FSDP2 (``fully_shard``, the shipped fsdp_lora profile) keeps the LoRA base in the compute dtype too: each
+  parameter is its own DTensor shard, and torch's FSDPParamGroup._init_mp_dtypes requires one original dtype
+  among a group's *trainable* parameters only (the fp32 adapters; accelerate 1.15's fsdp2_prepare_model
+  upcasts any 16-bit trainable parameter to fp32 itself), while the frozen bf16 base beside them is allowed;
+  the MixedPrecisionPolicy's param_dtype casts the gathered unit to the compute dtype. A 70B base is then
+  141 GB on rank 0's host, not 282 GB. FSDP1 (``fsdp_version: 1``) flattens a unit's parameters into one
+  tensor of one dtype, so a 16-bit base beside fp32 adapters cannot share a unit: the base stays fp32 there
+  and FSDP's mixed precision casts each gathered unit.
 - ``weight_storage``: the same decision in the planner's terms.
 - QLoRA: ``quantization_kwargs`` (bitsandbytes' compute dtype follows the precision: fp16 GPUs get fp16)
   and ``kbit_preparation_kwargs`` (peft re-enables gradient checkpointing; non-reentrant, as everywhere
@@ -104,19 +110,25 @@ def gpu_supports_bf16(has_gpu: bool) -> bool:
     return bool(torch.cuda.is_bf16_supported())
 
 
-def base_dtype(method: str, mixed_precision: str, sharding: str) -> str:
+def fsdp_version(profile: Profile) -> int:
+    """The FSDP generation of an FSDP profile (``fsdp_config.fsdp_version``; accelerate's default is 1)."""
+    return int((profile.settings.get("fsdp_config") or {}).get("fsdp_version", 1))
+
+
+def base_dtype(method: str, mixed_precision: str, sharding: str, fsdp_version: int = 2) -> str:
     """The torch dtype name (``torch.<name>``) the model is loaded in; see the module docstring.
 
-    QLoRA: the dtype of the modules bitsandbytes leaves unquantized as loaded (peft's
+    fsdp_version: under ``sharding == "fsdp"``, the profile's (``fsdp_version(profile)``); only FSDP1 needs an
+    fp32 LoRA base. QLoRA: the dtype of the modules bitsandbytes leaves unquantized as loaded (peft's
     prepare_model_for_kbit_training then upcasts them to fp32)."""
     if method == "qlora":
         return TORCH_DTYPE_OF[mixed_precision]
-    if method == "full" or sharding == "fsdp":
+    if method == "full" or (sharding == "fsdp" and fsdp_version < 2):
         return "float32"
     return TORCH_DTYPE_OF[mixed_precision]
 
 
-def weight_storage(method: str, mixed_precision: str, sharding: str) -> str:
+def weight_storage(method: str, mixed_precision: str, sharding: str, fsdp_version: int = 2) -> str:
     """The planner's ``Setup.weight_storage`` for what this run really holds: "compute" (weights in the
     compute dtype; for full fine-tuning 16-bit working weights with fp32 masters, as DeepSpeed keeps them)
     or "fp32" (fp32 weights that autocast or FSDP cast as they run)."""
@@ -124,7 +136,8 @@ def weight_storage(method: str, mixed_precision: str, sharding: str) -> str:
         # DeepSpeed's bf16/fp16 mode converts the module to 16 bits and keeps fp32 masters in its optimizer;
         # accelerate's DDP/FSDP keep the fp32 weights fineflow loaded
         return "compute" if sharding in ("zero2", "zero3") else "fp32"
-    if method == "lora" and mixed_precision != "no" and base_dtype(method, mixed_precision, sharding) == "float32":
+    loaded = base_dtype(method, mixed_precision, sharding, fsdp_version)
+    if method == "lora" and mixed_precision != "no" and loaded == "float32":
         return "fp32"
     return "compute"
 

@@ -55,6 +55,8 @@ def launch_ranks(params: Params, module: str, argv: list[str], placement: dict, 
         f"{gib['overhead']:.2f} = {gib['total']:.2f} GiB of {run.memory['device_bytes'] / GiB:.1f} GiB"
         + ("; auto_fit: " + "; ".join(run.changes) if run.changes else "")
     )
+    for warning in run.warnings:  # also in the train report's plan (memory["warnings"])
+        log(f"WARNING: {warning}")
     command, env = accelerate_command(
         cfg.num_processes,
         has_gpu,

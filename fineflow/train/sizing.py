@@ -84,12 +84,14 @@ class RunPlan:
 
     params: the run's params with ``train`` as it trains (auto_fit's micro-batch, accumulation and
     checkpointing; ``precision`` resolved from "auto"). memory: the planner's figures per device (the train
-    report's "plan"). changes: what auto_fit changed, as sentences."""
+    report's "plan"). changes: what auto_fit changed, as sentences. warnings: settings known to misbehave on
+    this run's model (``real_model_warnings``), as sentences; also in memory["warnings"], the train report's."""
 
     params: Params
     profile: Profile
     memory: dict
     changes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
 
     @property
     def train(self) -> TrainParams:
@@ -108,7 +110,11 @@ def fit_plan(params: Params, profile: Profile, reference: str, has_gpu: bool) ->
     precision.check_qlora_sharding(cfg.method, profile.sharding, profile.path)
     setup = planner_setup(params, profile, chosen.mixed_precision, ranks)
     device = device_memory_bytes(cfg, has_gpu, max(1, ranks // cfg.num_machines))
-    result = planner.check_fit(model_shape(reference), setup, device, adapt=cfg.auto_fit)
+    warnings = real_model_warnings(params)
+    try:
+        result = planner.check_fit(model_shape(reference), setup, device, adapt=cfg.auto_fit)
+    except planner.DoesNotFit as refused:  # said together: fixing the memory alone would still leave the lr
+        raise planner.DoesNotFit("; ".join([str(refused), *(f"also: {w}" for w in warnings)])) from None
     adapted = cfg.model_copy(
         update={
             "micro_batch_size": result.setup.micro_batch_size,
@@ -122,18 +128,43 @@ def fit_plan(params: Params, profile: Profile, reference: str, has_gpu: bool) ->
         "device_bytes": int(device),
         "changes": result.changes,
         "precision": chosen.as_dict(),
+        "warnings": warnings,
     }
-    return RunPlan(params.model_copy(update={"train": adapted}), profile, memory, tuple(result.changes))
+    train_params = params.model_copy(update={"train": adapted})
+    return RunPlan(train_params, profile, memory, tuple(result.changes), tuple(warnings))
+
+
+# Learning rates above these are the embedded model's, not a real one's: LoRA on 7-8B bases is trained at
+# 1e-4 to 3e-4 (QLoRA paper, Dettmers et al. 2023: 2e-4 for 7-13B; torchtune's Llama 3 8B LoRA recipe 3e-4;
+# Axolotl's Llama 3 LoRA examples 2e-4), full fine-tuning at 1e-5 to 2e-5 (Llama/Alpaca-style SFT).
+HIGH_LR = {"lora": (5e-4, "1e-4 to 3e-4"), "qlora": (5e-4, "1e-4 to 3e-4"), "full": (5e-5, "1e-5 to 2e-5")}
+
+
+def real_model_warnings(params: Params) -> list[str]:
+    """What params.yaml still holds for the embedded 1M-parameter model that a real base will not take.
+
+    A warning, not a refusal nor a silent change: the value may be deliberate (a short probe), and a recipe
+    (recipes/) is where real-model values come from; the train report and the launcher's log carry it."""
+    cfg = params.train
+    limit, usual = HIGH_LR[cfg.method]
+    if params.model.base == "embedded" or cfg.lr <= limit:
+        return []
+    return [
+        f"params.yaml train.lr {cfg.lr:g} is the embedded model's learning rate: for {cfg.method} on a real base "
+        f"({params.model.base}) the usual range is {usual} (QLoRA paper, torchtune and Axolotl recipes); above "
+        f"{limit:g} a loss spike or the NaN stop is likely. Set train.lr, or start from a recipe"
+    ]
 
 
 def planner_setup(params: Params, profile: Profile, mixed_precision: str, ranks: int) -> planner.Setup:
     """The planner's terms for what this run holds on each device."""
     cfg = params.train
     targets = tuple(t for t in cfg.lora.target_modules if t in planner.LINEARS) or planner.LINEARS
+    storage = precision.weight_storage(cfg.method, mixed_precision, profile.sharding, precision.fsdp_version(profile))
     return planner.Setup(
         method=cfg.method,
         precision=precision.PLANNER_PRECISION_OF[mixed_precision],
-        weight_storage=precision.weight_storage(cfg.method, mixed_precision, profile.sharding),
+        weight_storage=storage,
         optimizer="adamw",
         micro_batch_size=cfg.micro_batch_size,
         seq_len=params.tokenize.seq_len,
@@ -143,4 +174,6 @@ def planner_setup(params: Params, profile: Profile, mixed_precision: str, ranks:
         sharding=profile.sharding,
         lora_r=cfg.lora.r,
         lora_targets=targets,
+        attention=cfg.attention,  # varlen / flash_attention_2: no row mask, no expanded k/v
+        packed=True,  # fineflow's shards always pack examples into rows
     )

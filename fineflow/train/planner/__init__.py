@@ -40,6 +40,7 @@ from fineflow.train.planner.memory import (  # noqa: F401
     OPTIMIZER_STATE_BYTES,
     OPTIMIZER_STEP_TEMP_BYTES,
     OPTIMIZERS,
+    PER_EXAMPLE_ATTENTIONS,
     PRECISIONS,
     QLORA_BYTES_PER_PARAM,
     SHARDINGS,

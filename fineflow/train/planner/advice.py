@@ -16,9 +16,12 @@ PARAM_KEYS = {
     "grad_accum": "train.grad_accum",
     "gradient_checkpointing": "train.gradient_checkpointing",
     "method": "train.method",
-    "sharding": "train.sharding",
+    "sharding": "train.accelerate_profile",  # sharding is the profile's (fineflow.train.profile), not a key
     "seq_len": "tokenize.seq_len",
 }
+# The shipped profile (configs/accelerate) that shards the weights for each method: FSDP2 for adapters, ZeRO-3 for
+# full fine-tuning (the planner counts fsdp and zero3 alike). QLoRA cannot be sharded (fineflow.train.precision).
+SHARDING_PROFILE = {"lora": "fsdp_lora", "full": "deepspeed_zero3"}
 
 
 class DoesNotFit(FineflowError):
@@ -136,10 +139,11 @@ def suggestions(shape: ModelShape, setup: Setup, device_bytes: float) -> list[st
         if extra is not None:
             options.append(f"set {key['method']}: {method}{extra}")
             break
-    if setup.num_gpus > 1 and setup.sharding in ("none", "zero2"):
+    profile = SHARDING_PROFILE.get(setup.method)
+    if profile and setup.num_gpus > 1 and setup.sharding in ("none", "zero2"):
         extra = _what_else(replace(setup, sharding="fsdp"), shape, device_bytes)
         if extra is not None:
-            options.append(f"set {key['sharding']}: fsdp{extra}")
+            options.append(f"set {key['sharding']}: {profile}{extra}")
     if not options:
         lengths = [2**k for k in range(7, setup.seq_len.bit_length()) if 2**k < setup.seq_len]
         minimal = replace(setup, gradient_checkpointing=True, micro_batch_size=1)
@@ -166,4 +170,7 @@ def what_to_change(shape: ModelShape, setup: Setup, device_bytes: float) -> str:
     options = suggestions(shape, setup, device_bytes)
     if options:
         return " or ".join(options)
-    return "no single setting change fits; use a device with more memory or more GPUs with fsdp sharding"
+    return (
+        f"no single setting change fits; use a device with more memory or more GPUs with a sharding "
+        f"{PARAM_KEYS['sharding']} ({', '.join(SHARDING_PROFILE.values())})"
+    )

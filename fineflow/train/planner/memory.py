@@ -25,7 +25,8 @@ Conventions (what a number means):
   figure is s*b*h*(34 + 5*a*s/h) bytes per layer at 16 bits; a Llama block keeps more (the SwiGLU MLP
   keeps three intermediate-sized tensors, the RMSNorm an fp32 copy of its input) and has no dropout
   masks. With SDPA (flash / memory-efficient kernels) the a*s^2 term is gone: only a logsumexp per head
-  and token is kept, but packed rows bring a b*s*s attention mask per layer. Gradient checkpointing keeps
+  and token is kept, but packed rows bring a b*s*s attention mask per layer (transformers' sdpa; not
+  fineflow's varlen nor flash_attention_2, which attend per example). Gradient checkpointing keeps
   each layer's input and recomputes one layer at a time. The loss adds three fp32 (tokens x vocab)
   tensors. Mixed-precision LoRA is assumed to run under autocast (each adapter keeps a 16-bit copy of
   its input).
@@ -55,7 +56,11 @@ GiB = 1024**3
 METHODS = ("full", "lora", "qlora")
 PRECISIONS = {"bf16": 2, "fp16": 2, "fp32": 4}  # bytes per element of weights and activations
 OPTIMIZERS = ("adamw", "adamw_8bit", "sgd")
-ATTENTIONS = ("sdpa", "eager")  # sdpa: flash / memory-efficient kernels (no s^2 term); eager: the matrix
+# train.attention's kinds, and eager. sdpa: transformers' SDPA (flash / memory-efficient kernels, no a*s^2 term) over
+# the whole row; eager: the a*s*s matrix. varlen (fineflow.train.attention) and flash_attention_2 attend per
+# packed example: no row mask, and grouped-query k/v are never expanded to every head
+ATTENTIONS = ("sdpa", "eager", "varlen", "flash_attention_2")
+PER_EXAMPLE_ATTENTIONS = ("varlen", "flash_attention_2")
 # none: DDP, every rank holds everything. zero2: gradients and optimizer states sharded over the ranks.
 # fsdp / zero3: weights, gradients and optimizer states sharded; layers are gathered as they run.
 SHARDINGS = ("none", "zero2", "fsdp", "zero3")
@@ -106,8 +111,8 @@ class Setup:
     sharding: str = "none"  # none (DDP) | zero2 | fsdp | zero3
     lora_r: int = 16  # adapter rank: higher adapts more, costs memory
     lora_targets: tuple[str, ...] = LINEARS  # linears of each layer that get an adapter
-    attention: str = "sdpa"  # sdpa (flash / memory-efficient) | eager (materializes the a*s*s matrix)
-    packed: bool = True  # rows hold several examples (fineflow's shards): an attention mask per layer
+    attention: str = "sdpa"  # sdpa | eager (materializes the a*s*s matrix) | varlen | flash_attention_2 (per example)
+    packed: bool = True  # rows hold several examples (fineflow's shards): sdpa keeps an attention mask per layer
     weight_storage: str = "compute"  # compute | fp32: the dtype weights are held in (see the module docstring)
 
     def __post_init__(self) -> None:
@@ -295,17 +300,22 @@ def layer_activation_bytes(shape: ModelShape, setup: Setup) -> float:
       else SDPA takes them as they are (enable_gqa). Eager attention keeps the fp32 softmax (4*a*s per
       token) and its cast to the compute dtype when that is 16-bit (Korthikanti's 5*a*s at 16 bits counts
       2+2 bytes and a 1-byte dropout mask; transformers' softmax runs in fp32 and p=0 has no mask);
-    - packed rows: transformers passes a block-diagonal boolean mask and SDPA keeps it converted to the
-      compute dtype in every layer: b*s*s*p bytes per layer (measured on CPU, bench/RESULTS.md);
+    - packed rows under sdpa: transformers passes a block-diagonal boolean mask and SDPA keeps it converted
+      to the compute dtype in every layer: b*s*s*p bytes per layer (measured on CPU, bench/RESULTS.md);
+    - per-example attention (varlen, flash_attention_2): no mask and k/v as they are (varlen gathers each
+      length group's q/k/v, padded to the group's longest example, and calls SDPA with enable_gqa; flash-attn
+      takes GQA natively): q, k, v, the output and the logsumexp, as unmasked SDPA (the group padding, a few
+      percent of the tokens, is not counted);
     - SwiGLU MLP: SiLU keeps its input, the product keeps both factors (3*p*i).
     """
     p = PRECISIONS[setup.precision]
     h, i, a, s = shape.hidden_size, shape.intermediate_size, shape.num_heads, setup.seq_len
-    masked = setup.packed or setup.attention == "eager"
+    row_mask = setup.packed and setup.attention == "sdpa"  # per-example kinds pass no mask
+    masked = row_mask or setup.attention == "eager"
     kv_kept = shape.q_dim if masked and shape.num_kv_heads < shape.num_heads else shape.kv_dim
     norms = 2 * (FP32 * h + (p * h if setup.method == "full" else 0))
-    if setup.attention == "sdpa":
-        attention = p * (2 * shape.q_dim + 2 * kv_kept) + FP32 * a + (p * s if setup.packed else 0)
+    if setup.attention != "eager":
+        attention = p * (2 * shape.q_dim + 2 * kv_kept) + FP32 * a + (p * s if row_mask else 0)
     else:
         attention = p * (shape.q_dim + 2 * kv_kept) + a * s * (FP32 + (p if p != FP32 else 0))
     per_token = norms + _linear_input_bytes_per_token(shape, setup) + attention + 3 * p * i
