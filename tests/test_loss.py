@@ -49,6 +49,15 @@ def test_a_frozen_head_gets_no_gradient_and_no_grad_mode_keeps_none():
     torch.testing.assert_close(value, chunked.plain_cross_entropy(hidden.detach() @ weight.t(), targets))
 
 
+@pytest.fixture
+def chunks(monkeypatch) -> list:
+    """One entry per chunk the chunked path projects (the test sees that it ran)."""
+    calls = []
+    real_chunk = chunked._chunk_loss_and_grads
+    monkeypatch.setattr(chunked, "_chunk_loss_and_grads", lambda *a: calls.append(1) or real_chunk(*a))
+    return calls
+
+
 def _tiny_llama(lora: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -80,12 +89,10 @@ def _packed_batch():
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-def test_the_model_forward_gives_the_plain_loss_and_gradients_chunk_by_chunk(lora, monkeypatch):
+def test_the_model_forward_gives_the_plain_loss_and_gradients_chunk_by_chunk(lora, chunks):
     """Through the (peft-wrapped) model's own forward: the same loss and the same gradient of every trainable
     parameter (LoRA's, or every weight with the head's); the chunked path ran, chunk by chunk."""
-    batch, chunks = _packed_batch(), []
-    real_chunk = chunked._chunk_loss_and_grads
-    monkeypatch.setattr(chunked, "_chunk_loss_and_grads", lambda *a: chunks.append(1) or real_chunk(*a))
+    batch = _packed_batch()
     results = []
     for chunk_tokens in (0, 7):
         model = _tiny_llama(lora)
@@ -161,14 +168,11 @@ def test_peak_memory_on_cpu_drops_as_logits_peak_bytes_says(tmp_path):
     assert peaks[0] - peaks[chunk] >= (plain_said - chunked_said) / 2
 
 
-def test_training_with_chunked_logits_takes_the_plain_paths_steps(built, tmp_path, monkeypatch):
+def test_training_with_chunked_logits_takes_the_plain_paths_steps(built, tmp_path, chunks):
     """train.loss_chunk_tokens reaches the loop (training and evaluation): a run chunked 16 trained tokens at a
     time logs the same per-step losses and evaluation loss as the plain run (0) on the same batches."""
     from tests.test_train_engine import _params, _train
 
-    chunks = []
-    real_chunk = chunked._chunk_loss_and_grads
-    monkeypatch.setattr(chunked, "_chunk_loss_and_grads", lambda *a: chunks.append(1) or real_chunk(*a))
     runs = {}
     for chunk_tokens in (0, 16):
         (tmp_path / str(chunk_tokens)).mkdir()
@@ -180,3 +184,37 @@ def test_training_with_chunked_logits_takes_the_plain_paths_steps(built, tmp_pat
     (plain, plain_losses), (chunky, chunked_losses) = runs[0], runs[16]
     assert chunked_losses == pytest.approx(plain_losses, rel=1e-4)
     assert plain["eval_loss"] is not None and chunky["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-4)
+
+
+def test_under_ddp_every_trainable_weight_gets_the_plain_gradient_step_after_step(tmp_path, chunks):
+    """DDP wraps the model (gloo, one rank): the chunked head runs inside DDP's forward, so its reducer sees every
+    trainable parameter's gradient, the head's included (full fine-tuning), on consecutive steps (a parameter
+    without one fails the second), and they equal the unwrapped plain path's."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        batch, reference = _packed_batch(), _tiny_llama(lora=False)
+        token_loss_sum(reference, batch)[0].backward()
+        ddp = DistributedDataParallel(_tiny_llama(lora=False))
+        for _ in range(2):
+            ddp.zero_grad()
+            token_loss_sum(ddp, batch, loss_chunk_tokens=5)[0].backward()
+        assert len(chunks) == 2 * -(-int((batch["labels"][:, 1:] != -100).sum()) // 5)
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(ddp.module.get_parameter(name).grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_shipped_params_train_the_embedded_model_on_the_plain_path():
+    """The default run's micro-batch never holds more trained tokens than one chunk: it keeps the plain path's
+    exact arithmetic, so its adapter stays byte-identical to the one before chunking existed."""
+    from pathlib import Path
+
+    from fineflow.core.config import load_params
+
+    params = load_params(Path(__file__).parents[1] / "params.yaml")
+    trained_at_most = params.train.micro_batch_size * (params.tokenize.seq_len - 1)
+    assert 0 < trained_at_most <= params.train.loss_chunk_tokens
