@@ -202,6 +202,10 @@ class TrainParams(_Section):
     # LoRA layers as one autograd op (base GEMM + low-rank update accumulated in place; fineflow.train.fused_lora);
     # false: peft's own forward. Not applied under DeepSpeed ZeRO-3 (parameters gathered per module)
     fused_lora: bool = True
+    # the loss projects at most this many trained tokens onto the vocabulary at a time (fineflow.train.loss), so
+    # the tokens x vocab logits never exist whole; a micro-batch with no more trained tokens, 0, or a model with
+    # soft-capped/scaled logits takes the plain path (all at once). Memory: chunk x vocab x ~10 bytes
+    loss_chunk_tokens: int = Field(1024, ge=0)
     # hardware: an accelerate config under configs/accelerate (or a path); "auto" derives it from
     # num_processes and whether there is a GPU. num_processes null takes the profile's.
     accelerate_profile: str = "auto"

@@ -10,6 +10,7 @@ model.py         the model to train (LoRA / QLoRA / full) and saving it
 architecture.py  what the loaded model is: its decoder-layer class, its linears, fused qkv / gate_up; LoRA targets
 schedule.py      the learning-rate schedule
 loop.py          ``fit()``: the loop, one optimizer step at a time; token_loss_sum, evaluate_loss
+loss.py          the loss's vocabulary projection, chunked so the logits never exist whole
 steps.py         what the loop reports through: StepTimer (a span per phase), StepLog, Progress
 checkpointing.py the loop's state saved (TrainStateSaver) and restored (restore), by the profile's engine
 resume.py        the run fingerprint, whether to resume, and the checkpoint every rank loads

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from fineflow.core.config import TrainParams
@@ -26,7 +27,7 @@ from fineflow.train.loader import BatchLoader, as_tensors
 from fineflow.train.steps import Progress, StepLog, StepTimer, peak_memory_mb
 
 
-def token_loss_sum(model, batch: dict, **forward_kwargs):
+def token_loss_sum(model, batch: dict, loss_chunk_tokens: int = 0, **forward_kwargs):
     """Summed next-token cross-entropy over trained tokens, and how many there were.
 
     No attention_mask is passed: position_ids restart per example, and packed examples never attend to each
@@ -36,23 +37,28 @@ def token_loss_sum(model, batch: dict, **forward_kwargs):
     varlen: its groups (both from fineflow.train.attention.layout_kwargs). Logits are computed only at
     positions whose next token is trained on (``logits_to_keep`` as a boolean mask): in instruction data
     that is a small share of the row (6% on the bundled data), and the vocabulary projection and its fp32
-    loss are the largest per-token cost after the layers.
+    loss are the largest per-token cost after the layers. With more trained tokens than ``loss_chunk_tokens``
+    (> 0) the head projects them that many at a time inside the model's forward (fineflow.train.loss); at or
+    below it, or for a head the chunked path does not cover, all at once.
     """
     import torch
-    import torch.nn.functional as F
+
+    from fineflow.train import loss as chunked
 
     targets = batch["labels"][:, 1:]
     keep = torch.zeros_like(batch["labels"], dtype=torch.bool)
     keep[:, :-1] = targets != -100
-    logits = model(
-        input_ids=batch["input_ids"],
-        position_ids=batch["position_ids"],
-        use_cache=False,
-        logits_to_keep=keep,
-        **forward_kwargs,
-    ).logits  # (trained positions, vocab)
-    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets[keep[:, :-1]], reduction="sum")
-    return loss, int(keep.sum())
+    trained, count = targets[keep[:, :-1]], int(keep.sum())
+    head = chunked.output_head(model) if 0 < loss_chunk_tokens < count else None
+    with chunked.head_computes_loss(head, trained, loss_chunk_tokens) if head is not None else nullcontext():
+        out = model(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            use_cache=False,
+            logits_to_keep=keep,
+            **forward_kwargs,
+        ).logits  # (trained positions, vocab); chunked: the summed loss
+    return (out if head is not None else chunked.plain_cross_entropy(out, trained)), count
 
 
 @dataclass
@@ -67,7 +73,9 @@ class FitResult:
     resumed_from: int = 0  # the step this attempt started after (0: a fresh start)
 
 
-def evaluate_loss(model, shard: PackedShard, batch_size: int, accelerator, varlen: bool = False) -> float:
+def evaluate_loss(
+    model, shard: PackedShard, batch_size: int, accelerator, varlen: bool = False, loss_chunk_tokens: int = 0
+) -> float:
     """Mean token loss over an eval shard, this rank's share of rows, reduced across ranks.
 
     Every rank runs the same number of forwards: under FSDP/ZeRO-3 each forward is a collective (weights are
@@ -85,7 +93,7 @@ def evaluate_loss(model, shard: PackedShard, batch_size: int, accelerator, varle
             arrays = shard.batch(rows[i : i + batch_size] or [0])
             batch = {k: v.to(accelerator.device) for k, v in as_tensors(arrays).items()}
             extra = layout_kwargs(layout_of(arrays["position_ids"], varlen), accelerator.device)
-            loss_sum, n = token_loss_sum(model, batch, **extra)
+            loss_sum, n = token_loss_sum(model, batch, loss_chunk_tokens=loss_chunk_tokens, **extra)
             total += weight * torch.tensor([loss_sum.item(), n], dtype=torch.float64, device=accelerator.device)
     total = accelerator.reduce(total, reduction="sum")
     model.train()
@@ -125,7 +133,7 @@ def fit(
         step_start = time.perf_counter()
         with timer.span("data_wait_s"):
             prepared = next(batches)  # blocks only if the loader thread has fallen behind
-        targets, step_tokens, step_loss = forward_backward(model, accelerator, prepared, cfg.grad_accum, timer)
+        targets, step_tokens, step_loss = forward_backward(model, accelerator, prepared, cfg, timer)
         with timer.span("optimizer_s"):
             grad_norm = optimizer_step(model, optimizer, scheduler, accelerator, cfg.max_grad_norm)
         with timer.span("loss_sync_s"):
@@ -136,7 +144,12 @@ def fit(
         if eval_shard is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
             with timer.span("train_eval_s"):
                 step_eval = eval_loss = evaluate_loss(
-                    model, eval_shard, cfg.micro_batch_size, accelerator, varlen=cfg.attention == "varlen"
+                    model,
+                    eval_shard,
+                    cfg.micro_batch_size,
+                    accelerator,
+                    varlen=cfg.attention == "varlen",
+                    loss_chunk_tokens=cfg.loss_chunk_tokens,
                 )
         if stopping or saver.due(step, cfg.steps, accelerator):  # stopping: the same on every rank
             with timer.span("checkpoint_s"):  # the stall: async saves block only for the copy to host memory
@@ -173,7 +186,7 @@ def check_accumulation(accelerator, accum: int) -> None:
         )
 
 
-def forward_backward(model, accelerator, prepared, accum: int, timer: StepTimer) -> tuple[int, int, float]:
+def forward_backward(model, accelerator, prepared, cfg: TrainParams, timer: StepTimer) -> tuple[int, int, float]:
     """One optimizer step's micro-batches through forward and backward: (trained tokens of the global batch,
     real tokens of the global batch, this rank's summed loss). Spans: compute (the copy to the device and the
     passes), loss_sync (the step's token counts, summed over ranks) and grad_sync (DDP's all-reduce)."""
@@ -181,7 +194,7 @@ def forward_backward(model, accelerator, prepared, accum: int, timer: StepTimer)
 
     from fineflow.train import gradsync
 
-    device, world = accelerator.device, accelerator.num_processes
+    device, world, accum = accelerator.device, accelerator.num_processes, cfg.grad_accum
     with timer.span("compute_s"):
         micro = [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in prepared.micro]
         extras = (
@@ -203,7 +216,7 @@ def forward_backward(model, accelerator, prepared, accum: int, timer: StepTimer)
             # DeepSpeed average gradients over ranks; x accum, since accelerate (DDP, FSDP, one process) and
             # DeepSpeed's engine (inside its backward) both divide the loss by the accumulation steps.
             with accelerator.accumulate(model):
-                loss_sum, _ = token_loss_sum(model, batch, **extra)
+                loss_sum, _ = token_loss_sum(model, batch, loss_chunk_tokens=cfg.loss_chunk_tokens, **extra)
                 accelerator.backward(loss_sum * (world * accum) / max(1, targets))
             step_loss += loss_sum.item()
         gradsync.settle()
