@@ -98,6 +98,13 @@ def _plan_layout_args(p) -> None:
         "run: full fine-tuning under DDP/FSDP autocast, an FSDP1 LoRA base)",
     )
     p.add_argument(
+        "--loss-chunk-tokens",
+        type=int,
+        default=1024,
+        help="train.loss_chunk_tokens: the loss projects this many tokens onto the vocabulary at a time, so the "
+        "logits never exist whole (default 1024, as params.yaml; 0: all tokens at once)",
+    )
+    p.add_argument(
         "--packed",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -128,6 +135,7 @@ def _setup_from_args(args):
         attention="flash_attention_2" if args.attention == "flash" else args.attention,
         packed=args.packed,
         weight_storage=args.base_dtype,
+        loss_chunk_tokens=args.loss_chunk_tokens,
     )
 
 
@@ -136,7 +144,8 @@ def _describe_setup(setup) -> str:
         f"{setup.precision}, {setup.optimizer}, micro-batch {setup.micro_batch_size} x seq {setup.seq_len}, "
         f"gradient checkpointing {'on' if setup.gradient_checkpointing else 'off'}, {setup.num_gpus} GPU(s), "
         f"sharding {setup.sharding}, attention {setup.attention}, {'packed' if setup.packed else 'plain'} rows, "
-        f"weights held in {'fp32' if setup.weight_storage == 'fp32' else setup.precision}"
+        f"weights held in {'fp32' if setup.weight_storage == 'fp32' else setup.precision}, loss "
+        f"{f'chunked by {setup.loss_chunk_tokens} tokens' if setup.loss_chunk_tokens else 'over all tokens'}"
     )
 
 

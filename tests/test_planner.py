@@ -621,3 +621,37 @@ def test_a_real_base_with_the_embedded_models_learning_rate_is_warned_about(tmp_
         _stage_plan(too_big, tmp_path)  # a refusal says it too: fixing the memory alone would leave the lr
     embedded = _stage_params(tmp_path, lr=3e-3)  # the embedded model takes the high rate: no warning
     assert embedded.model.base == "embedded" and _stage_plan(embedded, tmp_path).warnings == ()
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_the_chunked_loss_is_sized_one_chunk_of_logits_at_a_time(method):
+    """train.loss_chunk_tokens: the loss's fp32 (rows x vocab) tensors hold one chunk of rows, plus the hidden
+    states' gradient it keeps from forward to backward (and, for full fine-tuning, the head's fp32 gradient)."""
+    eight_b = KNOWN_SHAPES["8B"]
+    whole, chunked = _eight_b_lora(method=method), _eight_b_lora(method=method, loss_chunk_tokens=1024)
+    tokens, p = 2 * 4096, 2
+    assert logits_bytes(eight_b, whole) == tokens * eight_b.vocab_size * 4 * 3
+    head_grad = eight_b.vocab_size * eight_b.hidden_size * 4 if method == "full" else 0
+    expected = 1024 * eight_b.vocab_size * 4 * 3 + tokens * eight_b.hidden_size * p + head_grad
+    assert logits_bytes(eight_b, chunked) == expected
+    assert plan(eight_b, chunked).total < plan(eight_b, whole).total
+    # a chunk as large as the micro-batch's tokens is the plain path
+    assert logits_bytes(eight_b, _eight_b_lora(loss_chunk_tokens=tokens)) == logits_bytes(eight_b, whole)
+
+
+def test_the_train_stage_and_the_cli_size_the_chunked_loss(capsys):
+    from fineflow.core.config import Params
+    from fineflow.train.profile import load_profile
+    from fineflow.train.sizing import planner_setup
+
+    params = Params.model_validate({"train": {"loss_chunk_tokens": 256}})
+    setup = planner_setup(params, load_profile("auto"), "no", 1)
+    assert setup.loss_chunk_tokens == 256
+    common = ["plan", "--model", "8B", "--micro-batch", "2", "--seq-len", "4096", "--json"]
+    totals = {}
+    for chunk in ("0", "1024"):
+        assert main([*common, "--loss-chunk-tokens", chunk]) == 0
+        totals[chunk] = json.loads(capsys.readouterr().out)["bytes"]["total"]
+    assert totals["1024"] < totals["0"]
+    with pytest.raises(FineflowError, match="loss_chunk_tokens must be >= 0"):
+        _eight_b_lora(loss_chunk_tokens=-1)

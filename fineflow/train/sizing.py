@@ -176,4 +176,5 @@ def planner_setup(params: Params, profile: Profile, mixed_precision: str, ranks:
         lora_targets=targets,
         attention=cfg.attention,  # varlen / flash_attention_2: no row mask, no expanded k/v
         packed=True,  # fineflow's shards always pack examples into rows
+        loss_chunk_tokens=cfg.loss_chunk_tokens,
     )

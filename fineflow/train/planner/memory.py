@@ -114,6 +114,7 @@ class Setup:
     attention: str = "sdpa"  # sdpa | eager (materializes the a*s*s matrix) | varlen | flash_attention_2 (per example)
     packed: bool = True  # rows hold several examples (fineflow's shards): sdpa keeps an attention mask per layer
     weight_storage: str = "compute"  # compute | fp32: the dtype weights are held in (see the module docstring)
+    loss_chunk_tokens: int = 0  # train.loss_chunk_tokens: the loss projects this many tokens at a time (0: all)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
@@ -140,6 +141,8 @@ class Setup:
             )
             if not isinstance(value, int) or value < 1
         ]
+        if not isinstance(self.loss_chunk_tokens, int) or self.loss_chunk_tokens < 0:
+            problems.append(f"loss_chunk_tokens must be >= 0 (got {self.loss_chunk_tokens!r})")
         unknown = [t for t in self.lora_targets if t not in LINEARS]
         if unknown or (self.method != "full" and not self.lora_targets):
             problems.append(f"lora_targets must be among {', '.join(LINEARS)} (got {list(self.lora_targets)})")
@@ -323,8 +326,16 @@ def layer_activation_bytes(shape: ModelShape, setup: Setup) -> float:
 
 
 def logits_bytes(shape: ModelShape, setup: Setup) -> float:
-    """The loss over the vocabulary: LOGITS_FP32_COPIES fp32 (tokens x vocab) tensors at its peak."""
-    return setup.micro_batch_size * setup.seq_len * shape.vocab_size * FP32 * LOGITS_FP32_COPIES
+    """The loss over the vocabulary: LOGITS_FP32_COPIES fp32 (rows x vocab) tensors at its peak, rows = every
+    token, or one chunk of them under the chunked loss (fineflow.train.loss). Chunked, the loss also holds the
+    hidden states' gradient from forward to backward, and full fine-tuning an fp32 gradient of the head."""
+    tokens = setup.micro_batch_size * setup.seq_len
+    chunk = setup.loss_chunk_tokens
+    if not 0 < chunk < tokens:
+        return tokens * shape.vocab_size * FP32 * LOGITS_FP32_COPIES
+    hidden_grad = tokens * shape.hidden_size * PRECISIONS[setup.precision]
+    head_grad = shape.vocab_size * shape.hidden_size * FP32 if setup.method == "full" else 0
+    return chunk * shape.vocab_size * FP32 * LOGITS_FP32_COPIES + hidden_grad + head_grad
 
 
 def backward_working_bytes(shape: ModelShape, setup: Setup) -> float:
