@@ -156,6 +156,81 @@ def test_gpu_profile_refused_without_gpu_and_multi_cpu_refused(tmp_path):
         read_profile(no_type)
 
 
+def _shipped_params(**train):
+    """The shipped params.yaml with some train keys changed (a user's edit of that file)."""
+    from fineflow.core.config import load_params
+
+    params = load_params(ROOT / "params.yaml")
+    return params.model_copy(update={"train": params.train.model_copy(update=train)})
+
+
+def test_picking_a_multi_gpu_profile_is_enough():
+    """Issue 30 item 4: with the shipped params, train.accelerate_profile alone picks the ranks (on main the default
+    num_processes 1 contradicted every multi-GPU profile's 8 or 16 and the launch was refused)."""
+    from fineflow.train.launch import with_profile_processes
+
+    cfg = _shipped_params(accelerate_profile="multi_gpu_ddp").train
+    argv, _ = accelerate_command(cfg.num_processes, True, "m", [], profile=load_profile("multi_gpu_ddp"))
+    assert argv == LAUNCH + ["--config_file", str(PROFILE_DIR / "multi_gpu_ddp.yaml"), "-m", "m"]
+    for name, ranks in (("multi_gpu_ddp", 8), ("fsdp_lora", 8), ("multi_node", 16), ("auto", 1)):
+        params = _shipped_params(accelerate_profile=name)
+        profile = load_profile(name)
+        cfg = with_profile_processes(params, profile).train
+        assert cfg.num_processes == ranks, name
+    # the default "auto" profile still runs one process, the CPU flags as before
+    cfg = _shipped_params().train
+    argv, _ = accelerate_command(cfg.num_processes, False, "m", [], profile=load_profile(cfg.accelerate_profile))
+    assert argv[argv.index("--num_processes") + 1] == "1" and "--cpu" in argv
+
+
+def test_a_num_processes_you_set_that_contradicts_the_profile_is_still_refused():
+    from fineflow.train.launch import with_profile_processes
+
+    params = _shipped_params(accelerate_profile="multi_gpu_ddp", num_processes=4)
+    assert with_profile_processes(params, load_profile("multi_gpu_ddp")).train.num_processes == 4
+    with pytest.raises(FineflowError, match="num_processes: 8 but 4"):
+        accelerate_command(4, True, "m", [], profile=load_profile("multi_gpu_ddp"))
+
+
+@pytest.mark.parametrize("cuda", [None, "12.8"])
+def test_a_gpu_profile_without_a_visible_gpu_stops_before_the_planner(cuda, monkeypatch):
+    """Issue 30 item 6: a GPU profile on a machine where torch sees no GPU stops in the launcher, before the
+    planner and before any rank, naming the profile, what was found (a CPU build of torch, or a CUDA build
+    that sees no device) and what to do. On main the planner ran first and the message said neither."""
+    import torch
+
+    from fineflow.train import recipe
+
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def no_planner(*args, **kwargs):
+        raise AssertionError("the planner ran before the GPU check")
+
+    monkeypatch.setattr(recipe, "fit_plan", no_planner)
+    monkeypatch.setattr(recipe, "run_ranks", no_planner)
+    params = _shipped_params(accelerate_profile="single_gpu")
+    placement = {"base_dir": "models/base", "machine_rank": None, "main_process_ip": None, "main_process_port": None}
+    with pytest.raises(FineflowError) as raised:
+        recipe.launch_ranks(params, "m", [], placement, log=lambda line: None)
+    message = str(raised.value)
+    assert "single_gpu" in message and "no GPU" in message
+    found = "CPU-only build" if cuda is None else "built for CUDA 12.8"
+    assert found in message and "train.accelerate_profile" in message
+
+
+def test_cpu_profiles_need_no_gpu(monkeypatch):
+    import torch
+
+    from fineflow.train.launch import require_gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("auto", "cpu_ddp_2proc"):
+        require_gpu(load_profile(name), has_gpu=False)
+    with pytest.raises(FineflowError, match="multi_gpu_ddp"):
+        require_gpu(load_profile("multi_gpu_ddp"), has_gpu=False)
+
+
 def test_multi_node_profile_needs_placement_per_launch():
     profile = load_profile("multi_node")
     with pytest.raises(FineflowError, match="machine_rank.*main_process_ip"):
