@@ -449,3 +449,19 @@ raise SystemExit(exit_without_teardown(int(sys.argv[2])))
         assert (out / "saved").read_text() == "published"  # the save in flight was waited for
         # after a success the teardown is skipped; a failure exits as usual, finalizers and all
         assert (out / "finalized").exists() == (code != 0)
+
+
+def test_the_gpu_packages_have_an_install_that_works():
+    """Issue 30 item 6: bitsandbytes (QLoRA) is a pinned extra, and flash-attn's install is the one that builds
+    (against the venv's torch, without build isolation); on main neither was in an extra and the README said
+    `pip install flash-attn`, which fails at build time. The torch line says which build comes from where."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    extras = [req for reqs in project["optional-dependencies"].values() for req in reqs]
+    assert any(re.fullmatch(r"bitsandbytes==[0-9.]+", req) for req in extras), extras
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    flash_installs = re.findall(r"pip install flash-attn[^`]*", readme)
+    assert flash_installs and all("--no-build-isolation" in line for line in flash_installs), flash_installs
+    assert "(CPU build)" not in readme and "download.pytorch.org/whl/cpu" in readme

@@ -10,7 +10,9 @@ Hardware can instead come from an accelerate config file, a *profile* under ``co
 processes, mixed precision and the engine settings; this module adds only what places one launch in a
 cluster (``--machine_rank``, ``--main_process_ip``, ``--main_process_port``), which the file can only hold
 as placeholders, and refuses a caller's ``num_processes`` / ``num_machines`` that contradict the file rather
-than silently overriding it (accelerate lets a command-line flag win over the file).
+than silently overriding it (accelerate lets a command-line flag win over the file). train.num_processes unset
+takes the profile's (``with_profile_processes``). A GPU profile where torch sees no GPU is refused in the
+launcher, before the planner, saying why torch sees none (``require_gpu``).
 
 DeepSpeed profiles (the last section): a missing deepspeed package is refused before anything loads
 (``require_engine``), and the DeepSpeed batch settings come from params, checked against the profile by the
@@ -212,7 +214,7 @@ def cuda_diagnosis() -> str:
         return (
             f"torch {torch.__version__} is a CPU-only build (torch.version.cuda is None); install the CUDA "
             f"build: pip install --force-reinstall torch=={torch.__version__.split('+')[0]} from PyPI's "
-            f"default index, not download.pytorch.org/whl/cpu (README, Install)"
+            f"default index, not download.pytorch.org/whl/cpu (README, Quickstart)"
         )
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     hidden = f"; CUDA_VISIBLE_DEVICES is {visible!r}" if visible is not None else ""
