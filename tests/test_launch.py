@@ -219,6 +219,21 @@ def test_a_gpu_profile_without_a_visible_gpu_stops_before_the_planner(cuda, monk
     assert found in message and "train.accelerate_profile" in message
 
 
+def test_more_ranks_than_visible_gpus_is_said_before_launching():
+    """multi_gpu_ddp's 8 ranks on a machine where torch sees 4 GPUs: refused with the fix, not 4 ranks failing on
+    an invalid device ordinal; 8 GPUs (or more) pass, and multi_node's 16 ranks are 8 per machine."""
+    from fineflow.train.launch import require_enough_gpus, with_profile_processes
+
+    for name, visible, enough in (("multi_gpu_ddp", 4, False), ("multi_gpu_ddp", 8, True), ("multi_node", 8, True)):
+        profile = load_profile(name)
+        cfg = with_profile_processes(_shipped_params(accelerate_profile=name), profile).train
+        if enough:
+            require_enough_gpus(profile, cfg, visible)
+        else:
+            with pytest.raises(FineflowError, match="starts 8 ranks on this machine and torch sees 4 GPU"):
+                require_enough_gpus(profile, cfg, visible)
+
+
 def test_cpu_profiles_need_no_gpu(monkeypatch):
     import torch
 

@@ -204,6 +204,20 @@ def require_gpu(profile: Profile, has_gpu: bool) -> None:
         )
 
 
+def require_enough_gpus(profile: Profile, cfg: TrainParams, visible: int) -> None:
+    """More ranks on this machine than GPUs torch sees (multi_gpu_ddp's 8 on a 4-GPU node): accelerate would start
+    them all and the ranks past the last GPU fail deep in torch (invalid device ordinal). cfg: num_processes
+    resolved (``with_profile_processes``)."""
+    machines = cfg.num_machines if cfg.num_machines > 1 else int(profile.settings.get("num_machines", 1))
+    ranks_here = -(-(cfg.num_processes or 1) // machines)
+    if profile.needs_gpu and 0 < visible < ranks_here:
+        raise FineflowError(
+            f"train.accelerate_profile {profile.path.stem} starts {ranks_here} ranks on this machine and torch sees "
+            f"{visible} GPU(s): copy {profile.path}, set its num_processes to {visible} x its num_machines, and "
+            f"point train.accelerate_profile at the copy (or make more GPUs visible: CUDA_VISIBLE_DEVICES)"
+        )
+
+
 def cuda_diagnosis() -> str:
     """Why torch sees no GPU, and what to do: a CPU-only wheel, or a CUDA build without a usable device."""
     import os

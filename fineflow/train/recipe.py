@@ -26,6 +26,7 @@ from fineflow.train.launch import (
     check_deepspeed_profile,
     configure_deepspeed,
     require_engine,
+    require_enough_gpus,
     require_gpu,
     require_tracker,
     with_profile_processes,
@@ -47,6 +48,7 @@ def launch_ranks(params: Params, module: str, argv: list[str], placement: dict, 
     require_engine(profile)  # a DeepSpeed profile without deepspeed: one message before anything loads
     require_gpu(profile, has_gpu)  # a GPU profile where torch sees none: before the planner and any rank
     params = with_profile_processes(params, profile)  # unset: the profile's ranks
+    require_enough_gpus(profile, params.train, torch.cuda.device_count() if has_gpu else 0)
     require_tracker(params.train.tracker)
     check_hardware(params.train, has_gpu, profile)
     run = fit_plan(params, profile, resolve_base_model(params.model, Path(placement["base_dir"])), has_gpu)
