@@ -28,7 +28,13 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 
 venv: $(STAMP)
 
-# torch first, from the CPU wheel on disk (a plain `torch` requirement would pull a multi-GB CUDA build).
+# torch first, so the stack below keeps it. Which build comes depends on where pip looks, not on this line:
+# from PyPI on Linux x86_64, torch==2.13.0 is the CUDA build (multi-GB; what a GPU machine needs, and it also
+# runs on CPU); this project's CPU machines get 2.13.0+cpu from a local wheel folder in their pip config
+# (find-links). For the CPU build elsewhere, install it into the venv first and this line keeps it:
+#   python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+# GPU extras (README, "Install on a GPU machine"): .venv/bin/pip install -e '.[gpu]' (bitsandbytes, QLoRA);
+# flash-attn is built against this torch: .venv/bin/pip install flash-attn==2.8.3.post2 --no-build-isolation
 # --no-compile: pip does not byte-compile every file of every package (torch, transformers, prefect, dvc: most
 # never imported here); Python compiles a module, and caches it in __pycache__, the first time it is imported.
 $(STAMP): pyproject.toml

@@ -615,7 +615,7 @@ def main() -> None:
             f"dropout={cfg.lora.dropout} on {','.join(cfg.lora.target_modules)}; lr {cfg.lr} {cfg.schedule}, "
             f"warmup {cfg.warmup_steps}, max_grad_norm {cfg.max_grad_norm}, weight_decay {cfg.weight_decay}"
         )
-        if cfg.num_processes != 1:
+        if cfg.num_processes not in (None, 1):  # null: the profile's, 1 with auto
             print(f"note: params train.num_processes={cfg.num_processes}; this bench runs every method on 1 process")
         print(flush=True)
 

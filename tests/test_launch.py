@@ -156,6 +156,96 @@ def test_gpu_profile_refused_without_gpu_and_multi_cpu_refused(tmp_path):
         read_profile(no_type)
 
 
+def _shipped_params(**train):
+    """The shipped params.yaml with some train keys changed (a user's edit of that file)."""
+    from fineflow.core.config import load_params
+
+    params = load_params(ROOT / "params.yaml")
+    return params.model_copy(update={"train": params.train.model_copy(update=train)})
+
+
+def test_picking_a_multi_gpu_profile_is_enough():
+    """Issue 30 item 4: with the shipped params, train.accelerate_profile alone picks the ranks (on main the default
+    num_processes 1 contradicted every multi-GPU profile's 8 or 16 and the launch was refused)."""
+    from fineflow.train.launch import with_profile_processes
+
+    cfg = _shipped_params(accelerate_profile="multi_gpu_ddp").train
+    argv, _ = accelerate_command(cfg.num_processes, True, "m", [], profile=load_profile("multi_gpu_ddp"))
+    assert argv == LAUNCH + ["--config_file", str(PROFILE_DIR / "multi_gpu_ddp.yaml"), "-m", "m"]
+    for name, ranks in (("multi_gpu_ddp", 8), ("fsdp_lora", 8), ("multi_node", 16), ("auto", 1)):
+        params = _shipped_params(accelerate_profile=name)
+        profile = load_profile(name)
+        cfg = with_profile_processes(params, profile).train
+        assert cfg.num_processes == ranks, name
+    # the default "auto" profile still runs one process, the CPU flags as before
+    cfg = _shipped_params().train
+    argv, _ = accelerate_command(cfg.num_processes, False, "m", [], profile=load_profile(cfg.accelerate_profile))
+    assert argv[argv.index("--num_processes") + 1] == "1" and "--cpu" in argv
+
+
+def test_a_num_processes_you_set_that_contradicts_the_profile_is_still_refused():
+    from fineflow.train.launch import with_profile_processes
+
+    params = _shipped_params(accelerate_profile="multi_gpu_ddp", num_processes=4)
+    assert with_profile_processes(params, load_profile("multi_gpu_ddp")).train.num_processes == 4
+    with pytest.raises(FineflowError, match="num_processes: 8 but 4"):
+        accelerate_command(4, True, "m", [], profile=load_profile("multi_gpu_ddp"))
+
+
+@pytest.mark.parametrize("cuda", [None, "12.8"])
+def test_a_gpu_profile_without_a_visible_gpu_stops_before_the_planner(cuda, monkeypatch):
+    """Issue 30 item 6: a GPU profile on a machine where torch sees no GPU stops in the launcher, before the
+    planner and before any rank, naming the profile, what was found (a CPU build of torch, or a CUDA build
+    that sees no device) and what to do. On main the planner ran first and the message said neither."""
+    import torch
+
+    from fineflow.train import recipe
+
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def no_planner(*args, **kwargs):
+        raise AssertionError("the planner ran before the GPU check")
+
+    monkeypatch.setattr(recipe, "fit_plan", no_planner)
+    monkeypatch.setattr(recipe, "run_ranks", no_planner)
+    params = _shipped_params(accelerate_profile="single_gpu")
+    placement = {"base_dir": "models/base", "machine_rank": None, "main_process_ip": None, "main_process_port": None}
+    with pytest.raises(FineflowError) as raised:
+        recipe.launch_ranks(params, "m", [], placement, log=lambda line: None)
+    message = str(raised.value)
+    assert "single_gpu" in message and "no GPU" in message
+    found = "CPU-only build" if cuda is None else "built for CUDA 12.8"
+    assert found in message and "train.accelerate_profile" in message
+
+
+def test_more_ranks_than_visible_gpus_is_said_before_launching():
+    """multi_gpu_ddp's 8 ranks on a machine where torch sees 4 GPUs: refused with the fix, not 4 ranks failing on
+    an invalid device ordinal; 8 GPUs (or more) pass, and multi_node's 16 ranks are 8 per machine."""
+    from fineflow.train.launch import require_enough_gpus, with_profile_processes
+
+    for name, visible, enough in (("multi_gpu_ddp", 4, False), ("multi_gpu_ddp", 8, True), ("multi_node", 8, True)):
+        profile = load_profile(name)
+        cfg = with_profile_processes(_shipped_params(accelerate_profile=name), profile).train
+        if enough:
+            require_enough_gpus(profile, cfg, visible)
+        else:
+            with pytest.raises(FineflowError, match="starts 8 ranks on this machine and torch sees 4 GPU"):
+                require_enough_gpus(profile, cfg, visible)
+
+
+def test_cpu_profiles_need_no_gpu(monkeypatch):
+    import torch
+
+    from fineflow.train.launch import require_gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("auto", "cpu_ddp_2proc"):
+        require_gpu(load_profile(name), has_gpu=False)
+    with pytest.raises(FineflowError, match="multi_gpu_ddp"):
+        require_gpu(load_profile("multi_gpu_ddp"), has_gpu=False)
+
+
 def test_multi_node_profile_needs_placement_per_launch():
     profile = load_profile("multi_node")
     with pytest.raises(FineflowError, match="machine_rank.*main_process_ip"):
@@ -374,3 +464,19 @@ raise SystemExit(exit_without_teardown(int(sys.argv[2])))
         assert (out / "saved").read_text() == "published"  # the save in flight was waited for
         # after a success the teardown is skipped; a failure exits as usual, finalizers and all
         assert (out / "finalized").exists() == (code != 0)
+
+
+def test_the_gpu_packages_have_an_install_that_works():
+    """Issue 30 item 6: bitsandbytes (QLoRA) is a pinned extra, and flash-attn's install is the one that builds
+    (against the venv's torch, without build isolation); on main neither was in an extra and the README said
+    `pip install flash-attn`, which fails at build time. The torch line says which build comes from where."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    extras = [req for reqs in project["optional-dependencies"].values() for req in reqs]
+    assert any(re.fullmatch(r"bitsandbytes==[0-9.]+", req) for req in extras), extras
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    flash_installs = re.findall(r"pip install flash-attn[^`]*", readme)
+    assert flash_installs and all("--no-build-isolation" in line for line in flash_installs), flash_installs
+    assert "(CPU build)" not in readme and "download.pytorch.org/whl/cpu" in readme

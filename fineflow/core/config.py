@@ -207,9 +207,12 @@ class TrainParams(_Section):
     # soft-capped/scaled logits takes the plain path (all at once). Memory: chunk x vocab x ~10 bytes
     loss_chunk_tokens: int = Field(1024, ge=0)
     # hardware: an accelerate config under configs/accelerate (or a path); "auto" derives it from
-    # num_processes and whether there is a GPU. num_processes null takes the profile's.
+    # num_processes and whether there is a GPU
     accelerate_profile: str = "auto"
-    num_processes: int | None = Field(1, gt=0)  # data-parallel ranks over all machines; 2 on CPU = DDP/gloo
+    # data-parallel ranks over all machines. null (the default): the profile's num_processes, 1 without a profile
+    # file, so picking a profile is enough; a value set here that contradicts the profile's is refused
+    # (fineflow.train.profile.resolve_processes). 2 with the auto profile on CPU = DDP over gloo
+    num_processes: int | None = Field(None, gt=0)
     num_machines: int = Field(1, gt=0)  # >1: launch once per machine with --machine-rank/--main-process-ip
     auto_fit: bool = False  # plan exceeds device memory: adapt (checkpointing, smaller micro-batch) or refuse
     device_memory_gib: float | None = Field(None, gt=0)  # per device; null = detect (GPU memory, or RAM/ranks)

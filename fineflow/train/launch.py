@@ -10,7 +10,9 @@ Hardware can instead come from an accelerate config file, a *profile* under ``co
 processes, mixed precision and the engine settings; this module adds only what places one launch in a
 cluster (``--machine_rank``, ``--main_process_ip``, ``--main_process_port``), which the file can only hold
 as placeholders, and refuses a caller's ``num_processes`` / ``num_machines`` that contradict the file rather
-than silently overriding it (accelerate lets a command-line flag win over the file).
+than silently overriding it (accelerate lets a command-line flag win over the file). train.num_processes unset
+takes the profile's (``with_profile_processes``). A GPU profile where torch sees no GPU is refused in the
+launcher, before the planner, saying why torch sees none (``require_gpu``).
 
 DeepSpeed profiles (the last section): a missing deepspeed package is refused before anything loads
 (``require_engine``), and the DeepSpeed batch settings come from params, checked against the profile by the
@@ -30,10 +32,10 @@ from typing import TYPE_CHECKING
 
 from fineflow.core.errors import FineflowError
 from fineflow.core.runtime import TRAIN_WORKER_ENV
-from fineflow.train.profile import AUTO, Profile
+from fineflow.train.profile import AUTO, Profile, resolve_processes
 
 if TYPE_CHECKING:
-    from fineflow.core.config import TrainParams
+    from fineflow.core.config import Params, TrainParams
 
 WORKER_ENV = TRAIN_WORKER_ENV  # set for the ranks: they train instead of launching again
 # distributed types that need one accelerator per rank; on a machine without one, accelerate would start
@@ -85,9 +87,9 @@ def accelerate_command(
 
     Without a profile file (None, or "auto"), flags are derived from num_processes (the total over all
     machines, accelerate's convention) and has_gpu. With one (``fineflow.train.profile.load_profile``) the
-    file decides; num_processes and num_machines may be None (take the file's) and must otherwise agree with
-    it. machine_rank, main_process_ip and main_process_port place this launch in a multi-machine job, in both
-    modes.
+    file decides; num_processes and num_machines may be None (take the file's; without a file, 1) and must
+    otherwise agree with it; a GPU profile on a machine where torch sees no GPU is refused (``require_gpu``).
+    machine_rank, main_process_ip and main_process_port place this launch in a multi-machine job, in both modes.
     """
     placement = _placement_flags(machine_rank, main_process_ip, main_process_port)
     if profile is not None and profile.path is not None:
@@ -102,8 +104,7 @@ def accelerate_command(
             main_process_ip,
             placement,
         )
-    if num_processes is None:
-        raise FineflowError("accelerate_command: num_processes is needed when no accelerate profile is given")
+    num_processes = resolve_processes(num_processes, Profile(None))  # None: one process
     machines = num_machines or 1
     argv = [
         sys.executable,
@@ -143,6 +144,7 @@ def _profile_command(
     placement: list[str],
 ) -> tuple[list[str], dict[str, str]]:
     require_engine(chosen)  # a missing deepspeed first: no other problem with the profile matters before it
+    require_gpu(chosen, has_gpu)
     path, profile = chosen.path, chosen.settings
     kind = profile["distributed_type"].upper()
     use_cpu = bool(profile.get("use_cpu", False))
@@ -154,11 +156,6 @@ def _profile_command(
         problems.append(
             "distributed_type MULTI_CPU starts ONE process without mpirun; for N CPU ranks use "
             "distributed_type: MULTI_GPU with use_cpu: true (see configs/accelerate/cpu_ddp_2proc.yaml)"
-        )
-    if not has_gpu and not use_cpu:
-        problems.append(
-            f"it is a GPU profile (distributed_type {kind}, use_cpu false) and this machine has no "
-            f"GPU; use the 'auto' or 'cpu_ddp_2proc' profile"
         )
     if problems:
         raise FineflowError(
@@ -186,6 +183,59 @@ def _profile_command(
         # rank's Accelerator join one gloo group on the CPU instead of running as its own world of size 1
         env["ACCELERATE_USE_CPU"] = "1"
     return argv + placement + ["-m", module, *module_args], env
+
+
+def with_profile_processes(params: Params, profile: Profile) -> Params:
+    """params with train.num_processes resolved (``fineflow.train.profile.resolve_processes``): what the
+    launcher, the planner, the run's fingerprint and the report see. Unset, it is the profile's ranks."""
+    ranks = resolve_processes(params.train.num_processes, profile)
+    return params.model_copy(update={"train": params.train.model_copy(update={"num_processes": ranks})})
+
+
+def require_gpu(profile: Profile, has_gpu: bool) -> None:
+    """A GPU profile where torch sees no GPU stops here, in the launcher before the planner and any rank, instead
+    of training on the CPU or failing deep inside a library. Ranks do not check: the tests run FSDP and DeepSpeed
+    profiles on CPU ranks started by hand, on purpose."""
+    if profile.needs_gpu and not has_gpu:
+        raise FineflowError(
+            f"train.accelerate_profile {profile.path.stem} ({profile.path}) runs on GPUs and torch sees no GPU "
+            f"on this machine: {cuda_diagnosis()}. Or train on the CPU with train.accelerate_profile: auto (or "
+            f"cpu_ddp_2proc)"
+        )
+
+
+def require_enough_gpus(profile: Profile, cfg: TrainParams, visible: int) -> None:
+    """More ranks on this machine than GPUs torch sees (multi_gpu_ddp's 8 on a 4-GPU node): accelerate would start
+    them all and the ranks past the last GPU fail deep in torch (invalid device ordinal). cfg: num_processes
+    resolved (``with_profile_processes``)."""
+    machines = cfg.num_machines if cfg.num_machines > 1 else int(profile.settings.get("num_machines", 1))
+    ranks_here = -(-(cfg.num_processes or 1) // machines)
+    if profile.needs_gpu and 0 < visible < ranks_here:
+        raise FineflowError(
+            f"train.accelerate_profile {profile.path.stem} starts {ranks_here} ranks on this machine and torch sees "
+            f"{visible} GPU(s): copy {profile.path}, set its num_processes to {visible} x its num_machines, and "
+            f"point train.accelerate_profile at the copy (or make more GPUs visible: CUDA_VISIBLE_DEVICES)"
+        )
+
+
+def cuda_diagnosis() -> str:
+    """Why torch sees no GPU, and what to do: a CPU-only wheel, or a CUDA build without a usable device."""
+    import os
+
+    import torch
+
+    if torch.version.cuda is None:
+        return (
+            f"torch {torch.__version__} is a CPU-only build (torch.version.cuda is None); install the CUDA "
+            f"build: pip install --force-reinstall torch=={torch.__version__.split('+')[0]} from PyPI's "
+            f"default index, not download.pytorch.org/whl/cpu (README, Quickstart)"
+        )
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hidden = f"; CUDA_VISIBLE_DEVICES is {visible!r}" if visible is not None else ""
+    return (
+        f"torch {torch.__version__} is built for CUDA {torch.version.cuda} but finds no device{hidden}; run "
+        f"nvidia-smi: no driver, or a driver older than CUDA {torch.version.cuda} needs, gives no GPU"
+    )
 
 
 # --- DeepSpeed profiles ---------------------------------------------------------------------------------

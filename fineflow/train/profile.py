@@ -1,10 +1,11 @@
 """The accelerate profile, read once: ``load_profile(train.accelerate_profile)`` -> a frozen ``Profile``.
 
 A profile is an accelerate config file under ``configs/accelerate/`` (by name, ``"fsdp_lora"``), a path to
-one, or ``"auto"`` (no file: flags derived from train.num_processes and the GPU). The launcher and each rank
-load it once, at the top of their setup; every decision below (the precision rule, the planner's sharding,
-the model's dtypes, the launch command, DeepSpeed's batch keys, how the training state is checkpointed)
-takes that value and never reads the file again.
+one, or ``"auto"`` (no file: flags derived from train.num_processes and the GPU). train.num_processes null
+(the default) takes the profile's ranks (``resolve_processes``), so picking a profile is enough. The launcher
+and each rank load it once, at the top of their setup; every decision below (the precision rule, the planner's
+sharding, the model's dtypes, the launch command, DeepSpeed's batch keys, how the training state is
+checkpointed) takes that value and never reads the file again.
 
     python -c "from fineflow.train.profile import load_profile; print(load_profile('fsdp_lora'))"
 """
@@ -47,6 +48,18 @@ class Profile:
     @property
     def deepspeed(self) -> bool:
         return self.engine == "deepspeed"
+
+    @property
+    def needs_gpu(self) -> bool:
+        """A file that does not say use_cpu: true runs its ranks on GPUs ("auto" adapts to the machine)."""
+        return self.path is not None and not self.settings.get("use_cpu", False)
+
+
+def resolve_processes(asked: int | None, profile: Profile) -> int:
+    """The ranks a run takes: train.num_processes when set (the launcher refuses one that contradicts the
+    profile's file), else the profile's num_processes, else 1 (the "auto" profile). The one rule: the launcher,
+    the planner and every rank use this value."""
+    return asked if asked is not None else profile.processes
 
 
 def load_profile(name: str, profile_dir: Path = PROFILE_DIR) -> Profile:

@@ -26,7 +26,10 @@ from fineflow.train.launch import (
     check_deepspeed_profile,
     configure_deepspeed,
     require_engine,
+    require_enough_gpus,
+    require_gpu,
     require_tracker,
+    with_profile_processes,
 )
 from fineflow.train.model import build_model, save_model
 from fineflow.train.preempt import run_ranks
@@ -43,6 +46,9 @@ def launch_ranks(params: Params, module: str, argv: list[str], placement: dict, 
     has_gpu = torch.cuda.is_available()
     profile = load_profile(params.train.accelerate_profile)
     require_engine(profile)  # a DeepSpeed profile without deepspeed: one message before anything loads
+    require_gpu(profile, has_gpu)  # a GPU profile where torch sees none: before the planner and any rank
+    params = with_profile_processes(params, profile)  # unset: the profile's ranks
+    require_enough_gpus(profile, params.train, torch.cuda.device_count() if has_gpu else 0)
     require_tracker(params.train.tracker)
     check_hardware(params.train, has_gpu, profile)
     run = fit_plan(params, profile, resolve_base_model(params.model, Path(placement["base_dir"])), has_gpu)
@@ -149,6 +155,7 @@ class TrainRecipe:
         params = self.params  # as given: replaced by the plan's below
         has_gpu = torch.cuda.is_available()
         profile = load_profile(params.train.accelerate_profile)
+        params = with_profile_processes(params, profile)  # as the launcher's
         check_hardware(params.train, has_gpu, profile)
         self.reference = resolve_base_model(params.model, self.paths.base_dir)
         # train.precision comes back resolved ("auto" -> the profile's or the device's; fineflow.train.precision):
