@@ -43,7 +43,9 @@ def build_model(base_reference: str, params: Params, profile: Profile, fuse_lora
         try:
             import bitsandbytes  # noqa: F401
         except ImportError:
-            raise FineflowError("train.method qlora needs bitsandbytes: pip install bitsandbytes") from None
+            raise FineflowError(
+                "train.method qlora needs bitsandbytes: pip install -e '.[gpu]' (bitsandbytes==0.50.2)"
+            ) from None
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(**precision.quantization_kwargs(mixed_precision))

@@ -47,8 +47,9 @@ def check_hardware(cfg: TrainParams, has_gpu: bool, profile: Profile) -> None:
         if not has_gpu or find_spec("flash_attn") is None:
             raise FineflowError(
                 "params.yaml: train.attention flash_attention_2 needs a CUDA GPU and the flash-attn "
-                "package (pip install flash-attn); train.attention: varlen does the same per-example "
-                "attention on any device."
+                "package (a CUDA build: pip install ninja packaging setuptools wheel && pip install "
+                "flash-attn==2.8.3.post2 --no-build-isolation, see the README); train.attention: varlen does the "
+                "same per-example attention on any device."
             )
 
 
