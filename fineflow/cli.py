@@ -65,7 +65,8 @@ def _plan_parser(sub) -> None:
     p.add_argument(
         "--lora-targets",
         default="all-linear",
-        help="comma-separated linears (q_proj,v_proj,...) or all-linear (default)",
+        help="comma-separated linears (q_proj,v_proj,...: the model's names, or Llama's for a fused qkv/gate_up) or "
+        "all-linear (default: every linear of the model's decoder layer)",
     )
     _plan_layout_args(p)
     p.add_argument("--device-gib", type=float, help="device memory in GiB: say whether the plan fits")
@@ -113,13 +114,9 @@ def _plan_layout_args(p) -> None:
 
 
 def _setup_from_args(args):
-    from fineflow.train.planner import LINEARS, Setup
+    from fineflow.train.planner import Setup
 
-    targets = (
-        LINEARS
-        if args.lora_targets == "all-linear"
-        else tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
-    )
+    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())  # "all-linear": every linear
     return Setup(
         method=args.method,
         precision=args.precision,
@@ -154,7 +151,7 @@ def format_plan(result, device_bytes: float | None = None) -> str:
     from fineflow.train.planner import FRAGMENTATION, GiB
 
     s = result.setup
-    method = s.method if s.method == "full" else f"{s.method} r={s.lora_r} on {len(s.lora_targets)} module(s)"
+    method = s.method if s.method == "full" else f"{s.method} r={s.lora_r} on {', '.join(s.lora_targets)}"
     lines = [
         (f"{result.model}: {result.params / 1e9:.2f}B parameters, {method}, {result.trainable_params:,} trainable"),
         _describe_setup(s),
@@ -193,7 +190,7 @@ def format_table(setup, device_bytes: float | None = None) -> str:
     )
     fits_col = f"  fits {device_bytes / GiB:g} GiB" if device_bytes is not None else ""
     lines = [
-        (f"GiB per device; {_describe_setup(setup)}; LoRA r={setup.lora_r} on {len(setup.lora_targets)} module(s)"),
+        (f"GiB per device; {_describe_setup(setup)}; LoRA r={setup.lora_r} on {', '.join(setup.lora_targets)}"),
         "total = weights + grads + optim + max(activ, opt.step) + overhead",
         header + fits_col,
         "-" * len(header + fits_col),

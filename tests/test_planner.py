@@ -382,10 +382,71 @@ def test_check_fit_refuses_or_adapts():
 
 def test_invalid_settings_are_reported_together():
     with pytest.raises(FineflowError) as info:
-        Setup(method="prefix", micro_batch_size=0, lora_targets=("qkv",))
+        Setup(method="lora", precision="fp8", micro_batch_size=0, lora_targets=())
     message = str(info.value)
-    assert "method must be one of full, lora, qlora" in message
-    assert "micro_batch_size must be >= 1 (got 0)" in message and "lora_targets" in message
+    assert "precision must be one of bf16, fp16, fp32" in message
+    assert "micro_batch_size must be >= 1 (got 0)" in message and "lora_targets must name at least one" in message
+
+
+def test_a_lora_target_the_model_lacks_is_refused_with_its_own_linears():
+    with pytest.raises(FineflowError, match="no such linear: theirs are q_proj, k_proj, v_proj, o_proj"):
+        plan(SEVEN_B, Setup(lora_targets=("qkv",)))
+
+
+# ---------------------------------------------------------------- the linears come from the model (issue 30, 1)
+
+PHI_3_MINI_CONFIG = {  # microsoft/Phi-3-mini-4k-instruct config.json
+    "model_type": "phi3",
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32064,
+    "tie_word_embeddings": False,
+}
+
+
+def _peft_trainable(config: dict, target_modules) -> int:
+    """What peft really adds on this architecture: a 2-layer copy built on the meta device, scaled to every layer."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    layers = {k: v for k, v in config.items() if k != "model_type"}
+    built = AutoConfig.for_model(config["model_type"], **{**layers, "num_hidden_layers": 2})
+    with torch.device("meta"):
+        model = get_peft_model(AutoModelForCausalLM.from_config(built), LoraConfig(r=8, target_modules=target_modules))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable // 2 * config["num_hidden_layers"]
+
+
+def test_seen_on_main_phi3_lora_was_counted_on_llamas_separate_linears():
+    # main planned Phi-3 with Llama's q/k/v and gate/up as separate linears: one adapter per name, 3*r*h too many
+    # parameters per layer (counted 14,942,208 at r=8 where peft adds 12,582,912), and "qkv_proj" was refused
+    phi3 = shape_from_config(PHI_3_MINI_CONFIG)
+    assert phi3.params == 3_821_079_552  # the published 3.8B
+    assert dict(phi3.linear_dims())["qkv_proj"] == (3072, 3 * 3072)
+    assert lora_params(phi3, 8, LINEARS) == _peft_trainable(PHI_3_MINI_CONFIG, "all-linear") == 12_582_912
+    own_names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    assert lora_params(phi3, 8, ("all-linear",)) == lora_params(phi3, 8, own_names)
+    assert lora_params(phi3, 8, ("q_proj", "v_proj")) == _peft_trainable(PHI_3_MINI_CONFIG, ["qkv_proj"])
+
+
+def test_llama_layouts_are_described_as_the_known_sizes():
+    assert shape_from_config(LLAMA_3_8B_CONFIG).linears == () and lora_params(
+        shape_from_config(LLAMA_3_8B_CONFIG), 8, ("all-linear",)
+    ) == _peft_trainable(LLAMA_3_8B_CONFIG, "all-linear")
+
+
+def test_a_fused_linear_keeps_one_input_for_its_adapter():
+    phi3 = shape_from_config(PHI_3_MINI_CONFIG)
+    fp32 = Setup(precision="fp32", micro_batch_size=1, seq_len=1, lora_targets=("q_proj", "k_proj", "v_proj"))
+    llama_layout = replace(phi3, linears=())
+    # in fp32 q/k/v share the one input they read; fused or not, one copy of it
+    assert layer_activation_bytes(phi3, fp32) == layer_activation_bytes(llama_layout, fp32)
+    bf16 = replace(fp32, precision="bf16")  # under autocast each adapter keeps its own 16-bit copy: one, not three
+    assert layer_activation_bytes(llama_layout, bf16) - layer_activation_bytes(phi3, bf16) == 2 * 2 * 3072
 
 
 # ---------------------------------------------------------------- loading a shape

@@ -160,7 +160,7 @@ def real_model_warnings(params: Params) -> list[str]:
 def planner_setup(params: Params, profile: Profile, mixed_precision: str, ranks: int) -> planner.Setup:
     """The planner's terms for what this run holds on each device."""
     cfg = params.train
-    targets = tuple(t for t in cfg.lora.target_modules if t in planner.LINEARS) or planner.LINEARS
+    targets = tuple(cfg.lora.target_modules)  # resolved against the model's own linears by the planner
     storage = precision.weight_storage(cfg.method, mixed_precision, profile.sharding, precision.fsdp_version(profile))
     return planner.Setup(
         method=cfg.method,

@@ -49,6 +49,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from fineflow.core.errors import FineflowError
+from fineflow.train.architecture import ALL_LINEAR, FUSED_GATE_UP, FUSED_QKV, STANDS_FOR
 from fineflow.train.planner.shapes import ModelShape
 
 GiB = 1024**3
@@ -66,6 +67,8 @@ PER_EXAMPLE_ATTENTIONS = ("varlen", "flash_attention_2")
 SHARDINGS = ("none", "zero2", "fsdp", "zero3")
 # compute: weights held in the compute precision; fp32: fp32 weights cast by autocast as layers run
 WEIGHT_STORAGES = ("compute", "fp32")
+# Llama's linears: the default targets, and train.lora.target_modules' portable names for the projections (a model's
+# own linears come from the model: ModelShape.linear_dims, ``resolve_targets``)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 FP32 = 4
@@ -110,7 +113,8 @@ class Setup:
     num_gpus: int = 1  # data-parallel ranks
     sharding: str = "none"  # none (DDP) | zero2 | fsdp | zero3
     lora_r: int = 16  # adapter rank: higher adapts more, costs memory
-    lora_targets: tuple[str, ...] = LINEARS  # linears of each layer that get an adapter
+    # linears of each layer that get an adapter: the model's names, Llama's portable ones, or "all-linear"
+    lora_targets: tuple[str, ...] = LINEARS
     attention: str = "sdpa"  # sdpa | eager (materializes the a*s*s matrix) | varlen | flash_attention_2 (per example)
     packed: bool = True  # rows hold several examples (fineflow's shards): sdpa keeps an attention mask per layer
     weight_storage: str = "compute"  # compute | fp32: the dtype weights are held in (see the module docstring)
@@ -143,9 +147,8 @@ class Setup:
         ]
         if not isinstance(self.loss_chunk_tokens, int) or self.loss_chunk_tokens < 0:
             problems.append(f"loss_chunk_tokens must be >= 0 (got {self.loss_chunk_tokens!r})")
-        unknown = [t for t in self.lora_targets if t not in LINEARS]
-        if unknown or (self.method != "full" and not self.lora_targets):
-            problems.append(f"lora_targets must be among {', '.join(LINEARS)} (got {list(self.lora_targets)})")
+        if self.method != "full" and not self.lora_targets:  # which names a model has is checked against it
+            problems.append(f"lora_targets must name at least one linear, or {ALL_LINEAR} (got [])")
         if problems:
             raise FineflowError("invalid memory-plan settings: " + "; ".join(problems))
 
@@ -155,10 +158,29 @@ class Setup:
         return self.micro_batch_size * self.grad_accum * self.num_gpus
 
 
+def resolve_targets(shape: ModelShape, targets: tuple[str, ...]) -> tuple[str, ...]:
+    """The linears of shape that get an adapter, as peft adapts them (fineflow.train.architecture.lora_targets):
+    ``all-linear`` is every linear of the layer; a Llama name stands for the fused linear that holds it (Phi-3's
+    q_proj is its qkv_proj). A name the model has no linear for is refused, naming the model's own."""
+    dims = shape.linear_dims()
+    if ALL_LINEAR in targets:
+        return tuple(dims)
+    resolved: list[str] = []
+    for name in targets:
+        found = name if name in dims else next((f for f in STANDS_FOR.get(name, ()) if f in dims), None)
+        if found is None:
+            raise FineflowError(
+                f"lora target {name!r}: the decoder layers of {shape.name} have no such linear: theirs are "
+                f"{', '.join(dims)} (or use {ALL_LINEAR!r})"
+            )
+        resolved += [found] if found not in resolved else []
+    return tuple(resolved)
+
+
 def lora_params(shape: ModelShape, r: int, targets: tuple[str, ...]) -> int:
     """Adapter parameters: A (r x d_in) and B (d_out x r) for each targeted linear of every layer."""
     dims = shape.linear_dims()
-    return shape.num_layers * sum(r * (dims[t][0] + dims[t][1]) for t in set(targets))
+    return shape.num_layers * sum(r * (dims[t][0] + dims[t][1]) for t in resolve_targets(shape, targets))
 
 
 def trainable_params(shape: ModelShape, setup: Setup) -> int:
@@ -246,7 +268,8 @@ def autocast_copy_bytes(shape: ModelShape, setup: Setup) -> float:
         return shape.num_layers * layer + lm_head
     if setup.gradient_checkpointing:
         return max(layer, lm_head)
-    first_qkv = sum(d_in * d_out for name, (d_in, d_out) in shape.linear_dims().items() if name[0] in "qkv") * p
+    dims = shape.linear_dims().items()
+    first_qkv = sum(d_in * d_out for name, (d_in, d_out) in dims if _input_read_by(name) == "attention input") * p
     return shape.num_layers * layer - first_qkv + lm_head
 
 
@@ -284,11 +307,19 @@ def _linear_input_bytes_per_token(shape: ModelShape, setup: Setup) -> float:
     autocast, as accelerate does; without autocast each would keep the fp32 copy, twice as much)."""
     width = PRECISIONS[setup.precision]
     dims = shape.linear_dims()
-    trains = set(LINEARS) if setup.method == "full" else set(setup.lora_targets)
+    trains = set(dims) if setup.method == "full" else set(resolve_targets(shape, setup.lora_targets))
     if setup.method != "full" and width != ADAPTER_BYTES:
         return sum(width * dims[name][0] for name in trains)
-    groups = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
-    return sum(width * dims[group[0]][0] for group in groups if trains.intersection(group))
+    # one kept input per tensor read: q/k/v (or a fused qkv) read the attention norm's output, gate/up the MLP's
+    inputs = {_input_read_by(name) for name in trains}
+    return sum(width * dims[next(n for n in trains if _input_read_by(n) == read)][0] for read in inputs)
+
+
+def _input_read_by(name: str) -> str:
+    """Which tensor a linear reads: the attention norm's output, the MLP norm's, or its own input."""
+    if name in ("q_proj", "k_proj", "v_proj", *FUSED_QKV):
+        return "attention input"
+    return "mlp input" if name in ("gate_proj", "up_proj", *FUSED_GATE_UP) else name
 
 
 def layer_activation_bytes(shape: ModelShape, setup: Setup) -> float:

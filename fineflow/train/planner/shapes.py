@@ -1,12 +1,19 @@
 """The planner's model shapes: what a model is made of (``ModelShape``), from a config.json, a model directory, a
-hub id's cached config, a size ("7B": ``KNOWN_SHAPES``) or a parameter count. No torch import."""
+hub id (``HUB_CONFIGS``: the real config.json values of the recipes' models, so nothing is downloaded; else its
+cached config), a size ("7B": ``KNOWN_SHAPES``) or a parameter count.
+
+The linears of a decoder layer come from the model itself: ``shape_from_config`` builds one decoder layer of the
+config's transformers class on the meta device (``fineflow.train.architecture.describe_config``: no weights, no
+memory, ~1 s with the import) and keeps their names and shapes, so Phi-3's fused ``qkv_proj`` and
+``gate_up_proj`` are counted as the one linear each is. The known sizes are Llama's layout. Nothing heavy is
+imported at import time (torch and transformers only when a config is described)."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fineflow.core.errors import FineflowError
@@ -27,6 +34,9 @@ class ModelShape:
     head_dim: int | None = None  # None: hidden_size // num_heads
     attention_bias: bool = False
     mlp_bias: bool = False
+    # (name, in_features, out_features) of one decoder layer's linears, as the model has them; () = Llama's layout
+    # (q/k/v/o_proj, gate/up/down_proj), which is what the known sizes are
+    linears: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def q_dim(self) -> int:
@@ -37,7 +47,13 @@ class ModelShape:
         return self.num_kv_heads * (self.head_dim or self.hidden_size // self.num_heads)
 
     def linear_dims(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of each linear of one decoder layer."""
+        """(in_features, out_features) of each linear of one decoder layer, by the model's own names."""
+        if self.linears:
+            return {name: (d_in, d_out) for name, d_in, d_out in self.linears}
+        return self.llama_linear_dims()
+
+    def llama_linear_dims(self) -> dict[str, tuple[int, int]]:
+        """What a Llama-layout layer of these dimensions has: q/k/v/o_proj and gate/up/down_proj."""
         h, i = self.hidden_size, self.intermediate_size
         return {
             "q_proj": (h, self.q_dim),
@@ -51,7 +67,8 @@ class ModelShape:
 
     @property
     def linear_params_per_layer(self) -> int:
-        """Weights (and biases) of one layer's linears: what QLoRA quantizes (biases aside, ignored)."""
+        """Weights (and biases) of one layer's linears: what QLoRA quantizes (biases aside, ignored). A fused
+        linear holds exactly the weights of the separate ones it stands for, so the count is layout-independent."""
         total = sum(d_in * d_out for d_in, d_out in self.linear_dims().values())
         if self.attention_bias:
             total += self.q_dim + 2 * self.kv_dim + self.hidden_size
@@ -103,7 +120,7 @@ def shape_from_config(config: dict, name: str = "") -> ModelShape:
     if (config.get("num_local_experts") or config.get("num_experts") or 0) > 1:
         raise FineflowError(f"{label}: mixture-of-experts models are not covered by the planner")
     heads = int(config["num_attention_heads"])
-    return ModelShape(
+    shape = ModelShape(
         name=label,
         hidden_size=int(config["hidden_size"]),
         intermediate_size=int(config["intermediate_size"]),
@@ -116,6 +133,29 @@ def shape_from_config(config: dict, name: str = "") -> ModelShape:
         attention_bias=bool(config.get("attention_bias", False)),
         mlp_bias=bool(config.get("mlp_bias", False)),
     )
+    return replace(shape, linears=described_linears(config, shape)) if config.get("model_type") else shape
+
+
+def described_linears(config: dict, shape: ModelShape) -> tuple[tuple[str, int, int], ...]:
+    """One decoder layer's linears as the config's transformers class builds them (one layer, meta device); ()
+    when they are Llama's layout (so a Llama-like config equals its known size)."""
+    try:
+        from transformers import AutoConfig
+
+        from fineflow.train.architecture import describe_config
+
+        one_layer = {**config, "num_hidden_layers": 1}
+        if isinstance(config.get("layer_types"), list):  # per-layer kinds (Gemma 2/3, Qwen3): one layer's
+            one_layer["layer_types"] = config["layer_types"][:1]
+        one_layer = {k: v for k, v in one_layer.items() if k not in ("model_type", "architectures", "auto_map")}
+        described = describe_config(AutoConfig.for_model(config["model_type"], **one_layer))
+    except (ValueError, KeyError, TypeError, ImportError) as exc:
+        raise FineflowError(
+            f"{shape.name}: cannot build model_type {config['model_type']!r} with transformers to read its "
+            f"linears ({type(exc).__name__}: {str(exc)[:200]}); the planner covers transformers' own decoder classes"
+        ) from None
+    linears = tuple((name, d_in, d_out) for name, (d_in, d_out) in described.shapes.items())
+    return () if dict(described.shapes) == shape.llama_linear_dims() else linears
 
 
 def shape_from_file(path: str | Path) -> ModelShape:
