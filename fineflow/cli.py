@@ -1,4 +1,5 @@
-"""The ``fineflow`` command. Subcommands: ``plan`` (the GPU memory planner, fineflow.train.planner),
+"""The ``fineflow`` command. Subcommands: ``plan`` (the GPU memory planner, fineflow.train.planner), ``recipe
+list|show|apply`` (model-family recipes written into params.yaml after the planner's check: fineflow.recipes),
 ``registry verify|rollback|repair|list`` (the model registry: fineflow.registry.verify, rollback and repair in
 fineflow.registry.champion), ``lineage`` (fineflow.registry.lineage) and ``data add`` (new training data for the
 on-new-data deployment).
@@ -7,6 +8,9 @@ on-new-data deployment).
     fineflow plan --model 8B --micro-batch 2 --seq-len 4096 --attention flash --device-gib 80
     fineflow plan --model models/base --method full --gpus 8 --sharding fsdp --device-gib 80 --auto-fit
     fineflow plan --table --gradient-checkpointing --device-gib 80
+    fineflow plan --model meta-llama/Llama-3.1-70B-Instruct --gpus 8 --sharding fsdp --gradient-checkpointing
+    fineflow recipe list
+    fineflow recipe apply llama3-8b-lora [--params params.yaml] [--gpus 1 --device-memory-gib 48]
     fineflow registry verify [--registry models/registry] [--champion models/champion]
     FINEFLOW_REGISTRY_KEY=... fineflow registry verify   # keyed: every entry's HMAC is checked too
     fineflow registry rollback [--to ID] [--allow-unpromoted REASON] [--registry ...] [--champion ...]
@@ -44,8 +48,8 @@ def _plan_parser(sub) -> None:
     p.add_argument(
         "--model",
         default="7B",
-        help=f"a known size ({', '.join(KNOWN_SHAPES)}), a parameter count, a config.json or a "
-        "model directory (default: 7B)",
+        help=f"a known size ({', '.join(KNOWN_SHAPES)}), a recipe's hub id (e.g. Qwen/Qwen3-8B: sized without "
+        "downloading), a parameter count, a config.json or a model directory (default: 7B)",
     )
     p.add_argument("--method", choices=METHODS, default="lora")
     p.add_argument("--precision", choices=tuple(PRECISIONS), default="bf16")
@@ -510,10 +514,79 @@ def _run_doctor(args) -> int:
     return 1 if doctor.SEVERITY_RANK[worst] >= doctor.SEVERITY_RANK[args.fail_on] else 0
 
 
+def _recipe_parser(sub) -> None:
+    p = sub.add_parser(
+        "recipe",
+        help="model-family recipes (recipes/): list, show, apply one into params.yaml after the planner's check",
+        description="A recipe holds what a practitioner sets for a real model (recipes/*.yaml, each value with its "
+        "source). apply checks the plan fits the recipe's device (or --gpus/--device-memory-gib) and only then writes "
+        "the values into params.yaml, keeping its comments and other keys (fineflow/recipes.py).",
+        epilog="Exit codes: 0 applied (or listed/shown); 2 unknown recipe or key, or the plan does not fit (nothing "
+        "written).",
+    )
+    actions = p.add_subparsers(dest="action", required=True)
+    actions.add_parser("list", help="every recipe: its device, its base model, what it is").set_defaults(
+        run=_run_recipe_list
+    )
+    show = actions.add_parser("show", help="print a recipe file (values and their sources)")
+    show.add_argument("name", help="a recipe of recipes/ (e.g. llama3-8b-lora) or a path")
+    show.set_defaults(run=_run_recipe_show)
+    apply = actions.add_parser("apply", help="plan it for the device, then write it into params.yaml")
+    apply.add_argument("name", help="a recipe of recipes/ (e.g. llama3-8b-lora) or a path")
+    apply.add_argument(
+        "--params", type=Path, default=Path("params.yaml"), help="the file to write (default: params.yaml)"
+    )
+    apply.add_argument("--gpus", type=int, help="devices to plan for (default: the recipe's device.count)")
+    apply.add_argument(
+        "--device-memory-gib", type=float, help="GiB per device (default: the recipe's device.memory_gib)"
+    )
+    apply.set_defaults(run=_run_recipe_apply)
+
+
+def _run_recipe_list(args) -> int:
+    from fineflow.recipes import list_recipes
+
+    for recipe in list_recipes():
+        print(f"{recipe.name:<22}{recipe.device.label:<14}{recipe.values['model']['base']:<38}{recipe.summary}")
+    return 0
+
+
+def _run_recipe_show(args) -> int:
+    from fineflow.recipes import load_recipe
+
+    print(load_recipe(args.name).path.read_text(encoding="utf-8"), end="")
+    return 0
+
+
+def _run_recipe_apply(args) -> int:
+    from fineflow.recipes import Device, apply_recipe, load_recipe
+    from fineflow.train.planner import GiB
+
+    recipe = load_recipe(args.name)
+    if (args.gpus is not None and args.gpus < 1) or (
+        args.device_memory_gib is not None and args.device_memory_gib <= 0
+    ):
+        raise FineflowError("--gpus must be >= 1 and --device-memory-gib > 0")
+    device = Device(args.gpus or recipe.device.count, args.device_memory_gib or recipe.device.memory_gib)
+    applied = apply_recipe(recipe, args.params, device)
+    memory = applied.plan.memory
+    print(
+        f"planned: {memory['model']} {memory['setup']['method']}, {memory['bytes']['total'] / GiB:.2f} GiB per device "
+        f"of {device.label}: fits"
+    )
+    for change in applied.changes:
+        print(f"  {change}")
+    print(
+        f"wrote {len(applied.changes)} value(s) of {recipe.path} into {args.params} (its comments and other keys kept)"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fineflow", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command")
     _plan_parser(sub)
+    _recipe_parser(sub)
     _registry_parser(sub)
     _lineage_parser(sub)
     _data_parser(sub)

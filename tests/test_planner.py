@@ -716,3 +716,36 @@ def test_the_train_stage_and_the_cli_size_the_chunked_loss(capsys):
     assert totals["1024"] < totals["0"]
     with pytest.raises(FineflowError, match="loss_chunk_tokens must be >= 0"):
         _eight_b_lora(loss_chunk_tokens=-1)
+
+
+# ---------------------------------------------------------------- the recipes' hub ids, sized without downloading
+
+
+@pytest.mark.parametrize(
+    "hub_id, published",
+    [  # parameter counts as the hub's safetensors metadata states them
+        ("meta-llama/Llama-3.1-8B-Instruct", 8_030_261_248),
+        ("meta-llama/Llama-3.1-70B-Instruct", 70_553_706_496),
+        ("Qwen/Qwen2.5-7B-Instruct", 7_615_616_512),  # q/k/v biases not counted: 129,024
+        ("Qwen/Qwen3-8B", 8_190_735_360),  # q/k norms not counted: 9,216
+        ("mistralai/Mistral-7B-Instruct-v0.3", 7_248_023_552),
+        ("google/gemma-2-9b-it", 9_241_705_984),  # Gemma 2's extra per-layer norms not counted: 301,056
+        ("microsoft/Phi-3-mini-4k-instruct", 3_821_079_552),
+    ],
+)
+def test_hub_ids_plan_their_real_shape(hub_id, published):
+    shape = load_shape(hub_id)
+    assert shape.name == hub_id and abs(shape.params - published) / published < 1e-4
+
+
+def test_gemma2s_soft_capped_logits_are_sized_whole():
+    gemma = load_shape("google/gemma-2-9b-it")
+    setup = Setup(micro_batch_size=2, seq_len=2048, loss_chunk_tokens=1024)
+    assert not gemma.chunked_loss and load_shape("Qwen/Qwen3-8B").chunked_loss
+    assert logits_bytes(gemma, setup) == 2 * 2048 * 256_000 * 4 * 3  # the plain path fineflow.train.loss takes
+
+
+def test_the_cli_plans_a_recipes_hub_id_offline(capsys):
+    assert main(["plan", "--model", "microsoft/Phi-3-mini-4k-instruct", "--lora-r", "8", "--device-gib", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "3.82B parameters, lora r=8 on all-linear, 12,582,912 trainable" in out

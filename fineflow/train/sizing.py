@@ -72,7 +72,9 @@ def device_memory_bytes(cfg: TrainParams, has_gpu: bool, ranks_here: int) -> flo
 
 
 def model_shape(reference: str):
-    if Path(reference).exists():
+    """The planner's shape of model.base: a local dir, a hub id the planner knows (nothing downloaded), else the
+    hub id's config from the local cache."""
+    if Path(reference).exists() or reference in planner.HUB_CONFIGS:
         return planner.load_shape(reference)
     from transformers import AutoConfig  # a hub id: its config from the local cache (offline)
 

@@ -8,7 +8,8 @@ peak into weights, gradients, optimizer states, activations and overhead; ``auto
 that does not fit (gradient checkpointing first, then smaller micro-batches with more accumulation) and
 ``refusal()`` says what to change when it cannot.
 
-shapes.py   what a model is made of (``ModelShape``): from a config, a directory, a hub id or a size
+shapes.py   what a model is made of (``ModelShape``): from a config, a directory, a hub id or a size; the
+            linears of a decoder layer as the model's own class builds them (Phi-3's fused qkv_proj, ...)
 memory.py   the memory terms of a run (``Setup`` -> ``plan()``: weights, gradients, optimizer, activations)
 advice.py   whether it fits, ``auto_fit`` and what to change (``check_fit``, ``refusal``, ``suggestions``)
 
@@ -59,11 +60,13 @@ from fineflow.train.planner.memory import (  # noqa: F401
     optimizer_step_bytes,
     overhead_bytes,
     plan,
+    resolve_targets,
     stored_width,
     trainable_params,
     weight_bytes,
 )
 from fineflow.train.planner.shapes import (  # noqa: F401
+    HUB_CONFIGS,
     KNOWN_SHAPES,
     ModelShape,
     load_shape,

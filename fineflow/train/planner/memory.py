@@ -362,7 +362,7 @@ def logits_bytes(shape: ModelShape, setup: Setup) -> float:
     hidden states' gradient from forward to backward, and full fine-tuning an fp32 gradient of the head."""
     tokens = setup.micro_batch_size * setup.seq_len
     chunk = setup.loss_chunk_tokens
-    if not 0 < chunk < tokens:
+    if not 0 < chunk < tokens or not shape.chunked_loss:  # the plain path (a soft-capped head takes it too)
         return tokens * shape.vocab_size * FP32 * LOGITS_FP32_COPIES
     hidden_grad = tokens * shape.hidden_size * PRECISIONS[setup.precision]
     head_grad = shape.vocab_size * shape.hidden_size * FP32 if setup.method == "full" else 0

@@ -37,6 +37,9 @@ class ModelShape:
     # (name, in_features, out_features) of one decoder layer's linears, as the model has them; () = Llama's layout
     # (q/k/v/o_proj, gate/up/down_proj), which is what the known sizes are
     linears: tuple[tuple[str, int, int], ...] = ()
+    # the loss may project a chunk of tokens at a time (fineflow.train.loss.PLAIN_HEAD_MODELS: a plain head); False:
+    # soft-capped or scaled logits (Gemma 2/3, Cohere) take the plain path, all tokens x vocab at once
+    chunked_loss: bool = True
 
     @property
     def q_dim(self) -> int:
@@ -102,6 +105,41 @@ KNOWN_SHAPES = {
 }
 
 
+# The config.json values (those the planner reads) of the models the recipes (recipes/) name, as published on the
+# Hugging Face hub at huggingface.co/<id>/blob/main/config.json, so a hub id is sized without downloading anything.
+HUB_CONFIGS = {
+    "meta-llama/Llama-3.1-8B-Instruct": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+    ),
+    "meta-llama/Llama-3.1-70B-Instruct": dict(
+        model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+    ),
+    "Qwen/Qwen2.5-7B-Instruct": dict(  # q/k/v biases (Qwen2's attention always has them): not counted, 0.3M
+        model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+    ),
+    "Qwen/Qwen3-8B": dict(  # head_dim 128 (not hidden/heads); q/k norms not counted (a few thousand params)
+        model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+    ),
+    "mistralai/Mistral-7B-Instruct-v0.3": dict(
+        model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=32768, tie_word_embeddings=False,
+    ),
+    "google/gemma-2-9b-it": dict(  # head_dim 256 (q width 4096 > hidden 3584); logits soft-capped at 30
+        model_type="gemma2", hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=256000, tie_word_embeddings=True,
+        final_logit_softcapping=30.0,
+    ),
+    "microsoft/Phi-3-mini-4k-instruct": dict(  # fused qkv_proj and gate_up_proj
+        model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, vocab_size=32064, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+
+
 def shape_from_config(config: dict, name: str = "") -> ModelShape:
     """A ModelShape from a transformers config (the dict of a ``config.json``).
 
@@ -133,7 +171,12 @@ def shape_from_config(config: dict, name: str = "") -> ModelShape:
         attention_bias=bool(config.get("attention_bias", False)),
         mlp_bias=bool(config.get("mlp_bias", False)),
     )
-    return replace(shape, linears=described_linears(config, shape)) if config.get("model_type") else shape
+    if not config.get("model_type"):  # a bare config: Llama's layout
+        return shape
+    from fineflow.train.loss import PLAIN_HEAD_MODELS  # torch-free module constant
+
+    chunked = config["model_type"] in PLAIN_HEAD_MODELS
+    return replace(shape, linears=described_linears(config, shape), chunked_loss=chunked)
 
 
 def described_linears(config: dict, shape: ModelShape) -> tuple[tuple[str, int, int], ...]:
@@ -197,16 +240,19 @@ def shape_for_params(count: float) -> ModelShape:
 
 
 def load_shape(reference: str) -> ModelShape:
-    """Resolve what a user typed: a known size ('7B'), a parameter count, a config.json or a model dir."""
+    """Resolve what a user typed: a known size ('7B'), a hub id of HUB_CONFIGS, a parameter count, a config.json or
+    a model dir."""
     known = {key.lower(): shape for key, shape in KNOWN_SHAPES.items()}
     if reference.strip().lower() in known:
         return known[reference.strip().lower()]
+    if reference.strip() in HUB_CONFIGS:
+        return shape_from_config(HUB_CONFIGS[reference.strip()], name=reference.strip())
     if Path(reference).exists():
         return shape_from_file(reference)
     count = parse_param_count(reference)
     if count is None or count <= 0:
         raise FineflowError(
-            f"--model {reference!r} is neither a known size ({', '.join(KNOWN_SHAPES)}), a "
-            "parameter count, a config.json nor a model directory"
+            f"--model {reference!r} is neither a known size ({', '.join(KNOWN_SHAPES)}), a hub id the planner "
+            f"knows ({', '.join(HUB_CONFIGS)}), a parameter count, a config.json nor a model directory"
         )
     return shape_for_params(count)
