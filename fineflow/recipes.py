@@ -191,10 +191,10 @@ def _write_section(target, values, prefix: str, name: str, lines: list[str], cha
             _write_section(target[key], value, f"{prefix}{key}.", name, lines, changes)
             continue
         old = target.get(key)
-        if old == value:
-            continue
-        target[key] = value
-        changes.append(f"{prefix}{key}: {_plain(old)} -> {_plain(value)}")
+        if old != value:
+            target[key] = value
+            changes.append(f"{prefix}{key}: {_plain(old)} -> {_plain(value)}")
+        # every key the recipe sets says so, an unchanged one too (it may carry another recipe's source)
         _set_comment(target, key, f"recipe {name}: {_comment_of(values, key)}", lines)
 
 

@@ -87,10 +87,10 @@ def test_apply_keeps_comments_and_every_other_key(params_file):
 
     untouched = {key: value for key, value in leaves(before) if key not in changed}
     assert untouched == {key: value for key, value in leaves(after) if key not in changed}
-    # every line that holds no changed key is there as it was (comments, untouched keys, blank lines); a changed
+    # every line that holds no key the recipe sets is there as it was (comments, other keys, blank lines); a set
     # key's comment now names the recipe and the source
-    changed_leaf_names = {key.rsplit(".", 1)[-1] for key in changed}
-    kept = [line for line in original.splitlines() if line.split(":")[0].strip() not in changed_leaf_names]
+    set_names = {key.rsplit(".", 1)[-1] for key, _ in leaves(recipe.values)}
+    kept = [line for line in original.splitlines() if line.split(":")[0].strip() not in set_names]
     missing = [line for line in kept if line not in text.splitlines() and not line.startswith(" " * 20)]
     assert not missing, missing
     assert re.search(r"^  lr: 3\.0e-4 +# recipe llama3-8b-lora: torchtune AdamW lr: 3e-4$", text, re.M)
@@ -156,6 +156,10 @@ def test_the_shipped_params_file_takes_every_recipe_in_turn(params_file):
     params = load_params(params_file)
     assert params.model.base == "microsoft/Phi-3-mini-4k-instruct" and params.train.method == "lora"
     assert params.train.max_grad_norm == 0.3  # qwen2.5's: a recipe writes only its own keys
+    text = params_file.read_text(encoding="utf-8")
+    # a value the last recipe also sets names the last recipe, even where it did not change (seq_len 4096 -> 4096)
+    assert "recipe qwen2.5-7b-qlora" in text.split("max_grad_norm")[1].split("\n")[0]
+    assert text.count("recipe qwen2.5-7b-qlora") == 1 and "recipe llama3-70b" not in text
 
 
 def test_recipes_load_as_a_list():

@@ -147,7 +147,8 @@ def real_model_warnings(params: Params) -> list[str]:
     """What params.yaml still holds for the embedded 1M-parameter model that a real base will not take.
 
     A warning, not a refusal nor a silent change: the value may be deliberate (a short probe), and a recipe
-    (recipes/) is where real-model values come from; the train report and the launcher's log carry it."""
+    (recipes/, ``fineflow recipe apply``: fineflow.recipes) is where real-model values come from; the train report
+    and the launcher's log carry it."""
     cfg = params.train
     limit, usual = HIGH_LR[cfg.method]
     if params.model.base == "embedded" or cfg.lr <= limit:
@@ -155,7 +156,8 @@ def real_model_warnings(params: Params) -> list[str]:
     return [
         f"params.yaml train.lr {cfg.lr:g} is the embedded model's learning rate: for {cfg.method} on a real base "
         f"({params.model.base}) the usual range is {usual} (QLoRA paper, torchtune and Axolotl recipes); above "
-        f"{limit:g} a loss spike or the NaN stop is likely. Set train.lr, or start from a recipe"
+        f"{limit:g} a loss spike or the NaN stop is likely. Set train.lr, or start from a recipe "
+        f"(fineflow recipe list; fineflow recipe apply NAME writes its values into params.yaml)"
     ]
 
 

@@ -192,7 +192,7 @@ def described_linears(config: dict, shape: ModelShape) -> tuple[tuple[str, int, 
             one_layer["layer_types"] = config["layer_types"][:1]
         one_layer = {k: v for k, v in one_layer.items() if k not in ("model_type", "architectures", "auto_map")}
         described = describe_config(AutoConfig.for_model(config["model_type"], **one_layer))
-    except (ValueError, KeyError, TypeError, ImportError) as exc:
+    except Exception as exc:  # whatever transformers raises for a config it cannot build: said as a user error
         raise FineflowError(
             f"{shape.name}: cannot build model_type {config['model_type']!r} with transformers to read its "
             f"linears ({type(exc).__name__}: {str(exc)[:200]}); the planner covers transformers' own decoder classes"
