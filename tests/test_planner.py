@@ -433,6 +433,19 @@ def test_seen_on_main_phi3_lora_was_counted_on_llamas_separate_linears():
     assert lora_params(phi3, 8, ("q_proj", "v_proj")) == _peft_trainable(PHI_3_MINI_CONFIG, ["qkv_proj"])
 
 
+def test_seen_on_main_the_train_stage_planned_llamas_linears_for_phi3s_own_target_names(tmp_path):
+    # main's sizing kept only target names in Llama's list: train.lora.target_modules [qkv_proj] on a Phi-3 base was
+    # planned as adapters on all seven Llama linears (14,942,208 parameters at r=8 on the config below)
+    from fineflow.core.config import parse_params
+    from tests.conftest import TINY_PARAMS, _merge
+
+    (tmp_path / "config.json").write_text(json.dumps(PHI_3_MINI_CONFIG))
+    train = {"precision": "bf16", "device_memory_gib": 4096, "lora": {"r": 8, "target_modules": ["qkv_proj"]}}
+    params = parse_params(_merge(TINY_PARAMS, {"train": train}))
+    memory = _stage_plan(params, tmp_path).memory
+    assert memory["trainable_params"] == _peft_trainable(PHI_3_MINI_CONFIG, ["qkv_proj"]) == 32 * 8 * (3072 + 9216)
+
+
 def test_llama_layouts_are_described_as_the_known_sizes():
     assert shape_from_config(LLAMA_3_8B_CONFIG).linears == () and lora_params(
         shape_from_config(LLAMA_3_8B_CONFIG), 8, ("all-linear",)
