@@ -164,3 +164,33 @@ def test_the_shipped_params_file_takes_every_recipe_in_turn(params_file):
 
 def test_recipes_load_as_a_list():
     assert [r.name for r in list_recipes()] == NAMES
+
+
+@pytest.mark.slow
+def test_dvc_sees_every_value_a_recipe_changes(tmp_path, params_file):
+    # applied into params.yaml (not included from another file), so DVC's params tracking sees each change
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DVC_NO_ANALYTICS": "1", "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}  # fmt: skip
+
+    def run(*cmd):
+        return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout
+
+    run("git", "init", "-q")
+    run(sys.executable, "-m", "dvc", "init", "-q")
+    stage = {
+        "cmd": "echo trained > out.txt",
+        "params": ["train.lr", "train.lora.r", "tokenize.seq_len"],
+        "outs": ["out.txt"],
+    }
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"train": stage}}), encoding="utf-8")
+    run(sys.executable, "-m", "dvc", "repro", "-q")
+    assert json.loads(run(sys.executable, "-m", "dvc", "status", "--json")) == {}
+    apply_recipe(load_recipe("llama3-8b-lora"), params_file)
+    status = json.loads(run(sys.executable, "-m", "dvc", "status", "--json"))
+    changed = status["train"][0]["changed deps"]["params.yaml"]
+    assert changed == {"train.lr": "modified", "train.lora.r": "modified", "tokenize.seq_len": "modified"}
