@@ -12,7 +12,9 @@ goodput stage's command (from dvc.yaml, fineflow.dag.stage_command) for that con
 model is a real architecture with random weights (nothing is downloaded): Llama-3.2-1B's shape (hidden 2048, 16
 layers, 32 heads, 8 KV heads, vocab 128,256, tied embeddings) or, with --tiny, a 2-layer one; it is saved as a
 local model folder with a byte-level BPE tokenizer trained on the bundled corpus (its ids < the model's vocab),
-and model.base points at it. Rows are the bundled synthetic dataset packed to tokenize.seq_len.
+and model.base points at it. Rows are the bundled synthetic dataset (4,000 train rows) packed to
+tokenize.seq_len 2048; each training is 40 steps of micro-batch 4 per rank, LoRA r=16 on every projection, lr
+2e-4, a checkpoint every 20 steps (async), the eval loss at the end (--tiny: 400 rows packed to 256, micro-batch 2).
 
 Configurations, in this order (each one's JSON entry is written as soon as it ends):
 
@@ -33,7 +35,7 @@ same count (micro-batch per rank unchanged: the global batch grows with the rank
 configuration is `cpu` (profile auto, one process) and the multi-process one is cpu_ddp_2proc (2 ranks, gloo).
 
 Recorded per configuration, from the stage's own outputs (reports/train.json, reports/goodput.json,
-reports/train_steps.jsonl): tokens/s (this attempt's tokens over its loop time) and the median step's; MFU and
+reports/train_steps.jsonl): tokens/s (real, non-pad tokens over all ranks, over the loop) and the median step; MFU and
 HFU (fineflow.train.flops, in the train report); the peak memory (CUDA allocator peak; RSS on the CPU) against the
 planner's per-device total and tensors; the goodput ledger (goodput, train goodput, its buckets, the doctor's
 findings); the checkpoint stall (the loop's blocked seconds on saves, the background write's seconds, and the step
@@ -42,8 +44,13 @@ from SIGTERM to exit, the step resumed from, both adapters' sha256 and whether t
 ledger (its restart loss).
 
 The budget: --budget-s (default 540) is the whole run's; a configuration starts only when the time left
-exceeds an estimate (the first training's wall time, times its ranks' start-up factor) and each stage process
-is stopped when the time left runs out (recorded as such). gpu.sh's timeout is the backstop.
+exceeds an estimate (the first training's wall time; x1.5 for QLoRA and for multi-process starts; the
+preemption is two more trainings) and each stage process is stopped when the time left runs out (recorded as
+"timed out"). gpu.sh's timeout (600 s) is the backstop.
+
+Not covered: the evaluate and promote stages (the tiny model's tests cover them, a random base scores
+nothing), full fine-tuning, fp16, gradient checkpointing, CPU/NVMe offload, torch.compile, more than one
+machine, and a preemption of a multi-GPU run (tests/test_interrupts.py does that with 2 CPU ranks).
 """
 
 from __future__ import annotations
@@ -544,9 +551,10 @@ def prepare(work: Path, size: str, device: str, budget: Budget, logs: Path) -> t
     started = time.monotonic()
     code = run([str(python), "-m", "dvc", "repro", "tokenize"], project, env, budget, log)
     if code != 0:
-        sys.exit(f"bench/gpu.py: dvc repro tokenize failed (exit {code}):\n{tail(log)}")
+        return project, {"status": f"failed: dvc repro tokenize exited {code}", "base": base, "log": tail(log)}
     ledger = goodput(project, env, budget, log)
     return project, {
+        "status": "ok",
         "base": base,
         "base_build_s": round(base_s, 1),
         "stages_s": round(time.monotonic() - started, 1),
@@ -628,8 +636,12 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(json.dumps(results, indent=1) + "\n")
         tmp.replace(args.out)
 
+    write()
     project, results["prepare"] = prepare(work, size, device, budget, logs)
     write()
+    if results["prepare"]["status"] != "ok":
+        print(f"gpu bench: {results['prepare']['status']}; {args.out}\n{results['prepare']['log']}", file=sys.stderr)
+        return 1
     bench = Bench(project, Path(sys.executable), budget, logs, ranks, RUN_PARAMS[size]["checkpoint"]["every_steps"])
     run_all(bench, configs, results, write)
     write()
