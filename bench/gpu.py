@@ -4,7 +4,8 @@
     bash bench/gpu.sh --device cpu --tiny          # the same plumbing on the CPU: tiny model, few steps (~1-2 min)
     .venv/bin/python bench/gpu.py --only single_gpu --keep /tmp/gpu-run   # one configuration, workspace kept
 
-What runs. The project is copied to a temporary folder (git ls-files, as bench/chat_quality.py does) and its
+What runs. The project is copied to a temporary folder (git ls-files, as bench/chat_quality.py does; without a
+.git, the files .gitignore does not ignore) and its
 own stages run there, nothing reimplemented: `dvc repro train` (base, fingerprint, data, validate, tokenize, then
 train: the launcher, the memory planner, `accelerate launch`, the ranks, fused LoRA, checkpoints) for each
 configuration, DVC re-running only the train stage when the next configuration changes its params, then the
@@ -77,7 +78,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from chat_quality import OFFLINE, copy_project  # noqa: E402  (bench/ is no package: the script beside this one)
+from chat_quality import OFFLINE  # noqa: E402  (bench/ is no package: the script beside this one)
 
 from fineflow.dag import stage_command  # noqa: E402
 
@@ -210,6 +211,37 @@ def build_base(dest: Path, size: str, device: str, seed: int = 1234) -> dict:
     model.save_pretrained(dest)
     tokenizer.save_pretrained(dest)
     return {"parameters": sum(p.numel() for p in model.parameters()), **shape, "tokenizer_vocab": len(tokenizer)}
+
+
+def project_files() -> list[str]:
+    """The files git would hand on (tracked, and untracked but not ignored); in a working tree copied without its
+    .git (as a machine may receive it), every file that .gitignore and .dvc/.gitignore do not ignore."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode == 0:
+        return listed.stdout.split()
+    import pathspec
+
+    # the project's .gitignore, .dvc/.gitignore's lines, and ruff's cache (it ignores itself)
+    rules = [".git", ".dvc/cache/", ".dvc/tmp/", ".dvc/config.local", ".ruff_cache/"]
+    rules += (ROOT / ".gitignore").read_text().splitlines()
+    ignored = pathspec.GitIgnoreSpec.from_lines(rules)
+    files = []
+    for folder, dirs, names in os.walk(ROOT):
+        rel = Path(folder).relative_to(ROOT)
+        dirs[:] = [d for d in dirs if not ignored.match_file(f"{rel / d}/")]
+        files += [str(rel / name) for name in names if not ignored.match_file(str(rel / name))]
+    return sorted(files)
+
+
+def copy_project(dest: Path) -> None:
+    """The project's files (project_files) at dest, committed as a git repository of its own (DVC needs one)."""
+    for rel in project_files():
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, dest / rel)
+    git = ["git", "-c", "user.name=bench", "-c", "user.email=bench@localhost"]
+    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
+    subprocess.run(git + ["add", "-A"], cwd=dest, check=True)
+    subprocess.run(git + ["commit", "-qm", "bench"], cwd=dest, check=True)
 
 
 def merge(base: dict, overrides: dict) -> dict:

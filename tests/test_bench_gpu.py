@@ -133,3 +133,28 @@ def test_the_cpu_dry_run_trains_through_the_stages_and_resumes_bit_exact(tmp_pat
     assert stop["signalled_at_step"] <= stop["saved_step"] == stop["resumed_from_step"] < 40
     assert stop["bit_exact"] and stop["adapter_sha256"] == stop["reference_sha256"]
     assert stop["goodput"]["buckets"]["restart_loss"] > 0
+
+
+def test_a_working_tree_without_git_is_copied_as_git_would_list_it(tmp_path, monkeypatch):
+    """A machine may receive the working tree without .git: the files .gitignore does not ignore are copied."""
+    bench = gpu_bench()
+    (tmp_path / ".gitignore").write_text((ROOT / ".gitignore").read_text())
+    for rel in ("dvc.yaml", "fineflow/x.py", "reports/metrics/train.json", ".dvc/config", "data/README.md"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("kept")
+    for rel in (
+        ".venv/bin/python",
+        "fineflow/__pycache__/x.pyc",
+        "models/base/config.json",
+        "data/raw/train.jsonl",
+        "reports/train.json",
+        ".dvc/cache/ab/cd",
+        ".dvc/tmp/lock",
+        "checkpoints/run/step-1/x",
+    ):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("ignored")
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    assert bench.project_files() == sorted(
+        [".gitignore", ".dvc/config", "data/README.md", "dvc.yaml", "fineflow/x.py", "reports/metrics/train.json"]
+    )
