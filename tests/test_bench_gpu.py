@@ -158,3 +158,33 @@ def test_a_working_tree_without_git_is_copied_as_git_would_list_it(tmp_path, mon
     assert bench.project_files() == sorted(
         [".gitignore", ".dvc/config", "data/README.md", "dvc.yaml", "fineflow/x.py", "reports/metrics/train.json"]
     )
+
+
+def test_the_budget_skips_what_would_not_finish_and_the_json_is_written_after_each(monkeypatch, tmp_path):
+    """--budget-s: after the first training (100 s here) a configuration starts only if its estimate fits in what
+    is left; the preemption needs two more trainings. The JSON is rewritten after every configuration."""
+    bench = gpu_bench()
+    trained = []
+
+    def fake_train(run, config):
+        trained.append(config.name)
+        return {
+            "status": "ok",
+            "wall_s": 100.0,
+            "tokens_per_s": 1,
+            "mfu": 0.5,
+            "memory": {"peak_gib": 1, "planned_total_gib": 2},
+            "goodput": {},
+        }
+
+    monkeypatch.setattr(bench, "train_config", fake_train)
+    monkeypatch.setattr(bench, "skip_reason", lambda config, ranks: None)
+    run = bench.Bench(tmp_path, Path(sys.executable), bench.Budget(150), tmp_path, 8, 20)
+    results, writes = {"configs": {}}, []
+    bench.run_all(run, bench.GPU_CONFIGS, results, lambda: writes.append(json.dumps(results)))
+    assert trained == ["single_gpu", "single_gpu_flash"]  # 150 s budget: the first, then one more of ~100 s
+    entries = results["configs"]
+    assert entries["single_gpu"]["preemption"]["status"].startswith("skipped: budget: ")
+    assert entries["single_gpu_qlora"]["status"].startswith("skipped: budget: ")  # ~150 s: QLoRA loads slower
+    assert all(entries[name]["status"].startswith("skipped: budget") for name in ("fsdp_lora", "deepspeed_zero3"))
+    assert len(writes) == len(bench.GPU_CONFIGS) + 1  # each configuration, and the preemption's entry
