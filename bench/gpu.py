@@ -251,11 +251,12 @@ def merge(base: dict, overrides: dict) -> dict:
     return out
 
 
-def write_params(project: Path, overrides: dict) -> None:
-    """The copy's params.yaml (the repo's), with overrides merged in."""
-    path = project / "params.yaml"
-    params = merge(yaml.safe_load(path.read_text(encoding="utf-8")), overrides)
-    path.write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
+def read_yaml(path: Path) -> dict:
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+def write_yaml(path: Path, data: dict) -> None:
+    path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
 
 
 def multi_profile(project: Path, profile: str, ranks: int) -> str:
@@ -351,8 +352,8 @@ def checkpoint_figures(report: dict, steps: list[dict], every: int) -> dict:
     return {
         "stall_s": report.get("loop_totals", {}).get("checkpoint_s"),
         "write_s": report.get("checkpoint_write_s"),
-        "step_s_after_save_median": statistics.median(during) if during else None,
-        "step_s_other_median": statistics.median(others) if others else None,
+        "step_s_after_save_median": round(statistics.median(during), 5) if during else None,
+        "step_s_other_median": round(statistics.median(others), 5) if others else None,
     }
 
 
@@ -364,7 +365,7 @@ def summary(project: Path, ledger: dict | None, every: int) -> dict:
     return {
         **{key: report.get(key) for key in REPORT_KEYS},
         "tokens_per_s_per_device": report["tokens_per_s"] and round(report["tokens_per_s"] / report["world_size"], 1),
-        "step_s_median": statistics.median([s["step_s"] for s in steps[1:]]) if len(steps) > 1 else None,
+        "step_s_median": round(statistics.median([s["step_s"] for s in steps[1:]]), 5) if len(steps) > 1 else None,
         "mfu": flops.get("mfu"),
         "hfu": flops.get("hfu"),
         "flops": flops,
@@ -460,16 +461,19 @@ class Bench:
     ranks: int
     every: int  # checkpoint.every_steps
 
-    def params_for(self, config: Config) -> dict:
+    base_params: dict  # params.yaml as prepare() left it: every configuration starts from these
+
+    def configure(self, config: Config) -> None:
+        """params.yaml: the prepared params with config's train settings (none left over from the previous one)."""
         profile = multi_profile(self.project, config.profile, self.ranks) if config.multi else config.profile
         processes = self.ranks if config.multi else None  # null: the profile's (1 for single_gpu and auto)
         train = {"accelerate_profile": profile, "num_processes": processes, **config.train}
-        return {"train": train}
+        write_yaml(self.project / "params.yaml", merge(self.base_params, {"train": train}))
 
 
 def train_config(bench: Bench, config: Config) -> dict:
     """`dvc repro train` with config's params (DVC re-runs only what they change), then its ledger."""
-    write_params(bench.project, bench.params_for(config))
+    bench.configure(config)
     env = stage_env(bench.python, bench.project, f"bench-{config.name}")
     log = bench.logs / f"{config.name}.log"
     started = time.monotonic()
@@ -558,7 +562,7 @@ def preemption(bench: Bench, config: Config, needed_s: float) -> dict:
     return preempt_and_resume(bench, config, reference)
 
 
-def estimate_s(config: Config, first_wall: float | None, ranks: int) -> float:
+def estimate_s(config: Config, first_wall: float | None) -> float:
     """How long a configuration should take: the first training's wall time, more for QLoRA (the base
     quantized at load) and multi-process starts; the preemption is two more trainings."""
     if first_wall is None:
@@ -576,7 +580,8 @@ def prepare(work: Path, size: str, device: str, budget: Budget, logs: Path) -> t
     started = time.monotonic()
     base = build_base(work / "base", size, device)
     base_s = time.monotonic() - started
-    write_params(project, merge(RUN_PARAMS[size], {"model": {"base": str(work / "base")}}))
+    overrides = merge(RUN_PARAMS[size], {"model": {"base": str(work / "base")}})
+    write_yaml(project / "params.yaml", merge(read_yaml(project / "params.yaml"), overrides))
     python = Path(sys.executable)
     env = stage_env(python, project, "bench-prepare")
     log = logs / "prepare.log"
@@ -601,7 +606,7 @@ def run_all(bench: Bench, configs: list[Config], results: dict, write) -> None:
     first_wall = None
     for config in configs:
         reason = skip_reason(config, bench.ranks)
-        needed = estimate_s(config, first_wall, bench.ranks)
+        needed = estimate_s(config, first_wall)
         if reason is None and bench.budget.left() < needed:
             reason = f"budget: {bench.budget.left():.0f} s left, it would take ~{needed:.0f} s"
         if reason is not None:
@@ -674,7 +679,8 @@ def main(argv: list[str] | None = None) -> int:
     if results["prepare"]["status"] != "ok":
         print(f"gpu bench: {results['prepare']['status']}; {args.out}\n{results['prepare']['log']}", file=sys.stderr)
         return 1
-    bench = Bench(project, Path(sys.executable), budget, logs, ranks, RUN_PARAMS[size]["checkpoint"]["every_steps"])
+    every = RUN_PARAMS[size]["checkpoint"]["every_steps"]
+    bench = Bench(project, Path(sys.executable), budget, logs, ranks, every, read_yaml(project / "params.yaml"))
     run_all(bench, configs, results, write)
     write()
     print(f"gpu bench: {results['wall_s']} s; {args.out}")

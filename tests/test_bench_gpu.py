@@ -179,7 +179,7 @@ def test_the_budget_skips_what_would_not_finish_and_the_json_is_written_after_ea
 
     monkeypatch.setattr(bench, "train_config", fake_train)
     monkeypatch.setattr(bench, "skip_reason", lambda config, ranks: None)
-    run = bench.Bench(tmp_path, Path(sys.executable), bench.Budget(150), tmp_path, 8, 20)
+    run = bench.Bench(tmp_path, Path(sys.executable), bench.Budget(150), tmp_path, 8, 20, {})
     results, writes = {"configs": {}}, []
     bench.run_all(run, bench.GPU_CONFIGS, results, lambda: writes.append(json.dumps(results)))
     assert trained == ["single_gpu", "single_gpu_flash"]  # 150 s budget: the first, then one more of ~100 s
@@ -188,3 +188,21 @@ def test_the_budget_skips_what_would_not_finish_and_the_json_is_written_after_ea
     assert entries["single_gpu_qlora"]["status"].startswith("skipped: budget: ")  # ~150 s: QLoRA loads slower
     assert all(entries[name]["status"].startswith("skipped: budget") for name in ("fsdp_lora", "deepspeed_zero3"))
     assert len(writes) == len(bench.GPU_CONFIGS) + 1  # each configuration, and the preemption's entry
+
+
+def test_each_configuration_starts_from_the_prepared_params_not_the_previous_ones(tmp_path):
+    """QLoRA after flash trains with the prepared attention (varlen), not flash's; a multi-GPU one on its copy."""
+    bench = gpu_bench()
+    shutil.copytree(ROOT / "configs/accelerate", tmp_path / "configs/accelerate")
+    prepared = bench.read_yaml(ROOT / "params.yaml")
+    run = bench.Bench(tmp_path, Path(sys.executable), bench.Budget(60), tmp_path, 4, 20, prepared)
+    configs = {config.name: config for config in bench.GPU_CONFIGS}
+    written = {}
+    for name in ("single_gpu_flash", "single_gpu_qlora", "fsdp_lora", "single_gpu"):
+        run.configure(configs[name])
+        written[name] = bench.read_yaml(tmp_path / "params.yaml")["train"]
+    assert written["single_gpu_flash"]["attention"] == "flash_attention_2"
+    assert (written["single_gpu_qlora"]["method"], written["single_gpu_qlora"]["attention"]) == ("qlora", "varlen")
+    assert written["fsdp_lora"]["accelerate_profile"] == "fsdp_lora_4ranks"
+    assert written["fsdp_lora"]["num_processes"] == 4 and written["fsdp_lora"]["method"] == "lora"
+    assert written["single_gpu"] == {**prepared["train"], "accelerate_profile": "single_gpu", "num_processes": None}
