@@ -5,15 +5,17 @@
     .venv/bin/python bench/gpu.py --only single_gpu --keep /tmp/gpu-run   # one configuration, workspace kept
 
 What runs. The project is copied to a temporary folder (git ls-files, as bench/chat_quality.py does; without a
-.git, the files .gitignore does not ignore) and its
-own stages run there, nothing reimplemented: `dvc repro train` (base, fingerprint, data, validate, tokenize, then
-train: the launcher, the memory planner, `accelerate launch`, the ranks, fused LoRA, checkpoints) for each
-configuration, DVC re-running only the train stage when the next configuration changes its params, then the
-goodput stage's command (from dvc.yaml, fineflow.dag.stage_command) for that configuration's ledger. The base
-model is a real architecture with random weights (nothing is downloaded): Llama-3.2-1B's shape (hidden 2048, 16
-layers, 32 heads, 8 KV heads, vocab 128,256, tied embeddings) or, with --tiny, a 2-layer one; it is saved as a
-local model folder with a byte-level BPE tokenizer trained on the bundled corpus (its ids < the model's vocab),
-and model.base points at it. Rows are the bundled synthetic dataset (4,000 train rows) packed to
+.git, the files .gitignore does not ignore) and its own stages run there, nothing reimplemented: `dvc repro
+tokenize` (base, fingerprint, data, validate, tokenize), then per configuration `dvc repro train` (the launcher,
+the memory planner, `accelerate launch`, the ranks, fused LoRA, checkpoints; DVC re-runs only train, whose params
+changed) and the goodput stage's command (from dvc.yaml, fineflow.dag.stage_command) for that configuration's
+ledger. Where dvc does not import (an image with torch but not the whole stack), or with --no-dvc, each stage
+runs by its command from dvc.yaml in dvc.yaml's order instead: the same processes, without DVC's bookkeeping.
+
+The base model is a real architecture with random weights (nothing is downloaded): Llama-3.2-1B's shape (hidden
+2048, 16 layers, 32 heads, 8 KV heads, vocab 128,256, tied embeddings) or, with --tiny, a 2-layer one; it is
+saved as a local model folder with a byte-level BPE tokenizer trained on the bundled corpus (its ids < the
+model's vocab), and model.base points at it. Rows are the bundled synthetic dataset (4,000 train rows) packed to
 tokenize.seq_len 2048; each training is 40 steps of micro-batch 4 per rank, LoRA r=16 on every projection, lr
 2e-4, a checkpoint every 20 steps (async), the eval loss at the end (--tiny: 400 rows packed to 256, micro-batch 2).
 
@@ -80,7 +82,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from chat_quality import OFFLINE  # noqa: E402  (bench/ is no package: the script beside this one)
 
-from fineflow.dag import stage_command  # noqa: E402
+from fineflow.dag import stage_command, stage_names  # noqa: E402
 
 # Llama-3.2-1B's config.json shape (as fineflow.train.planner's known shapes); --tiny: seconds on a CPU
 SHAPES = {
@@ -329,6 +331,21 @@ def tail(log: Path, chars: int = 3000) -> str:
     return log.read_text(errors="replace")[-chars:]
 
 
+def reproduce(target: str, project: Path, env: dict, budget: Budget, log: Path, use_dvc: bool) -> int:
+    """`dvc repro <target>`: DVC runs what changed up to target. Without DVC (not installed, or --no-dvc), the
+    stages up to target that have not run yet, each by its command from dvc.yaml (fineflow.dag.stage_command):
+    the same processes, in dvc.yaml's order, with no cache, lock or change detection."""
+    if use_dvc:
+        return run([sys.executable, "-m", "dvc", "repro", target], project, env, budget, log)
+    names = stage_names(project)
+    done = (project / "data/shards").exists()  # prepare ran the stages before train; each configuration trains
+    for name in [target] if done else names[: names.index(target) + 1]:
+        code = run(stage_command(name, project, python=sys.executable), project, env, budget, log)
+        if code != 0:
+            return code
+    return 0
+
+
 def goodput(project: Path, env: dict, budget: Budget, log: Path) -> dict | None:
     """The goodput stage's command from dvc.yaml: this run's ledger (reports/goodput.json)."""
     code = run(stage_command("goodput", project, python=sys.executable), project, env, budget, log)
@@ -460,8 +477,8 @@ class Bench:
     logs: Path
     ranks: int
     every: int  # checkpoint.every_steps
-
     base_params: dict  # params.yaml as prepare() left it: every configuration starts from these
+    use_dvc: bool = True  # `dvc repro train`, else the train stage's command (reproduce)
 
     def configure(self, config: Config) -> None:
         """params.yaml: the prepared params with config's train settings (none left over from the previous one)."""
@@ -477,7 +494,7 @@ def train_config(bench: Bench, config: Config) -> dict:
     env = stage_env(bench.python, bench.project, f"bench-{config.name}")
     log = bench.logs / f"{config.name}.log"
     started = time.monotonic()
-    code = run([str(bench.python), "-m", "dvc", "repro", "train"], bench.project, env, bench.budget, log)
+    code = reproduce("train", bench.project, env, bench.budget, log, bench.use_dvc)
     wall = round(time.monotonic() - started, 1)
     if code != 0:
         return {"status": "timed out" if code == 124 else f"failed (exit {code})", "wall_s": wall, "log": tail(log)}
@@ -572,7 +589,7 @@ def estimate_s(config: Config, first_wall: float | None) -> float:
     return first_wall * factor * (3 if config.preempt else 1)
 
 
-def prepare(work: Path, size: str, device: str, budget: Budget, logs: Path) -> tuple[Path, dict]:
+def prepare(work: Path, size: str, device: str, budget: Budget, logs: Path, use_dvc: bool) -> tuple[Path, dict]:
     """The project copied to work/project, the random-weight base at work/base, the stages before train run
     (dvc repro tokenize) with their own ledger; returns (project, what was prepared)."""
     project = work / "project"
@@ -586,9 +603,9 @@ def prepare(work: Path, size: str, device: str, budget: Budget, logs: Path) -> t
     env = stage_env(python, project, "bench-prepare")
     log = logs / "prepare.log"
     started = time.monotonic()
-    code = run([str(python), "-m", "dvc", "repro", "tokenize"], project, env, budget, log)
+    code = reproduce("tokenize", project, env, budget, log, use_dvc)
     if code != 0:
-        return project, {"status": f"failed: dvc repro tokenize exited {code}", "base": base, "log": tail(log)}
+        return project, {"status": f"failed: the stages up to tokenize: exit {code}", "base": base, "log": tail(log)}
     ledger = goodput(project, env, budget, log)
     return project, {
         "status": "ok",
@@ -643,6 +660,9 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--budget-s", type=float, default=540.0, help="the whole run's wall-time budget")
     parser.add_argument("--only", nargs="+", help="these configurations only (names as in the docstring)")
     parser.add_argument("--keep", type=Path, help="work in this folder and keep it (default: a temporary one)")
+    parser.add_argument(
+        "--no-dvc", action="store_true", help="run each stage's command from dvc.yaml (the default without dvc)"
+    )
     return parser.parse_args(argv)
 
 
@@ -652,6 +672,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = Budget(args.budget_s)
     device, ranks = devices(args.device)
     size = "tiny" if args.tiny else "1b"
+    use_dvc = not args.no_dvc and importlib.util.find_spec("dvc") is not None
     configs = [c for c in (CPU_CONFIGS if device == "cpu" else GPU_CONFIGS) if not args.only or c.name in args.only]
     work = args.keep or Path(tempfile.mkdtemp(prefix="fineflow-gpu-bench-"))
     logs = work / "logs"
@@ -659,6 +680,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "command": " ".join(sys.argv),
         "python": sys.executable,
+        "orchestration": "dvc repro" if use_dvc else "each stage's command from dvc.yaml (no DVC)",
         "device": device,
         "devices": ranks if device == "cuda" else 0,
         "size": size,
@@ -674,13 +696,14 @@ def main(argv: list[str] | None = None) -> int:
         tmp.replace(args.out)
 
     write()
-    project, results["prepare"] = prepare(work, size, device, budget, logs)
+    project, results["prepare"] = prepare(work, size, device, budget, logs, use_dvc)
     write()
     if results["prepare"]["status"] != "ok":
         print(f"gpu bench: {results['prepare']['status']}; {args.out}\n{results['prepare']['log']}", file=sys.stderr)
         return 1
     every = RUN_PARAMS[size]["checkpoint"]["every_steps"]
-    bench = Bench(project, Path(sys.executable), budget, logs, ranks, every, read_yaml(project / "params.yaml"))
+    params = read_yaml(project / "params.yaml")
+    bench = Bench(project, Path(sys.executable), budget, logs, ranks, every, params, use_dvc)
     run_all(bench, configs, results, write)
     write()
     print(f"gpu bench: {results['wall_s']} s; {args.out}")

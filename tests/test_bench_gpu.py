@@ -206,3 +206,24 @@ def test_each_configuration_starts_from_the_prepared_params_not_the_previous_one
     assert written["fsdp_lora"]["accelerate_profile"] == "fsdp_lora_4ranks"
     assert written["fsdp_lora"]["num_processes"] == 4 and written["fsdp_lora"]["method"] == "lora"
     assert written["single_gpu"] == {**prepared["train"], "accelerate_profile": "single_gpu", "num_processes": None}
+
+
+def test_without_dvc_the_stages_run_by_their_commands_from_dvc_yaml_in_order(tmp_path, monkeypatch):
+    """An image without dvc (or --no-dvc): prepare runs base..tokenize, then each configuration only train, each
+    by its own command line from dvc.yaml."""
+    bench = gpu_bench()
+    for name in ("dvc.yaml", "params.yaml"):
+        shutil.copy2(ROOT / name, tmp_path / name)
+    ran = []
+    monkeypatch.setattr(bench, "run", lambda argv, *rest: ran.append(argv[:3]) or 0)
+    assert bench.reproduce("tokenize", tmp_path, {}, bench.Budget(60), tmp_path / "log", use_dvc=False) == 0
+    modules = [argv[2] for argv in ran]
+    assert modules == [f"fineflow.stages.{n}" for n in ("base", "fingerprint", "data", "validate", "tokenize")]
+    assert all(argv[0] == sys.executable for argv in ran)
+    (tmp_path / "data/shards").mkdir(parents=True)
+    ran.clear()
+    bench.reproduce("train", tmp_path, {}, bench.Budget(60), tmp_path / "log", use_dvc=False)
+    assert ran == [[sys.executable, "-m", "fineflow.stages.train"]]
+    ran.clear()
+    bench.reproduce("train", tmp_path, {}, bench.Budget(60), tmp_path / "log", use_dvc=True)
+    assert ran == [[sys.executable, "-m", "dvc"]]
