@@ -109,7 +109,7 @@ SHAPES = {
         max_position_embeddings=512,
     ),
 }
-TOKENIZER_VOCAB = {"1b": 8192, "tiny": 512}
+TOKENIZER_VOCAB = {"1b": 8192, "tiny": 512}  # BPE targets; the bundled corpus runs out of merges at ~1,600
 # params.yaml overrides per size: rows packed to seq_len, micro-batch per rank, steps; one checkpoint mid-run and
 # one at the end, the eval loss at the end only
 RUN_PARAMS = {
@@ -127,7 +127,9 @@ RUN_PARAMS = {
     },
 }
 PREEMPT_AFTER_STEP = 25  # SIGTERM once the step log reaches it: past the step-20 checkpoint, before the end
-GRACE_S = 60  # checkpoint.preempt_grace_s: the stop saves the step it is on within this
+# how long the SIGTERMed run may take to save its step and exit (checkpoint.preempt_grace_s, 15 s, bounds it in the
+# stage; the rest is slack), and the budget a SIGTERM needs left to be sent at all
+GRACE_S = 60
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,19 @@ def devices(device: str) -> tuple[str, int]:
     if not torch.cuda.is_available():
         sys.exit("bench/gpu.py: torch sees no GPU (torch.cuda.is_available() is False); use --device cpu --tiny")
     return "cuda", torch.cuda.device_count()
+
+
+def versions() -> dict:
+    """The stack's versions as installed (None: not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in ("torch", "transformers", "peft", "accelerate", "dvc", "flash-attn", "bitsandbytes", "deepspeed"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
 
 
 def skip_reason(config: Config, ranks: int) -> str | None:
@@ -680,6 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "command": " ".join(sys.argv),
         "python": sys.executable,
+        "versions": versions(),
         "orchestration": "dvc repro" if use_dvc else "each stage's command from dvc.yaml (no DVC)",
         "device": device,
         "devices": ranks if device == "cuda" else 0,
