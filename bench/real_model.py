@@ -12,7 +12,7 @@ offline, on the bundled dataset rewritten as chat rows (`data.mapping.messages`)
 The params are a practitioner's for a 135M instruct model with LoRA on CPU: lr 2e-4 (the usual LoRA rate for
 small instruct models; the embedded model's 3e-3 would wreck a pretrained one), warmup 10% of the steps, cosine,
 rank 16 on every linear, packed rows of 512 tokens (a chat example with SmolLM2's default system prompt is
-~80-90 tokens), one row per step: ~4.4 s a step on one core here.
+~80-90 tokens), one row per step: ~4.6 s a step on one core here (100 steps: the train stage in ~9 min).
 
 Prints the base and the candidate per task and metric, the gate's decision, the first training row decoded
 (SmolLM2's <|im_start|>/<|im_end|> turns), and the first eval row's prompt as lm-eval sent it next to the
@@ -106,7 +106,7 @@ def report(project: Path, base: Path, steps: int, wall: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=100, help="train.steps (~4.4 s each on one core)")
+    parser.add_argument("--steps", type=int, default=100, help="train.steps (~4.6 s each on one core)")
     parser.add_argument("--limit", type=int, default=None, help="evaluate.limit: the first N docs of each task")
     parser.add_argument("--keep", type=Path, help="run in this folder and keep it (default: a temporary one)")
     args = parser.parse_args()
