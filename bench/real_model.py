@@ -11,8 +11,10 @@ offline, on the bundled dataset rewritten as chat rows (`data.mapping.messages`)
 
 The params are a practitioner's for a 135M instruct model with LoRA on CPU: lr 2e-4 (the usual LoRA rate for
 small instruct models; the embedded model's 3e-3 would wreck a pretrained one), warmup 10% of the steps, cosine,
-rank 16 on every linear, packed rows of 512 tokens (a chat example with SmolLM2's default system prompt is
-~80-90 tokens), one row per step: ~4.6 s a step on one core here (100 steps: the train stage in ~9 min).
+rank 16 on every linear, packed rows of 512 tokens (a bundled chat example with SmolLM2's default system prompt
+is ~58 tokens: ~8.6 per row), one row per step: ~4.6 s a step on one core here (100 steps, a fifth of an epoch:
+the train stage in ~9 min, the whole run ~18 min, evaluation of base and candidate ~8 of them). Figures:
+bench/RESULTS.md.
 
 Prints the base and the candidate per task and metric, the gate's decision, the first training row decoded
 (SmolLM2's <|im_start|>/<|im_end|> turns), and the first eval row's prompt as lm-eval sent it next to the
