@@ -108,6 +108,21 @@ def training_rendering(project: Path, row: dict) -> str:
     return render_pair(tokenizer, row)[0]
 
 
+def print_scores_and_gate(project: Path) -> dict:
+    """Base and candidate per task and metric side by side, and the gate's decision; returns the candidate's
+    first logged eval sample (lm-eval's record: doc, arguments, responses)."""
+    scores = json.loads((project / "eval/scores.json").read_text())
+    promote = json.loads((project / "reports/promote.json").read_text())
+    print(f"{'task':<24}{'metric':<16}{'base':>10}{'candidate':>12}{'delta':>10}")
+    for task, metrics in scores["candidate"]["metrics"].items():
+        for metric, value in metrics.items():
+            base = scores["base"]["metrics"][task][metric]
+            print(f"{task:<24}{metric:<16}{base:>10.3f}{value:>12.3f}{value - base:>+10.3f}")
+    print(f"gate: {promote['decision']}: {promote['reason']}")
+    sample_files = sorted((project / "eval/samples/candidate").glob("*.jsonl"))
+    return json.loads(sample_files[0].read_text().splitlines()[0]) if sample_files else {}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=800, help="train.steps (the default config's: 800)")
@@ -132,19 +147,9 @@ def main() -> None:
     dvc(project, env, "repro")
     wall = time.monotonic() - began
 
-    scores = json.loads((project / "eval/scores.json").read_text())
-    promote = json.loads((project / "reports/promote.json").read_text())
     train = json.loads((project / "reports/train.json").read_text())
-    sample_files = sorted((project / "eval/samples/candidate").glob("*.jsonl"))
-    logged = json.loads(sample_files[0].read_text().splitlines()[0]) if sample_files else {}
-
     print(f"chat rows: {counts}; train.steps {args.steps}; final loss {train.get('final_loss')}; wall {wall:.0f} s")
-    print(f"{'task':<24}{'metric':<16}{'base':>10}{'candidate':>12}{'delta':>10}")
-    for task, metrics in scores["candidate"]["metrics"].items():
-        for metric, value in metrics.items():
-            base = scores["base"]["metrics"][task][metric]
-            print(f"{task:<24}{metric:<16}{base:>10.3f}{value:>12.3f}{value - base:>+10.3f}")
-    print(f"gate: {promote['decision']}: {promote['reason']}")
+    logged = print_scores_and_gate(project)
     print(
         "first eval row, training's prompt:", json.dumps(training_rendering(project, logged["doc"]) if logged else "-")
     )

@@ -136,3 +136,22 @@ def test_tokenize_key_follows_rows_tokenizer_and_template(built, tmp_path, monke
     monkeypatch.undo()
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     assert content_key(rows, tokenizer, cfg) != key
+
+
+def test_a_chat_template_that_ends_the_turn_with_the_eos_trains_one_eos_not_two():
+    """ChatML models (SmolLM2, Qwen) end an assistant turn with their EOS (<|im_end|>) and a newline. The
+    response is trained as the template renders it, ended by one EOS: not "<|im_end|>\\n<|im_end|>"."""
+    from fineflow.base.model import EOS, train_tokenizer
+    from fineflow.data.tokens import TokenView
+
+    tokenizer = train_tokenizer(["the user asks and the assistant answers 07/03/2024"] * 20, 300, 128)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}" + EOS + "\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+    )
+    messages = [{"role": "user", "content": "the date"}, {"role": "assistant", "content": "07/03/2024"}]
+    row = {"instruction": "the date", "input": "", "output": "07/03/2024", "messages": messages}
+    ids, mask = encode_batch(tokenizer, [row]).example(0)
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages, tokenize=False).rstrip("\n")
+    assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "07/03/2024" + EOS
+    assert TokenView(tokenizer, 128).measure(row)[0] == len(ids)  # validation counts the tokens trained

@@ -46,7 +46,11 @@ def template_hash(tokenizer=None) -> str:
     """Changes whenever the template text (or the tokenizer's chat template) changes, so shards built
     with another template are rebuilt."""
     chat = chat_template_of(tokenizer) or "" if tokenizer is not None else ""
-    text = "\0".join([PROMPT_WITH_INPUT, PROMPT_NO_INPUT, RESPONSE_PREFIX, chat])
+    parts = [PROMPT_WITH_INPUT, PROMPT_NO_INPUT, RESPONSE_PREFIX, chat]
+    eos = getattr(tokenizer, "eos_token", None)
+    if isinstance(eos, str) and eos and eos in chat:  # shards of such templates had the EOS twice before
+        parts.append("eos-once")  # _without_closing_eos: other tokenizers' shards keep their key
+    text = "\0".join(parts)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -64,7 +68,17 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, str]:
             "the tokenizer's chat template does not render the conversation as the prompt "
             "(with the generation prompt) followed by the assistant's response"
         )
-    return prompt, full[len(prompt) :]
+    return prompt, _without_closing_eos(tokenizer, full[len(prompt) :])
+
+
+def _without_closing_eos(tokenizer, response: str) -> str:
+    """The response less the EOS that closes it in the template's text (ChatML: "<|im_end|>\n"): every response
+    is ended by the EOS appended as a token id, so one kept here too would be trained on twice."""
+    eos = getattr(tokenizer, "eos_token", None)
+    closed = response.rstrip()
+    if isinstance(eos, str) and eos and closed.endswith(eos):
+        return closed[: -len(eos)]
+    return response
 
 
 def render_pair(tokenizer, row: dict) -> tuple[str, str]:
