@@ -176,3 +176,226 @@ def test_an_evaluation_split_over_two_devices_budgets_scores_as_unsplit(built, t
         assert loads[-1]["device_map"] == (on_cpu if name == "split" else None)
         scores[name] = summarize(scorer.score("base")[0])
     assert scores["split"] == scores["whole"]
+
+
+# ---- the merged model, streamed shard by shard ------------------------------------------------------------
+
+
+def _sharded_model(out: Path, config, shard: str, seed: int = 0) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out, max_shard_size=shard)
+    return out
+
+
+def _lora(base: Path, out: Path, seed: int, **lora) -> Path:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(task_type="CAUSAL_LM", **lora))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize(
+    "family, lora",
+    [
+        ("phi3", dict(r=4, lora_alpha=8, target_modules="all-linear", use_rslora=True)),  # fused qkv / gate_up
+        (
+            "llama",
+            dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], rank_pattern={"v_proj": 2}),
+        ),
+    ],
+)
+def test_the_streamed_merge_equals_peft_merge_and_unload(tmp_path, family, lora):
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config
+
+    from fineflow.registry.merge import merge_streamed
+
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, vocab_size=256)
+    config = Phi3Config(**small, num_key_value_heads=4, pad_token_id=0) if family == "phi3" else LlamaConfig(**small)
+    base = _sharded_model(tmp_path / "base", config, "100KB")
+    assert len(list(base.glob("*.safetensors"))) > 3  # several shards
+    adapter = _lora(base, tmp_path / "adapter", seed=1, **lora)
+    done = merge_streamed(adapter, base, tmp_path / "merged")
+    expected = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(adapter)).merge_and_unload()
+    got = {}
+    for shard in (tmp_path / "merged").glob("*.safetensors"):
+        got.update(load_file(str(shard)))
+    want = expected.state_dict()
+    assert done["merged"] > 0 and set(got) == {k for k in want if k in got} and len(got) >= len(want) - 1
+    changed = 0
+    for name, tensor in got.items():
+        torch.testing.assert_close(tensor, want[name], rtol=0, atol=1e-6)
+        changed += not torch.equal(tensor, load_file(str(_shard_of(base, name)))[name])
+    assert changed == done["merged"]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")  # loads with the stock class
+    ids = torch.tensor([[1, 5, 9, 42]])
+    torch.testing.assert_close(reloaded(ids).logits, expected(ids).logits, rtol=0, atol=1e-5)
+
+
+def _shard_of(base: Path, name: str) -> Path:
+    index = json.loads((base / "model.safetensors.index.json").read_text())
+    return base / index["weight_map"][name]
+
+
+MEASURE_MERGE = """
+import json, sys
+from pathlib import Path
+import torch, safetensors.torch  # imported before the peak is reset: the merge's own memory is measured
+from fineflow.registry.merge import adapter_deltas, merge_streamed
+
+
+def rss(field):  # bytes, from /proc/self/status (VmRSS: now; VmHWM: the peak since the last reset)
+    line = next(line for line in open("/proc/self/status") if line.startswith(field))
+    return int(line.split()[1]) * 1024
+
+
+adapter, base, out = (Path(a) for a in sys.argv[1:])
+adapter_deltas(adapter)  # warm: the adapter's tensors are read in the merge too (small)
+open("/proc/self/clear_refs", "w").write("5")  # the peak restarts from what is resident now (Linux >= 4.0)
+before = rss("VmRSS:")
+merge_streamed(adapter, base, out)
+print(json.dumps(rss("VmHWM:") - before))
+"""
+
+
+@pytest.mark.slow
+def test_the_streamed_merge_holds_about_one_shard_never_the_whole_model(tmp_path, capsys):
+    """A 150 MB (fp32) model in 16 MB shards, merged in a fresh process: the peak RSS over what was resident
+    before stays under 3 shards (a shard's tensors, their serialized bytes, one merged weight), far below the
+    model; merge_and_unload would hold the whole model."""
+    import subprocess
+    import sys
+
+    from transformers import LlamaConfig
+
+    from tests.conftest import venv_env
+
+    config = LlamaConfig(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, vocab_size=8000
+    )
+    base = _sharded_model(tmp_path / "base", config, "16MB")
+    adapter = _lora(base, tmp_path / "adapter", seed=2, r=8, lora_alpha=16, target_modules="all-linear")
+    shards = list(base.glob("*.safetensors"))
+    model_bytes = sum(p.stat().st_size for p in shards)
+    shard_bytes = max(p.stat().st_size for p in shards)
+    done = subprocess.run(
+        [sys.executable, "-c", MEASURE_MERGE, str(adapter), str(base), str(tmp_path / "merged")],
+        env={**venv_env(), "MALLOC_MMAP_THRESHOLD_": "65536"},  # freed shards go back to the OS (test_loss.py)
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    peak = json.loads(done.stdout.strip().splitlines()[-1])
+    with capsys.disabled():
+        print(
+            f"\nstreamed merge: {len(shards)} shards, largest {shard_bytes / 2**20:.1f} MiB, model "
+            f"{model_bytes / 2**20:.1f} MiB, peak RSS over the start {peak / 2**20:.1f} MiB "
+            f"({peak / shard_bytes:.2f} x the largest shard)"
+        )
+    assert len(shards) >= 8 and peak < 3 * shard_bytes < model_bytes / 2
+
+
+# ---- an adapter-only champion: promote, verify, evaluate against it, rollback, merge on demand --------------
+
+
+def _scores(path: Path, candidate: int, base: int, base_digest: str, champion: tuple | None = None) -> Path:
+    from tests.conftest import write_scores
+
+    write_scores(path, candidate, base, champion)
+    scores = json.loads(path.read_text())
+    path.write_text(json.dumps({**scores, "base_digest": base_digest}))
+    return path
+
+
+def _git_project(root: Path) -> Path:
+    import subprocess
+
+    root.mkdir(parents=True)
+    (root / "README.md").write_text("fixture\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost"]
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    subprocess.run(git + ["add", "-A"], cwd=root, check=True)
+    subprocess.run(git + ["commit", "-qm", "fixture"], cwd=root, check=True)
+    return root
+
+
+def test_promote_merged_auto_merges_only_a_small_base(built, tmp_path):
+    from fineflow.registry.champion import merged_export
+
+    base = str(built / "models/base")  # the embedded base: ~0.1 MB
+    assert merged_export("auto", 2.0, base) is True and merged_export("auto", 0.0001, base) is False
+    assert merged_export("never", 2.0, base) is False and merged_export("always", 0.0, base) is True
+    assert merged_export("auto", 2.0, "some-org/not-in-the-cache") is False  # size unknown: taken as large
+
+
+def test_an_adapter_only_champion_through_promote_verify_evaluate_and_rollback(built, tmp_path, monkeypatch):
+    import shutil
+
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from fineflow.model_ref import read_base_digest
+    from fineflow.registry.champion import promote, rollback
+    from fineflow.registry.merge import build_merged
+    from fineflow.registry.verify import verify_log
+
+    monkeypatch.chdir(tmp_path)  # verify's base-hash cache (.cache/fineflow) goes here
+    base = shutil.copytree(built / "models/base", tmp_path / "base")
+    digest = read_base_digest(str(base))
+    root = _git_project(tmp_path / "project")
+    champion, registry = root / "models/champion", root / "models/registry"
+    first, second = (random_adapter(base, tmp_path / f"adapter{seed}", seed) for seed in (1, 2))
+    params = _params({"promote": {"merged": "never"}})
+    kw = dict(base_dir=base, lineage_dir=root / "runs", shards_dir=built / "data/shards", root=root)
+    report = promote(params, _scores(root / "s1.json", 30, 5, digest), first, champion, registry, **kw)
+    id1 = report["candidate_id"]
+    assert report["decision"] == "promoted" and not (champion / "merged").exists()
+    installed = json.loads((champion / "champion.json").read_text())
+    assert installed["base_model"] == str(base) and installed["base_digest"] == digest
+    assert "python -m fineflow.registry.merge" in (champion / "README.md").read_text()
+    assert verify_log(registry, champion) == []
+
+    # evaluated against: on this run's base (same digest) as an adapter; on another base, on its own base
+    evaluation = tmp_path / "evaluation"
+    report = _evaluate(built, second, evaluation, _params({"evaluate": {"limit": 4}}), champion)
+    scores = json.loads((evaluation / "eval/scores.json").read_text())
+    assert scores["champion"]["status"] == "ok" and scores["champion"]["id"] == id1
+    from fineflow.evaluate.recipe import champion_to_score
+
+    other, notes = champion_to_score(champion, "another-base-digest", log=lambda _: None)
+    assert other == ("adapter_on_base", (champion, str(base))) and notes["evaluated_as"] == "adapter on its own base"
+
+    report = promote(params, _scores(root / "s2.json", 38, 5, digest, (30, id1)), second, champion, registry, **kw)
+    assert report["decision"] == "promoted" and not (champion / "merged").exists()
+    assert rollback(registry, champion, log=lambda _: None)["to"] == id1
+    assert not (champion / "merged").exists() and verify_log(registry, champion) == []
+
+    # merged when asked, streamed, equal to peft's merge of the same adapter on the same base
+    build_merged(champion, tmp_path / "merged")
+    expected = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(first)).merge_and_unload()
+    got = load_file(str(tmp_path / "merged/model.safetensors"))
+    for name, tensor in got.items():
+        torch.testing.assert_close(tensor, expected.state_dict()[name], rtol=0, atol=1e-6)
+
+    # the base the pointer names is changed: verify says so, and the merge refuses it
+    (base / "generation_config.json").write_text('{"changed": true}')
+    problems = verify_log(registry, champion)
+    assert len(problems) == 1 and "is now other content" in problems[0], problems
+    with pytest.raises(FineflowError, match="not the base this champion was trained on"):
+        build_merged(champion, tmp_path / "merged-again")
