@@ -312,12 +312,12 @@ def test_the_streamed_merge_holds_about_one_shard_never_the_whole_model(tmp_path
 # ---- an adapter-only champion: promote, verify, evaluate against it, rollback, merge on demand --------------
 
 
-def _scores(path: Path, candidate: int, base: int, base_digest: str, champion: tuple | None = None) -> Path:
+def _scores(path: Path, candidate: int, base: int, base_digest: str, champion: tuple | None = None, **more) -> Path:
     from tests.conftest import write_scores
 
     write_scores(path, candidate, base, champion)
     scores = json.loads(path.read_text())
-    path.write_text(json.dumps({**scores, "base_digest": base_digest}))
+    path.write_text(json.dumps({**scores, "base_digest": base_digest, **more}))
     return path
 
 
@@ -363,12 +363,15 @@ def test_an_adapter_only_champion_through_promote_verify_evaluate_and_rollback(b
     first, second = (random_adapter(base, tmp_path / f"adapter{seed}", seed) for seed in (1, 2))
     params = _params({"promote": {"merged": "never"}})
     kw = dict(base_dir=base, lineage_dir=root / "runs", shards_dir=built / "data/shards", root=root)
-    report = promote(params, _scores(root / "s1.json", 30, 5, digest), first, champion, registry, **kw)
+    qlora_16bit = "unquantized base in bfloat16, not the 4-bit base QLoRA trained on"  # as evaluate words it
+    scores = _scores(root / "s1.json", 30, 5, digest, base_scored=qlora_16bit)
+    report = promote(params, scores, first, champion, registry, **kw)
     id1 = report["candidate_id"]
     assert report["decision"] == "promoted" and not (champion / "merged").exists()
     installed = json.loads((champion / "champion.json").read_text())
     assert installed["base_model"] == str(base) and installed["base_digest"] == digest
-    assert "python -m fineflow.registry.merge" in (champion / "README.md").read_text()
+    card = (champion / "README.md").read_text()
+    assert "python -m fineflow.registry.merge" in card and f"Scored on the {qlora_16bit}." in card
     assert verify_log(registry, champion) == []
 
     # evaluated against: on this run's base (same digest) as an adapter; on another base, on its own base
