@@ -178,6 +178,21 @@ def test_an_evaluation_split_over_two_devices_budgets_scores_as_unsplit(built, t
     assert scores["split"] == scores["whole"]
 
 
+def test_a_whole_model_is_scored_in_place_of_the_base_not_beside_it(built, monkeypatch):
+    """A full fine-tune (or a champion's merged model) is the base's size again: the base is let go while it is
+    scored, and loaded again for what needs it, so the evaluation holds one model's weights, as its plan counts."""
+    from fineflow.evaluate import harness
+
+    base = built / "models/base"
+    scorer = harness.ModelScorer(str(base), [], None, 1, 1)
+    base_resident = []
+    monkeypatch.setattr(harness, "evaluate_model", lambda *a: (base_resident.append(scorer.base is not None), 0.0))
+    scorer.load_base()
+    scorer.score("full", base)
+    scorer.score("base")
+    assert base_resident == [False, True]
+
+
 # ---- the merged model, streamed shard by shard ------------------------------------------------------------
 
 

@@ -14,7 +14,10 @@ task whose dataset is not cached offline stops the stage with one clear ``Finefl
 
 One base model is loaded and scored plain, then under each LoRA adapter in turn (the candidate, then the
 champion), never merged; peft's ``unload()`` swaps the LoRA layers back for the original modules after
-each, so adapters never stack. A fully fine-tuned model is loaded on its own.
+each, so adapters never stack. A fully fine-tuned model (or a champion's merged model, or an adapter on its own
+other base) is loaded on its own, in place of the base: one model's weights at a time, as the evaluation's memory
+plan (``fineflow.evaluate.sizing``) counts them. Every model loads as ``LoadPlan`` says: the run's compute dtype,
+one device or accelerate's device map across several, or the 4-bit base of a QLoRA run.
 """
 
 from __future__ import annotations
@@ -220,8 +223,10 @@ class LoadPlan:
             from transformers import BitsAndBytesConfig
 
             return {**out, "quantization_config": BitsAndBytesConfig(**self.quantization), "device_map": {"": 0}}
-        if self.device_map is not None:
-            return {**out, "device_map": self.device_map if same_as_base else "auto", "max_memory": self.max_memory}
+        if self.device_map is not None and same_as_base:
+            return {**out, "device_map": self.device_map}
+        if self.device_map is not None:  # another model (a champion on another base): accelerate places it alike
+            return {**out, "device_map": "auto", "max_memory": self.max_memory}
         return out
 
 
@@ -264,8 +269,11 @@ class ModelScorer:
         base, not merged), "full" (the whole model at path, freed afterwards) or "adapter_on_base" (path: an
         adapter dir and the other base it wraps)."""
         if kind == "base":
-            return self._timed(self.base, 0.0)
+            return self._timed(self._loaded_base(), 0.0)
         started = time.perf_counter()
+        if kind in ("full", "adapter_on_base"):  # another whole model: the base makes room (reloaded if needed)
+            self.base = None
+            self._free()
         if kind == "adapter_on_base":  # path: (adapter dir, its own base): a champion without merged/ on another base
             return self._adapter_on_its_base(*path, started)
         if kind == "full":  # its own tokenizer when it has one (a champion merged on another base)
@@ -279,7 +287,7 @@ class ModelScorer:
         from peft import PeftModel
 
         try:
-            model = PeftModel.from_pretrained(self.base, str(path), is_trainable=False).eval()
+            model = PeftModel.from_pretrained(self._loaded_base(), str(path), is_trainable=False).eval()
         except Exception:
             self._restore_base()
             raise
@@ -290,8 +298,15 @@ class ModelScorer:
             del model
             self._free()
 
+    def _loaded_base(self):
+        """The base, loaded again if a whole model took its place (the evaluation's plan holds one model at a time:
+        a 70B base beside a 70B fine-tune or merged champion would be twice the weights)."""
+        if self.base is None:
+            self.base = self._load(self.reference)
+        return self.base
+
     def _adapter_on_its_base(self, adapter: Path, base_ref: str, started: float) -> tuple[dict, float, float]:
-        """An adapter scored on the base it was trained on (loaded beside this run's, freed afterwards), with the
+        """An adapter scored on the base it was trained on (loaded in place of this run's, freed afterwards), with the
         tokenizer stored beside it when there is one, else its base's."""
         from peft import PeftModel
         from transformers import AutoTokenizer

@@ -507,6 +507,11 @@ def build_champion(staging: Path, source: Path, base_ref: str, record: dict, tra
     shutil.copytree(source, staging, ignore=shutil.ignore_patterns(RECORD_FILE))
     is_adapter = (source / "adapter_config.json").exists()
     merged = is_adapter and record.get("merged", True)  # records from before promote.merged: merged
+    if is_adapter and not merged and not record.get("base_digest"):
+        raise FineflowError(
+            f"{source}: an adapter-only champion (promote.merged) points at its base by content, but the scores "
+            "name no base_digest; run the evaluate stage (it records it), or set promote.merged: always"
+        )
     tokenizer = AutoTokenizer.from_pretrained(base_ref)
     if merged:
         from peft import PeftModel
