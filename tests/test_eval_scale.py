@@ -178,6 +178,26 @@ def test_an_evaluation_split_over_two_devices_budgets_scores_as_unsplit(built, t
     assert scores["split"] == scores["whole"]
 
 
+def test_what_from_pretrained_is_given_for_each_placement():
+    """The GPU-only paths, as arguments: a sharded base gets its device map, another model (a champion on another
+    base) accelerate's "auto" under the same budget; a QLoRA base scored as trained is 4-bit on GPU 0, or placed by
+    transformers' quantizer under the budget when sharded."""
+    import torch
+
+    from fineflow.evaluate.harness import LoadPlan
+    from fineflow.train.precision import quantization_kwargs
+
+    budget, device_map = {0: 10, 1: 10}, {"model.embed_tokens": 0, "model.layers.0": 1}
+    assert LoadPlan().kwargs(True) == {"dtype": torch.float32}
+    sharded = LoadPlan("bfloat16", "cuda", device_map, budget)
+    assert sharded.kwargs(True) == {"dtype": torch.bfloat16, "device_map": device_map}
+    assert sharded.kwargs(False) == {"dtype": torch.bfloat16, "device_map": "auto", "max_memory": budget}
+    four_bit = LoadPlan("bfloat16", "cuda", quantization=quantization_kwargs("bf16"))
+    assert four_bit.kwargs(True)["device_map"] == {"": 0} and four_bit.kwargs(True)["quantization_config"].load_in_4bit
+    spread = LoadPlan("bfloat16", "cuda", None, budget, quantization_kwargs("bf16")).kwargs(True)
+    assert spread["device_map"] == "auto" and spread["max_memory"] == budget
+
+
 def test_a_whole_model_is_scored_in_place_of_the_base_not_beside_it(built, monkeypatch):
     """A full fine-tune (or a champion's merged model) is the base's size again: the base is let go while it is
     scored, and loaded again for what needs it, so the evaluation holds one model's weights, as its plan counts."""

@@ -222,7 +222,11 @@ class LoadPlan:
         if self.quantization is not None:
             from transformers import BitsAndBytesConfig
 
-            return {**out, "quantization_config": BitsAndBytesConfig(**self.quantization), "device_map": {"": 0}}
+            out["quantization_config"] = BitsAndBytesConfig(**self.quantization)
+            if self.max_memory is None:
+                return {**out, "device_map": {"": 0}}
+            # sharded 4-bit: transformers' quantizer sizes the 4-bit modules for accelerate's placement
+            return {**out, "device_map": "auto", "max_memory": self.max_memory}
         if self.device_map is not None and same_as_base:
             return {**out, "device_map": self.device_map}
         if self.device_map is not None:  # another model (a champion on another base): accelerate places it alike

@@ -142,6 +142,8 @@ def plan_loading(params: Params, base_reference: str, log=print) -> tuple[LoadPl
     if plan.devices == 1:
         return LoadPlan(dtype, "cuda" if has_gpu else "cpu", quantization=quantization), placement, note
     max_memory = {i: int(plan.weight_room) for i in range(plan.devices)}
+    if quantization is not None:  # accelerate cannot size 4-bit modules from an empty model: from_pretrained does
+        return LoadPlan(dtype, "cuda", None, max_memory, quantization), placement, note
     device_map = device_map_for(config, mixed, max_memory)
     log(f"evaluate: {shape.name} sharded over {plan.devices} devices ({plan.per_device / GiB:.1f} GiB each)")
     return LoadPlan(dtype, "cuda", device_map, max_memory), {**placement, "device_map": device_map}, note
