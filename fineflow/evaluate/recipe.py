@@ -137,6 +137,7 @@ def plan_loading(params: Params, base_reference: str, log=print) -> tuple[LoadPl
         device_bytes,
         quantized=chosen == "4bit",
         lora_r=params.train.lora.r,
+        gpu=has_gpu,
     )
     placement = {"sized": True, **plan.as_dict()}
     if plan.devices == 1:

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 from fineflow.core.errors import FineflowError
 from fineflow.train.planner import (
+    FRAGMENTATION,
     LINEARS,
     PRECISIONS,
     GiB,
@@ -33,6 +34,7 @@ from fineflow.train.precision import PLANNER_PRECISION_OF, TORCH_DTYPE_OF
 
 EVAL_LOGITS_COPIES = 2  # the logits, and lm-eval's log_softmax of them (HFLM._loglikelihood_tokens)
 QLORA_BASES = ("as_trained", "4bit", "16bit")
+MAX_DEVICES = 64  # the most devices a refusal suggests spreading the model over (8 nodes of 8)
 
 
 def eval_precision(params, has_gpu: bool) -> str:
@@ -124,8 +126,10 @@ def plan_evaluation(
     quantized: bool = False,
     lora_r: int = 16,
     devices: int = 1,
+    gpu: bool = True,
 ) -> EvalPlan:
-    """The evaluation's memory over `devices` of the visible devices (their sizes: device_bytes)."""
+    """The evaluation's memory over `devices` of the visible devices (their sizes: device_bytes); gpu: they are
+    GPUs, each with a CUDA context (the planner's overhead_bytes), else the host (its allocator's slack only)."""
     precision = PLANNER_PRECISION_OF[mixed_precision]
     width = PRECISIONS[precision]
     setup = Setup(method="qlora" if quantized else "lora", precision=precision, lora_r=lora_r, lora_targets=LINEARS)
@@ -144,7 +148,7 @@ def plan_evaluation(
         kv_cache=float(kv),
         working=float(working),
         logits=float(logits),
-        overhead=float(overhead_bytes(tensors, setup)),
+        overhead=float(overhead_bytes(tensors, setup) if gpu else FRAGMENTATION * tensors),
         devices=devices,
         device_bytes=[float(b) for b in device_bytes[:devices]],
     )
@@ -175,11 +179,18 @@ def eval_refusal(shape: ModelShape, mixed_precision: str, batch_size: int, seq_l
     ]
     smallest = min(device_bytes) / GiB if device_bytes else 0.0
     options = [f"lower evaluate.batch_size to {fitting[0]}"] if fitting else []
-    weights_alone = whole.weights / whole.devices / GiB
-    options.append(
-        f"use more devices (the weights alone are {whole.weights / GiB:.1f} GiB in {whole.dtype}: "
-        f"{weights_alone:.1f} GiB per device over {count})"
-    )
+    # more devices of this size help only with what is split across them (weights, KV cache), not the logits
+    same_size = [min(device_bytes)] * MAX_DEVICES if device_bytes else []
+    enough = [
+        n
+        for n in range(count + 1, MAX_DEVICES + 1)
+        if plan_evaluation(shape, mixed_precision, batch_size, seq_len, same_size, devices=n, **kw).fits()
+    ]
+    if enough:
+        options.append(
+            f"use {enough[0]} devices of this size (the weights alone are {whole.weights / GiB:.1f} GiB in "
+            f"{whole.dtype})"
+        )
     if not kw.get("quantized") and mixed_precision == "no":
         options.append("evaluate on a GPU (a CPU scores in fp32) or set train.precision: bf16")
     return (

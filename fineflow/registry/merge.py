@@ -152,7 +152,9 @@ def local_base(reference: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(reference, local_files_only=True))
+        from fineflow.model_ref import hub_cache_dir
+
+        return Path(snapshot_download(reference, local_files_only=True, cache_dir=hub_cache_dir()))
     except Exception as exc:  # noqa: BLE001 — not a dir and not cached: say what to pass
         raise FineflowError(
             f"the champion's base {reference!r} is neither a directory nor in the local hub cache ({exc}); pass "
