@@ -122,7 +122,16 @@ def test_base_candidate_and_champion_on_one_base(built, adapter, tmp_path):
     report = _run(built, adapter, tmp_path, _params(), champion)
     scores = json.loads((tmp_path / "eval/scores.json").read_text())
     rows = _rows(built)
-    assert set(scores) == {"tasks", "eval_rows", "eval_data_sha256", "base_digest", "base", "candidate", "champion"}
+    assert set(scores) == {
+        "tasks",
+        "eval_rows",
+        "eval_data_sha256",
+        "base_digest",
+        "base_scored",
+        "base",
+        "candidate",
+        "champion",
+    }
     assert scores["tasks"] == TASKS and scores["champion"]["id"] == "abc"
     assert scores["eval_data_sha256"] == hashlib.sha256((built / "data/validated/eval.jsonl").read_bytes()).hexdigest()
     for name in ("base", "candidate", "champion"):

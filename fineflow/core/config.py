@@ -257,6 +257,12 @@ class EvaluateParams(_Section):
     batch_size: int = Field(32, gt=0)
     max_gen_toks: int = Field(24, gt=0)
     limit: int | None = Field(None, gt=0)  # evaluate only the first N docs of each task
+    # which base a QLoRA adapter is scored on: as_trained (its 4-bit NF4 base; needs a GPU) or 16bit (the
+    # unquantized base in the compute dtype); the eval report and the model card say which
+    qlora_base: Literal["as_trained", "4bit", "16bit"] = "as_trained"
+    # memory per device for the evaluation's plan (fineflow.evaluate.sizing); null = detect (each GPU's memory,
+    # or the host's available RAM)
+    device_memory_gib: float | None = Field(None, gt=0)
 
 
 class PromoteParams(_Section):
@@ -279,6 +285,12 @@ class PromoteParams(_Section):
     # registry log. A refusal by the gate is never put to a person. Outside a flow: FINEFLOW_APPROVAL (README).
     require_approval: bool = False
     approval_timeout_h: float = Field(24.0, gt=0)  # no answer by then: the run fails, nothing is promoted or logged
+    # the champion's merged model (merged/): always, never, or auto = only when the base's weight files are at most
+    # merged_auto_max_gb (a merged copy is the base's size again in DVC's cache at every promotion: a few MB for
+    # the embedded base, 16 GB for an 8B, 141 GB for a 70B). Without it the champion is the adapter plus its
+    # base's identity; `python -m fineflow.registry.merge` builds the merged model shard by shard when asked
+    merged: Literal["auto", "always", "never"] = "auto"
+    merged_auto_max_gb: float = Field(2.0, ge=0)  # ~1B parameters in bf16
 
 
 # $ per device-hour, on-demand list prices rounded (late 2026, one GPU of a multi-GPU instance); "gpu": any other

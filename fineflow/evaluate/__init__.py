@@ -2,6 +2,7 @@
 
 recipe.py       the stage's procedure: load the base once, score each model, write scores.json and the report
 harness.py      the lm-eval adapter: task folders and names, the model scorer, samples and raw results
+sizing.py       before loading: the compute dtype, the memory plan, one device or a device map, or a refusal
 bundled_tasks/  the tasks shipped with fineflow (fineflow_synth, fineflow_synth_mc: YAMLs and their helpers)
 
 A project's own tasks go in folders under its ``eval_tasks/``, each listed in ``evaluate.task_dirs`` (names in

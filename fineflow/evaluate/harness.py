@@ -14,7 +14,10 @@ task whose dataset is not cached offline stops the stage with one clear ``Finefl
 
 One base model is loaded and scored plain, then under each LoRA adapter in turn (the candidate, then the
 champion), never merged; peft's ``unload()`` swaps the LoRA layers back for the original modules after
-each, so adapters never stack. A fully fine-tuned model is loaded on its own.
+each, so adapters never stack. A fully fine-tuned model (or a champion's merged model, or an adapter on its own
+other base) is loaded on its own, in place of the base: one model's weights at a time, as the evaluation's memory
+plan (``fineflow.evaluate.sizing``) counts them. Every model loads as ``LoadPlan`` says: the run's compute dtype,
+one device or accelerate's device map across several, or the 4-bit base of a QLoRA run.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from fineflow.core.errors import FineflowError
@@ -197,22 +201,64 @@ def champion_id(champion_dir: Path) -> str | None:
     return champion_record(champion_dir).get("candidate_id")
 
 
+@dataclass(frozen=True)
+class LoadPlan:
+    """How the evaluate stage loads a model (fineflow.evaluate.sizing decides it): the torch dtype name, the
+    device it goes to whole, or an accelerate device map that shards it (device_map: the base's placement;
+    max_memory: the budget another model, a champion on another base, is placed under), and the bitsandbytes
+    4-bit settings of a QLoRA base scored as trained."""
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    device_map: dict | None = None
+    max_memory: dict | None = None
+    quantization: dict | None = None
+
+    def kwargs(self, same_as_base: bool) -> dict:
+        """from_pretrained's arguments for the base (same_as_base) or for another model."""
+        import torch
+
+        out = {"dtype": getattr(torch, self.dtype)}
+        if self.quantization is not None:
+            from transformers import BitsAndBytesConfig
+
+            out["quantization_config"] = BitsAndBytesConfig(**self.quantization)
+            if self.max_memory is None:
+                return {**out, "device_map": {"": 0}}
+            # sharded 4-bit: transformers' quantizer sizes the 4-bit modules for accelerate's placement
+            return {**out, "device_map": "auto", "max_memory": self.max_memory}
+        if self.device_map is not None and same_as_base:
+            return {**out, "device_map": self.device_map}
+        if self.device_map is not None:  # another model (a champion on another base): accelerate places it alike
+            return {**out, "device_map": "auto", "max_memory": self.max_memory}
+        return out
+
+
 class ModelScorer:
     """One loaded base model and tokenizer, scored plain, under an adapter, or beside a whole model."""
 
-    def __init__(self, reference: str, tasks: list[str], manager, batch_size: int, limit: int | None):
-        import torch
-
+    def __init__(
+        self,
+        reference: str,
+        tasks: list[str],
+        manager,
+        batch_size: int,
+        limit: int | None,
+        load: LoadPlan | None = None,
+    ):
         self.reference, self.tasks, self.manager = reference, tasks, manager
         self.batch_size, self.limit = batch_size, limit
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.load = load or LoadPlan()
         self.base = self.tokenizer = None
 
     def _load(self, path: str | Path):
-        import torch
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device).eval()
+        kwargs = self.load.kwargs(same_as_base=str(path) == str(self.reference))
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        if "device_map" not in kwargs:
+            model = model.to(self.load.device)
+        return model.eval()
 
     def load_base(self) -> float:
         from transformers import AutoTokenizer
@@ -224,10 +270,16 @@ class ModelScorer:
 
     def score(self, kind: str, path: Path | None = None) -> tuple[dict, float, float]:
         """(lm-eval results, load seconds, scoring seconds) for kind "base", "adapter" (path on the loaded
-        base, not merged) or "full" (the whole model at path, freed afterwards)."""
+        base, not merged), "full" (the whole model at path, freed afterwards) or "adapter_on_base" (path: an
+        adapter dir and the other base it wraps)."""
         if kind == "base":
-            return self._timed(self.base, 0.0)
+            return self._timed(self._loaded_base(), 0.0)
         started = time.perf_counter()
+        if kind in ("full", "adapter_on_base"):  # another whole model: the base makes room (reloaded if needed)
+            self.base = None
+            self._free()
+        if kind == "adapter_on_base":  # path: (adapter dir, its own base): a champion without merged/ on another base
+            return self._adapter_on_its_base(*path, started)
         if kind == "full":  # its own tokenizer when it has one (a champion merged on another base)
             model = self._load(path)
             tokenizer = self._own_tokenizer(path)
@@ -239,7 +291,7 @@ class ModelScorer:
         from peft import PeftModel
 
         try:
-            model = PeftModel.from_pretrained(self.base, str(path), is_trainable=False).eval()
+            model = PeftModel.from_pretrained(self._loaded_base(), str(path), is_trainable=False).eval()
         except Exception:
             self._restore_base()
             raise
@@ -247,6 +299,27 @@ class ModelScorer:
             return self._timed(model, time.perf_counter() - started)
         finally:
             self.base = model.unload()  # LoRA layers swapped back for the originals: the next adapter won't stack
+            del model
+            self._free()
+
+    def _loaded_base(self):
+        """The base, loaded again if a whole model took its place (the evaluation's plan holds one model at a time:
+        a 70B base beside a 70B fine-tune or merged champion would be twice the weights)."""
+        if self.base is None:
+            self.base = self._load(self.reference)
+        return self.base
+
+    def _adapter_on_its_base(self, adapter: Path, base_ref: str, started: float) -> tuple[dict, float, float]:
+        """An adapter scored on the base it was trained on (loaded in place of this run's, freed afterwards), with the
+        tokenizer stored beside it when there is one, else its base's."""
+        from peft import PeftModel
+        from transformers import AutoTokenizer
+
+        model = PeftModel.from_pretrained(self._load(base_ref), str(adapter), is_trainable=False).eval()
+        tokenizer = self._own_tokenizer(adapter) or AutoTokenizer.from_pretrained(base_ref)
+        try:
+            return self._timed(model, time.perf_counter() - started, tokenizer)
+        finally:
             del model
             self._free()
 

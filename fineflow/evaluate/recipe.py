@@ -14,6 +14,7 @@ from fineflow.core.config import Params
 from fineflow.core.errors import FineflowError
 from fineflow.core.reports import sha256_file, write_json_atomic
 from fineflow.evaluate.harness import (
+    LoadPlan,
     ModelScorer,
     champion_id,
     champion_record,
@@ -25,7 +26,17 @@ from fineflow.evaluate.harness import (
     summarize,
     write_samples,
 )
+from fineflow.evaluate.sizing import (
+    base_scored_note,
+    choose_placement,
+    device_map_for,
+    eval_precision,
+    qlora_base,
+    visible_device_bytes,
+)
 from fineflow.model_ref import read_base_digest, resolve_base_model
+from fineflow.train.planner import GiB, shape_from_config
+from fineflow.train.precision import TORCH_DTYPE_OF, quantization_kwargs
 
 
 class EvaluationFailed(FineflowError):
@@ -77,6 +88,7 @@ def evaluate_models(
     for name in ("base", "candidate", "champion"):
         (raw_dir / f"{name}.json").unlink(missing_ok=True)
     cfg = params.evaluate
+    load, placement, base_scored = plan_loading(params, base_reference, log)  # refuses before anything loads
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fineflow-tasks-") as tmp:
         from transformers import AutoTokenizer
@@ -87,13 +99,55 @@ def evaluate_models(
         manager, registry = resolve_tasks(cfg.tasks, task_dir, cfg.task_dirs)
         check_tasks(manager, cfg.tasks, registry)
         tasks_s = time.perf_counter() - started
-        scorer = ModelScorer(base_reference, cfg.tasks, manager, cfg.batch_size, cfg.limit)
+        scorer = ModelScorer(base_reference, cfg.tasks, manager, cfg.batch_size, cfg.limit, load)
         base_load_s = scorer.load_base()
         scores, timings = score_models(scorer, models, base_load_s, out_dir, raw_dir, log)
     if "champion" in scores:
         scores["champion"].update(id=champion_id(champion_dir), **champion_notes)
-    write_scores(out_dir / "scores.json", cfg.tasks, eval_rows, base_digest, scores)
-    return evaluation_report(scores, timings, tasks_s, base_load_s, time.perf_counter() - started)
+    write_scores(out_dir / "scores.json", cfg.tasks, eval_rows, base_digest, scores, base_scored)
+    report = evaluation_report(scores, timings, tasks_s, base_load_s, time.perf_counter() - started)
+    return {**report, "base_scored": base_scored, "load": placement}
+
+
+def plan_loading(params: Params, base_reference: str, log=print) -> tuple[LoadPlan, dict, str]:
+    """(how to load the models, the memory plan and placement for the report, the words for the base scored):
+    the run's compute dtype, one device or the fewest visible devices that hold the model sharded (accelerate's
+    device map), or a FineflowError naming what to change, before any weights are read."""
+    import torch
+    from transformers import AutoConfig
+
+    cfg, has_gpu = params.evaluate, torch.cuda.is_available()
+    mixed = eval_precision(params, has_gpu)
+    chosen = qlora_base(params.train.method, cfg.qlora_base, has_gpu)
+    dtype = TORCH_DTYPE_OF[mixed]
+    note = base_scored_note(params.train.method, chosen, dtype)
+    quantization = quantization_kwargs(mixed) if chosen == "4bit" else None
+    config = AutoConfig.from_pretrained(base_reference)
+    try:
+        shape = shape_from_config(config.to_dict(), name=str(base_reference))
+    except FineflowError as exc:  # an architecture the planner cannot size: load it whole, as before
+        log(f"evaluate: not sized ({exc}); loading on one device")
+        return LoadPlan(dtype, "cuda" if has_gpu else "cpu", quantization=quantization), {"sized": False}, note
+    device_bytes = visible_device_bytes(cfg.device_memory_gib)
+    plan = choose_placement(
+        shape,
+        mixed,
+        cfg.batch_size,
+        params.tokenize.seq_len,
+        device_bytes,
+        quantized=chosen == "4bit",
+        lora_r=params.train.lora.r,
+        gpu=has_gpu,
+    )
+    placement = {"sized": True, **plan.as_dict()}
+    if plan.devices == 1:
+        return LoadPlan(dtype, "cuda" if has_gpu else "cpu", quantization=quantization), placement, note
+    max_memory = {i: int(plan.weight_room) for i in range(plan.devices)}
+    if quantization is not None:  # accelerate cannot size 4-bit modules from an empty model: from_pretrained does
+        return LoadPlan(dtype, "cuda", None, max_memory, quantization), placement, note
+    device_map = device_map_for(config, mixed, max_memory)
+    log(f"evaluate: {shape.name} sharded over {plan.devices} devices ({plan.per_device / GiB:.1f} GiB each)")
+    return LoadPlan(dtype, "cuda", device_map, max_memory), {**placement, "device_map": device_map}, note
 
 
 def score_models(scorer: ModelScorer, models: dict, base_load_s: float, out_dir: Path, raw_dir: Path, log=print):
@@ -123,9 +177,11 @@ def score_models(scorer: ModelScorer, models: dict, base_load_s: float, out_dir:
     return scores, timings
 
 
-def write_scores(path: Path, tasks: list[str], eval_rows: Path, base_digest: str | None, scores: dict) -> None:
-    """scores.json, what the promote stage reads: the tasks, the eval rows by content, the base by content, and
-    each model's scores."""
+def write_scores(
+    path: Path, tasks: list[str], eval_rows: Path, base_digest: str | None, scores: dict, base_scored: str | None = None
+) -> None:
+    """scores.json, what the promote stage reads: the tasks, the eval rows by content, the base by content (and
+    in which form it was scored: base_scored), and each model's scores."""
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(
         path,
@@ -134,6 +190,7 @@ def write_scores(path: Path, tasks: list[str], eval_rows: Path, base_digest: str
             "eval_rows": str(eval_rows),
             "eval_data_sha256": sha256_file(eval_rows),
             "base_digest": base_digest,
+            "base_scored": base_scored,
             **scores,
         },
     )
@@ -142,7 +199,7 @@ def write_scores(path: Path, tasks: list[str], eval_rows: Path, base_digest: str
 def champion_to_score(champion_dir: Path | None, base_digest: str | None, log=print) -> tuple[tuple | None, dict]:
     """(what to score for the champion, notes for its scores entry). Its adapter, on this run's base; but when
     its champion.json says it was trained on another base, its merged model (a whole model with its own
-    tokenizer), or nothing when it has none."""
+    tokenizer), or without one (an adapter-only champion) its adapter on the base its champion.json names."""
     champion = find_model(champion_dir)
     if champion is None:
         return None, {}
@@ -151,8 +208,16 @@ def champion_to_score(champion_dir: Path | None, base_digest: str | None, log=pr
     if champion[0] != "adapter" or not (trained_on and base_digest) or trained_on == base_digest:
         return champion, notes
     merged = find_model(champion_dir / "merged")
-    log(f"champion: trained on base {trained_on}, this run's base is {base_digest}: scoring its merged model")
-    return merged, {**notes, "evaluated_as": "merged model"}
+    if merged is not None:
+        log(f"champion: trained on base {trained_on}, this run's base is {base_digest}: scoring its merged model")
+        return merged, {**notes, "evaluated_as": "merged model"}
+    # an adapter-only champion (promote.merged): its adapter on the base its champion.json points at
+    its_base = champion_record(champion_dir).get("base_model")
+    if not its_base:
+        log(f"champion: trained on base {trained_on}, has no merged model and names no base: not scored")
+        return None, {}
+    log(f"champion: trained on base {trained_on} ({its_base}), this run's is {base_digest}: its adapter on its base")
+    return ("adapter_on_base", (champion[1], its_base)), {**notes, "evaluated_as": "adapter on its own base"}
 
 
 def evaluation_report(scores: dict, timings: dict, tasks_s: float, base_load_s: float, eval_s: float) -> dict:

@@ -6,10 +6,12 @@
                  after a crash, its chain, HEAD and HMAC checks
     install.py   the champion directory: its record, the staging sibling, the atomic swap, leftovers
     verify.py    `fineflow registry verify`: the log, its overrides, the candidates, the alias and the champion
-                 (every file against the entry that installed it), checked
+                 (every file against the entry that installed it; an adapter-only champion's base), checked
     card.py      the champion's model card (README.md)
     champion.py  the promote procedure, the champion's assembly (merged model, tokenizer, card), rollback and
                  recover (finishing what a writer that died left)
+    merge.py     the merged model of an adapter-only champion, built when asked, one base shard at a time
+                 (`python -m fineflow.registry.merge`)
     lineage.py   lineage manifests: building, checking, reading and printing them
     dvc_record.py  a rollback (a registry write made outside `dvc repro`) recorded in dvc.lock
 

@@ -60,7 +60,7 @@ def train_figures(train_report: Path | None, log=print) -> dict | None:
     return {key: report[key] for key in TRAIN_FIGURES if key in report}
 
 
-def model_card(record: dict, base_ref: str, train: dict | None, is_adapter: bool) -> str:
+def model_card(record: dict, base_ref: str, train: dict | None, is_adapter: bool, merged: bool = True) -> str:
     """A Hugging Face model card: YAML front matter (base_model, license, library_name, datasets by hash,
     tags, model-index) and the evaluation table with bootstrap CIs, training params and figures."""
     cid = record["candidate_id"]
@@ -79,7 +79,7 @@ def model_card(record: dict, base_ref: str, train: dict | None, is_adapter: bool
         "",
     ]
     lines += _override(record)
-    lines += _usage(base_ref, is_adapter) + [""]
+    lines += _usage(base_ref, is_adapter, merged) + [""]
     lines += _evaluation(record)
     lines += _training(record, train)
     lines += _lineage(record)
@@ -134,7 +134,7 @@ def _override(record: dict) -> list[str]:
     ]
 
 
-def _usage(base_ref: str, is_adapter: bool) -> list[str]:
+def _usage(base_ref: str, is_adapter: bool, merged: bool) -> list[str]:
     lines = ["## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer"]
     if is_adapter:
         lines += [
@@ -142,11 +142,20 @@ def _usage(base_ref: str, is_adapter: bool) -> list[str]:
             "",
             f"base = AutoModelForCausalLM.from_pretrained({base_ref!r})",
             "model = PeftModel.from_pretrained(base, 'models/champion')       # the adapter",
-            "merged = AutoModelForCausalLM.from_pretrained('models/champion/merged')  # or the merged model",
         ]
+        if merged:
+            lines += ["merged = AutoModelForCausalLM.from_pretrained('models/champion/merged')  # or the merged model"]
     else:
         lines += ["model = AutoModelForCausalLM.from_pretrained('models/champion')"]
-    return lines + ["tokenizer = AutoTokenizer.from_pretrained('models/champion')", "```"]
+    lines += ["tokenizer = AutoTokenizer.from_pretrained('models/champion')", "```"]
+    if is_adapter and not merged:
+        lines += [
+            "",
+            "No merged model is stored (promote.merged): this champion is the adapter and its base, named in "
+            "champion.json by path and content digest. Build the merged model, shard by shard, with "
+            "`python -m fineflow.registry.merge --champion models/champion --out DIR`.",
+        ]
+    return lines
 
 
 def _evaluation(record: dict) -> list[str]:
@@ -174,6 +183,8 @@ def _evaluation(record: dict) -> list[str]:
         )
     if record.get("stats"):
         lines += ["", f"Promotion gate: {record.get('reason', '')}"]
+    if "QLoRA" in (record.get("base_scored") or ""):  # which base a QLoRA adapter was scored on (evaluate.qlora_base)
+        lines += ["", f"Scored on the {record['base_scored']}."]
     return lines
 
 

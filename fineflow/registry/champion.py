@@ -3,8 +3,10 @@
 
 ``promote`` builds the run's lineage manifest, runs the gate (``gate.promotion_decision``), keeps the
 candidate in the registry by id, appends the decision and its evidence to the promotion log, and on success
-installs the champion atomically: the PEFT adapter, the merged model (``merged/``), the tokenizer, a model
-card (``README.md``) and the deterministic lineage (``lineage.json``). The slow, failure-prone assembly
+installs the champion atomically: the PEFT adapter, the merged model (``merged/``, when ``promote.merged`` asks
+for it: ``merged_export``; otherwise the champion is the adapter and its base's identity in champion.json, and
+``fineflow.registry.merge`` builds the merged model shard by shard when asked), the tokenizer, a model card
+(``README.md``) and the deterministic lineage (``lineage.json``). The slow, failure-prone assembly
 happens before anything is logged or replaced, so a crash leaves the registry and the champion as they were.
 The whole staged directory, champion.json included, is final before the log append, and the entry records each
 file's sha256 (``log_decision``): keyed, the entry binds every file that is served.
@@ -167,10 +169,11 @@ def rollback(
     allow_unpromoted: str | None = None,
 ) -> dict:
     """Reinstall an earlier champion from candidates/<id> (default: the one before the current) atomically,
-    rebuilding its merged model, tokenizer and card, and log a "rollback" entry; under the registry lock,
-    after repairing what a writer that died left. The candidate rolled back from is not promoted again by the
-    gate (promotion_log.rollback_refusal) unless a later rollback reinstalls it. A candidate the gate never
-    promoted is installed only with allow_unpromoted (the reason), logged as an override and said on its card."""
+    rebuilding its merged model (when it was promoted with one), tokenizer and card, and log a "rollback"
+    entry; under the registry lock, after repairing what a writer that died left. The candidate rolled back
+    from is not promoted again by the gate (promotion_log.rollback_refusal) unless a later rollback reinstalls
+    it. A candidate the gate never promoted is installed only with allow_unpromoted (the reason), logged as an
+    override and said on its card."""
     if to is not None:
         check_id(to)
     with registry_writes(registry_dir, champion_dir, log, base_dir):
@@ -417,8 +420,32 @@ def candidate_record(
         "stats": decision.stats,
         "base_model": _base_or_none(params, base_dir, adapter_dir),
         "base_digest": scores.get("base_digest"),  # the base by content (model_ref.base_digest), as evaluated
+        "base_scored": scores.get("base_scored"),  # e.g. a QLoRA adapter scored on the 16-bit base (the card says)
         "lineage": deterministic(manifest),
+        # whether the champion holds merged/ (promote.merged); rollback rebuilds it as it was promoted
+        "merged": merged_export(cfg.merged, cfg.merged_auto_max_gb, _base_or_none(params, base_dir, adapter_dir)),
     }
+
+
+def merged_export(setting: str, max_gb: float, base_ref: str | None) -> bool:
+    """promote.merged: always / never, or auto: a merged copy only when the base's weight files are at most
+    max_gb (a copy is the base's size again in DVC's cache at every promotion). A base whose size cannot be told
+    here (a hub id not in the local cache) is taken as large."""
+    if setting != "auto":
+        return setting == "always"
+    size = base_weight_bytes(base_ref) if base_ref else None
+    return size is not None and size <= max_gb * 1e9
+
+
+def base_weight_bytes(base_ref: str) -> int | None:
+    """The bytes of the base's weight files, or None when the base is not found locally."""
+    from fineflow.registry.merge import WEIGHT_FILES, local_base
+
+    try:
+        folder = local_base(base_ref)
+    except FineflowError:
+        return None
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.name.endswith(WEIGHT_FILES))
 
 
 def verdict(decision: Decision) -> str:
@@ -470,15 +497,23 @@ def stage_report(decision: Decision, cid: str, log_seq: int, lineage_path: Path 
 
 
 def build_champion(staging: Path, source: Path, base_ref: str, record: dict, train: dict | None) -> Path:
-    """Assemble a complete champion directory at staging: adapter files, merged model, tokenizer, card,
-    lineage.json. log_decision then writes champion.json and logs every file's hash; install_built swaps it in."""
+    """Assemble a complete champion directory at staging: adapter files, merged model (unless the record says
+    not: promote.merged; the champion is then the adapter and its base's identity in champion.json), tokenizer,
+    card, lineage.json. log_decision then writes champion.json and logs every file's hash; install_built swaps
+    it in."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     shutil.copytree(source, staging, ignore=shutil.ignore_patterns(RECORD_FILE))
     is_adapter = (source / "adapter_config.json").exists()
+    merged = is_adapter and record.get("merged", True)  # records from before promote.merged: merged
+    if is_adapter and not merged and not record.get("base_digest"):
+        raise FineflowError(
+            f"{source}: an adapter-only champion (promote.merged) points at its base by content, but the scores "
+            "name no base_digest; run the evaluate stage (it records it), or set promote.merged: always"
+        )
     tokenizer = AutoTokenizer.from_pretrained(base_ref)
-    if is_adapter:
+    if merged:
         from peft import PeftModel
 
         base = AutoModelForCausalLM.from_pretrained(base_ref, dtype="auto")
@@ -489,7 +524,7 @@ def build_champion(staging: Path, source: Path, base_ref: str, record: dict, tra
     tokenizer.save_pretrained(staging)
     lineage = {"candidate_id": record["candidate_id"], **(record.get("lineage") or {})}
     write_json_atomic(staging / "lineage.json", lineage)
-    (staging / "README.md").write_text(model_card(record, base_ref, train, is_adapter), encoding="utf-8")
+    (staging / "README.md").write_text(model_card(record, base_ref, train, is_adapter, merged), encoding="utf-8")
     return staging
 
 

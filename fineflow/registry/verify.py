@@ -26,6 +26,8 @@ from fineflow.registry.store import (
     stored_candidate,
 )
 
+BASE_HASH_CACHE = Path(".cache/fineflow")  # the fingerprint stage's --hash-cache (dvc.yaml)
+
 
 def verify_log(registry_dir: Path, champion_dir: Path | None = None, key: str | None = None) -> list[str]:
     """Problems with the registry, first the first bad line of the chain; [] when it is intact.
@@ -36,7 +38,7 @@ def verify_log(registry_dir: Path, champion_dir: Path | None = None, key: str | 
     the gate never promoted logged its override; every stored candidate's files still hash to its id; the
     champion alias names a stored candidate and agrees with the log's last promotion or rollback; and (with
     champion_dir) the installed champion is that candidate: its champion.json, its adapter files, and every
-    file as that entry recorded it."""
+    file as that entry recorded it; an adapter-only champion's base is the content its champion.json names."""
     path = registry_dir / LOG_FILE
     if not path.exists():
         return [f"{path}: no promotion log"]
@@ -117,8 +119,9 @@ def _installed_problems(champion_dir: Path, stored: Path, last: dict, alias: dic
             return [
                 f"{mine}: differs from {stored.parent.name}/{cid}/{rel} (the champion was changed after its install)"
             ]
+    pointer = base_pointer_problems(champion_dir, installed)
     if last.get("champion_files") is not None:
-        return manifest_problems(champion_dir, last["champion_files"], seq)
+        return manifest_problems(champion_dir, last["champion_files"], seq) + pointer
     if key:
         return [
             f"{champion_dir}: entry {seq} installed it before the log recorded a champion's files, so keyed verify "
@@ -129,6 +132,31 @@ def _installed_problems(champion_dir: Path, stored: Path, last: dict, alias: dic
         return [
             f"{champion_dir}: its files no longer hash to what entry {seq} installed (files_sha256 in the alias): "
             "a file was changed, added or removed after the install"
+        ]
+    return pointer
+
+
+def base_pointer_problems(champion_dir: Path, installed: dict, cache_dir: Path = BASE_HASH_CACHE) -> list[str]:
+    """An adapter-only champion (no merged/: promote.merged) is served on its base: champion.json must name it
+    (base_model) and its content (base_digest), and the base found there must still be that content (hashes
+    cached by path, size and mtime with the fingerprint stage's, so an unchanged 70B base is not read again)."""
+    if not (champion_dir / "adapter_config.json").is_file() or (champion_dir / "merged").is_dir():
+        return []
+    where = champion_dir / CHAMPION_FILE
+    base, digest = installed.get("base_model"), installed.get("base_digest")
+    if not base or not digest:
+        return [f"{where}: an adapter-only champion must name its base (base_model) and its digest (base_digest)"]
+    from fineflow.core.errors import FineflowError
+    from fineflow.model_ref import read_base_digest
+
+    try:
+        found = read_base_digest(base, cache_dir=cache_dir)
+    except (FineflowError, OSError) as exc:
+        return [f"{where}: its base {base} cannot be read here ({exc}): the adapter cannot be served or merged"]
+    if found != digest:
+        return [
+            f"{where}: its base {base} is now other content (digest {found}, the champion was trained on {digest}): "
+            "the adapter would be served on weights it was not trained on; restore that base"
         ]
     return []
 

@@ -10,6 +10,12 @@ task and per-doc scores, plus the eval rows' sha256. lm-eval's logged samples go
 ``<out>/samples/<model>/<task>.jsonl``, its standard results JSON of each model to ``reports/lm_eval/``,
 and ``reports/evaluate.json`` gets the metrics and the loading vs scoring time of each model.
 
+Before any model loads (fineflow.evaluate.sizing): the models are loaded in the run's compute dtype (the train
+stage's resolved precision; fp32 on a CPU), one lm-eval batch is sized, and a model that does not fit one device
+is sharded across the visible ones with accelerate's device map, or the stage refuses, saying what to change. A
+QLoRA adapter is scored on its 4-bit base or, with ``evaluate.qlora_base: 16bit``, the unquantized one: scores.json
+and the report say which (``base_scored``).
+
 A champion whose evaluation fails (a corrupt champion, say) is recorded as ``{"status": "failed", "error":
 ...}`` and the others go on — promotion refuses to compare with it. A failed base or candidate evaluation fails
 the stage (exit 2) and records nothing, so DVC never caches it as a success. Task problems (an unknown name, a

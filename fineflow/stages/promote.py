@@ -7,7 +7,9 @@
 Builds the run's lineage manifest, runs the gate (fineflow.registry.gate.promotion_decision: min_delta, paired
 bootstrap CI, no regression, refusal on missing/failed/mismatched evaluations or incomplete lineage), keeps the
 candidate in the registry by id, appends the decision and its evidence to ``<registry>/promotions.jsonl``, and on
-success installs the champion atomically: the PEFT adapter, the merged model (``merged/``), the tokenizer,
+success installs the champion atomically: the PEFT adapter, the merged model (``merged/``; ``promote.merged``:
+auto merges only a base of at most ``merged_auto_max_gb``, else the champion is the adapter + its base's identity
+and ``python -m fineflow.registry.merge`` builds the merged model shard by shard when asked), the tokenizer,
 a model card (``README.md``) and the deterministic lineage (``lineage.json``). The full manifest (with git,
 times, user, host) goes to ``<lineage>/<candidate id>.json``, outside DVC's outputs. The procedure is
 ``fineflow.registry.champion.promote``.
