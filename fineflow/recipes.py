@@ -133,9 +133,34 @@ def check_fits(params: Params, device: Device, recipe: Recipe):
         )
     train = params.train.model_copy(update={"device_memory_gib": device.memory_gib, "auto_fit": False})
     try:
-        return fit_plan(params.model_copy(update={"train": train}), profile, params.model.base, has_gpu=True)
+        run_plan = fit_plan(params.model_copy(update={"train": train}), profile, params.model.base, has_gpu=True)
     except planner.DoesNotFit as refused:
         raise FineflowError(f"recipe {recipe.name} does not fit {device.label}: {refused}") from None
+    check_eval_fits(params, device, recipe)
+    return run_plan
+
+
+def check_eval_fits(params: Params, device: Device, recipe: Recipe):
+    """The evaluate stage's placement for params on device (fineflow.evaluate.sizing.choose_placement, as the
+    stage runs it on GPUs): its EvalPlan, or a FineflowError naming evaluate.batch_size or more devices. A recipe
+    whose training fits but whose evaluation does not would fail after hours of training."""
+    from fineflow.evaluate.sizing import choose_placement, eval_precision, qlora_base
+    from fineflow.train.planner import GiB
+    from fineflow.train.sizing import model_shape
+
+    chosen = qlora_base(params.train.method, params.evaluate.qlora_base, has_gpu=True)
+    try:
+        return choose_placement(
+            model_shape(params.model.base),
+            eval_precision(params, has_gpu=True),
+            params.evaluate.batch_size,
+            params.tokenize.seq_len,
+            [device.memory_gib * GiB] * device.count,
+            quantized=chosen == "4bit",
+            lora_r=params.train.lora.r,
+        )
+    except FineflowError as refused:
+        raise FineflowError(f"recipe {recipe.name}: its evaluation does not fit {device.label}: {refused}") from None
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,17 @@ def test_a_recipe_that_does_not_fit_a_smaller_device_is_refused_before_anything_
     assert params_file.read_bytes() == before
 
 
+def test_a_recipe_whose_evaluation_would_not_fit_is_refused_before_anything_is_written(tmp_path, params_file):
+    # found when the evaluation planner came in: phi3-mini-lora's training fit 24 GiB, but torchtune's eval batch
+    # of 8 at 4,096 tokens (KV cache 12 GiB: 32 layers without GQA) needs 28.5 GiB, so the run would have failed
+    # at evaluate after training; the shipped recipe now asks for 4
+    before = params_file.read_bytes()
+    recipe = load_recipe(str(_recipe_with(tmp_path, lambda raw: raw.replace("batch_size: 4 ", "batch_size: 8 "))))
+    with pytest.raises(FineflowError, match=r"evaluation does not fit 1 x 24 GiB: .*lower evaluate\.batch_size to 4"):
+        apply_recipe(recipe, params_file)
+    assert params_file.read_bytes() == before
+
+
 def _recipe_with(tmp_path, edit) -> Path:
     raw = (RECIPE_DIR / "phi3-mini-lora.yaml").read_text(encoding="utf-8")
     path = tmp_path / "mine.yaml"
