@@ -697,6 +697,19 @@ def test_a_real_base_with_the_embedded_models_learning_rate_is_warned_about(tmp_
     assert embedded.model.base == "embedded" and _stage_plan(embedded, tmp_path).warnings == ()
 
 
+def test_fused_lora_with_dropout_is_warned_about(tmp_path):
+    """Seen running SmolLM2 with a practitioner's lora.dropout 0.05: fused LoRA computes no dropout, so every layer
+    silently took peft's forward (the report said fused_lora_layers: 0, nothing else)."""
+    params = _stage_params(tmp_path)
+    lora = params.train.lora.model_copy(update={"dropout": 0.05})
+    dropped = params.model_copy(update={"train": params.train.model_copy(update={"lora": lora})})
+    run = _stage_plan(dropped, tmp_path)
+    assert [w for w in run.warnings if "train.fused_lora" in w and "lora.dropout 0.05" in w]
+    assert _stage_plan(params, tmp_path).warnings == ()  # dropout 0: fused, nothing to say
+    unfused = dropped.model_copy(update={"train": dropped.train.model_copy(update={"fused_lora": False})})
+    assert _stage_plan(unfused, tmp_path).warnings == ()  # asked for peft's forward: nothing to say
+
+
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_the_chunked_loss_is_sized_one_chunk_of_logits_at_a_time(method):
     """train.loss_chunk_tokens: the loss's fp32 (rows x vocab) tensors hold one chunk of rows, plus the hidden
