@@ -122,9 +122,6 @@ def _figures(family: str, project: Path, wall_s: float) -> dict:
     steps = [s for s in _jsonl(project / "reports/train_steps.jsonl") if "loss" in s]
     scores = _read(project, "eval/scores.json")
     promote = _read(project, "reports/promote.json")
-    config = (
-        _read(project, "models/champion/merged/config.json") if (project / "models/champion/merged").is_dir() else {}
-    )
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(_read(project, "models/base/external_base.json")["base"])

@@ -2,8 +2,8 @@
 
 Training tokenizes the prompt and the response separately and concatenates them, so the prompt's tokens
 at training time are exactly the tokens lm-eval feeds the model at evaluation time (it encodes the
-rendered prompt alone). Only the response (and the EOS that ends it, appended unless the chat template already ended the turn with the
-EOS token) is trained on.
+rendered prompt alone). Only the response (and the EOS that ends it, appended unless the chat template
+already ended the turn with the EOS token) is trained on.
 
 Fields follow a space, never a newline, and the response is " " + output: byte-level BPE tokenizers
 (GPT-2 style) learn words with their leading space, so " Paris" is the token the base model already
