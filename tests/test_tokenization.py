@@ -199,3 +199,18 @@ def test_a_whitespace_the_template_puts_before_the_answer_stays_in_the_response(
     tokenizer, row = _family_row("mistral")
     prompt, response = render_pair(tokenizer, row)
     assert prompt.endswith("[/INST]") and response == " 62</s>"
+
+
+def test_a_system_message_mistrals_template_moves_is_refused_with_where_and_what_to_do():
+    """Mistral v0.3's template writes the system message into the last user turn only: with the answer after it,
+    the user turn is no longer last and the system text vanishes, so the prompt is not the start of the whole
+    conversation and no (prompt, response) split exists. Seen on main: refused with a generic message (every such
+    row quarantined, nothing said about why); now it names where the two renderings part and what to change."""
+    from fineflow.tokenize.template import RenderError, render_pair
+
+    tokenizer, row = _family_row("mistral")
+    row = {**row, "messages": [{"role": "system", "content": "Be brief."}, *row["messages"]]}
+    with pytest.raises(RenderError, match=r"part at character \d+: the prompt has '.*Be brief.*' where the whole "):
+        render_pair(tokenizer, row)
+    with pytest.raises(RenderError, match="put the system text into the first user message"):
+        render_pair(tokenizer, row)

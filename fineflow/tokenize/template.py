@@ -65,11 +65,26 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, str]:
             f"the tokenizer's chat template cannot render this conversation: {type(exc).__name__}: {exc}"
         ) from None
     if not full.startswith(prompt) or len(full) == len(prompt):
-        raise RenderError(
-            "the tokenizer's chat template does not render the conversation as the prompt "
-            "(with the generation prompt) followed by the assistant's response"
-        )
+        raise RenderError(_not_a_prefix(prompt, full))
     return _template_lead_into_prompt(prompt, full[len(prompt) :], messages[-1].get("content"))
+
+
+def _not_a_prefix(prompt: str, full: str) -> str:
+    """Why a conversation has no (prompt, response) split: where the prompt's rendering and the whole
+    conversation's part, and what to change."""
+    base = (
+        "the tokenizer's chat template does not render the conversation as the prompt "
+        "(with the generation prompt) followed by the assistant's response"
+    )
+    if full.startswith(prompt):
+        return base + ": the assistant's turn renders as nothing"
+    at = next(i for i, (a, b) in enumerate(zip(prompt + "\0", full + "\0")) if a != b)
+    return (
+        f"{base}; the two renderings part at character {at}: the prompt has {prompt[at : at + 40]!r} where the "
+        f"whole conversation has {full[at : at + 40]!r} (a template that places the system message by position, "
+        "as Mistral v0.3's puts it in the last user turn only, does this: put the system text into the first user "
+        "message)"
+    )
 
 
 def _template_lead_into_prompt(prompt: str, response: str, answer) -> tuple[str, str]:
