@@ -8,11 +8,11 @@ Checked for each family: a shard row decodes to the family's rendering of a trai
 sent is the training rendering of that eval row; the gate promoted and the champion's tokenizer carries the
 family's template.
 
-The gate is the shipped one (a paired bootstrap whose CI must exclude 0, min_delta 0, as the tiny config has it).
-A random-initialised model can learn nothing of the bundled tasks in seconds, so every answer in this data is the
-same word: the candidate learns to say it (exact match ~1.0 against the base's 0.0), which is a real improvement
-the gate can see, not a gate told to accept a tie. One choice per multiple-choice row follows (every output is
-the same), so that task scores 1.0 for both models and cannot regress.
+The gate is the shipped one (a paired bootstrap whose CI must exclude 0, min_delta 0 and no regression allowed,
+as the tiny config has it), not one told to accept a tie. A random-initialised model learns nothing of the
+bundled tasks in seconds, so each answer here is one word per kind of instruction (ANSWERS): 100 steps teach the
+candidate enough of that mapping to beat its base on exact match with the CI clear of 0, and the multiple-choice
+task (the four words as options) must not drop.
 
 Each family prints one line of figures (FIGURES) for the issue's note: run with -s to see them.
 """
@@ -31,7 +31,8 @@ from tests.conftest import copy_project, venv_env
 from tests.families import chat_template, save_family
 
 MATRIX = ["llama3", "qwen2.5", "qwen3", "mistral", "gemma2", "phi3"]
-ANSWER = "done"  # every row's answer: what a random-initialised model can learn in a few dozen steps
+# each row's answer: one word per kind of instruction, what a random-initialised model learns in a few dozen steps
+ANSWERS = {"Rewrite": "date", "Which": "number", "Reverse": "words", "Extract": "record"}
 FIGURES = "family figures:"
 OVERRIDES = {
     "model.base": None,  # the family's model directory, per test
@@ -39,10 +40,10 @@ OVERRIDES = {
     "data.eval_path": "data/chat/eval.jsonl",
     "data.mapping.messages": "messages",
     "tokenize.seq_len": 128,
-    "train.steps": 24,
+    "train.steps": 100,
     "train.lr": 0.01,
     "train.lora.target_modules": "all-linear",
-    "checkpoint.every_steps": 12,
+    "checkpoint.every_steps": 50,
     "evaluate.limit": None,
     "evaluate.max_gen_toks": 4,
 }
@@ -50,13 +51,18 @@ OVERRIDES = {
 
 def _chat(row: dict) -> dict:
     user = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
-    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": ANSWER}]}
+    return {
+        "messages": [
+            {"role": "user", "content": user},
+            {"role": "assistant", "content": ANSWERS[row["instruction"].split()[0]]},
+        ]
+    }
 
 
 @pytest.fixture(scope="module")
 def chat_rows():
     """64 train and 16 eval rows of the bundled synthetic tasks, as OpenAI-style chats (bench/chat_quality.py's
-    conversion), every answer ANSWER."""
+    conversion), each answer the word for its kind of instruction."""
     from fineflow.data.synth import split_train_eval
 
     train, evaluation = split_train_eval(64, 16, seed=7)
