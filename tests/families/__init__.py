@@ -6,7 +6,8 @@ whole pipeline on each family).
 A family is the same transformers classes as the real models (GQA, sliding windows, tied embeddings, qk-norm,
 soft-capping, fused qkv) at a width of 64, two layers; the tokenizer is a byte-level BPE trained on the texts it
 will see, plus the family's special tokens, so every control token of the template is one token as in the real
-vocabulary.
+vocabulary, and (for the families whose real tokenizer does) encode() adds the BOS unless told not to: training
+must not double the BOS the template writes, nor lm-eval when it encodes that prompt.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def tiny_model(family: str, seed: int = 0, **overrides):
 
 def build_tokenizer(family: str, texts: list[str], vocab_size: int = 384):
     """A byte-level BPE tokenizer trained on texts, with the family's special tokens and chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokens = TOKENS[family]
@@ -114,6 +115,11 @@ def build_tokenizer(family: str, texts: list[str], vocab_size: int = 384):
         show_progress=False,
     )
     bpe.train_from_iterator(texts, trainer=trainer)
+    if tokens.bos:  # as the real ones (Llama 3, Mistral, Gemma, Phi-3) do: encode() adds BOS unless told not to
+        bos = (tokens.bos, bpe.token_to_id(tokens.bos))
+        bpe.post_processor = processors.TemplateProcessing(
+            single=f"{bos[0]} $A", pair=f"{bos[0]} $A $B", special_tokens=[bos]
+        )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=bpe,
         bos_token=tokens.bos,
