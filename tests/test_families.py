@@ -165,6 +165,18 @@ def _family_end_to_end(family: str, chat_rows, tmp_path: Path) -> None:
     assert figures["gate"] == "promoted", _read(project, "reports/promote.json")
     champion = AutoTokenizer.from_pretrained(project / "models/champion")
     assert champion.chat_template == chat_template(family)
+    _check_merged_champion(project / "models/champion/merged", family, figures["architecture"])
+
+
+def _check_merged_champion(merged: Path, family: str, architecture: str) -> None:
+    """The champion's merged model (where promote exports one) loads as the family's class, tied embeddings and
+    all, with the family's template."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not merged.is_dir():  # an export the promote stage may leave to be built on demand
+        return
+    assert type(AutoModelForCausalLM.from_pretrained(merged)).__name__ == architecture
+    assert AutoTokenizer.from_pretrained(merged).chat_template == chat_template(family)
 
 
 @pytest.mark.scenario
