@@ -10,44 +10,7 @@ import pytest
 import torch
 
 from fineflow.core.errors import FineflowError
-
-LLAMA_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-    max_position_embeddings=128,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
-# family -> (config class, its features beyond TINY, decoder-layer class, linears of one decoder layer)
-FAMILIES = {
-    "llama3": ("LlamaConfig", dict(rope_theta=5e5), "LlamaDecoderLayer", LLAMA_NAMES),
-    "qwen2.5": ("Qwen2Config", dict(tie_word_embeddings=True), "Qwen2DecoderLayer", LLAMA_NAMES),
-    "qwen3": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=True), "Qwen3DecoderLayer", LLAMA_NAMES),
-    "mistral": ("MistralConfig", dict(sliding_window=32), "MistralDecoderLayer", LLAMA_NAMES),
-    "gemma2": (
-        "Gemma2Config",
-        dict(head_dim=16, sliding_window=32, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
-        "Gemma2DecoderLayer",
-        LLAMA_NAMES,
-    ),
-    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=32), "Gemma3DecoderLayer", LLAMA_NAMES),
-    "phi3": ("Phi3Config", dict(), "Phi3DecoderLayer", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
-}
-
-
-def tiny_model(family: str, seed: int = 0):
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    config_class, extra, _, _ = FAMILIES[family]
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**TINY, **extra))
+from tests.families import FAMILIES, LLAMA_NAMES, TINY, tiny_model
 
 
 def _train_params(target_modules):

@@ -86,9 +86,9 @@ def test_smollm2_from_its_package_keeps_its_chat_template_through_tokenize_and_t
     length = int(shard.real_per_row[0])
     ids, mask = shard.tokens[0, :length].tolist(), shard.loss_mask[0, :length]
     rendered = tokenizer.apply_chat_template(CHAT_ROW["messages"], tokenize=False)
-    assert tokenizer.decode(ids) == rendered.rstrip("\n")  # the closing "\n" after the last turn is not trained
+    assert tokenizer.decode(ids) == rendered  # the template's own rendering, its closing "\n" included
     assert rendered.startswith("<|im_start|>system\n") and "<|im_start|>assistant\n07/03/2024<|im_end|>" in rendered
-    assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "07/03/2024<|im_end|>"
+    assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "07/03/2024<|im_end|>\n"  # one EOS
     assert shard.meta["dtype"] == "uint16"  # 49,152 ids fit
 
     # one LoRA step on that row: a finite loss from a real pretrained model, and only the adapter moves

@@ -140,7 +140,7 @@ def test_tokenize_key_follows_rows_tokenizer_and_template(built, tmp_path, monke
 
 def test_a_chat_template_that_ends_the_turn_with_the_eos_trains_one_eos_not_two():
     """ChatML models (SmolLM2, Qwen) end an assistant turn with their EOS (<|im_end|>) and a newline. The
-    response is trained as the template renders it, ended by one EOS: not "<|im_end|>\\n<|im_end|>"."""
+    response is trained as the template renders it, with its one EOS: not "<|im_end|>\\n<|im_end|>"."""
     from fineflow.base.model import EOS, train_tokenizer
     from fineflow.data.tokens import TokenView
 
@@ -152,6 +152,84 @@ def test_a_chat_template_that_ends_the_turn_with_the_eos_trains_one_eos_not_two(
     messages = [{"role": "user", "content": "the date"}, {"role": "assistant", "content": "07/03/2024"}]
     row = {"instruction": "the date", "input": "", "output": "07/03/2024", "messages": messages}
     ids, mask = encode_batch(tokenizer, [row]).example(0)
-    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages, tokenize=False).rstrip("\n")
-    assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "07/03/2024" + EOS
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages, tokenize=False)
+    assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "07/03/2024" + EOS + "\n"
     assert TokenView(tokenizer, 128).measure(row)[0] == len(ids)  # validation counts the tokens trained
+
+
+# --- chat templates of the real families (tests/families) --------------------------------------------------------
+
+
+def _family_row(family: str):
+    from tests.families import build_tokenizer
+
+    messages = [
+        {"role": "user", "content": "Which number is larger?\n\n17 or 62"},
+        {"role": "assistant", "content": "62"},
+    ]
+    row = {"instruction": messages[0]["content"], "input": "", "output": "62", "messages": messages}
+    texts = ["Which number is larger? 17 or 62", "62 is larger than 17"] * 20
+    return build_tokenizer(family, texts, vocab_size=300), row
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2.5", "mistral"])
+def test_a_turn_the_template_ends_with_the_eos_token_is_trained_on_one_eos(family):
+    """Seen on main: Llama 3.1's template ends the assistant's turn with <|eot_id|>, Qwen's with <|im_end|>\\n,
+    Mistral's with </s>, each the tokenizer's EOS; the tokenize stage appended a second EOS after it, so the model
+    was trained to end every answer with two (<|eot_id|><|eot_id|>)."""
+    tokenizer, row = _family_row(family)
+    ids, mask = encode_batch(tokenizer, [row]).example(0)
+    trained = [t for t, m in zip(ids, mask) if m]
+    assert trained.count(tokenizer.eos_token_id) == 1
+    assert tokenizer.decode(trained).rstrip().endswith(tokenizer.eos_token)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "phi3"])
+def test_a_turn_the_template_ends_with_another_token_still_ends_with_eos(family):
+    """Gemma's turn ends with <end_of_turn>, Phi-3's with <|end|>: not the EOS, which training appends."""
+    tokenizer, row = _family_row(family)
+    ids, mask = encode_batch(tokenizer, [row]).example(0)
+    assert ids[-1] == tokenizer.eos_token_id and mask[-1] == 1
+    assert [t for t, m in zip(ids, mask) if m].count(tokenizer.eos_token_id) == 1
+
+
+def test_qwen3s_empty_think_block_is_part_of_the_prompt():
+    """Seen on main: Qwen3's template opens the last assistant turn with an empty "<think>\\n\\n</think>\\n\\n"; it
+    was the start of the trained response, so evaluation's generation (prompted up to "<|im_start|>assistant\\n",
+    stopped at the first newline) read "<think>" and never the answer: exact match 0 whatever the model learned.
+    The block is now the end of the prompt (Qwen3's own non-thinking prompt, enable_thinking=False), for training
+    and evaluation alike, and the response is the answer."""
+    from fineflow.tokenize.template import render_pair
+
+    tokenizer, row = _family_row("qwen3")
+    prompt, response = render_pair(tokenizer, row)
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert response == "62<|im_end|>\n"
+    assert prompt == tokenizer.apply_chat_template(
+        row["messages"][:1], add_generation_prompt=True, enable_thinking=False, tokenize=False
+    )
+
+
+def test_a_whitespace_the_template_puts_before_the_answer_stays_in_the_response():
+    """Mistral's " " + content: a lone space stays with the answer (a prompt ending in a space tokenizes unlike
+    anything the model saw), so the prompt still ends at [/INST]."""
+    from fineflow.tokenize.template import render_pair
+
+    tokenizer, row = _family_row("mistral")
+    prompt, response = render_pair(tokenizer, row)
+    assert prompt.endswith("[/INST]") and response == " 62</s>"
+
+
+def test_a_system_message_mistrals_template_moves_is_refused_with_where_and_what_to_do():
+    """Mistral v0.3's template writes the system message into the last user turn only: with the answer after it,
+    the user turn is no longer last and the system text vanishes, so the prompt is not the start of the whole
+    conversation and no (prompt, response) split exists. Seen on main: refused with a generic message (every such
+    row quarantined, nothing said about why); now it names where the two renderings part and what to change."""
+    from fineflow.tokenize.template import RenderError, render_pair
+
+    tokenizer, row = _family_row("mistral")
+    row = {**row, "messages": [{"role": "system", "content": "Be brief."}, *row["messages"]]}
+    with pytest.raises(RenderError, match=r"part at character \d+: the prompt has '.*Be brief.*' where the whole "):
+        render_pair(tokenizer, row)
+    with pytest.raises(RenderError, match="put the system text into the first user message"):
+        render_pair(tokenizer, row)

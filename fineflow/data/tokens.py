@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from fineflow.tokenize.template import RenderError, _ids, render_pair
+from fineflow.tokenize.template import RenderError, _ids, ends_with_eos, render_pair
 
 EXACT_TOKEN_CHARS = 16_384  # texts up to this long are tokenized whole (exact counts) ...
 TOKEN_PIECE_CHARS = 4_096  # ... longer ones in pieces of this size
@@ -83,7 +83,9 @@ class TokenView:
             if isinstance(pair, str):
                 out.append((None, None, pair))
                 continue
-            prompt, response = next(counts), next(counts) + 1  # the EOS that ends every response is trained on
+            # the EOS that ends every response is trained on: appended unless the template already wrote it
+            appended = 0 if ends_with_eos(self.tokenizer, pair[1]) else 1
+            prompt, response = next(counts), next(counts) + appended
             total = prompt + response
             out.append((total, max(0, min(self.seq_len, total) - prompt), None))
         return out

@@ -2,7 +2,8 @@
 
 Training tokenizes the prompt and the response separately and concatenates them, so the prompt's tokens
 at training time are exactly the tokens lm-eval feeds the model at evaluation time (it encodes the
-rendered prompt alone). Only the response (and the EOS that ends it) is trained on.
+rendered prompt alone). Only the response (and the EOS that ends it, appended unless the chat template
+already ended the turn with the EOS token) is trained on.
 
 Fields follow a space, never a newline, and the response is " " + output: byte-level BPE tokenizers
 (GPT-2 style) learn words with their leading space, so " Paris" is the token the base model already
@@ -10,7 +11,8 @@ knows, while "Paris" after a newline would be split into rarer pieces it has to 
 
 Chat rows (validated rows that keep their ``messages``) are rendered with the tokenizer's own chat
 template when it has one — the format an instruct model was trained on — as prompt = the conversation
-up to the generation prompt, response = what the full conversation adds after it. Tokenizers without a
+up to the generation prompt, response = what the full conversation adds after it (text the template writes
+before the answer, Qwen3's empty think block, counts as prompt). Tokenizers without a
 chat template (the embedded one) render chat rows through the fineflow template like any other row.
 """
 
@@ -25,6 +27,9 @@ import numpy as np
 PROMPT_WITH_INPUT = "### Instruction: {instruction}\n### Input: {input}\n### Response:"
 PROMPT_NO_INPUT = "### Instruction: {instruction}\n### Response:"
 RESPONSE_PREFIX = " "  # lm-eval's target_delimiter; stripped from generations before exact match
+# How chat rows are split and ended (in template_hash, so shards of an older rule are rebuilt): 2 = the template's
+# lead before the answer goes to the prompt, and no second EOS after a turn the template ends with EOS.
+CHAT_RENDERING = "chat-rendering 2"
 
 
 class RenderError(ValueError):
@@ -46,11 +51,7 @@ def template_hash(tokenizer=None) -> str:
     """Changes whenever the template text (or the tokenizer's chat template) changes, so shards built
     with another template are rebuilt."""
     chat = chat_template_of(tokenizer) or "" if tokenizer is not None else ""
-    parts = [PROMPT_WITH_INPUT, PROMPT_NO_INPUT, RESPONSE_PREFIX, chat]
-    eos = getattr(tokenizer, "eos_token", None)
-    if isinstance(eos, str) and eos and eos in chat:  # shards of such templates had the EOS twice before
-        parts.append("eos-once")  # _without_closing_eos: other tokenizers' shards keep their key
-    text = "\0".join(parts)
+    text = "\0".join([PROMPT_WITH_INPUT, PROMPT_NO_INPUT, RESPONSE_PREFIX, CHAT_RENDERING, chat])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -64,21 +65,46 @@ def render_chat(tokenizer, messages: list[dict]) -> tuple[str, str]:
             f"the tokenizer's chat template cannot render this conversation: {type(exc).__name__}: {exc}"
         ) from None
     if not full.startswith(prompt) or len(full) == len(prompt):
-        raise RenderError(
-            "the tokenizer's chat template does not render the conversation as the prompt "
-            "(with the generation prompt) followed by the assistant's response"
-        )
-    return prompt, _without_closing_eos(tokenizer, full[len(prompt) :])
+        raise RenderError(_not_a_prefix(prompt, full))
+    return _template_lead_into_prompt(prompt, full[len(prompt) :], messages[-1].get("content"))
 
 
-def _without_closing_eos(tokenizer, response: str) -> str:
-    """The response less the EOS that closes it in the template's text (ChatML: "<|im_end|>\n"): every response
-    is ended by the EOS appended as a token id, so one kept here too would be trained on twice."""
-    eos = getattr(tokenizer, "eos_token", None)
-    closed = response.rstrip()
-    if isinstance(eos, str) and eos and closed.endswith(eos):
-        return closed[: -len(eos)]
-    return response
+def _not_a_prefix(prompt: str, full: str) -> str:
+    """Why a conversation has no (prompt, response) split: where the prompt's rendering and the whole
+    conversation's part, and what to change."""
+    base = (
+        "the tokenizer's chat template does not render the conversation as the prompt "
+        "(with the generation prompt) followed by the assistant's response"
+    )
+    if full.startswith(prompt):
+        return base + ": the assistant's turn renders as nothing"
+    at = next(i for i, (a, b) in enumerate(zip(prompt + "\0", full + "\0")) if a != b)
+    return (
+        f"{base}; the two renderings part at character {at}: the prompt has {prompt[at : at + 40]!r} where the "
+        f"whole conversation has {full[at : at + 40]!r} (a template that places the system message by position, "
+        "as Mistral v0.3's puts it in the last user turn only, does this: put the system text into the first user "
+        "message)"
+    )
+
+
+def _template_lead_into_prompt(prompt: str, response: str, answer) -> tuple[str, str]:
+    """Text the template writes between the generation prompt and the assistant's answer (Qwen3's empty
+    "<think>\n\n</think>\n\n") belongs to the prompt: the model is not to learn it, and evaluation, which
+    prompts with the prompt and stops generating at a newline, would otherwise read it instead of the answer.
+    With it the prompt is Qwen3's own non-thinking prompt (enable_thinking=False). Whitespace alone (Mistral's
+    " " + answer) stays with the answer: a prompt ending in a space tokenizes unlike what the model saw."""
+    start = response.find(answer.strip()) if isinstance(answer, str) and answer.strip() else -1
+    lead = response[:start] if start > 0 else ""
+    if not lead.strip():
+        return prompt, response
+    return prompt + lead, response[start:]
+
+
+def ends_with_eos(tokenizer, response: str) -> bool:
+    """Whether the rendered response already ends the turn with the EOS token (Llama 3.1's <|eot_id|>, Qwen's
+    <|im_end|>\n, Mistral's </s>): then training appends no second one."""
+    eos = tokenizer.eos_token
+    return bool(eos) and response.rstrip().endswith(eos)
 
 
 def render_pair(tokenizer, row: dict) -> tuple[str, str]:
@@ -96,7 +122,8 @@ def encode_example(tokenizer, instruction: str, input: str, output: str) -> tupl
 
 def encode_pair(tokenizer, prompt: str, response: str) -> tuple[list[int], list[int]]:
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-    response_ids = tokenizer.encode(response, add_special_tokens=False) + [tokenizer.eos_token_id]
+    eos = [] if ends_with_eos(tokenizer, response) else [tokenizer.eos_token_id]
+    response_ids = tokenizer.encode(response, add_special_tokens=False) + eos
     return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
 
 
@@ -160,12 +187,10 @@ def encode_batch(tokenizer, rows: list[dict]) -> EncodedBatch:
     response_ids = _ids(tokenizer, [r for _, r in pairs])
     segments = np.empty(2 * len(rows), dtype=np.int64)
     segments[0::2] = [len(p) for p in prompt_ids]
-    segments[1::2] = [len(r) + 1 for r in response_ids]  # + EOS
-    eos = (tokenizer.eos_token_id,)
+    eos = [() if ends_with_eos(tokenizer, r) else (tokenizer.eos_token_id,) for _, r in pairs]
+    segments[1::2] = [len(r) + len(e) for r, e in zip(response_ids, eos)]  # + EOS where the template has none
     ids = np.fromiter(
-        itertools.chain.from_iterable(
-            itertools.chain.from_iterable(zip(prompt_ids, response_ids, itertools.repeat(eos)))
-        ),
+        itertools.chain.from_iterable(itertools.chain.from_iterable(zip(prompt_ids, response_ids, eos))),
         dtype=np.int64,
         count=int(segments.sum()),
     )
