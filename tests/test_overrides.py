@@ -22,7 +22,7 @@ def test_overrides_are_written_as_dvc_exp_run_writes_them_keeping_the_files_comm
     assert (loaded.train.lr, loaded.seed, loaded.train.lora.r) == (0.001, 3, 16)
     assert loaded.evaluate.tasks == ["fineflow_synth"]
     text = params.read_text(encoding="utf-8")
-    assert text.startswith("# fineflow hyperparameters") and "# tiny models take a high LoRA learning rate" in text
+    assert text.startswith("# fineflow hyperparameters") and "# the embedded model's LoRA rate" in text
     untouched = yaml.safe_load((ROOT / "params.yaml").read_text(encoding="utf-8"))
     assert yaml.safe_load(text)["base"] == untouched["base"]  # nothing else moved
     assert apply(params, {}) == []
