@@ -8,6 +8,8 @@ that a user can point the pipeline at their own files by editing params alone).
 The field defaults below are the values the project ships: ``params.yaml`` states every one of them (with the
 trade-offs in its comments) and tests/test_config.py fails on any key where the two differ. Library code
 takes these values from the models instead of repeating them as defaults of its own: a second copy drifts.
+Each field's ``description`` is its meaning in the params reference (docs/reference/params.md), which
+``fineflow params-doc`` generates from these models (fineflow.params_doc); a test fails on a field without one.
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ class ValidationChecks(_Section):
         "a copy of an earlier row up to case, punctuation and spacing", severity="warn"
     )
     pii: CheckParams = _check("an e-mail address, phone number or other PII (when validate.pii is quarantine)")
-    leakage: CheckParams = _check("a train row that overlaps the eval data (validate.leakage_*)")
+    leakage: CheckParams = _check("a train row that overlaps the eval data (`validate.leakage_*`)")
     # token-level (need the base tokenizer): rows longer than tokenize.seq_len get truncated ...
     truncation: CheckParams = _check(
         "a row longer than tokenize.seq_len tokens (it is truncated)", severity="warn", max_share=0.05
@@ -251,7 +253,9 @@ class TrainParams(_Section):
     """The train stage: method, precision, hardware, optimizer and schedule."""
 
     method: Literal["lora", "qlora", "full"] = Field(
-        "lora", description="lora; qlora: 4-bit base via bitsandbytes (CUDA only); full: every weight is trained"
+        "lora",
+        description="lora: adapters on a frozen base; qlora: the same on a 4-bit base (bitsandbytes, CUDA only); "
+        "full: every weight",
     )
     # mixed precision. auto: the accelerate profile's mixed_precision, else bf16 on a bf16 GPU, else "no" (fp32);
     # an explicit value wins over the profile (a conflict is logged and reported). fp16 needs a GPU (loss scaling)
@@ -390,7 +394,7 @@ class PromoteParams(_Section):
     """The promotion gate: when a candidate replaces the champion."""
 
     primary_metric: str = Field(
-        "fineflow_synth/exact_match", description='the metric that decides, "<task>/<metric>" of evaluate.tasks'
+        "fineflow_synth/exact_match", description="the metric that decides, `<task>/<metric>` of evaluate.tasks"
     )
     min_delta: float = Field(
         0.05, ge=0, description="the candidate must beat the champion (or the base) by this much on primary_metric"
@@ -495,7 +499,9 @@ class Params(_Section):
     checkpoint: CheckpointSettings = Field(
         CheckpointSettings(), description="when and how the train stage saves checkpoints"
     )
-    evaluate: EvaluateParams = Field(EvaluateParams(), description="lm-eval tasks scored on the candidate and base")
+    evaluate: EvaluateParams = Field(
+        EvaluateParams(), description="the lm-eval tasks the candidate and its base are scored on"
+    )
     promote: PromoteParams = Field(
         PromoteParams(), description="the gate that decides whether the candidate is champion"
     )
