@@ -234,7 +234,12 @@ class LoraParams(_Section):
 
     r: int = Field(16, gt=0, description="adapter rank: higher adapts more and costs memory")
     alpha: float = Field(32, gt=0, description="adapter scaling numerator (the update is scaled by alpha / r)")
-    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input (non-zero disables fused_lora)")
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="dropout on the adapter's input; non-zero makes every layer take peft's forward, not fused_lora",
+    )
     # the linears of each decoder layer that get an adapter, in Llama's names (a model with a fused qkv / gate_up
     # linear adapts that one for them: fineflow.train.architecture), or "all-linear": every linear but the head
     target_modules: list[str] = Field(
@@ -330,7 +335,9 @@ class TrainParams(_Section):
     resume: Literal["auto", "never"] = Field(
         "auto", description="auto: a re-run continues from the newest valid checkpoint of this config; never"
     )
-    log_every: int = Field(50, gt=0, description="log loss, learning rate and throughput every N steps")
+    log_every: int = Field(
+        50, gt=0, description="a progress line (step, loss, tokens/s, ETA) every N steps when not on a terminal"
+    )
     prefetch: int = Field(2, ge=0, description="optimizer steps of batches prepared ahead on a background thread")
     tracker: Literal["tensorboard", "mlflow", "none"] = Field(
         "tensorboard", description="accelerate experiment tracker, logging under logs/"
