@@ -2,7 +2,8 @@
 list|show|apply`` (model-family recipes written into params.yaml after the planner's check: fineflow.recipes),
 ``registry verify|rollback|repair|list`` (the model registry: fineflow.registry.verify, rollback and repair in
 fineflow.registry.champion), ``lineage`` (fineflow.registry.lineage) and ``data add`` (new training data for the
-on-new-data deployment).
+on-new-data deployment), ``doctor`` (fineflow.goodput.doctor) and ``params-doc`` (the params reference:
+fineflow.params_doc).
 
     fineflow plan --model 7B --method lora --precision bf16 --micro-batch 4 --seq-len 2048
     fineflow plan --model 8B --micro-batch 2 --seq-len 4096 --attention flash --device-gib 80
@@ -19,6 +20,7 @@ on-new-data deployment).
     fineflow lineage models/champion     # or a candidate id, or reports/lineage/<id>.json
     fineflow data add data/mine/train.jsonl   # dvc add it, then tell Prefect (the on-new-data deployment runs)
     fineflow doctor [reports/goodput.json] [--json] [--fail-on severe|warn|never]   # a run's bottlenecks
+    fineflow params-doc --out docs/reference/params.md [--check]   # the params reference, from config.py
     python -m fineflow.cli plan ...     # the same, without the installed script
 
 Exit status of plan: 0 when the plan fits (or no --device-gib was given), 1 when it does not; of registry
@@ -582,6 +584,43 @@ def _run_recipe_apply(args) -> int:
     return 0
 
 
+def _params_doc_parser(sub) -> None:
+    from fineflow.params_doc import DEFAULT_PAGE
+
+    p = sub.add_parser(
+        "params-doc",
+        help="the params.yaml reference (every key's type, default, bounds, meaning) from fineflow/core/config.py",
+        description="Write the params reference, generated from the typed models that validate params.yaml "
+        "(fineflow/params_doc.py): to stdout, to --out, or compare it with the committed page (--check).",
+        epilog=f"Exit codes: 0 written (or up to date); 1 --check found the page stale or missing. Regenerate: "
+        f"fineflow params-doc --out {DEFAULT_PAGE}",
+    )
+    p.add_argument("--out", type=Path, help="write the page to this file (docs/reference/params.md) instead of stdout")
+    p.add_argument("--check", action="store_true", help=f"exit 1 when --out (default {DEFAULT_PAGE}) is not current")
+    p.set_defaults(run=_run_params_doc)
+
+
+def _run_params_doc(args) -> int:
+    from fineflow.params_doc import DEFAULT_PAGE, REGENERATE, render
+
+    page = render()
+    if args.check:
+        path = args.out or DEFAULT_PAGE
+        current = path.read_text(encoding="utf-8") if path.is_file() else None
+        if current != page:
+            state = "differs from fineflow/core/config.py" if current is not None else "is missing"
+            print(f"{path} {state}: regenerate it with `{REGENERATE}`", file=sys.stderr)
+            return 1
+        print(f"{path} is up to date")
+    elif args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(page, encoding="utf-8")
+        print(f"wrote {args.out}")
+    else:
+        print(page, end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fineflow", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command")
@@ -592,6 +631,7 @@ def build_parser() -> argparse.ArgumentParser:
     _data_parser(sub)
     _ci_parser(sub)
     _doctor_parser(sub)
+    _params_doc_parser(sub)
     return parser
 
 

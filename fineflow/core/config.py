@@ -8,6 +8,8 @@ that a user can point the pipeline at their own files by editing params alone).
 The field defaults below are the values the project ships: ``params.yaml`` states every one of them (with the
 trade-offs in its comments) and tests/test_config.py fails on any key where the two differ. Library code
 takes these values from the models instead of repeating them as defaults of its own: a second copy drifts.
+Each field's ``description`` is its meaning in the params reference (docs/reference/params.md), which
+``fineflow params-doc`` generates from these models (fineflow.params_doc); a test fails on a field without one.
 """
 
 from __future__ import annotations
@@ -27,16 +29,27 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _enforced(**bounds: int | float) -> dict:
+    """Bounds a validator enforces with its own message (so not as ``ge``/``le``): shown in the params reference."""
+    return {"enforced_bounds": bounds}
+
+
 class ModelParams(_Section):
     """The base model. ``embedded`` builds a tiny local Llama in the ``base`` stage."""
 
-    base: str = EMBEDDED_BASE
-    hidden_size: int = Field(128, gt=0)
-    intermediate_size: int = Field(384, gt=0)
-    num_layers: int = Field(4, gt=0)
-    num_heads: int = Field(4, gt=0)
-    vocab_size: int = Field(1024, ge=300)  # must hold the 256 byte symbols plus specials
-    max_position_embeddings: int = Field(512, gt=0)
+    base: str = Field(
+        EMBEDDED_BASE,
+        description='"embedded" builds a tiny local Llama (the base stage); or a local model folder or a Hugging Face '
+        "hub id (`fineflow recipe apply NAME` sets one with its hyperparameters)",
+    )
+    hidden_size: int = Field(128, gt=0, description="embedded model: width; must be divisible by num_heads")
+    intermediate_size: int = Field(384, gt=0, description="embedded model: width of each MLP's hidden layer")
+    num_layers: int = Field(4, gt=0, description="embedded model: decoder layers")
+    num_heads: int = Field(4, gt=0, description="embedded model: attention heads per layer")
+    vocab_size: int = Field(
+        1024, ge=300, description="embedded model: tokenizer vocabulary (at least the 256 byte symbols plus specials)"
+    )
+    max_position_embeddings: int = Field(512, gt=0, description="embedded model: longest sequence it has positions for")
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> ModelParams:
@@ -52,24 +65,33 @@ class ModelParams(_Section):
 class BaseParams(_Section):
     """Brief pretraining of the embedded base so that LoRA has a model that has learned something."""
 
-    corpus_docs: int = Field(20000, gt=0)
-    steps: int = Field(1200, ge=0)
-    batch_size: int = Field(16, gt=0)
-    seq_len: int = Field(128, gt=8)
-    lr: float = Field(3e-3, gt=0)
-    warmup_steps: int = Field(20, ge=0)
+    corpus_docs: int = Field(20000, gt=0, description="synthetic documents in the pretraining corpus")
+    steps: int = Field(1200, ge=0, description="pretraining steps: more is a stronger base and a longer base stage")
+    batch_size: int = Field(16, gt=0, description="sequences per pretraining step")
+    seq_len: int = Field(128, gt=8, description="tokens per pretraining sequence")
+    lr: float = Field(3e-3, gt=0, description="pretraining peak learning rate")
+    warmup_steps: int = Field(20, ge=0, description="pretraining steps of linear learning-rate warmup")
 
 
 class DataParams(_Section):
     """The bundled synthetic dataset, and where the pipeline reads train/eval rows from."""
 
-    train_path: str = "data/raw/train.jsonl"
-    eval_path: str = "data/raw/eval.jsonl"
-    n_train: int = Field(4000, gt=0)
-    n_eval: int = Field(200, gt=0)
-    bad_row_share: float = Field(0.03, ge=0, lt=0.5)  # deliberately bad rows so validation has work
-    format: Literal["auto", "jsonl", "csv", "parquet"] = "auto"  # auto: by file extension
-    mapping: FieldMapping = Field(default_factory=lambda: FieldMapping())
+    train_path: str = Field(
+        "data/raw/train.jsonl", description="the training rows: point it at your own file to train on it"
+    )
+    eval_path: str = Field("data/raw/eval.jsonl", description="the evaluation rows (held out; checked for leakage)")
+    n_train: int = Field(4000, gt=0, description="rows of the bundled synthetic train split (the data stage)")
+    n_eval: int = Field(200, gt=0, description="rows of the bundled synthetic eval split")
+    bad_row_share: float = Field(
+        0.03, ge=0, lt=0.5, description="share of deliberately bad rows in the bundled train split, for validation"
+    )
+    format: Literal["auto", "jsonl", "csv", "parquet"] = Field(
+        "auto", description="file format of train_path and eval_path; auto: by file extension"
+    )
+    mapping: FieldMapping = Field(
+        default_factory=lambda: FieldMapping(),
+        description="which source column feeds each internal field (instruction, input, output, or chat messages)",
+    )
 
     @field_validator("train_path", "eval_path")
     @classmethod
@@ -87,10 +109,14 @@ class FieldMapping(_Section):
     the assistant's response, the conversation before it the prompt). A column named here that the file
     does not have is a clear error."""
 
-    instruction: str = "instruction"
-    input: str | None = "input"  # null: the data has no separate input field
-    output: str = "output"
-    messages: str | None = None  # set for chat data; then instruction/input/output are derived from it
+    instruction: str = Field("instruction", description="source column of the instruction (prompt/completion: prompt)")
+    input: str | None = Field("input", description="source column of the optional input; null: the data has none")
+    output: str = Field("output", description="source column of the response (prompt/completion: completion)")
+    messages: str | None = Field(
+        None,
+        description="chat data: the column of OpenAI-style {role, content} lists; the last message is the response "
+        "and the three columns above are unused",
+    )
 
 
 DataParams.model_rebuild()
@@ -100,42 +126,71 @@ class CheckParams(_Section):
     """How one validation check acts: ``error`` quarantines failing rows and blocks the flow when more than
     ``max_share`` of the rows fail; ``warn`` keeps the rows and only reports them."""
 
-    severity: Literal["error", "warn"] = "error"
-    max_share: float = Field(0.10, ge=0, le=1)
+    severity: Literal["error", "warn"] = Field(
+        "error", description="error: quarantine failing rows, block above max_share; warn: keep them, report only"
+    )
+    max_share: float = Field(0.10, ge=0, le=1, description="share of rows failing this check that blocks the flow")
+
+
+def _check(meaning: str, **knobs) -> CheckParams:
+    """A validation check's knobs, with what the check looks for as the field's description."""
+    return Field(CheckParams(**knobs), description=meaning)
 
 
 class ValidationChecks(_Section):
-    types: CheckParams = CheckParams()
-    non_null: CheckParams = CheckParams()
-    non_empty: CheckParams = CheckParams()
-    length_chars: CheckParams = CheckParams()
-    duplicate: CheckParams = CheckParams()
-    near_duplicate: CheckParams = CheckParams(severity="warn")  # same text up to case/punctuation/spacing
-    pii: CheckParams = CheckParams()
-    leakage: CheckParams = CheckParams()  # train rows that overlap the eval data
+    """Each category of data checks (fineflow.data.checks) and how it acts."""
+
+    types: CheckParams = _check("a field that is not a string, or text with a NUL or another control character")
+    non_null: CheckParams = _check("a required field (instruction, output) that is null")
+    non_empty: CheckParams = _check("an output that is empty or only whitespace or invisible characters")
+    length_chars: CheckParams = _check("instruction + input + output outside validate.min_chars..max_chars")
+    duplicate: CheckParams = _check("an exact copy of an earlier row (the first copy passes)")
+    near_duplicate: CheckParams = _check(
+        "a copy of an earlier row up to case, punctuation and spacing", severity="warn"
+    )
+    pii: CheckParams = _check("an e-mail address, phone number or other PII (when validate.pii is quarantine)")
+    leakage: CheckParams = _check("a train row that overlaps the eval data (`validate.leakage_*`)")
     # token-level (need the base tokenizer): rows longer than tokenize.seq_len get truncated ...
-    truncation: CheckParams = CheckParams(severity="warn", max_share=0.05)
+    truncation: CheckParams = _check(
+        "a row longer than tokenize.seq_len tokens (it is truncated)", severity="warn", max_share=0.05
+    )
     # ... and a row whose response is cut away entirely would train on nothing
-    label_coverage: CheckParams = CheckParams(max_share=0.05)
+    label_coverage: CheckParams = _check(
+        "a row with no response token left to train on after truncation", max_share=0.05
+    )
     # chat rows: the tokenizer's chat template must render every conversation as prompt + response
-    chat_template: CheckParams = CheckParams()
+    chat_template: CheckParams = _check("a chat row that the tokenizer's chat template cannot render")
 
 
 class ValidateParams(_Section):
     """The great-expectations gate."""
 
-    min_chars: int = Field(1, ge=0)
-    max_chars: int = Field(2000, gt=0)  # instruction+input+output, in characters
-    max_bad_share: float = Field(0.10, ge=0, le=1)  # more quarantined rows than this fails the flow
-    pii: Literal["quarantine", "redact"] = "quarantine"  # redact: replace spans with [EMAIL], [PHONE], ...
-    leakage_ngram: int = Field(8, gt=0)  # word n-gram length for train/eval overlap
-    leakage_max_overlap: float = Field(0.5, gt=0, le=1)  # a train row sharing more of its n-grams leaks
+    min_chars: int = Field(1, ge=0, description="shortest row, instruction + input + output, in characters")
+    max_chars: int = Field(2000, gt=0, description="longest row, instruction + input + output, in characters")
+    max_bad_share: float = Field(
+        0.10, ge=0, le=1, description="quarantining more than this share of the rows fails the flow"
+    )
+    pii: Literal["quarantine", "redact"] = Field(
+        "quarantine",
+        description="rows with PII: quarantine them, or redact (keep the row, replace spans with [EMAIL], [PHONE]...)",
+    )
+    leakage_ngram: int = Field(8, gt=0, description="word n-gram length compared between train rows and the eval data")
+    leakage_max_overlap: float = Field(
+        0.5, gt=0, le=1, description="a train row with more than this share of its n-grams in the eval data leaks"
+    )
     # a source row (a JSONL line, a CSV record, a Parquet row as JSON) over this many bytes is quarantined by
     # the reader, unparsed and never held whole: validating it would cost ~11x its size. 1 MiB is far over any
     # row that trains whole: 65,536 tokens (tokenize.seq_len's maximum) of ~4 bytes, or of JSON-escaped
     # non-ASCII (6 bytes a character), take 256-384 KiB
-    max_row_bytes: int = Field(1 << 20, ge=1024, le=2**31 - 1)
-    checks: ValidationChecks = ValidationChecks()
+    max_row_bytes: int = Field(
+        1 << 20,
+        ge=1024,
+        le=2**31 - 1,
+        description="a larger source row is quarantined unparsed (validating it costs ~11x its size); >= max_chars",
+    )
+    checks: ValidationChecks = Field(
+        ValidationChecks(), description="per check category: its severity and the share of failing rows that blocks"
+    )
 
     @model_validator(mode="after")
     def _row_holds_max_chars(self) -> ValidateParams:
@@ -152,9 +207,16 @@ MAX_SEQ_LEN = 2**16
 
 
 class TokenizeParams(_Section):
-    seq_len: int = Field(512, gt=8)  # packed row length; examples longer than this are truncated
-    workers: int = Field(1, gt=0)  # tokenizer processes; the output is identical for any count
-    pack_window: int = Field(20000, gt=0)  # examples packed together; bounds memory, not the result much
+    """Tokenization and packing of the validated rows into fixed-length shards."""
+
+    seq_len: int = Field(
+        512,
+        gt=8,
+        json_schema_extra=_enforced(le=MAX_SEQ_LEN),
+        description="packed row length in tokens; longer examples are truncated, attention cost grows with it",
+    )
+    workers: int = Field(1, gt=0, description="tokenizer processes; the shards are identical for any count")
+    pack_window: int = Field(20000, gt=0, description="examples packed together at a time: bounds memory on big data")
 
     @field_validator("seq_len")
     @classmethod
@@ -168,12 +230,23 @@ class TokenizeParams(_Section):
 
 
 class LoraParams(_Section):
-    r: int = Field(16, gt=0)  # higher adapts more and costs memory
-    alpha: float = Field(32, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    """The LoRA adapter (train.method lora or qlora)."""
+
+    r: int = Field(16, gt=0, description="adapter rank: higher adapts more and costs memory")
+    alpha: float = Field(32, gt=0, description="adapter scaling numerator (the update is scaled by alpha / r)")
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="dropout on the adapter's input; non-zero makes every layer take peft's forward, not fused_lora",
+    )
     # the linears of each decoder layer that get an adapter, in Llama's names (a model with a fused qkv / gate_up
     # linear adapts that one for them: fineflow.train.architecture), or "all-linear": every linear but the head
-    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description='linears of each decoder layer that get an adapter, in Llama\'s names; or "all-linear" (all but '
+        "the head)",
+    )
 
     @field_validator("target_modules", mode="before")
     @classmethod
@@ -182,10 +255,19 @@ class LoraParams(_Section):
 
 
 class TrainParams(_Section):
-    method: Literal["lora", "qlora", "full"] = "lora"  # qlora: 4-bit base via bitsandbytes, CUDA only
+    """The train stage: method, precision, hardware, optimizer and schedule."""
+
+    method: Literal["lora", "qlora", "full"] = Field(
+        "lora",
+        description="lora: adapters on a frozen base; qlora: the same on a 4-bit base (bitsandbytes, CUDA only); "
+        "full: every weight",
+    )
     # mixed precision. auto: the accelerate profile's mixed_precision, else bf16 on a bf16 GPU, else "no" (fp32);
     # an explicit value wins over the profile (a conflict is logged and reported). fp16 needs a GPU (loss scaling)
-    precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    precision: Literal["auto", "no", "bf16", "fp16"] = Field(
+        "auto",
+        description='mixed precision; auto: the profile\'s (else bf16 on a bf16 GPU, else "no": fp32); fp16: GPU only',
+    )
 
     @field_validator("precision", mode="before")
     @classmethod
@@ -194,103 +276,175 @@ class TrainParams(_Section):
         # (`dvc exp run -S`, the flow's overrides): read as what it was written from
         return "no" if value is False else value
 
-    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
+    gradient_checkpointing: bool = Field(
+        False, description="recompute activations in backward: less memory, ~1/3 more compute"
+    )
     # attention over packed rows. varlen: per example, cost sum(len^2) (fineflow.train.attention; any device);
     # sdpa: transformers' block-diagonal (L x L) mask over the whole row; flash_attention_2: flash-attn's
     # varlen kernel from the same position ids (CUDA + the flash-attn package)
-    attention: Literal["varlen", "sdpa", "flash_attention_2"] = "varlen"
+    attention: Literal["varlen", "sdpa", "flash_attention_2"] = Field(
+        "varlen",
+        description="attention over packed rows; varlen: per example (any device); sdpa: a dense block-diagonal "
+        "mask; flash_attention_2: CUDA + flash-attn",
+    )
     # LoRA layers as one autograd op (base GEMM + low-rank update accumulated in place; fineflow.train.fused_lora);
     # false: peft's own forward. Not applied under DeepSpeed ZeRO-3 (parameters gathered per module)
-    fused_lora: bool = True
+    fused_lora: bool = Field(
+        True, description="LoRA layers as one fused op (same maths, faster); false: peft's forward"
+    )
     # the loss projects at most this many trained tokens onto the vocabulary at a time (fineflow.train.loss), so
     # the tokens x vocab logits never exist whole; a micro-batch with no more trained tokens, 0, or a model with
     # soft-capped/scaled logits takes the plain path (all at once). Memory: chunk x vocab x ~10 bytes
-    loss_chunk_tokens: int = Field(1024, ge=0)
+    loss_chunk_tokens: int = Field(
+        1024, ge=0, description="trained tokens projected onto the vocabulary at a time in the loss; 0: all at once"
+    )
     # hardware: an accelerate config under configs/accelerate (or a path); "auto" derives it from
     # num_processes and whether there is a GPU
-    accelerate_profile: str = "auto"
+    accelerate_profile: str = Field(
+        "auto",
+        description="hardware: a file of configs/accelerate (fsdp_lora, deepspeed_zero3...) or a path; auto: derived",
+    )
     # data-parallel ranks over all machines. null (the default): the profile's num_processes, 1 without a profile
     # file, so picking a profile is enough; a value set here that contradicts the profile's is refused
     # (fineflow.train.profile.resolve_processes). 2 with the auto profile on CPU = DDP over gloo
-    num_processes: int | None = Field(None, gt=0)
-    num_machines: int = Field(1, gt=0)  # >1: launch once per machine with --machine-rank/--main-process-ip
-    auto_fit: bool = False  # plan exceeds device memory: adapt (checkpointing, smaller micro-batch) or refuse
-    device_memory_gib: float | None = Field(None, gt=0)  # per device; null = detect (GPU memory, or RAM/ranks)
-    steps: int = Field(800, gt=0)  # optimizer steps
-    micro_batch_size: int = Field(2, gt=0)  # packed rows per process per micro-step
-    grad_accum: int = Field(1, gt=0)
-    lr: float = Field(3e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(20, ge=0)
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    max_grad_norm: float = Field(1.0, gt=0)
-    eval_every: int = Field(100, gt=0)  # validation loss on the eval shard every N steps (and at the end)
-    resume: Literal["auto", "never"] = "auto"  # auto: continue from the newest valid checkpoint of this config
-    log_every: int = Field(50, gt=0)
-    prefetch: int = Field(2, ge=0)  # optimizer steps of batches prepared ahead on a background thread
-    tracker: Literal["tensorboard", "mlflow", "none"] = "tensorboard"  # accelerate tracker (logs/<tracker>)
-    lora: LoraParams = LoraParams()
+    num_processes: int | None = Field(
+        None, gt=0, description="data-parallel ranks over all machines; null: the profile's (1 with auto)"
+    )
+    num_machines: int = Field(
+        1, gt=0, description=">1: launch the stage on every machine with --machine-rank/--main-process-ip"
+    )
+    auto_fit: bool = Field(
+        False,
+        description="when the plan exceeds device memory: true adapts (checkpointing, smaller micro-batch), false "
+        "refuses",
+    )
+    device_memory_gib: float | None = Field(
+        None, gt=0, description="memory per device for the plan; null: detect (GPU memory, or RAM per rank)"
+    )
+    steps: int = Field(800, gt=0, description="optimizer steps")
+    micro_batch_size: int = Field(2, gt=0, description="packed rows per rank per micro-step")
+    grad_accum: int = Field(1, gt=0, description="micro-steps accumulated into each optimizer step")
+    lr: float = Field(
+        3e-3, gt=0, description="peak learning rate (a real base takes 1e-4 to 3e-4: start from a recipe)"
+    )
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    warmup_steps: int = Field(20, ge=0, description="steps of linear learning-rate warmup")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="learning-rate decay after warmup")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradients are clipped to this global norm")
+    eval_every: int = Field(100, gt=0, description="validation loss on the eval shard every N steps (and at the end)")
+    resume: Literal["auto", "never"] = Field(
+        "auto", description="auto: a re-run continues from the newest valid checkpoint of this config; never"
+    )
+    log_every: int = Field(
+        50, gt=0, description="a progress line (step, loss, tokens/s, ETA) every N steps when not on a terminal"
+    )
+    prefetch: int = Field(2, ge=0, description="optimizer steps of batches prepared ahead on a background thread")
+    tracker: Literal["tensorboard", "mlflow", "none"] = Field(
+        "tensorboard", description="accelerate experiment tracker, logging under logs/"
+    )
+    lora: LoraParams = Field(LoraParams(), description="the LoRA adapter (lora and qlora)")
 
 
 class CheckpointSettings(_Section):
     """When and how the train stage checkpoints (fineflow.checkpoint)."""
 
-    every_steps: int = Field(200, gt=0)
-    every_minutes: float | None = Field(None, gt=0)  # also save when this long has passed since the last save
-    keep_last: int = Field(2, ge=1)
-    keep_best: int = Field(1, ge=0)  # by validation loss; never deleted, nor the one resumed from
-    mode: Literal["async", "sync"] = "async"  # async: the loop blocks only for the copy to host memory
-    backend: Literal["thread", "process"] = "thread"  # where async writes run (bench/checkpoint_stall.py)
-    on_write_error: Literal["stop", "retry"] = "stop"  # e.g. disk full: stop with a clear error, or retry
-    retries: int = Field(3, ge=0)
+    every_steps: int = Field(200, gt=0, description="save a checkpoint every N optimizer steps")
+    every_minutes: float | None = Field(
+        None, gt=0, description="also save when this long has passed since the last save; null: by steps only"
+    )
+    keep_last: int = Field(2, ge=1, description="newest checkpoints kept")
+    keep_best: int = Field(
+        1, ge=0, description="checkpoints of lowest eval loss kept (never deleted, nor the one resumed from)"
+    )
+    mode: Literal["async", "sync"] = Field(
+        "async", description="async: the loop blocks only while the state is copied to host memory"
+    )
+    backend: Literal["thread", "process"] = Field("thread", description="where async writes run")
+    on_write_error: Literal["stop", "retry"] = Field(
+        "stop", description="a failed write (disk full...): stop with a clear error, or retry"
+    )
+    retries: int = Field(3, ge=0, description="write attempts after the first, with on_write_error: retry")
     # SIGTERM (preemption) or Ctrl-C: each rank finishes its step, saves it and exits 75 within this budget
     # (fineflow.train.preempt); the layers above wait a few seconds more, then kill what is left
-    preempt_grace_s: float = Field(15, gt=0)
+    preempt_grace_s: float = Field(
+        15, gt=0, description="on SIGTERM or Ctrl-C: seconds to finish the step, save it and exit 75 (resumable)"
+    )
 
 
 class EvaluateParams(_Section):
     """lm-eval tasks (fineflow.evaluate.harness): bundled names, names from task_dirs, or lm-eval registry names."""
 
     # registry tasks need their dataset in the local cache (offline); only they make lm-eval index its own tasks
-    tasks: list[str] = Field(["fineflow_synth", "fineflow_synth_mc"], min_length=1)
-    task_dirs: list[str] = []  # extra folders of task YAMLs, indexed with the bundled tasks
-    batch_size: int = Field(32, gt=0)
-    max_gen_toks: int = Field(24, gt=0)
-    limit: int | None = Field(None, gt=0)  # evaluate only the first N docs of each task
+    tasks: list[str] = Field(
+        ["fineflow_synth", "fineflow_synth_mc"],
+        min_length=1,
+        description="lm-eval tasks: bundled, from task_dirs, or a registry name (its dataset cached offline)",
+    )
+    task_dirs: list[str] = Field([], description="your folders of lm-eval task YAMLs, under eval_tasks/")
+    batch_size: int = Field(32, gt=0, description="evaluation batch size")
+    max_gen_toks: int = Field(24, gt=0, description="longest generation, in tokens, for generative tasks")
+    limit: int | None = Field(None, gt=0, description="evaluate only the first N docs of each task; null: all")
     # which base a QLoRA adapter is scored on: as_trained (its 4-bit NF4 base; needs a GPU) or 16bit (the
     # unquantized base in the compute dtype); the eval report and the model card say which
-    qlora_base: Literal["as_trained", "4bit", "16bit"] = "as_trained"
+    qlora_base: Literal["as_trained", "4bit", "16bit"] = Field(
+        "as_trained",
+        description="a QLoRA adapter is scored on its 4-bit base (as_trained, 4bit: GPU only) or a 16bit one",
+    )
     # memory per device for the evaluation's plan (fineflow.evaluate.sizing); null = detect (each GPU's memory,
     # or the host's available RAM)
-    device_memory_gib: float | None = Field(None, gt=0)
+    device_memory_gib: float | None = Field(
+        None, gt=0, description="memory per device for the evaluation's plan; null: detect"
+    )
 
 
 class PromoteParams(_Section):
-    primary_metric: str = "fineflow_synth/exact_match"  # "<task>/<metric>" from evaluate.tasks
-    min_delta: float = Field(0.05, ge=0)  # candidate must beat the champion (or base) by this much
-    max_regression: float = Field(0.0, ge=0)  # no other task may drop by more than this
+    """The promotion gate: when a candidate replaces the champion."""
+
+    primary_metric: str = Field(
+        "fineflow_synth/exact_match", description="the metric that decides, `<task>/<metric>` of evaluate.tasks"
+    )
+    min_delta: float = Field(
+        0.05, ge=0, description="the candidate must beat the champion (or the base) by this much on primary_metric"
+    )
+    max_regression: float = Field(0.0, ge=0, description="no other metric may drop by more than this")
     # paired bootstrap over per-sample scores (seeded by `seed`): the delta's CI must exclude 0
-    bootstrap_samples: int = Field(2000, ge=100)  # more: a steadier CI, a slower gate
-    confidence: float = Field(0.95, gt=0.5, lt=1)  # two-sided CI level
+    bootstrap_samples: int = Field(
+        2000, ge=100, description="paired bootstrap resamples of per-sample scores: more is steadier and slower"
+    )
+    confidence: float = Field(0.95, gt=0.5, lt=1, description="two-sided level of the delta's CI, which must exclude 0")
     # The champion's eval data differs from this run's (the eval set was changed): compare_on_current judges the
     # candidate against the champion re-scored on the current eval data in this run (logged, with both hashes);
     # refuse stops every promotion until the eval data is put back or the policy changed.
-    on_eval_change: Literal["compare_on_current", "refuse"] = "compare_on_current"
+    on_eval_change: Literal["compare_on_current", "refuse"] = Field(
+        "compare_on_current",
+        description="eval data changed since the champion: re-score the champion on the current data, or refuse",
+    )
     # The candidate is on another base model than the champion (model.base changed): its adapter cannot wrap the
     # champion's base, nor the champion's adapter this one. compare_to_base judges the candidate against its own
     # base, with the old champion's merged model scored on the same docs side by side (logged); refuse stops.
-    on_base_change: Literal["compare_to_base", "refuse"] = "compare_to_base"
+    on_base_change: Literal["compare_to_base", "refuse"] = Field(
+        "compare_to_base",
+        description="model.base changed since the champion: judge against the candidate's own base, or refuse",
+    )
     # A person approves what the gate would promote: the flow run pauses at promote with the gate's evidence and
     # waits for approve/reject with a comment (in the Prefect UI); the decision and the approver go into the
     # registry log. A refusal by the gate is never put to a person. Outside a flow: FINEFLOW_APPROVAL (README).
-    require_approval: bool = False
-    approval_timeout_h: float = Field(24.0, gt=0)  # no answer by then: the run fails, nothing is promoted or logged
+    require_approval: bool = Field(
+        False, description="true: a person approves what the gate would promote (the flow run pauses for them)"
+    )
+    approval_timeout_h: float = Field(
+        24.0, gt=0, description="hours to wait for approval; then the run fails and nothing is promoted"
+    )
     # the champion's merged model (merged/): always, never, or auto = only when the base's weight files are at most
     # merged_auto_max_gb (a merged copy is the base's size again in DVC's cache at every promotion: a few MB for
     # the embedded base, 16 GB for an 8B, 141 GB for a 70B). Without it the champion is the adapter plus its
     # base's identity; `python -m fineflow.registry.merge` builds the merged model shard by shard when asked
-    merged: Literal["auto", "always", "never"] = "auto"
-    merged_auto_max_gb: float = Field(2.0, ge=0)  # ~1B parameters in bf16
+    merged: Literal["auto", "always", "never"] = Field(
+        "auto", description="store the champion's merged model; auto: when the base is at most merged_auto_max_gb"
+    )
+    merged_auto_max_gb: float = Field(
+        2.0, ge=0, description="largest base (weight files, GB) merged under merged: auto (2: ~1B params in bf16)"
+    )
 
 
 # $ per device-hour, on-demand list prices rounded (late 2026, one GPU of a multi-GPU instance); "gpu": any other
@@ -314,10 +468,17 @@ DEFAULT_PRICES = {
 class CostParams(_Section):
     """What a device-hour costs, for the goodput ledger's cost figures (fineflow.goodput.cost)."""
 
-    device_hour_usd: float | None = Field(None, ge=0)  # null: cost.prices by the training device's name
+    device_hour_usd: float | None = Field(
+        None, ge=0, description="$ per device-hour for every device of the run; null: cost.prices by device name"
+    )
     # $ per device-hour by device name (matched inside the GPU's name; "gpu": any other GPU, "cpu": a CPU
     # machine); entries given here replace the defaults of the same name, the rest stay
-    prices: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_PRICES))
+    prices: dict[str, float] = Field(
+        default_factory=lambda: dict(DEFAULT_PRICES),
+        json_schema_extra=_enforced(ge=0),
+        description='$ per device-hour by a name matched inside the GPU\'s ("gpu": any other GPU, "cpu": a CPU '
+        "machine); your entries replace these by name",
+    )
 
     @field_validator("prices")
     @classmethod
@@ -329,17 +490,29 @@ class CostParams(_Section):
 
 
 class Params(_Section):
-    seed: int = 1234
-    model: ModelParams = ModelParams()
-    base: BaseParams = BaseParams()
-    data: DataParams = DataParams()
-    validate_: ValidateParams = Field(ValidateParams(), alias="validate")
-    tokenize: TokenizeParams = TokenizeParams()
-    train: TrainParams = TrainParams()
-    checkpoint: CheckpointSettings = CheckpointSettings()
-    evaluate: EvaluateParams = EvaluateParams()
-    promote: PromoteParams = PromoteParams()
-    cost: CostParams = CostParams()
+    """Every hyperparameter of the pipeline, one section per stage (the reference: `fineflow params-doc`)."""
+
+    seed: int = Field(
+        1234, description="every random choice: synthetic data, initialisation, data order, the bootstrap"
+    )
+    model: ModelParams = Field(ModelParams(), description="the base model: the embedded tiny Llama, or a real one")
+    base: BaseParams = Field(BaseParams(), description="the base stage: brief pretraining of the embedded model")
+    data: DataParams = Field(DataParams(), description="where the rows come from, their format and columns")
+    validate_: ValidateParams = Field(
+        ValidateParams(), alias="validate", description="the data gate: which rows are quarantined or block the flow"
+    )
+    tokenize: TokenizeParams = Field(TokenizeParams(), description="tokenizing and packing rows into shards")
+    train: TrainParams = Field(TrainParams(), description="fine-tuning: method, precision, hardware, optimizer")
+    checkpoint: CheckpointSettings = Field(
+        CheckpointSettings(), description="when and how the train stage saves checkpoints"
+    )
+    evaluate: EvaluateParams = Field(
+        EvaluateParams(), description="the lm-eval tasks the candidate and its base are scored on"
+    )
+    promote: PromoteParams = Field(
+        PromoteParams(), description="the gate that decides whether the candidate is champion"
+    )
+    cost: CostParams = Field(CostParams(), description="what a device-hour costs, for the goodput ledger")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
