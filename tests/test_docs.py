@@ -246,3 +246,48 @@ def test_the_command_check_reads_fences_and_exempts_only_gpu_and_cluster_admonit
         ("bash bench/gpu.sh", True),
         ("dvc push", False),
     ]
+
+
+# --- Facts the docs state ---------------------------------------------------------------------------------------
+
+SOURCE_PATH = re.compile(r"`((?:fineflow|tests|bench|configs|recipes|tasks|flows|eval_tasks)/[\w./-]*)`")
+
+
+def _stated_text(files=None):
+    """README.md, the docs pages and what they include (bench/RESULTS.md, tests/README.md)."""
+    files = files or [*_doc_files(), ROOT / "bench/RESULTS.md", ROOT / "tests/README.md"]
+    return {f: f.read_text(encoding="utf-8") for f in files}
+
+
+def test_every_source_path_the_docs_name_exists():
+    """One underscore apart (fineflow/evaluate/bundled_tasks/ against eval_tasks/): a stale name fails here."""
+    missing = sorted(
+        f"{f.relative_to(ROOT)}: {path}"
+        for f, text in _stated_text().items()
+        for path in SOURCE_PATH.findall(text)
+        if not (ROOT / path.rstrip("/")).exists()
+    )
+    assert not missing, "the docs name paths that do not exist:\n" + "\n".join(missing)
+
+
+def count_statements(text: str) -> list[str]:
+    """Test counts (e.g. 'the 796 tests', 'the 10 CI scenarios', 'tests (497)'), which go stale with every test."""
+    return re.findall(r"\b\d[\d,]* (?:tests|CI scenarios|scenarios)\b|\btests \(\d+\)|\bthe \d+ marked\b", text)
+
+
+def test_test_counts_are_stated_only_in_tests_readme():
+    stated = {f: count_statements(t) for f, t in _stated_text().items() if f != ROOT / "tests/README.md"}
+    assert not {f: c for f, c in stated.items() if c}, "a test count outside tests/README.md (it goes stale)"
+
+
+def test_your_own_data_names_the_format_the_mapping_and_the_params_reference():
+    page = (ROOT / "docs/your-model-and-data.md").read_text(encoding="utf-8")
+    data = page[page.index("- **Data:**") :].split("\n- **")[0]
+    assert "`data.format`" in data and "`data.mapping`" in data and "(reference/params.md)" in data
+
+
+def test_the_two_task_folders_are_told_apart_where_a_task_is_added():
+    page = (ROOT / "docs/extending.md").read_text(encoding="utf-8")
+    assert "`fineflow/evaluate/bundled_tasks/`" in page and "`eval_tasks/`" in page
+    evaluate_map = ast.get_docstring(ast.parse((ROOT / "fineflow/evaluate/__init__.py").read_text()))
+    assert "eval_tasks/" in evaluate_map and "refuses a ``task_dirs`` folder outside it" in evaluate_map
