@@ -4,8 +4,9 @@
 #               whole-run fault scenarios (pytest -m scenario: make test-scenarios, make test-nightly)
 # Also: make test-scenarios and make test-nightly (the other two test tiers: tests/README.md), make test-all
 # (all three; CI, .ci/run, runs make test then make test-scenarios), make repro (plain `dvc repro`, no Prefect),
-# make ci (the CI retraining job: fineflow ci), make serve (the scheduled deployment, served from this process),
-# make deploy + make worker (prefect.yaml on a work pool), make clean.
+# make docs (the documentation site, docs/, built strictly into site/), make ci (the CI retraining job: fineflow
+# ci), make serve (the scheduled deployment, served from this process), make deploy + make worker (prefect.yaml
+# on a work pool), make clean.
 
 PYTHON ?= python3
 VENV := .venv
@@ -24,7 +25,7 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: run lint test test-scenarios test-nightly test-all repro ci serve deploy worker venv clean
+.PHONY: run docs lint test test-scenarios test-nightly test-all repro ci serve deploy worker venv clean
 
 venv: $(STAMP)
 
@@ -33,7 +34,7 @@ venv: $(STAMP)
 # runs on CPU); this project's CPU machines get 2.13.0+cpu from a local wheel folder in their pip config
 # (find-links). For the CPU build elsewhere, install it into the venv first and this line keeps it:
 #   python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
-# GPU extras (README, "Install on a GPU machine"): .venv/bin/pip install -e '.[gpu]' (bitsandbytes, QLoRA);
+# GPU extras (docs/install.md): .venv/bin/pip install -e '.[gpu]' (bitsandbytes, QLoRA);
 # flash-attn is built against this torch: .venv/bin/pip install flash-attn==2.8.3.post2 --no-build-isolation
 # --no-compile: pip does not byte-compile every file of every package (torch, transformers, prefect, dvc: most
 # never imported here); Python compiles a module, and caches it in __pycache__, the first time it is imported.
@@ -46,6 +47,11 @@ $(STAMP): pyproject.toml
 
 run: $(STAMP)
 	$(BIN)/python -m flows.pipeline
+
+# The docs site (mkdocs.yml, docs/): a broken link or a page missing from the nav fails. `make test` builds it too
+# (tests/test_docs.py, into a temporary folder).
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
 
 # ruff's settings are in pyproject.toml; it skips .venv and what .gitignore ignores.
 lint: $(STAMP)
@@ -95,5 +101,5 @@ serve: $(STAMP)
 	$(BIN)/python -m flows.deploy --cron "$(CRON)" --timezone "$(TIMEZONE)"
 
 clean:
-	rm -rf models/base models/candidate checkpoints data/raw data/validated data/shards eval .prefect
+	rm -rf models/base models/candidate checkpoints data/raw data/validated data/shards eval .prefect site
 	find reports -mindepth 1 -maxdepth 1 ! -name metrics -exec rm -rf {} + 2>/dev/null || true

@@ -2,6 +2,27 @@
 
 The package is pure logic (no argv, no hard-coded paths, no work at import). Each DVC stage has a thin
 entry in ``fineflow.stages``; the Prefect tasks in ``tasks/`` and the commands in ``dvc.yaml`` call those.
+Every package's ``__init__.py`` maps its own files (tests/test_docs.py checks each map names them all).
+
+core/          what every stage imports: params, errors, the entry wrapper, reports, the workspace, the journal
+stages/        one thin entry per DVC stage
+base/          stage base: the embedded default base model
+data/          stages data and validate: the bundled data, input formats, the great-expectations gate, PII
+tokenize/      stage tokenize: the template, parallel tokenization, packed shards
+train/         stage train: the launcher, the loop, the planner, precision, FSDP/DeepSpeed, checkpoints of the loop
+checkpoint/    atomic, verified, exactly resumable checkpoints
+evaluate/      stage evaluate: lm-eval for the base, the candidate and the champion; the bundled tasks
+registry/      stage promote: the gate, the registry, the champion, lineage, approval
+goodput/       stage goodput: the ledger, cost, the charts, the doctor
+model_ref.py   which base model the stages load (the embedded one, a path or a hub id)
+corpus.py      the bundled text of the synthetic data and the embedded base's pretraining
+dag.py         the pipeline's stages and edges, read from dvc.yaml
+overrides.py   param overrides with dotted keys, applied as ``dvc exp run -S`` applies them
+recipes.py     ``fineflow recipe``: model-family recipes planned for their device, written into params.yaml
+remote.py      DVC from fineflow's own code: the command and the project's default remote
+dvc_rwlock.py  DVC's read/write lock file left empty by a SIGKILL, removed under DVC's guard
+ci.py          ``fineflow ci``: the CI retraining job as one command
+cli.py         the ``fineflow`` command and its subcommands
 """
 
 __version__ = "0.1.0"

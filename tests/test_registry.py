@@ -622,3 +622,11 @@ def test_with_require_approval_the_gates_promotion_waits_for_a_person_whose_answ
     report = json.loads((root / "reports/promote.json").read_text())
     assert report["decision"] == "promoted" and report["approval"]["approver"] == "alice"
     assert read_champion_id(champion) == id1 and verify_log(registry, champion) == []
+
+
+def test_registry_list_names_every_candidate_its_decision_and_the_champion(promoted, capsys):
+    """`fineflow registry list`, as docs/stages.md shows it (tests/test_docs.py maps each command to its test)."""
+    assert cli.main(["registry", "list", "--registry", str(promoted["registry"])]) == 0
+    out = capsys.readouterr().out
+    id1, id2 = promoted["ids"]
+    assert id1 in out and f"* {id2}  promoted" in out and f"champion: {id2}" in out

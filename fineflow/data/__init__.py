@@ -1,4 +1,12 @@
-"""Stages data and validate: the bundled synthetic dataset (``synth``), reading user files (``formats``),
-the checks (``checks``: each declared once), the great-expectations gate (``validation``), PII (``pii``, its
-secrets from ``secrets``) and train/eval leakage (``overlap``). Entries: ``fineflow.stages.data``,
-``fineflow.stages.validate``."""
+"""Stages data and validate. Entries: ``fineflow.stages.data``, ``fineflow.stages.validate``.
+
+synth.py       the bundled synthetic instruction dataset (seeded, with injected bad rows)
+formats.py     reading user files: JSONL, CSV or Parquet, chat ``messages``, the column mapping (``data.mapping``)
+checks.py      every validation check, each declared once (``CHECKS``)
+validation.py  the data gate: the suite over parsed rows, quarantine, whether the file passes
+gx_suite.py    the great-expectations side: a chunk's suite on its frame, Data Docs of a split
+tokens.py      how the tokenize stage will see a row, for the token checks
+overlap.py     exact and near duplicates and train/eval leakage, remembered as hashes
+pii.py         PII detection and typed placeholders (redaction)
+secrets.py     secrets found by what they are (key formats, private keys, keyword + entropy)
+"""

@@ -13,6 +13,7 @@
     merge.py     the merged model of an adapter-only champion, built when asked, one base shard at a time
                  (`python -m fineflow.registry.merge`)
     lineage.py   lineage manifests: building, checking, reading and printing them
+    approval.py  a person's approval of what the gate would promote (``promote.require_approval``)
     dvc_record.py  a rollback (a registry write made outside `dvc repro`) recorded in dvc.lock
 
 Entry: ``fineflow.stages.promote``; the ``fineflow registry`` and ``fineflow lineage`` CLI use it too."""

@@ -6,4 +6,14 @@ calls the library: directly where one library function is the stage (promote:
 ``fineflow.registry.champion.promote``, evaluate: ``fineflow.evaluate.recipe.evaluate_models``), else through
 the module's own ``run(params, ...) -> report``, which wires a few library calls. Tests call those same
 functions. Which stages exist, and their order, is ``dvc.yaml``'s to say (``fineflow.dag.stage_names``).
+
+base.py         build the embedded default base model, or record the real one params.yaml names
+fingerprint.py  the base model every later stage uses, by content (always run)
+data.py         generate the bundled synthetic dataset
+validate.py     the great-expectations gate over the raw train and eval rows
+tokenize.py     validated rows -> packed, memory-mapped shards
+train.py        fine-tuning under accelerate (the launcher, then each rank)
+evaluate.py     lm-eval for the base, the candidate and the champion
+promote.py      the gate between a candidate and the champion
+goodput.py      the run's ledger: where its wall time and money went
 """

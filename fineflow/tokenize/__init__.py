@@ -1,3 +1,6 @@
-"""Stage tokenize: the prompt/chat template (``template``), streaming parallel tokenization and
-content-addressed shard builds (``tokenization``), packing and the memory-mapped shard format with the
-training sampler that reads it (``shards``). Entry: ``fineflow.stages.tokenize``."""
+"""Stage tokenize. Entry: ``fineflow.stages.tokenize``.
+
+template.py       the prompt/chat template shared by training, validation and evaluation
+tokenization.py   streaming parallel tokenization and content-addressed shard builds
+shards.py         packing, the memory-mapped shard format and the training sampler that reads it
+"""

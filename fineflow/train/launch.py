@@ -228,7 +228,7 @@ def cuda_diagnosis() -> str:
         return (
             f"torch {torch.__version__} is a CPU-only build (torch.version.cuda is None); install the CUDA "
             f"build: pip install --force-reinstall torch=={torch.__version__.split('+')[0]} from PyPI's "
-            f"default index, not download.pytorch.org/whl/cpu (README, Quickstart)"
+            f"default index, not download.pytorch.org/whl/cpu (docs/install.md)"
         )
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     hidden = f"; CUDA_VISIBLE_DEVICES is {visible!r}" if visible is not None else ""

@@ -48,7 +48,7 @@ def check_hardware(cfg: TrainParams, has_gpu: bool, profile: Profile) -> None:
             raise FineflowError(
                 "params.yaml: train.attention flash_attention_2 needs a CUDA GPU and the flash-attn "
                 "package (a CUDA build: pip install ninja packaging setuptools wheel && pip install "
-                "flash-attn==2.8.3.post2 --no-build-isolation, see the README); train.attention: varlen does the "
+                "flash-attn==2.8.3.post2 --no-build-isolation, see docs/install.md); train.attention: varlen does the "
                 "same per-example attention on any device."
             )
 
