@@ -19,6 +19,7 @@ corpus.py      the bundled text of the synthetic data and the embedded base's pr
 dag.py         the pipeline's stages and edges, read from dvc.yaml
 overrides.py   param overrides with dotted keys, applied as ``dvc exp run -S`` applies them
 recipes.py     ``fineflow recipe``: model-family recipes planned for their device, written into params.yaml
+params_doc.py  ``fineflow params-doc``: the params reference (docs/reference/params.md) from the typed config
 remote.py      DVC from fineflow's own code: the command and the project's default remote
 dvc_rwlock.py  DVC's read/write lock file left empty by a SIGKILL, removed under DVC's guard
 ci.py          ``fineflow ci``: the CI retraining job as one command

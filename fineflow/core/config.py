@@ -428,7 +428,7 @@ class PromoteParams(_Section):
     )
     # A person approves what the gate would promote: the flow run pauses at promote with the gate's evidence and
     # waits for approve/reject with a comment (in the Prefect UI); the decision and the approver go into the
-    # registry log. A refusal by the gate is never put to a person. Outside a flow: FINEFLOW_APPROVAL (README).
+    # registry log. A refusal by the gate is never put to a person. Outside a flow: FINEFLOW_APPROVAL (docs/prefect.md).
     require_approval: bool = Field(
         False, description="true: a person approves what the gate would promote (the flow run pauses for them)"
     )
