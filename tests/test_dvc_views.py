@@ -94,8 +94,23 @@ def test_dvc_metrics_show_fits_a_terminal_and_no_column_is_mostly_empty(project)
     for column in range(1, len(table[0].split())):
         cells = [row[column] if column < len(row) else "-" for row in rows]
         assert cells.count("-") * 2 < len(cells), (table[0].split()[column], "\n".join(table))
-    detail = dvc(project, "metrics", "show", "reports/metrics/train.json").splitlines()  # a stage's own figures
-    assert max(len(line) for line in detail) <= WIDTH, "\n".join(detail)
+    for stage in sorted((project / "reports/metrics").glob("*.json")):  # each stage's own few figures
+        detail = dvc(project, "metrics", "show", str(stage.relative_to(project))).splitlines()
+        assert len(detail) == 2 and max(len(line) for line in detail) <= WIDTH, "\n".join(detail)
+
+
+def test_each_stage_updates_its_own_headline_figures_in_the_summary(tmp_path):
+    """reports/metrics/summary.json (the declared metrics) gathers each stage's headline figures: a stage
+    rewrites its own (a figure it no longer reports goes) and keeps the others'."""
+    from fineflow.core.metrics import write_metrics
+
+    report = tmp_path / "reports/train.json"
+    write_metrics(report, "train", {"final_loss": 0.3, "eval_loss": 0.2, "steps": 8})
+    write_metrics(tmp_path / "reports/promote.json", "promote", {"decision": "refused", "delta": -0.1})
+    write_metrics(report, "train", {"eval_loss": 0.25})
+    summary = json.loads((tmp_path / "reports/metrics/summary.json").read_text())
+    assert summary == {"decision": "refused", "delta": -0.1}
+    assert json.loads((tmp_path / "reports/metrics/train.json").read_text()) == {"eval_loss": 0.25}
 
 
 def test_a_run_that_trained_nothing_does_not_report_its_goodput_as_a_drop_to_zero(tmp_path, monkeypatch):
