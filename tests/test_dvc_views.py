@@ -116,7 +116,8 @@ def test_each_stage_updates_its_own_headline_figures_in_the_summary(tmp_path):
 def test_a_run_that_trained_nothing_does_not_report_its_goodput_as_a_drop_to_zero(tmp_path, monkeypatch):
     """A promote-only run (train up to date): its ledger has no training, so goodput came out 0.0 and `dvc
     metrics diff` showed a drop from the last training run's. The stage keeps the last training's figures in
-    the metrics and says so in its report; the run's own wall time and cost are still its own."""
+    the metrics and says so in its report, and puts no goodput point for it in the history plot; the run's own
+    wall time and cost are still its own."""
     from fineflow.core.entry import run_entry
     from fineflow.core.journal import RUN_ID_ENV, RUN_STARTED_ENV
     from fineflow.stages import goodput
@@ -145,3 +146,5 @@ def test_a_run_that_trained_nothing_does_not_report_its_goodput_as_a_drop_to_zer
     assert report["trained"] is False
     assert "trained nothing" in report["carried_forward"]["reason"]
     assert json.loads((reports / "metrics/summary.json").read_text())["goodput"] == 0.14125
+    # the goodput-over-runs plot: no point for this run (vega-lite skips a null), not a dip to 0
+    assert json.loads((reports / "plots/goodput_history.json").read_text())[-1]["goodput"] is None
