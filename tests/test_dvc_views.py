@@ -113,34 +113,41 @@ def test_each_stage_updates_its_own_headline_figures_in_the_summary(tmp_path):
     assert json.loads((tmp_path / "reports/metrics/train.json").read_text()) == {"eval_loss": 0.25}
 
 
-def test_a_run_that_trained_nothing_does_not_report_its_goodput_as_a_drop_to_zero(tmp_path, monkeypatch):
-    """A promote-only run (train up to date): its ledger has no training, so goodput came out 0.0 and `dvc
-    metrics diff` showed a drop from the last training run's. The stage keeps the last training's figures in
-    the metrics and says so in its report, and puts no goodput point for it in the history plot; the run's own
-    wall time and cost are still its own."""
+LAST_TRAINING = {"goodput": 0.14125, "train_goodput": 0.86966, "mfu": 0.08182, "cost.usd_per_1m_tokens": 0.03}
+
+
+def run_goodput_after(stages: dict, tmp_path: Path, monkeypatch) -> Path:
+    """A workspace whose last training left LAST_TRAINING in reports/metrics/goodput.json, then a run of the
+    given stages (name -> body) and the goodput stage, in-process as one run; its reports folder."""
     from fineflow.core.entry import run_entry
     from fineflow.core.journal import RUN_ID_ENV, RUN_STARTED_ENV
     from fineflow.stages import goodput
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv(RUN_ID_ENV, "promote-only")
+    monkeypatch.setenv(RUN_ID_ENV, "this-run")
     monkeypatch.setenv(RUN_STARTED_ENV, repr(time.time()))
     monkeypatch.delenv("FINEFLOW_TRAIN_WORKER", raising=False)
     params = str(write_params(tmp_path / "params.yaml"))
     reports = tmp_path / "reports"
     (reports / "metrics").mkdir(parents=True)
-    last_training = {"goodput": 0.14125, "train_goodput": 0.86966, "mfu": 0.08182, "cost.usd_per_1m_tokens": 0.03}
-    (reports / "metrics/goodput.json").write_text(json.dumps({**last_training, "cost.run_usd": 0.02}))
+    (reports / "metrics/goodput.json").write_text(json.dumps({**LAST_TRAINING, "cost.run_usd": 0.02}))
     (reports / "train.json").write_text(json.dumps({"tokens": 800000, "flops": {"mfu": 0.08182}}))  # stale
-    promote = argparse.Namespace(params=params, report=str(reports / "promote.json"))
-    assert run_entry("promote", promote, lambda p: {"decision": "promoted", "delta": 0.1}) == 0
-
+    for stage, body in stages.items():
+        run_entry(stage, argparse.Namespace(params=params, report=str(reports / f"{stage}.json")), body)
     argv = ["--params", params, "--report", str(reports / "goodput.json"), "--journal", str(reports / "ledger")]
     argv += ["--train-report", str(reports / "train.json"), "--steps-log", str(reports / "train_steps.jsonl")]
     assert goodput.main([*argv, "--plots", str(reports / "plots")]) == 0
+    return reports
 
+
+def test_a_run_that_trained_nothing_does_not_report_its_goodput_as_a_drop_to_zero(tmp_path, monkeypatch):
+    """A promote-only run (train up to date): its ledger has no training, so goodput came out 0.0 and `dvc
+    metrics diff` showed a drop from the last training run's. The stage keeps the last training's figures in
+    the metrics and says so in its report, and puts no goodput point for it in the history plot; the run's own
+    wall time and cost are still its own."""
+    reports = run_goodput_after({"promote": lambda p: {"decision": "promoted", "delta": 0.1}}, tmp_path, monkeypatch)
     metrics = json.loads((reports / "metrics/goodput.json").read_text())
-    assert {key: metrics.get(key) for key in last_training} == last_training, metrics
+    assert {key: metrics.get(key) for key in LAST_TRAINING} == LAST_TRAINING, metrics
     assert metrics["cost.run_usd"] != 0.02  # this run's own cost
     report = json.loads((reports / "goodput.json").read_text())
     assert report["trained"] is False
@@ -148,3 +155,16 @@ def test_a_run_that_trained_nothing_does_not_report_its_goodput_as_a_drop_to_zer
     assert json.loads((reports / "metrics/summary.json").read_text())["goodput"] == 0.14125
     # the goodput-over-runs plot: no point for this run (vega-lite skips a null), not a dip to 0
     assert json.loads((reports / "plots/goodput_history.json").read_text())[-1]["goodput"] is None
+
+
+def test_a_run_whose_training_failed_reports_its_own_goodput(tmp_path, monkeypatch):
+    """A training that ran and failed is a run's real goodput (its wall time went to restart loss), not a run
+    that trained nothing: nothing is carried over."""
+    from fineflow.core.errors import FineflowError
+
+    def failing_train(params):
+        raise FineflowError("train.steps: the shards hold no rows")
+
+    reports = run_goodput_after({"train": failing_train}, tmp_path, monkeypatch)
+    assert json.loads((reports / "metrics/goodput.json").read_text())["goodput"] == 0.0
+    assert "carried_forward" not in json.loads((reports / "goodput.json").read_text())

@@ -6,7 +6,7 @@
 The last stage of dvc.yaml, always run: it reads the journal every stage process of this run (and of a run
 that crashed before this point) wrote, and writes ``reports/goodput.json`` (its report): the buckets, goodput,
 MFU/HFU, the cost per run / per 1M tokens / per bucket, the doctor's findings (fineflow.goodput.doctor). A run
-that trained nothing (a promote-only run) keeps the last training's goodput, MFU and cost per 1M tokens in its
+with no train attempt (a promote-only run) keeps the last training's goodput, MFU and cost per 1M tokens in its
 metrics (``carried_forward`` in the report says so) and no goodput point in the history plot: its own goodput, 0,
 is no drop. It adds the run to ``reports/plots/goodput_history.json`` (DVC plots over runs) and draws
 ``reports/plots/goodput.png``.
@@ -82,11 +82,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def body(params):
         result = build_ledger(params, args.journal, args.train_report, args.steps_log)
-        if not result["trained"]:
+        if not ledger.train_ran(result):
             result["carried_forward"] = ledger.carry_forward(result, previous_metrics(Path(args.report)))
             log(f"goodput: {result['carried_forward']['reason']}")
         # a run that trained nothing has no goodput point in the over-runs plot (a null: vega-lite skips it)
-        rows = chart.append_history(result if result["trained"] else {**result, "goodput": None}, args.plots)
+        history = {**result, "goodput": None} if "carried_forward" in result else result
+        rows = chart.append_history(history, args.plots)
         try:
             chart.stacked_bar(rows, args.plots / "goodput.png")
         except Exception as exc:  # noqa: BLE001 - the ledger is written either way: the chart is extra
