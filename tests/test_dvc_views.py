@@ -168,3 +168,21 @@ def test_a_run_whose_training_failed_reports_its_own_goodput(tmp_path, monkeypat
     reports = run_goodput_after({"train": failing_train}, tmp_path, monkeypatch)
     assert json.loads((reports / "metrics/goodput.json").read_text())["goodput"] == 0.0
     assert "carried_forward" not in json.loads((reports / "goodput.json").read_text())
+
+
+@pytest.mark.scenario
+@pytest.mark.slow
+def test_after_a_promote_only_dvc_repro_metrics_diff_shows_no_goodput_drop(reproduced, tmp_path):
+    """The finished pipeline, then a promote-only edit (promote.confidence) and `dvc repro`: promote and goodput
+    run (and fingerprint, which always does), no training; `dvc metrics diff` against the finished run shows the
+    run's own cost but no goodput change; the freshly written headline fits a terminal."""
+    from tests.conftest import copy_reproduced
+
+    project = copy_reproduced(reproduced, tmp_path / "p", {"promote": {"min_delta": 0.0, "confidence": 0.9}})
+    ran = re.findall(r"Running stage '([^']+)'", dvc(project, "repro"))
+    assert ran == ["fingerprint", "promote", "goodput"], ran  # fingerprint: always_changed
+    changed = json.loads(dvc(project, "metrics", "diff", "--json", "HEAD"))["reports/metrics/summary.json"]
+    assert "goodput" not in changed and "run_usd" in changed, changed
+    assert json.loads((project / "reports/goodput.json").read_text())["carried_forward"]["metrics"]["goodput"] > 0
+    table = dvc(project, "metrics", "show").splitlines()
+    assert max(len(line) for line in table) <= WIDTH, "\n".join(table)

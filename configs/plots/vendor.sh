@@ -11,6 +11,10 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 cd "$work"
 npm pack --silent "vega@$VEGA" "vega-lite@$VEGA_LITE" "vega-embed@$VEGA_EMBED" >/dev/null
+# vega-embed's build bundles these (its other bundled packages are vega's own, BSD-3-Clause, and tslib, 0BSD):
+# their notices go in LICENSE.vega
+BUNDLED=(fast-json-patch@3 json-stringify-pretty-compact@4 semver@7)
+npm pack --silent "${BUNDLED[@]}" >/dev/null
 for tarball in *.tgz; do mkdir "${tarball%.tgz}" && tar xzf "$tarball" -C "${tarball%.tgz}"; done
 inline() {  # <script> with a file's text; refuses one that would end the element early or hold a placeholder
   if grep -qiE '</script|<!--|\{(scripts|plot_divs|refresh_tag)\}' "$1"; then echo "cannot inline $1" >&2; exit 1; fi
@@ -24,7 +28,7 @@ inline() {  # <script> with a file's text; refuses one that would end the elemen
 <meta charset="utf-8">
 {refresh_tag}
 <title>fineflow: DVC plots</title>
-<!-- vega $VEGA, vega-lite $VEGA_LITE, vega-embed $VEGA_EMBED from npm, inline (BSD-3-Clause: configs/plots/LICENSE.vega);
+<!-- vega $VEGA, vega-lite $VEGA_LITE, vega-embed $VEGA_EMBED from npm, inline (BSD-3-Clause; bundled MIT/ISC parts: configs/plots/LICENSE.vega);
      rebuilt by configs/plots/vendor.sh. Nothing on this page is loaded from the network. -->
 HEAD
   inline "vega-$VEGA/package/build/vega.min.js"
@@ -41,5 +45,14 @@ HEAD
 </html>
 TAIL
 } >"$here/offline.html"
-cp "vega-lite-$VEGA_LITE/package/LICENSE" "$here/LICENSE.vega"
+{
+  echo "vega $VEGA, vega-lite $VEGA_LITE, vega-embed $VEGA_EMBED (with vega-themes, vega-tooltip, vega-interpreter,"
+  echo "vega-schema-url-parser bundled: the same holder and licence):"
+  echo
+  cat "vega-lite-$VEGA_LITE/package/LICENSE"
+  for tarball in fast-json-patch-*.tgz json-stringify-pretty-compact-*.tgz semver-*.tgz; do
+    printf '\n---- %s, bundled in vega-embed.min.js ----\n\n' "${tarball%.tgz}"
+    cat "${tarball%.tgz}"/package/LICENSE*
+  done
+} >"$here/LICENSE.vega"
 echo "wrote $here/offline.html ($(wc -c <"$here/offline.html") bytes)"
