@@ -52,7 +52,8 @@ from fineflow.dvc_rwlock import repair_rwlock
 # What a CI commit holds: the lock, and the figures `dvc metrics diff` compares the next run against.
 COMMITTED = ("dvc.lock", "reports/metrics", "reports/plots")  # plots: their JSON (git ignores the PNGs)
 # the goodput ledger's metrics and history change on every run: committed only beside a changed lock or metric
-LEDGER_FILES = ("reports/metrics/goodput.json", "reports/plots/goodput_history.json")
+# (the summary's goodput and cost; a real change of its other figures changes their stage's file too)
+LEDGER_FILES = ("reports/metrics/goodput.json", "reports/metrics/summary.json", "reports/plots/goodput_history.json")
 PUSH_ATTEMPTS = 3  # a push refused because the branch moved is rebased and tried again
 COMMIT_MARK = "[skip ci]"  # GitHub, GitLab and most CI systems start no run for a commit that says this
 

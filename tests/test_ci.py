@@ -361,7 +361,7 @@ def test_the_workflows_steps_in_fresh_clones_refuse_then_promote_then_stop_on_ba
     assert "which moved during the run" in summary  # rebased onto the new tip, not refused
     assert _git(origin, "log", "-2", "--format=%s", "main").splitlines()[1] == "notes"
     assert (clone / "reports/ci-summary.md").read_text() in summary  # the file a PR-comment step posts
-    assert re.search(r"\| reports/metrics/promote.json\s*\| decision\s*\| refused\s*\| promoted", summary), summary
+    assert re.search(r"\| reports/metrics/summary.json\s*\| decision\s*\| refused\s*\| promoted", summary), summary
     assert _outputs(job)["decision"] == "promoted"
 
     # 3: the nightly finds the champion up to date: nothing runs, nothing is committed
@@ -495,8 +495,7 @@ def test_queued_experiments_wait_for_the_workspace_reuse_the_shards_compare_in_e
         params = experiments[name]["params"]["params.yaml"]["data"]["train"]
         assert (params["lr"], params["lora"]["r"]) == tuple(float(v.split("=")[1]) for v in sets), params
         metrics = experiments[name]["metrics"]
-        losses.add(metrics["reports/metrics/train.json"]["data"]["final_loss"])
-        assert "candidate" in metrics["reports/metrics/evaluate.json"]["data"]
+        losses.add(metrics["reports/metrics/summary.json"]["data"]["train_loss"])  # the declared headline
     assert len(losses) == 2  # two trainings, two results
     assert read_log(project / "models/registry") == registry_before  # the workspace's registry: untouched
 

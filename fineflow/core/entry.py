@@ -12,7 +12,7 @@ from pathlib import Path
 from fineflow.core.config import Params, load_params
 from fineflow.core.errors import APPROVAL_NEEDED_EXIT, USER_ERROR_EXIT, ApprovalNeeded, FineflowError, WorkspaceBusy
 from fineflow.core.journal import Attempt, ledger_dir
-from fineflow.core.metrics import curated, metrics_path
+from fineflow.core.metrics import write_metrics
 from fineflow.core.preflight import DVC_FILE, check_input_paths
 from fineflow.core.reports import clear_error_record, write_approval_request, write_error_record, write_json_atomic
 from fineflow.core.runtime import apply_offline_environment, is_train_worker
@@ -127,9 +127,7 @@ def _run_entry(stage: str, args: argparse.Namespace, body: Callable[[Params], di
     if report is not None:
         report = {"stage": stage, **report, "wall_s": round(time.perf_counter() - started, 3)}
         write_json_atomic(args.report, report)
-        metrics = curated(stage, report)
-        if metrics is not None:  # the few figures `dvc metrics diff` shows (fineflow.core.metrics)
-            write_json_atomic(metrics_path(args.report, stage), metrics)
+        write_metrics(args.report, stage, report)  # the few figures `dvc metrics diff` shows (fineflow.core.metrics)
         log(f"{stage}: report written to {args.report}")
     spans["report"] = time.perf_counter() - written
     return 0

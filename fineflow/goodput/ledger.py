@@ -366,6 +366,30 @@ def trained_in_window(train_report: dict | None, ledger: dict) -> bool:
     return bool(train_report) and any(a["stage"] == "train" and a["status"] == "ok" for a in ledger["attempts"])
 
 
+def train_ran(ledger: dict) -> bool:
+    """Whether a train attempt ran in this ledger's window, finished or not (a failed one is the run's real
+    goodput: its time went to restart loss)."""
+    return any(a["stage"] == "train" for a in ledger["attempts"])
+
+
+# the ledger's figures that measure a training: a run that trained nothing has none of its own
+TRAINING_METRICS = ("goodput", "train_goodput", "mfu", "cost.usd_per_1m_tokens")
+
+
+def carry_forward(ledger: dict, previous_metrics: dict) -> dict:
+    """What a run with no train attempt (train was up to date: a promote-only run) reports for its training
+    figures: the last training run's, from the metrics it left (reports/metrics/goodput.json), so `dvc metrics
+    diff` shows no drop to zero; the run's own wall time, cost and buckets stay its own."""
+    return {
+        "reason": (
+            f"this run trained nothing (the train stage was up to date): its own goodput, {ledger['goodput']}, "
+            "measures no training, so the metrics keep the last training run's goodput, train_goodput, MFU and "
+            "cost per 1M tokens"
+        ),
+        "metrics": {key: previous_metrics.get(key) for key in TRAINING_METRICS},
+    }
+
+
 def train_facts(train_report: dict) -> dict:
     """What the doctor reads of the training (the ledger carries it, so the ledger alone is enough)."""
     keys = (

@@ -5,8 +5,11 @@
 
 The last stage of dvc.yaml, always run: it reads the journal every stage process of this run (and of a run
 that crashed before this point) wrote, and writes ``reports/goodput.json`` (its report): the buckets, goodput,
-MFU/HFU, the cost per run / per 1M tokens / per bucket, the doctor's findings (fineflow.goodput.doctor). It adds
-the run to ``reports/plots/goodput_history.json`` (DVC plots over runs) and draws ``reports/plots/goodput.png``.
+MFU/HFU, the cost per run / per 1M tokens / per bucket, the doctor's findings (fineflow.goodput.doctor). A run
+with no train attempt (a promote-only run) keeps the last training's goodput, MFU and cost per 1M tokens in its
+metrics (``carried_forward`` in the report says so) and no goodput point in the history plot: its own goodput, 0,
+is no drop. It adds the run to ``reports/plots/goodput_history.json`` (DVC plots over runs) and draws
+``reports/plots/goodput.png``.
 It writes no DVC output: the lock stays a function of the inputs.
 """
 
@@ -18,6 +21,7 @@ from pathlib import Path
 
 from fineflow.core.entry import log, run_entry, stage_parser
 from fineflow.core.journal import read, run_identity
+from fineflow.core.metrics import metrics_path
 from fineflow.core.reports import read_json
 from fineflow.goodput import chart, cost, doctor, ledger
 
@@ -29,6 +33,14 @@ def parse_args(argv: list[str]):
     parser.add_argument("--steps-log", type=Path, required=True)
     parser.add_argument("--plots", type=Path, required=True, help="history plot data and the stacked-bar PNG")
     return parser.parse_args(argv)
+
+
+def previous_metrics(report_path: Path) -> dict:
+    """The metrics the last goodput stage left (reports/metrics/goodput.json), {} when there are none."""
+    try:
+        return read_json(metrics_path(report_path, "goodput"))
+    except (OSError, ValueError):
+        return {}
 
 
 def build_ledger(params, journal_dir: Path, train_report_path: Path, steps_log: Path) -> dict:
@@ -70,7 +82,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def body(params):
         result = build_ledger(params, args.journal, args.train_report, args.steps_log)
-        rows = chart.append_history(result, args.plots)
+        if not ledger.train_ran(result):
+            result["carried_forward"] = ledger.carry_forward(result, previous_metrics(Path(args.report)))
+            log(f"goodput: {result['carried_forward']['reason']}")
+        # a run that trained nothing has no goodput point in the over-runs plot (a null: vega-lite skips it)
+        history = {**result, "goodput": None} if "carried_forward" in result else result
+        rows = chart.append_history(history, args.plots)
         try:
             chart.stacked_bar(rows, args.plots / "goodput.png")
         except Exception as exc:  # noqa: BLE001 - the ledger is written either way: the chart is extra
