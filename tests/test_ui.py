@@ -135,3 +135,40 @@ def test_every_report_cell_is_short_enough_for_a_table():
     report = {**VALIDATE_REPORT, "losses": [1.0 / (i + 1) for i in range(800)]}
     rows = artifacts.report_table(report)
     assert max(len(cell) for cell in _cells(rows)) <= 80, json.dumps(rows)[:500]
+
+
+def _ledger(ended_at: str) -> dict:
+    from fineflow.goodput.ledger import BUCKETS
+
+    buckets = dict.fromkeys(BUCKETS, 0.0) | {"compute": 30.0, "orchestration": 10.0}
+    return {"total_s": 40.0, "goodput": 0.75, "ended_at": ended_at, "buckets": buckets, "cost": {}}
+
+
+def test_the_goodput_chart_shows_this_workspaces_runs_only_with_its_legend_clear_of_the_axis(tmp_path, monkeypatch):
+    """Seen on main: "run 1" and "run 2" of the committed history (another machine's runs) on a new user's chart,
+    and the legend over the x-axis label."""
+    from fineflow.goodput import chart
+
+    plots = tmp_path / "reports/plots"
+    plots.mkdir(parents=True)
+    committed = [chart.history_row(_ledger(f"2026-12-02T0{i}:00:00Z"), i) for i in (1, 2)]
+    for row in committed:
+        row.pop("workspace", None)  # as the history committed in the project's repository has them
+    (plots / chart.HISTORY_FILE).write_text(json.dumps(committed))
+    rows = chart.append_history(_ledger("2026-12-03T01:02:03Z"), plots)
+    assert len(rows) == 3  # the history file keeps every row (DVC plots over runs)
+    from matplotlib import pyplot
+
+    drawn = []
+    monkeypatch.setattr(pyplot, "close", drawn.append)  # the figure, kept open once saved
+    chart.stacked_bar(rows, plots / "goodput.png")
+    [figure] = drawn
+    [axes] = figure.axes
+    labels = [tick.get_text() for tick in axes.get_yticklabels()]
+    assert labels == ["12-03 01:02"], labels  # this workspace's run, named by when it ended
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    legend = axes.get_legend().get_window_extent(renderer)
+    xlabel = axes.xaxis.label.get_window_extent(renderer)
+    assert not legend.overlaps(xlabel), (legend, xlabel)
+    assert not legend.overlaps(axes.get_window_extent(renderer))  # nor over the bars
