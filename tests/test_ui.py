@@ -172,3 +172,36 @@ def test_the_goodput_chart_shows_this_workspaces_runs_only_with_its_legend_clear
     xlabel = axes.xaxis.label.get_window_extent(renderer)
     assert not legend.overlaps(xlabel), (legend, xlabel)
     assert not legend.overlaps(axes.get_window_extent(renderer))  # nor over the bars
+
+
+def _named(project, monkeypatch, overrides=None) -> str:
+    from prefect.runtime import flow_run
+
+    from tasks import runs
+
+    parameters = {"project_dir": str(project), "overrides": overrides}
+    monkeypatch.setitem(flow_run.FIELDS, "parameters", lambda: parameters)  # as inside the flow run
+    return runs.flow_run_name()
+
+
+def test_runs_with_different_param_edits_get_different_names_from_their_start(tmp_path, monkeypatch):
+    """Seen on main: two runs with different param edits were both named "<sha>+edits" (and a failed or
+    crashed run keeps the name it started with, so the start name must tell runs apart)."""
+    import subprocess
+
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost"]
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "params.yaml").write_text("train:\n  steps: 200\n")
+    subprocess.run(git + ["add", "-A"], cwd=tmp_path, check=True)
+    subprocess.run(git + ["commit", "-qm", "x"], cwd=tmp_path, check=True)
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True, text=True)
+    clean = _named(tmp_path, monkeypatch)
+    (tmp_path / "params.yaml").write_text("train:\n  steps: 60\n")
+    sixty = _named(tmp_path, monkeypatch)
+    (tmp_path / "params.yaml").write_text("train:\n  steps: 80\n")
+    eighty = _named(tmp_path, monkeypatch)
+    overridden = _named(tmp_path, monkeypatch, {"train.lr": 0.001})
+    edits = [name.split()[0] for name in (clean, sixty, eighty, overridden)]
+    assert len(set(edits)) == 4, edits  # the commit and a short hash of the edits (overrides included)
+    assert edits[1].startswith(sha.stdout.strip() + "+edits-")
+    assert clean.startswith(sha.stdout.strip() + " ") and clean.endswith(" UTC")  # the commit, then its start
