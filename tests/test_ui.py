@@ -205,3 +205,43 @@ def test_runs_with_different_param_edits_get_different_names_from_their_start(tm
     assert len(set(edits)) == 4, edits  # the commit and a short hash of the edits (overrides included)
     assert edits[1].startswith(sha.stdout.strip() + "+edits-")
     assert clean.startswith(sha.stdout.strip() + " ") and clean.endswith(" UTC")  # the commit, then its start
+
+
+def test_a_silent_stage_still_gets_a_log_line_every_heartbeat(tmp_path, monkeypatch):
+    """Seen on main: the base stage's log silent for minutes while it pretrains. Whatever a stage prints, the
+    task logs a line when it has been silent for a heartbeat (30 s; shortened here)."""
+    import subprocess
+    import sys
+
+    from tasks import stages
+
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "dvc.yaml").write_text(
+        f"stages:\n  quiet:\n    cmd: {sys.executable} -c \"import time; time.sleep(3); open('out', 'w')\"\n"
+        "    outs: [out]\n"
+    )
+    monkeypatch.setattr(stages, "HEARTBEAT_S", 0.5, raising=False)
+    lines = []
+    assert stages.repro_single("quiet", tmp_path, lines.append) is True
+    beats = [line for line in lines if line.startswith("stage quiet: still running")]
+    assert beats, lines
+    assert "no output for" in beats[0]
+
+
+def test_base_pretraining_prints_progress_by_time_not_only_every_50_steps(monkeypatch):
+    """On a busy machine 50 pretraining steps take minutes: a line also whenever PROGRESS_S has passed (0 here)."""
+    from fineflow.base import model as base_model
+    from fineflow.core.config import BaseParams, ModelParams
+    from fineflow.corpus import pretraining_corpus
+
+    texts = list(pretraining_corpus(300, 0))
+    tokenizer = base_model.train_tokenizer(texts, 400, 64)
+    cfg = ModelParams(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, vocab_size=400)
+    model = base_model.build_model(cfg, tokenizer, 0)
+    monkeypatch.setattr(base_model, "PROGRESS_S", 0.0, raising=False)
+    lines = []
+    base = BaseParams(steps=4, batch_size=2, seq_len=16, warmup_steps=0)
+    base_model.pretrain(model, tokenizer, texts, base, 0, log=lines.append)
+    assert [line.split(" loss")[0] for line in lines] == [f"pretrain step {i}/4" for i in (1, 2, 3, 4)]
+    assert lines[-1].endswith("ETA 0s")
