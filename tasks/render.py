@@ -42,8 +42,21 @@ def is_records(value) -> bool:
     )
 
 
+# fields a record's table leaves out: a check's Great Expectations type (its category says it for a person, and
+# the long name alone would push the table past the page's width; reports/validate.json keeps it)
+HIDDEN = frozenset({"expectation"})
+
+
 def record_row(record: dict) -> dict:
-    return {key.replace("_", " "): fmt(key, value) for key, value in record.items()}
+    """A record's fields as a table row; a share and its limit (max_share) in one cell: "2.4% (max 5.0%)"."""
+    row = {}
+    for key, value in record.items():
+        if key in HIDDEN or key == "max_share":
+            continue
+        row[key.replace("_", " ")] = fmt(key, value)
+    if "share" in record and record.get("max_share") is not None:
+        row["share"] += f" (max {fmt('max_share', record['max_share'])})"
+    return row
 
 
 def fmt(key: str, value) -> str:

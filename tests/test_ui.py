@@ -7,6 +7,7 @@ of a real server's run in headless Chromium."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -61,7 +62,7 @@ def test_the_validate_report_shows_one_row_per_check_and_no_json_in_any_cell():
     assert set(checks) == {"empty_output", "duplicates"} and set(sections) == {"checks", "eval.checks"}
     empty = checks["empty_output"]
     assert (empty["category"], empty["severity"], empty["failed rows"]) == ("completeness", "error", "7")
-    assert empty["first failed lines"] == "12, 57, 98" and empty["share"] == "0.2%"
+    assert empty["first failed lines"] == "12, 57, 98" and empty["share"] == "0.2% (max 5.0%)"
     assert checks["duplicates"]["first failed lines"] == "3, 5, 7, …, 39, 41 (20 values)"
 
 
@@ -207,6 +208,7 @@ def test_runs_with_different_param_edits_get_different_names_from_their_start(tm
     assert clean.startswith(sha.stdout.strip() + " ") and clean.endswith(" UTC")  # the commit, then its start
 
 
+@pytest.mark.slow  # dvc repro
 def test_a_silent_stage_still_gets_a_log_line_every_heartbeat(tmp_path, monkeypatch):
     """Seen on main: the base stage's log silent for minutes while it pretrains. Whatever a stage prints, the
     task logs a line when it has been silent for a heartbeat (30 s; shortened here)."""
@@ -245,3 +247,178 @@ def test_base_pretraining_prints_progress_by_time_not_only_every_50_steps(monkey
     base_model.pretrain(model, tokenizer, texts, base, 0, log=lines.append)
     assert [line.split(" loss")[0] for line in lines] == [f"pretrain step {i}/4" for i in (1, 2, 3, 4)]
     assert lines[-1].endswith("ETA 0s")
+
+
+# ---- the run page in a browser --------------------------------------------------------------------------------
+
+SCREENSHOTS = Path(__file__).resolve().parent.parent / "logs" / "screenshots"  # CI keeps them (not in git)
+
+# a stage command for the browser test's project: writes the report it is given, or fails with a user error
+STAGE_SCRIPT = """
+import json, shutil, sys
+from fineflow.core.reports import write_error_record
+stage = sys.argv[1]
+if stage == "train":
+    write_error_record(f"reports/{stage}.json", stage, open("given/train_error.txt").read())
+    sys.exit(2)
+shutil.copy(f"given/{stage}.json", f"reports/{stage}.json")
+"""
+
+FLOW_SCRIPT = """
+import sys
+from prefect import flow
+from tasks.stages import run_stage
+
+@flow(name="fineflow-ui-test")
+def pages(project_dir):
+    for stage in ("validate", "evaluate", "promote", "train"):
+        run_stage(stage, project_dir, return_state=True)
+
+pages(sys.argv[1])
+"""
+
+RESUME_ERROR = (
+    "checkpoints/run-1 is an unfinished run (step 40 of 200) of another configuration; resuming it with these "
+    "params would not continue the same training. Changed: train.steps: 200 -> 60. Restore those params to resume "
+    "it, or set train.resume: never to start this configuration fresh (the other run's checkpoints are kept)."
+)
+
+EVALUATE_REPORT = {
+    "stage": "evaluate",
+    "base": {"fineflow_synth/exact_match": 0.0, "fineflow_synth/exact_match_stderr": 0.0123456789},
+    "candidate": {"fineflow_synth/exact_match": 0.765000001, "fineflow_synth/exact_match_stderr": 0.021987654},
+    "eval_s": 33.123456,
+    "eval_loss": 1.23456789,
+}
+
+PROMOTE_REPORT = {
+    "decision": "refused",
+    "reason": "the 60% CI of the delta [-0.0100, +0.1000] includes 0",
+    "candidate_id": "215b44c9bc1e947a",
+    "primary_metric": "fineflow_synth/exact_match",
+    "reference": "champion",
+    "candidate_value": 0.765,
+    "reference_value": 0.75,
+    "delta": 0.015,
+    "ci_low": -0.01,
+    "ci_high": 0.1,
+    "p_value": 0.21,
+    "confidence": 0.6,
+}
+
+
+def _page_project(root: Path) -> Path:
+    """A DVC project whose stages write the given reports (and train fails with the resume error)."""
+    import subprocess
+    import sys
+
+    root.mkdir()
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=root, check=True)
+    given = root / "given"
+    given.mkdir()
+    for stage, report in (("validate", VALIDATE_REPORT), ("evaluate", EVALUATE_REPORT), ("promote", PROMOTE_REPORT)):
+        (given / f"{stage}.json").write_text(json.dumps(report))
+    (root / "reports").mkdir()
+    (root / "stage.py").write_text(STAGE_SCRIPT)
+    lines = ["stages:"]
+    for stage in ("validate", "evaluate", "promote"):
+        lines += [
+            f"  {stage}:",
+            f"    cmd: python stage.py {stage}",
+            f"    outs: [{{reports/{stage}.json: {{cache: false}}}}]",
+        ]
+    (given / "train_error.txt").write_text(RESUME_ERROR)
+    lines += ["  train:", "    cmd: python stage.py train", "    always_changed: true"]
+    (root / "dvc.yaml").write_text("\n".join(lines) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def ui_server(tmp_path_factory):
+    """A Prefect server with its UI, on 127.0.0.1 (the UI's own API URL pointed at it), stopped by its PID."""
+    import subprocess
+    import sys
+
+    from tests import browser
+    from tests.conftest import _wait_healthy, free_port, stop_by_pid, venv_env
+
+    if browser.CHROMIUM is None:  # before a server is started for nothing
+        pytest.skip(f"no chromium on PATH (Debian: {browser.INSTALL})")
+    home = tmp_path_factory.mktemp("prefect-ui")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**venv_env(), "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "true", "PREFECT_UI_API_URL": f"{url}/api"}
+    argv = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    with (home / "server.log").open("w") as log:
+        server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_healthy(server, f"{url}/api", home / "server.log")
+        yield url
+    finally:
+        stop_by_pid(server)
+
+
+@pytest.mark.scenario
+@pytest.mark.slow
+def test_the_artifact_pages_read_in_a_browser(ui_server, tmp_path):
+    """A flow run of stages through run_stage (DVC, the real publishing path) against a real server; each artifact
+    page rendered in headless Chromium: what a person needs is in the page's text, no table cell runs past its
+    table, the failed stage's fix is a line of its own on screen. Screenshots: logs/screenshots/."""
+    import subprocess
+    import sys
+
+    from tests import browser
+    from tests.conftest import free_port, venv_env
+
+    if browser.CHROMIUM is None:
+        pytest.skip(f"no chromium on PATH (Debian: {browser.INSTALL})")
+    project = _page_project(tmp_path / "project")
+    env = {**venv_env(), "PREFECT_API_URL": f"{ui_server}/api"}
+    done = subprocess.run(
+        [sys.executable, "-c", FLOW_SCRIPT, str(project)], cwd=project, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    found = _artifacts(ui_server)
+    expected = {"fineflow-validate", "fineflow-validate-checks", "fineflow-validate-eval-checks", "fineflow-evaluate"}
+    expected |= {"fineflow-promote", "fineflow-promotion", "fineflow-train-failed"}
+    assert expected <= set(found), sorted(found)
+    page = browser.Browser(free_port(), tmp_path / "chromium")
+    try:
+        texts = {}
+        for key in sorted(expected):
+            ready = f"document.body.innerText.includes({key!r}) && document.body.innerText.includes('Show raw data')"
+            page.open(f"{ui_server}/artifacts/artifact/{found[key]}", ready=ready)
+            page.screenshot(SCREENSHOTS / f"{key}.png")
+            texts[key] = page.evaluate("document.body.innerText")
+            if key == "fineflow-train-failed":  # seen on main: off the right edge of a code block that does not wrap
+                for fix in ("Changed: train.steps: 200 -> 60.", "Restore those params to resume it"):
+                    assert page.evaluate(browser.text_on_screen(fix)), fix
+            assert page.evaluate(browser.OVERFLOWING_CELLS) == [], key
+            assert "{" not in texts[key] and "file://" not in texts[key], texts[key]
+    finally:
+        page.close()
+    checks = texts["fineflow-validate-checks"]
+    for shown in ("empty_output", "completeness", "error", "12, 57, 98", "duplicates", "warn", "2.4% (max 5.0%)"):
+        assert shown in checks, checks
+    assert "0.7650" in texts["fineflow-evaluate"] and "0.765000001" not in texts["fineflow-evaluate"]
+    assert "60% bootstrap CI" in texts["fineflow-promotion"] and "95%" not in texts["fineflow-promotion"]
+    assert "\nChanged: train.steps: 200 → 60.\n" in texts["fineflow-train-failed"].replace("->", "→")
+
+
+def _artifacts(api_url: str) -> dict[str, str]:
+    """The latest artifact id of each key."""
+    import urllib.request
+
+    request = urllib.request.Request(
+        f"{api_url}/api/artifacts/filter",
+        data=json.dumps({"sort": "CREATED_DESC"}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        artifacts = json.load(response)
+    latest = {}
+    for artifact in artifacts:
+        if artifact["key"]:
+            latest.setdefault(artifact["key"], artifact["id"])
+    return latest
