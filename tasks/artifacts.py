@@ -167,9 +167,9 @@ def ledger_table(ledger: dict) -> list[dict]:
     rows = [
         {
             "bucket": name,
-            "seconds": round(seconds, 2),
+            "seconds": render.fmt("seconds", seconds),
             "share": f"{seconds / total:.1%}",
-            "usd": round(bucket_usd.get(name, 0.0), 5),
+            "usd": render.fmt("usd", bucket_usd.get(name, 0.0)),
             "what": DESCRIPTIONS.get(name, ""),
         }
         for name, seconds in sorted(ledger.get("buckets", {}).items(), key=lambda item: -item[1])
@@ -177,18 +177,18 @@ def ledger_table(ledger: dict) -> list[dict]:
     rows.append(
         {
             "bucket": "unaccounted",
-            "seconds": ledger.get("unaccounted_s"),
+            "seconds": render.fmt("seconds", ledger.get("unaccounted_s")),
             "share": f"{ledger.get('unaccounted_share', 0):.2%}",
-            "usd": None,
+            "usd": "—",
             "what": "inside stage processes, timed by no bucket",
         }
     )
     rows.append(
         {
             "bucket": "total",
-            "seconds": ledger.get("total_s"),
+            "seconds": render.fmt("seconds", ledger.get("total_s")),
             "share": f"goodput {ledger.get('goodput', 0):.1%}",
-            "usd": (ledger.get("cost") or {}).get("run_usd"),
+            "usd": render.fmt("usd", (ledger.get("cost") or {}).get("run_usd")),
             "what": "the run, from its start to this ledger",
         }
     )

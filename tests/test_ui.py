@@ -422,3 +422,11 @@ def _artifacts(api_url: str) -> dict[str, str]:
         if artifact["key"]:
             latest.setdefault(artifact["key"], artifact["id"])
     return latest
+
+
+def test_the_ledger_table_rounds_seconds_and_dollars():
+    ledger = _ledger("2026-12-03T01:02:03Z") | {"unaccounted_s": 0.01234, "unaccounted_share": 0.0003}
+    ledger["cost"] = {"bucket_usd": {"compute": 0.0012345678}, "run_usd": 0.0015894123}
+    rows = {row["bucket"]: row for row in artifacts.ledger_table(ledger)}
+    assert (rows["compute"]["seconds"], rows["compute"]["usd"]) == ("30.0 s", "$0.0012")
+    assert (rows["total"]["seconds"], rows["total"]["usd"]) == ("40.0 s", "$0.0016")
