@@ -1,9 +1,10 @@
 """What a stage's task shows on the Prefect run page: its report as a table artifact, promote's decision and
 the goodput ledger's findings as markdown, the training charts embedded, a progress bar while training runs, and
-a failed stage's error: rendered and published here, beside nothing else. Running the stage (``dvc repro``, its
-logs, stops and retries) is ``tasks/stages.py``'s.
+a failed stage's error: published here (how they read is tasks/render.py's), beside nothing else. Running the
+stage (``dvc repro``, its logs, stops and retries) is ``tasks/stages.py``'s.
 
 Artifact keys (the run page and tests/test_runs.py read them): ``fineflow-<stage>`` (a report's table),
+``fineflow-<stage>-<section>`` (a section of records, one row each: ``fineflow-validate-checks``),
 ``fineflow-promotion``, ``fineflow-train-charts``, ``fineflow-train-progress``, ``fineflow-goodput-ledger``,
 ``fineflow-goodput-doctor``, ``fineflow-<stage>-failed``.
 """
