@@ -140,10 +140,24 @@ def promotion_markdown(report: dict, project: Path) -> str:
         *gate_evidence_table(report),
     ]
     # the card as a path to read on the worker (a browser opens no file:// link from the page), only when it is there
-    if (project / CARD).is_file():
-        whose = "" if report.get("decision") == "promoted" else " (the champion's, unchanged)"
-        lines.append(f"| model card | {CARD}{whose} |")
+    card = project / CARD
+    if card.is_file():
+        promoted = report.get("decision") == "promoted"
+        lines.append(f"| model card | {CARD}{'' if promoted else ' (the champion’s, unchanged)'} |")
+        evaluation = card_section(card.read_text(encoding="utf-8"), "Evaluation") if promoted else []
+        if evaluation:  # what matters of the card, on the page: every metric against the base, with its CI
+            lines += ["", "#### The new champion's evaluation (from its model card)", *evaluation]
     return "\n".join(lines)
+
+
+def card_section(card: str, title: str) -> list[str]:
+    """The lines of the card's "## <title>" section, without its heading ([] when it has none)."""
+    lines = card.splitlines()
+    if f"## {title}" not in lines:
+        return []
+    start = lines.index(f"## {title}") + 1
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return lines[start:end]
 
 
 def charts_markdown(plots_dir: Path) -> str | None:

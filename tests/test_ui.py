@@ -119,8 +119,12 @@ def test_no_file_links_and_no_model_card_that_does_not_exist(tmp_path):
     card = tmp_path / "models/champion/README.md"
     card.parent.mkdir(parents=True)
     card.write_text("# champion\n")
+    refused = artifacts.promotion_markdown(report, tmp_path)
+    assert "models/champion/README.md (the champion’s, unchanged)" in refused
+    card.write_text("# champion\n\n## Evaluation\n\n| task | metric |\n|---|---|\n| synth | em |\n\n## Training\n")
     promoted = artifacts.promotion_markdown({**report, "decision": "promoted"}, tmp_path)
-    assert "file://" not in promoted and "models/champion/README.md" in promoted
+    assert "file://" not in promoted and "| model card | models/champion/README.md |" in promoted
+    assert "| synth | em |" in promoted and "## Training" not in promoted  # the card's evaluation, embedded
 
 
 def test_the_approval_request_labels_its_interval_at_its_confidence():
@@ -292,19 +296,34 @@ EVALUATE_REPORT = {
 }
 
 PROMOTE_REPORT = {
-    "decision": "refused",
-    "reason": "the 60% CI of the delta [-0.0100, +0.1000] includes 0",
+    "decision": "promoted",
+    "reason": "exact_match 0.7650 beats the champion's 0.7500 by +0.0150, 60% CI [+0.0010, +0.1000]",
     "candidate_id": "215b44c9bc1e947a",
     "primary_metric": "fineflow_synth/exact_match",
     "reference": "champion",
     "candidate_value": 0.765,
     "reference_value": 0.75,
     "delta": 0.015,
-    "ci_low": -0.01,
+    "ci_low": 0.001,
     "ci_high": 0.1,
     "p_value": 0.21,
     "confidence": 0.6,
 }
+
+# the champion's card as fineflow.registry.card writes its evaluation section
+CARD = """# fineflow champion 215b44c9bc1e947a
+
+## Evaluation
+
+Per-sample paired bootstrap versus the base model (seeded; percentile CI; p = share of resampled deltas <= 0).
+
+| task | metric | value | base | delta | CI | p |
+|---|---|---|---|---|---|---|
+| fineflow_synth | exact_match | 0.7650 | 0.0000 | +0.7650 | [+0.7100, +0.8250] (60%) | 0.000 |
+| fineflow_synth_long_task_name | exact_match_stderr | 0.0212 | 0.0000 | +0.0212 | [+0.0100, +0.0300] (60%) | 0.000 |
+
+## Training
+"""
 
 
 def _page_project(root: Path) -> Path:
@@ -320,6 +339,8 @@ def _page_project(root: Path) -> Path:
     for stage, report in (("validate", VALIDATE_REPORT), ("evaluate", EVALUATE_REPORT), ("promote", PROMOTE_REPORT)):
         (given / f"{stage}.json").write_text(json.dumps(report))
     (root / "reports").mkdir()
+    (root / "models/champion").mkdir(parents=True)
+    (root / "models/champion/README.md").write_text(CARD)
     (root / "stage.py").write_text(STAGE_SCRIPT)
     lines = ["stages:"]
     for stage in ("validate", "evaluate", "promote"):
@@ -402,7 +423,9 @@ def test_the_artifact_pages_read_in_a_browser(ui_server, tmp_path):
     for shown in ("empty_output", "completeness", "error", "12, 57, 98", "duplicates", "warn", "2.4% (max 5.0%)"):
         assert shown in checks, checks
     assert "0.7650" in texts["fineflow-evaluate"] and "0.765000001" not in texts["fineflow-evaluate"]
-    assert "60% bootstrap CI" in texts["fineflow-promotion"] and "95%" not in texts["fineflow-promotion"]
+    promotion = texts["fineflow-promotion"]
+    assert "60% bootstrap CI" in promotion and "95%" not in promotion
+    assert "models/champion/README.md" in promotion and "[+0.7100, +0.8250] (60%)" in promotion  # the card's table
     assert "\nChanged: train.steps: 200 → 60.\n" in texts["fineflow-train-failed"].replace("->", "→")
 
 
