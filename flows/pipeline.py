@@ -5,7 +5,7 @@
 
 Each stage is one task that runs ``dvc repro --single-item <stage>``; unchanged stages are skipped by DVC.
 A run holds the workspace (a second one waits), pulls from and pushes to the project's default DVC remote when
-it has one, and is named after its commit and what it re-ran (tasks/runs.py).
+it has one, and is named after its commit, its edits, its start and what it re-ran or where it failed (tasks/runs.py).
 With promote.require_approval, the run pauses at promote for a person's answer (tasks/approval.py).
 Retries: train is retried (a transient crash, or a stop of the stage alone after it saved its step: the retry
 resumes); bad input or params are never retried.
@@ -63,6 +63,7 @@ def fineflow_pipeline(project_dir: str = ".", overrides: dict[str, Any] | None =
     from fineflow.core.runtime import RUN_NAME_ENV, apply_offline_environment
 
     started = time.time()
+    stage = "start"  # where the run is: a failed run's name says it
     log_user_errors_without_tracebacks()  # a failed stage's user error: its message, not our plumbing's traceback
     apply_offline_environment(project_dir)  # a worker's run starts here, not in run_flow: offline for its stages
     runs.claim_workspace(project_dir, owner=f"flow run {flow_run.name!r}")
@@ -84,7 +85,11 @@ def fineflow_pipeline(project_dir: str = ".", overrides: dict[str, Any] | None =
                 answered = task.with_options(task_run_name=answered_task_name(stage, approval))
                 result = answered(stage, project_dir, approval=approval, wait_for=upstream_results)
             results[stage] = result
+        stage = "push"
         runs.push_state(project_dir, wait_for=list(results.values()))
+    except Exception:  # a failed run says where in its name (a stopped one keeps its start name: no API call
+        runs.rename_run(f"{flow_run.name}: failed at {stage}")  # while its server may be stopping too)
+        raise
     finally:
         for name in (RUN_NAME_ENV, journal.RUN_ID_ENV, journal.RUN_STARTED_ENV):
             os.environ.pop(name, None)

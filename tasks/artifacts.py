@@ -1,9 +1,10 @@
 """What a stage's task shows on the Prefect run page: its report as a table artifact, promote's decision and
 the goodput ledger's findings as markdown, the training charts embedded, a progress bar while training runs, and
-a failed stage's error: rendered and published here, beside nothing else. Running the stage (``dvc repro``, its
-logs, stops and retries) is ``tasks/stages.py``'s.
+a failed stage's error: published here (how they read is tasks/render.py's), beside nothing else. Running the
+stage (``dvc repro``, its logs, stops and retries) is ``tasks/stages.py``'s.
 
 Artifact keys (the run page and tests/test_runs.py read them): ``fineflow-<stage>`` (a report's table),
+``fineflow-<stage>-<section>`` (a section of records, one row each: ``fineflow-validate-checks``),
 ``fineflow-promotion``, ``fineflow-train-charts``, ``fineflow-train-progress``, ``fineflow-goodput-ledger``,
 ``fineflow-goodput-doctor``, ``fineflow-<stage>-failed``.
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import re
 import time
 from pathlib import Path
@@ -26,6 +26,10 @@ from prefect.artifacts import (
 
 from fineflow.core.reports import gate_evidence_table
 from fineflow.train.plots import TRAIN_CHARTS
+from tasks import render
+from tasks.render import failure_markdown
+
+PLOTS = "reports/plots"  # where the charts are, relative to the project (shown as text under each)
 
 
 def publish_report(stage: str, project: Path, report: dict, ran: bool) -> None:
@@ -42,11 +46,18 @@ def publish_report(stage: str, project: Path, report: dict, ran: bool) -> None:
             description="fineflow doctor on this run",
         )
         return
+    skipped = "" if ran else " (unchanged, skipped by DVC)"
     create_table_artifact(
         key=f"fineflow-{stage}",
         table=report_table(report),
-        description=f"reports/{stage}.json after the {stage} stage" + ("" if ran else " (unchanged, skipped by DVC)"),
+        description=f"reports/{stage}.json after the {stage} stage{skipped}",
     )
+    for section, rows in report_sections(report).items():  # validate's checks: one row per check
+        create_table_artifact(
+            key=f"fineflow-{stage}-{section_key(section)}",
+            table=rows,
+            description=f"{section} of reports/{stage}.json, one row each{skipped}",
+        )
     if stage == "promote" and report.get("decision"):
         create_markdown_artifact(
             key="fineflow-promotion", markdown=promotion_markdown(report, project), description="the promotion gate"
@@ -62,7 +73,7 @@ def publish_failure(stage: str, exc: BaseException) -> None:
     with contextlib.suppress(Exception):  # a dead API must not replace the stage's own error
         create_markdown_artifact(
             key=f"fineflow-{stage}-failed",
-            markdown=f"### fineflow {stage} failed\n\n```\n{exc}\n```",
+            markdown=failure_markdown(stage, str(exc)),
             description=f"the {stage} stage's error",
         )
 
@@ -101,45 +112,64 @@ class TrainingProgress:
 
 
 def report_table(report: dict) -> list[dict]:
-    """A stage report as rows of (figure, value): nested sections flattened to dotted names, each value whole
-    (lists and mappings below the first level as compact JSON)."""
-    rows = []
-    for key, value in sorted(report.items()):
-        if isinstance(value, dict) and value:  # a section (train's "plan"): one row per field
-            rows += [{"figure": f"{key}.{inner}", "value": _cell(v)} for inner, v in sorted(value.items())]
-        else:
-            rows.append({"figure": key, "value": _cell(value)})
-    return rows
+    """A stage report's figures as rows of (figure, value): nested sections flattened to dotted names, each value
+    a short readable text rounded to what it means (tasks.render); sections of records are report_sections'."""
+    return render.report_tables(report)[0]
 
 
-def _cell(value) -> str:
-    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
+def report_sections(report: dict) -> dict[str, list[dict]]:
+    """The report's sections of records (validate's checks, eval.checks) as tables of their own, one row each."""
+    return render.report_tables(report)[1]
+
+
+def section_key(section: str) -> str:
+    """An artifact key's part for a section ("eval.checks" -> "eval-checks"): lowercase letters, digits, dashes."""
+    return re.sub(r"[^a-z0-9]+", "-", section.lower()).strip("-")
+
+
+CARD = "models/champion/README.md"  # the champion's model card, relative to the project
 
 
 def promotion_markdown(report: dict, project: Path) -> str:
     """The gate's decision with its evidence, for the promotion artifact."""
-    card = project / "models" / "champion" / "README.md"
     lines = [
         f"### Promotion: **{report.get('decision', '?')}**",
         "",
-        str(report.get("reason", "")),
+        render.escape(str(report.get("reason", ""))),
         "",
         *gate_evidence_table(report),
-        f"| model card | [{card}]({card.as_uri()}) |",
     ]
+    # the card as a path to read on the worker (a browser opens no file:// link from the page), only when it is there
+    card = project / CARD
+    if card.is_file():
+        promoted = report.get("decision") == "promoted"
+        lines.append(f"| model card | {CARD}{'' if promoted else ' (the champion’s, unchanged)'} |")
+        evaluation = card_section(card.read_text(encoding="utf-8"), "Evaluation") if promoted else []
+        if evaluation:  # what matters of the card, on the page: every metric against the base, with its CI
+            lines += ["", "#### The new champion's evaluation (from its model card)", *evaluation]
     return "\n".join(lines)
+
+
+def card_section(card: str, title: str) -> list[str]:
+    """The lines of the card's "## <title>" section, without its heading ([] when it has none)."""
+    lines = card.splitlines()
+    if f"## {title}" not in lines:
+        return []
+    start = lines.index(f"## {title}") + 1
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return lines[start:end]
 
 
 def charts_markdown(plots_dir: Path) -> str | None:
     """The train stage's PNG charts (fineflow.train.plots) embedded in markdown, so the run page shows them
-    without reaching the worker's disk, each with a link to its file."""
+    without reaching the worker's disk, each with its file's path as text (a page opens no file:// link)."""
     charts = [plots_dir / name for name in TRAIN_CHARTS if (plots_dir / name).is_file()]
     if not charts:
         return None
     lines = ["### Training charts", ""]
     for chart in charts:
         data = base64.b64encode(chart.read_bytes()).decode("ascii")
-        lines += [f"![{chart.stem}](data:image/png;base64,{data})", "", f"[{chart.name}]({chart.as_uri()})", ""]
+        lines += [f"![{chart.stem}](data:image/png;base64,{data})", "", f"{PLOTS}/{chart.name}", ""]
     return "\n".join(lines)
 
 
@@ -152,9 +182,9 @@ def ledger_table(ledger: dict) -> list[dict]:
     rows = [
         {
             "bucket": name,
-            "seconds": round(seconds, 2),
+            "seconds": render.fmt("seconds", seconds),
             "share": f"{seconds / total:.1%}",
-            "usd": round(bucket_usd.get(name, 0.0), 5),
+            "usd": render.fmt("usd", bucket_usd.get(name, 0.0)),
             "what": DESCRIPTIONS.get(name, ""),
         }
         for name, seconds in sorted(ledger.get("buckets", {}).items(), key=lambda item: -item[1])
@@ -162,18 +192,18 @@ def ledger_table(ledger: dict) -> list[dict]:
     rows.append(
         {
             "bucket": "unaccounted",
-            "seconds": ledger.get("unaccounted_s"),
+            "seconds": render.fmt("seconds", ledger.get("unaccounted_s")),
             "share": f"{ledger.get('unaccounted_share', 0):.2%}",
-            "usd": None,
+            "usd": "—",
             "what": "inside stage processes, timed by no bucket",
         }
     )
     rows.append(
         {
             "bucket": "total",
-            "seconds": ledger.get("total_s"),
+            "seconds": render.fmt("seconds", ledger.get("total_s")),
             "share": f"goodput {ledger.get('goodput', 0):.1%}",
-            "usd": (ledger.get("cost") or {}).get("run_usd"),
+            "usd": render.fmt("usd", (ledger.get("cost") or {}).get("run_usd")),
             "what": "the run, from its start to this ledger",
         }
     )
@@ -198,5 +228,5 @@ def ledger_markdown(ledger: dict, plots_dir: Path) -> str:
     chart = plots_dir / "goodput.png"
     if chart.is_file():
         data = base64.b64encode(chart.read_bytes()).decode("ascii")
-        lines += ["", f"![goodput buckets](data:image/png;base64,{data})", f"[{chart.name}]({chart.as_uri()})"]
+        lines += ["", f"![goodput buckets](data:image/png;base64,{data})", "", f"{PLOTS}/{chart.name}"]
     return "\n".join(lines)

@@ -3,8 +3,9 @@ moves to and from the DVC remote.
 
 A run waits for the workspace in a task of its own (``wait for the workspace``, Running while it waits, its log
 naming the run it waits for), so the UI shows a queued run as waiting, not as failed. Runs are named after
-what they are: the commit (``a1b2c3d``, ``+edits`` for uncommitted changes) and, once the stages have run,
-what DVC re-ran (``a1b2c3d: train, evaluate, promote`` or ``a1b2c3d: nothing changed``).
+what they are: the commit (``a1b2c3d``; ``+edits-3f9a1c`` for uncommitted changes or overrides, a short hash of
+them), when the run started (``12-03 01:24:17 UTC``), and once the stages have run what DVC re-ran (``…: train,
+evaluate, promote`` or ``…: nothing changed``), or where it failed (``…: failed at train``).
 
 With a default DVC remote configured (``dvc remote add -d``), a run starts with ``dvc pull`` and ends with
 ``dvc push``: a run in a fresh clone (a work-pool worker's) reuses the base, the shards, the checkpoints'
@@ -15,8 +16,11 @@ a remote both are skipped (the embedded default keeps its state in the workspace
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -73,25 +77,48 @@ def release_workspace(project_dir: str) -> None:
         os.environ.pop(HOLDER_ENV, None)
 
 
+def _git(project_dir: str, *args: str) -> str:
+    done = subprocess.run(["git", *args], cwd=project_dir, capture_output=True, text=True, timeout=30)
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
 def commit_label(project_dir: str) -> str:
     """The checkout's short commit, ``+edits`` when tracked files differ from it; ``no-git`` outside git."""
-
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=project_dir, capture_output=True, text=True, timeout=30)
-        return done.stdout.strip() if done.returncode == 0 else ""
-
     with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-        sha = git("rev-parse", "--short", "HEAD")
+        sha = _git(project_dir, "rev-parse", "--short", "HEAD")
         if sha:
-            return sha + ("+edits" if git("status", "--porcelain", "--untracked-files=no") else "")
+            return sha + ("+edits" if _git(project_dir, "status", "--porcelain", "--untracked-files=no") else "")
     return "no-git"
 
 
+def edits_hash(project_dir: str, overrides: dict | None) -> str:
+    """6 hex digits of what the run changes on top of its commit (tracked edits, the run's overrides); "" when
+    nothing: two runs with different param edits get different names."""
+    diff = ""
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        diff = _git(project_dir, "diff", "HEAD")
+    if not diff and not overrides:
+        return ""
+    payload = diff + "\n" + json.dumps(overrides or {}, sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:6]
+
+
+def run_label(project_dir: str, overrides: dict | None, started: float) -> str:
+    """``a1b2c3d 12-03 01:24:17 UTC``, ``a1b2c3d+edits-3f9a1c …`` with edits or overrides: the commit, what the
+    run changes on top of it, and when it started. Given at the start, so a failed or crashed run has it too."""
+    label = commit_label(project_dir)
+    changed = edits_hash(project_dir, overrides)
+    if changed:
+        label = (label if label.endswith("+edits") else label + "+edits") + f"-{changed}"
+    return f"{label} {time.strftime('%m-%d %H:%M:%S', time.gmtime(started))} UTC"
+
+
 def flow_run_name() -> str:
-    """The name a run starts with (the flow's flow_run_name): its commit."""
+    """The name a run starts with (the flow's flow_run_name): run_label of its project and overrides."""
     from prefect.runtime import flow_run
 
-    return commit_label(flow_run.parameters.get("project_dir", "."))
+    parameters = flow_run.parameters
+    return run_label(parameters.get("project_dir", "."), parameters.get("overrides"), time.time())
 
 
 def rename_run(name: str) -> None:

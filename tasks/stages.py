@@ -11,7 +11,8 @@ for its stage command, which stops: the train stage saves its step), is killed i
 seconds after the train grace, and the interruption goes on up: the run ends Crashed, never retried. A stage
 stopped on its own (its node preempted) exits 75 with a record: retried, it resumes from the saved step.
 
-A user error (the stage's record says so; ``is_user_error``) is never retried, and Prefect logs it without a
+A stage silent for HEARTBEAT_S (30 s) still gets a log line ("still running", ``Heartbeat``): the run page shows
+it working. A user error (the stage's record says so; ``is_user_error``) is never retried, and Prefect logs it without a
 traceback (``log_user_errors_without_tracebacks``): its message is the whole story.
 """
 
@@ -24,6 +25,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from pathlib import Path
 
@@ -48,6 +50,41 @@ _PROGRESS_REDRAW = re.compile(r"(?<!100)%\|[^|]*\|\s*\d+/\d+")
 
 def is_progress_redraw(line: str) -> bool:
     return bool(_PROGRESS_REDRAW.search(line))
+
+
+HEARTBEAT_S = 30.0  # the longest a running stage's log stays silent (lm-eval, a merge, pretraining print rarely)
+
+
+class Heartbeat:
+    """Logs "stage X: still running" whenever the stage has printed nothing for HEARTBEAT_S, from a thread of its
+    own (the reading loop is blocked on the silent pipe), so a run page never looks stuck while a stage works."""
+
+    def __init__(self, stage: str, log, every_s: float):
+        self.stage, self.log, self.every_s = stage, log, every_s
+        self.started = self.last = time.monotonic()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._beat, name=f"heartbeat {stage}", daemon=True)
+
+    def seen(self) -> None:
+        self.last = time.monotonic()
+
+    def _beat(self) -> None:
+        while not self.done.wait(max(0.05, self.last + self.every_s - time.monotonic())):
+            now = time.monotonic()
+            if now - self.last >= self.every_s:
+                self.log(
+                    f"stage {self.stage}: still running ({now - self.started:.0f} s so far, "
+                    f"no output for {now - self.last:.0f} s)"
+                )
+                self.last = now
+
+    def __enter__(self) -> Heartbeat:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join(timeout=5)
 
 
 class StageFailed(RuntimeError):
@@ -103,12 +140,14 @@ def repro_single(stage: str, project_dir: Path, log, extra_env: dict[str, str] |
             start_new_session=True,  # a terminal's Ctrl-C reaches it only through StopStage, once
         ) as proc,
         preempt.StopStage(proc.pid) as stop,
+        Heartbeat(stage, log, HEARTBEAT_S) as heartbeat,
     ):
         try:
             for line in proc.stdout:
                 if stop.signum is not None:  # the flow was stopped but the exception got lost above the handler
                     raise KeyboardInterrupt(f"stopped by {preempt.signal_name(stop.signum)}")
                 line = line.rstrip()
+                heartbeat.seen()
                 if line and not is_progress_redraw(line):
                     tail.append(line)
                     ran = ran or line.startswith(f"Running stage '{stage}'")

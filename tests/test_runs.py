@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -181,7 +182,7 @@ def test_a_report_is_a_table_of_whole_values():
     plan = {"micro_batch_size": 8, "why": "fits in 80 GiB with activation checkpointing " * 10}
     rows = report_table({"stage": "train", "tokens_per_s": 12920.5, "plan": plan, "losses": [0.5, 0.25]})
     table = {row["figure"]: row["value"] for row in rows}
-    assert table["stage"] == "train" and table["tokens_per_s"] == "12920.5" and table["losses"] == "[0.5, 0.25]"
+    assert table["stage"] == "train" and table["tokens_per_s"] == "12,920.5" and table["losses"] == "0.5000, 0.2500"
     assert table["plan.why"] == plan["why"]  # nothing cut off (it was at 200 characters)
     assert table["plan.micro_batch_size"] == "8"
 
@@ -200,13 +201,15 @@ def test_the_promotion_artifact_carries_the_gates_evidence(tmp_path):
         "ci_high": 0.825,
         "p_value": 0.0,
     }
+    (tmp_path / "models/champion").mkdir(parents=True)
+    (tmp_path / "models/champion/README.md").write_text("# card\n")
     markdown = promotion_markdown(report, tmp_path)
-    shown = ("**promoted**", "215b44c9bc1e947a", "[0.71, 0.825]", "| p-value | 0.0 |", "models/champion/README.md")
+    shown = ("**promoted**", "215b44c9bc1e947a", "[+0.7100, +0.8250]", "| p-value | 0.000 |", "models/champion")
     for text in shown:
         assert text in markdown
 
 
-def test_the_training_charts_are_embedded_in_the_run_page_with_links_to_their_files(tmp_path):
+def test_the_training_charts_are_embedded_in_the_run_page_with_their_files_paths(tmp_path):
     from fineflow.train.plots import write_run_plots
     from tasks.artifacts import charts_markdown
 
@@ -220,7 +223,8 @@ def test_the_training_charts_are_embedded_in_the_run_page_with_links_to_their_fi
     markdown = charts_markdown(tmp_path / "plots")
     assert markdown.count("](data:image/png;base64,iVBORw0KGgo") == 3  # PNG magic, base64
     for chart in ("loss.png", "memory.png", "tokens_per_s.png"):
-        assert f"[{chart}](file://" in markdown and tmp_path / "plots" / chart in written
+        assert f"\nreports/plots/{chart}\n" in markdown and tmp_path / "plots" / chart in written
+    assert "file://" not in markdown  # a browser page opens no file:// link
     assert charts_markdown(tmp_path / "nothing") is None
 
 
@@ -291,7 +295,9 @@ def test_two_flow_runs_started_at_once_in_one_workspace_run_one_after_the_other(
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=project, capture_output=True, text=True)
     names = sorted(r["name"] for r in _flow_runs(prefect_server) if r["parameters"].get("project_dir") == str(project))
     commit = sha.stdout.strip()
-    assert names == sorted([f"{commit}: {', '.join(STAGES)}", f"{commit}: fingerprint, goodput"])
+    named = re.compile(rf"{commit} \d\d-\d\d \d\d:\d\d:\d\d UTC: (.+)")  # commit, start (UTC), what re-ran
+    reran = sorted(named.fullmatch(name).group(1) for name in names)
+    assert reran == sorted([", ".join(STAGES), "fingerprint, goodput"])
 
 
 @pytest.mark.nightly  # a served flow waits for its scheduled minute; CI keeps prefect.yaml + worker

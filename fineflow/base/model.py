@@ -83,6 +83,9 @@ def _token_stream_windows(tokenizer, texts: list[str], seq_len: int):
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
+PROGRESS_S = 20.0  # a progress line at least this often, however slow the steps (the run page never looks stuck)
+
+
 def pretrain(model, tokenizer, texts: list[str], cfg: BaseParams, seed: int, log=print) -> dict:
     """Full-parameter causal-LM pretraining for cfg.steps steps; returns loss and timing figures."""
     import torch
@@ -99,7 +102,7 @@ def pretrain(model, tokenizer, texts: list[str], cfg: BaseParams, seed: int, log
 
     model.train()
     losses: list[float] = []
-    start = time.perf_counter()
+    start = logged = time.perf_counter()
     for step in range(cfg.steps):
         batch = windows[torch.randint(len(windows), (cfg.batch_size,), generator=gen)]
         for group in opt.param_groups:
@@ -110,8 +113,11 @@ def pretrain(model, tokenizer, texts: list[str], cfg: BaseParams, seed: int, log
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        if step % 50 == 0 or step == cfg.steps - 1:
-            log(f"pretrain step {step + 1}/{cfg.steps} loss {losses[-1]:.3f}")
+        now = time.perf_counter()
+        if step % 50 == 0 or step == cfg.steps - 1 or now - logged >= PROGRESS_S:  # a busy machine: by time too
+            logged = now
+            eta = (now - start) / (step + 1) * (cfg.steps - step - 1)
+            log(f"pretrain step {step + 1}/{cfg.steps} loss {losses[-1]:.3f} ETA {eta:.0f}s")
     elapsed = time.perf_counter() - start
     model.eval()
     tokens = cfg.steps * cfg.batch_size * cfg.seq_len

@@ -98,14 +98,26 @@ def clear_error_record(report: str | Path) -> None:
 
 def gate_evidence_table(report: dict) -> list[str]:
     """The gate's evidence as markdown table rows: the Prefect promotion artifact's, the approval
-    request's and the CI summary's."""
-    return [
+    request's and the CI summary's. The interval is labelled at the confidence it was computed at
+    (promote.confidence, in the report), and shown only when one was computed."""
+    rows = [
         "| | |",
         "|---|---|",
         f"| candidate id | `{report.get('candidate_id')}` |",
         f"| metric | `{report.get('primary_metric')}` |",
-        f"| candidate | {report.get('candidate_value')} |",
-        f"| {report.get('reference')} | {report.get('reference_value')} |",
-        f"| delta (95% bootstrap CI) | {report.get('delta')} [{report.get('ci_low')}, {report.get('ci_high')}] |",
-        f"| p-value | {report.get('p_value')} |",
+        f"| candidate | {_number(report.get('candidate_value'))} |",
+        f"| {report.get('reference')} | {_number(report.get('reference_value'))} |",
     ]
+    if report.get("ci_low") is not None:
+        confidence = report.get("confidence")
+        label = f"{confidence:.0%} bootstrap CI" if isinstance(confidence, (int, float)) else "bootstrap CI"
+        interval = f"[{_number(report['ci_low'], '+.4f')}, {_number(report.get('ci_high'), '+.4f')}]"
+        rows.append(f"| delta ({label}) | {_number(report.get('delta'), '+.4f')} {interval} |")
+    elif report.get("delta") is not None:
+        rows.append(f"| delta | {_number(report['delta'], '+.4f')} |")
+    rows.append(f"| p-value | {_number(report.get('p_value'), '.3f')} |")
+    return rows
+
+
+def _number(value, spec: str = ".4f") -> str:
+    return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)

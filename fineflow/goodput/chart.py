@@ -1,8 +1,13 @@
-"""The goodput buckets as a stacked bar (PNG, offline) and the runs' history as DVC plot data."""
+"""The goodput buckets as a stacked bar (PNG, offline) and the runs' history as DVC plot data.
+
+Each history row names the workspace it was measured in (a random id kept in ``reports/ledger/workspace_id``,
+never committed): the history file may hold rows committed from other clones (CI's, or the project's authors'),
+and the run page's chart shows only this workspace's runs, each named by when it ended."""
 
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 
 from fineflow.core.reports import write_text_atomic
@@ -12,11 +17,22 @@ HISTORY_FILE = "goodput_history.json"
 HISTORY_RUNS = 50  # kept in the plot data (the ledgers of older runs stay in reports/ledger/runs)
 
 
-def history_row(ledger: dict, index: int) -> dict:
+def workspace_id(plots_dir: Path) -> str:
+    """This workspace's id (reports/ledger/workspace_id beside reports/plots), made on first use."""
+    path = Path(plots_dir).parent / "ledger" / "workspace_id"
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except OSError:
+        write_text_atomic(path, uuid.uuid4().hex[:12] + "\n")
+        return path.read_text(encoding="utf-8").strip()
+
+
+def history_row(ledger: dict, index: int, workspace: str | None = None) -> dict:
     cost = ledger.get("cost") or {}
     total = ledger["total_s"] or 1.0
     return {
         "run": index,
+        "workspace": workspace,
         "when": ledger.get("ended_at"),
         "goodput": ledger["goodput"],
         "total_s": ledger["total_s"],
@@ -35,22 +51,34 @@ def append_history(ledger: dict, plots_dir: Path) -> list[dict]:
         rows = []
     rows = [row for row in rows if isinstance(row, dict)]
     index = (rows[-1].get("run", len(rows)) + 1) if rows else 1
-    rows = (rows + [history_row(ledger, index)])[-HISTORY_RUNS:]
+    rows = (rows + [history_row(ledger, index, workspace_id(plots_dir))])[-HISTORY_RUNS:]
     write_text_atomic(path, json.dumps(rows, indent=1) + "\n")
     return rows
 
 
-def stacked_bar(rows: list[dict], path: Path, title: str = "where each run's wall time went") -> Path:
-    """One horizontal bar per run (the last 10), its buckets' shares stacked."""
+def own_runs(rows: list[dict], workspace: str) -> list[dict]:
+    """The rows measured in this workspace (committed rows of other clones have another id, or none)."""
+    return [row for row in rows if row.get("workspace") == workspace]
+
+
+def run_label(row: dict) -> str:
+    """A run as the chart names it: when it ended (UTC, "12-03 01:02"), else its number."""
+    when = str(row.get("when") or "")
+    return f"{when[5:10]} {when[11:16]}" if len(when) >= 16 else f"run {row.get('run')}"
+
+
+def stacked_bar(rows: list[dict], path: Path, title: str = "where this workspace's runs spent their wall time") -> Path:
+    """One horizontal bar per run of this workspace (the last 10), its buckets' shares stacked; the legend to
+    the right of the bars, clear of them and of the axis label."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display, no network
     from matplotlib import pyplot
 
-    rows = rows[-10:]
-    figure, axes = pyplot.subplots(figsize=(9, 1.2 + 0.45 * len(rows)), dpi=100)
+    rows = own_runs(rows, workspace_id(Path(path).parent))[-10:]
+    figure, axes = pyplot.subplots(figsize=(10, 1.6 + 0.45 * len(rows)), dpi=100)
     colors = pyplot.get_cmap("tab20").colors
-    labels = [f"run {row['run']}" for row in rows]
+    labels = [run_label(row) for row in rows]
     left = [0.0] * len(rows)
     for i, name in enumerate(BUCKETS):
         shares = [row.get(f"{name}_share") or 0.0 for row in rows]
@@ -59,11 +87,10 @@ def stacked_bar(rows: list[dict], path: Path, title: str = "where each run's wal
         axes.barh(labels, shares, left=left, color=colors[i % len(colors)], label=name)
         left = [a + b for a, b in zip(left, shares, strict=True)]
     axes.set(title=title, xlabel="share of the run's wall time", xlim=(0, 1))
-    axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(rows) < 3 else -0.15), ncol=5, fontsize=7)
-    figure.tight_layout()
+    axes.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=7)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    figure.savefig(tmp, format="png", bbox_inches="tight")
+    figure.savefig(tmp, format="png", bbox_inches="tight")  # tight: the legend outside the axes is kept
     pyplot.close(figure)
     tmp.replace(path)
     return path

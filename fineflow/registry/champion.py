@@ -486,6 +486,7 @@ def stage_report(decision: Decision, cid: str, log_seq: int, lineage_path: Path 
         "ci_low": stats.get("ci_low"),
         "ci_high": stats.get("ci_high"),
         "p_value": stats.get("p_value"),
+        "confidence": stats.get("confidence"),  # what the CI's label says (promote.confidence)
         "log_seq": log_seq,
         "lineage": str(lineage_path) if lineage_path else None,
         # what changed since the champion (eval data, base model) and how the policy handled it
