@@ -10,7 +10,7 @@ With promote.require_approval, the run pauses at promote for a person's answer (
 Retries: train is retried (a transient crash, or a stop of the stage alone after it saved its step: the retry
 resumes); bad input or params are never retried.
 
-Exit codes, as every entry's (README): 0 done; 2 a user error (bad params, a missing input path, bad data: every
+Exit codes, as every entry's (docs/): 0 done; 2 a user error (bad params, a missing input path, bad data: every
 FineflowError), one message at the end of stderr and no traceback, Prefect's logs included; 1 a crash (its
 traceback); 130 / 143 stopped by Ctrl-C / SIGTERM. The params and every input path they name are checked before
 the flow starts (fineflow.core.preflight), and again by the flow before its first stage (a deployment's run, its
