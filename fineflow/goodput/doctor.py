@@ -334,7 +334,8 @@ def _cpu_findings(ledger: dict, train: dict) -> list[dict]:
             loop_s * (1 - 1 / min(max(own, shared), 2.0)),
             ledger,
             f"{ranks} rank(s) x {threads} torch threads = {ranks * threads} threads on {cores} cores; load average "
-            f"{load:.1f} over the run's last minute ({cpu.get('runnable')} runnable at its end)",
+            f"{load:.1f} over the run's last minute, {shared:.1f}x the cores ({cpu.get('runnable')} runnable at its "
+            "end)",
             "OMP_NUM_THREADS",
             min(threads, max(1, cores // ranks)),
             "each rank at most its share of the cores (fineflow's launcher sets it for several ranks when unset; "
