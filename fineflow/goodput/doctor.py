@@ -3,7 +3,7 @@ the run's time and money, and the param to change.
 
     fineflow doctor [reports/goodput.json] [--json] [--fail-on severe|warn|never]
 
-The seven causes and the evidence each reads (thresholds below, as shares of the training loop's wall time
+The eight causes and the evidence each reads (thresholds below, as shares of the training loop's wall time
 unless said otherwise):
 
 - data_loading: the loop waiting for batches (loop data wait); fix ``train.prefetch``.
@@ -16,7 +16,12 @@ unless said otherwise):
 - vram: the measured peak against the device's memory (overflow, near miss), a plan that did not fit as asked
   (auto_fit had to change it); fix ``train.gradient_checkpointing`` / ``train.micro_batch_size`` / ``train.method``.
 - precision: fp32 on a device whose bf16 matmuls run at >= 1.5x fp32's rate (measured on a CPU, the datasheets' ratio
-  on a GPU); fix ``train.precision: bf16``.
+  on a GPU); fix ``train.precision: bf16``. A CPU probe whose interleaved rounds disagree (their interquartile range
+  over 25% of the median ratio: a busy machine) is only an info finding, "inconclusive: machine busy".
+- cpu_oversubscription: more threads than cores (the ranks on the machine x each one's torch threads) or a load
+  average at least twice the cores during the run (fineflow.train.report.cpu_facts); fix ``OMP_NUM_THREADS`` (each
+  rank its share of the cores) or fewer ranks. At torch's default thread count per process a busy 2-core machine
+  trained 10-75x slower.
 
 Findings are ordered by severity, then by their share of the run. Exit 1 when a finding reaches ``--fail-on``
 (default severe), so CI can fail a run that wasted its devices; 2 on an unreadable ledger.
@@ -41,6 +46,11 @@ SEVERE_OVERHEAD_S = 120.0
 SEVERE_LOOP_S = 1.0
 MIN_BF16_SPEEDUP = 1.5  # bf16's matmul rate over fp32's (fineflow.train.flops.bf16_speedup) worth a finding
 MEMORY_SHARE = (0.85, 0.95)  # the larger of measured peak and plan / device memory: near miss, (near) overflow
+# the bf16 probe's interquartile range over its median ratio above which it proves nothing (a quiet machine: ~0.05;
+# one whose load came and went during the probe: > 1)
+MAX_PROBE_SPREAD = 0.25
+THREADS_PER_CORE = (1.0, 2.0)  # the ranks' threads / cores above which (warn, severe)
+LOAD_PER_CORE = 2.0  # the load average / cores at or above which the machine was shared (warn: others' load)
 
 
 def _severity(share: float, thresholds: tuple[float, float]) -> str | None:
@@ -255,6 +265,9 @@ def _precision_findings(ledger: dict, train: dict) -> list[dict]:
     if train.get("precision") != "no" or not device.get("bf16_capable"):
         return []
     speedup = device.get("bf16_speedup")  # measured on a CPU, the datasheets' ratio on a known GPU
+    spread = device.get("bf16_spread")  # the CPU probe's (None: the datasheets', or a report from before it)
+    if spread is not None and spread > MAX_PROBE_SPREAD:
+        return [_inconclusive_precision(ledger, device)]
     if speedup is not None and speedup < MIN_BF16_SPEEDUP:
         return []  # bf16 instructions, but not enough faster here to be worth the change
     compute = ledger["buckets"]["compute"]
@@ -281,12 +294,64 @@ def _precision_findings(ledger: dict, train: dict) -> list[dict]:
     ]
 
 
+def _inconclusive_precision(ledger: dict, device: dict) -> dict:
+    """A bf16 probe whose rounds disagree: said, at info, so that nobody changes the precision on its word."""
+    return _finding(
+        "precision",
+        "info",
+        0.0,
+        ledger,
+        f"inconclusive: machine busy; bf16 matmuls measured at {device.get('bf16_speedup')}x fp32's rate (the median "
+        f"of {device.get('bf16_rounds')} interleaved rounds) but the rounds spread over {device['bf16_spread']:.0%} "
+        f"of it (a finding needs <= {MAX_PROBE_SPREAD:.0%})",
+        "train.precision",
+        None,
+        "measure again on a quiet machine: bf16 pays where its matmuls run >= 1.5x fp32's rate",
+    )
+
+
+def _cpu_findings(ledger: dict, train: dict) -> list[dict]:
+    """More runnable threads than cores: the ranks' own thread pools (each at torch's default, every core) or
+    other processes' load. The fix gives each rank at most its share of the cores."""
+    cpu = (train.get("device") or {}).get("cpu") or {}
+    cores = int(cpu.get("cores") or 0)
+    if not cores:
+        return []
+    ranks, threads = int(cpu.get("local_ranks") or 1), int(cpu.get("threads_per_rank") or 1)
+    load = float(cpu.get("load_1m") or 0.0)
+    own, shared = ranks * threads / cores, load / cores
+    severity = _severity(own, THREADS_PER_CORE) if own > THREADS_PER_CORE[0] else None
+    if severity is None and shared >= LOAD_PER_CORE:
+        severity = "warn"  # others' load: the run can only take less of the machine
+    if severity is None:
+        return []
+    loop_s = float(train.get("loop_s") or 0.0)
+    return [
+        _finding(
+            "cpu_oversubscription",
+            severity,
+            # the loop's time lost to waiting for a core, conservatively: at most half of it
+            loop_s * (1 - 1 / min(max(own, shared), 2.0)),
+            ledger,
+            f"{ranks} rank(s) x {threads} torch threads = {ranks * threads} threads on {cores} cores; load average "
+            f"{load:.1f} over the run's last minute, {shared:.1f}x the cores ({cpu.get('runnable')} runnable at its "
+            "end)",
+            "OMP_NUM_THREADS",
+            min(threads, max(1, cores // ranks)),
+            "each rank at most its share of the cores (fineflow's launcher sets it for several ranks when unset; "
+            "torch.set_num_threads in your own code), or fewer ranks (train.num_processes), or a machine not "
+            "shared with other jobs",
+        )
+    ]
+
+
 def diagnose(ledger: dict) -> list[dict]:
     """The findings of a ledger, most severe and largest first (nothing when the run trained nothing)."""
     findings = _run_findings(ledger) if ledger.get("trained") else []
     train = ledger.get("train") or {}
     if train:
         findings += _loop_findings(ledger, train) + _memory_findings(ledger, train) + _precision_findings(ledger, train)
+        findings += _cpu_findings(ledger, train)
     return sorted(findings, key=lambda f: (-SEVERITY_RANK[f["severity"]], -f["share_of_run"]))
 
 

@@ -17,12 +17,17 @@ in the report.
 
 Whether bf16 would pay (the doctor's precision finding) is ``bf16_speedup``: bf16's matmul rate over fp32's,
 measured on a CPU with bf16 instructions (seen: 2.1x on an AMD EPYC with AVX-512 BF16), the table's ratio on a
-known GPU.
+known GPU. The CPU probe (``bf16_probe``) times ``PROBE_ROUNDS`` interleaved pairs (fp32, bf16, fp32, bf16, ...: a
+load that comes and goes hits both dtypes alike) and keeps the median of the pairs' ratios and their spread (the
+interquartile range over the median): timed in two blocks, best of 5 each, a machine that turned busy between the
+blocks measured 13.7x and 25x instead of 2.1x, and the doctor trusts a ratio only when its spread is small.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable
 
 # dense TFLOP/s per device by precision (fp32: non-tensor-core; TF32 would be higher). Names are matched as
 # substrings of torch.cuda.get_device_name(), longest first.
@@ -56,6 +61,9 @@ def table_peak(device_name: str, precision: str) -> float | None:
 
 # a run's train.precision -> the torch dtype its matmuls run in on a CPU
 CPU_DTYPES = {"no": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+PROBE_ROUNDS = 7  # interleaved fp32/bf16 pairs of the bf16 probe: enough for a median and quartiles, ~0.5 s
 
 
 def measured_cpu_peak(size: int = 1024, repeats: int = 5, dtype: str = "float32") -> float:
@@ -130,18 +138,52 @@ def bf16_capable(device_type: str) -> bool:
 
 
 def bf16_facts(device_type: str, device_name: str, measure: bool = True) -> dict:
-    """{"bf16_capable", "bf16_speedup"} of the device (the speed-up only when `measure`: ~0.5 s on a CPU)."""
-    capable = bf16_capable(device_type)
-    return {"bf16_capable": capable, "bf16_speedup": bf16_speedup(device_type, device_name) if measure else None}
+    """{"bf16_capable", "bf16_speedup"} of the device (the speed-up only when `measure`: ~0.5 s on a CPU), and on a
+    CPU the probe's "bf16_spread" and "bf16_rounds" (``bf16_probe``)."""
+    if not measure:
+        return {"bf16_capable": bf16_capable(device_type), "bf16_speedup": None}
+    if device_type == "cpu" and bf16_capable(device_type):
+        probe = bf16_probe()
+        return {"bf16_capable": True, "bf16_speedup": probe["speedup"]} | {
+            f"bf16_{key}": probe[key] for key in ("spread", "rounds")
+        }
+    return {"bf16_capable": bf16_capable(device_type), "bf16_speedup": bf16_speedup(device_type, device_name)}
+
+
+def timed_matmul(dtype: str, size: int = 1024) -> Callable[[], float]:
+    """A function timing one size x size matmul in `dtype` (seconds), after a warm-up (thread pool, caches)."""
+    import torch
+
+    kind = getattr(torch, dtype)
+    a, b = torch.randn(size, size, dtype=kind), torch.randn(size, size, dtype=kind)
+    torch.mm(a, b)
+
+    def one() -> float:
+        started = time.perf_counter()
+        torch.mm(a, b)
+        return time.perf_counter() - started
+
+    return one
+
+
+def bf16_probe(rounds: int = PROBE_ROUNDS, timers: dict[str, Callable[[], float]] | None = None) -> dict:
+    """{"speedup", "spread", "rounds"}: the median over `rounds` interleaved pairs of fp32's matmul time over
+    bf16's, and the pairs' interquartile range over that median. `timers` ({"float32": f, "bfloat16": f}, each
+    timing one matmul) default to this CPU's (``timed_matmul``); tests pass their own."""
+    timers = timers or {dtype: timed_matmul(dtype) for dtype in ("float32", "bfloat16")}
+    ratios = [timers["float32"]() / timers["bfloat16"]() for _ in range(rounds)]
+    median = statistics.median(ratios)
+    low, _, high = statistics.quantiles(ratios, n=4)
+    return {"speedup": round(median, 2), "spread": round((high - low) / median, 3), "rounds": rounds}
 
 
 def bf16_speedup(device_type: str, device_name: str) -> float | None:
-    """bf16's matmul rate over fp32's on a device that does bf16 fast: measured on a CPU (both dtypes back to
-    back, so a busy machine slows both alike), the table's ratio on a known GPU; None elsewhere."""
+    """bf16's matmul rate over fp32's on a device that does bf16 fast: measured on a CPU (``bf16_probe``'s
+    median), the table's ratio on a known GPU; None elsewhere."""
     if not bf16_capable(device_type):
         return None
     if device_type == "cpu":
-        return round(measured_cpu_peak(dtype="bfloat16") / measured_cpu_peak(), 2)
+        return bf16_probe()["speedup"]
     bf16, fp32 = table_peak(device_name, "bf16"), table_peak(device_name, "no")
     if fp32 and not bf16:
         return 1.0  # a known GPU without bf16 units (V100, T4): no speed-up, no finding

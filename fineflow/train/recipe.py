@@ -25,6 +25,7 @@ from fineflow.train.launch import (
     accelerate_command,
     check_deepspeed_profile,
     configure_deepspeed,
+    rank_threads,
     require_engine,
     require_enough_gpus,
     require_gpu,
@@ -74,9 +75,10 @@ def launch_ranks(params: Params, module: str, argv: list[str], placement: dict, 
         machine_rank=placement["machine_rank"],
         main_process_ip=placement["main_process_ip"],
     )
-    log(f"launching: {' '.join(command[2:])}")
+    threads, said = rank_threads(cfg.num_processes // max(1, cfg.num_machines), os.environ)
+    log(f"launching: {' '.join(command[2:])}" + (f"; threads: {said}" if said else ""))
     # its own process group: a stop signal reaches the ranks once, forwarded (fineflow.train.preempt)
-    return run_ranks(command, {**os.environ, **env}, run.params.checkpoint.preempt_grace_s, log)
+    return run_ranks(command, {**os.environ, **env, **threads}, run.params.checkpoint.preempt_grace_s, log)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,29 @@ def device_facts(accelerator, cfg: TrainParams) -> dict:
         "count": accelerator.num_processes,
         **flops.bf16_facts(device.type, name, measure=cfg.precision == "no"),
         "precision": cfg.precision,
+        "cpu": cpu_facts(accelerator.num_processes),
+    }
+
+
+def cpu_facts(ranks: int) -> dict:
+    """The doctor's oversubscription evidence, read as training ends: the cores, this machine's ranks x their torch
+    threads, the 1-minute load average (the run's last minute) and the runnable threads now (/proc/loadavg)."""
+    import os
+
+    import torch
+
+    from fineflow.train.launch import usable_cores
+
+    try:
+        runnable = int(open("/proc/loadavg", encoding="utf-8").read().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):  # not Linux
+        runnable = None
+    return {
+        "cores": usable_cores(),
+        "local_ranks": int(os.environ.get("LOCAL_WORLD_SIZE") or ranks),  # torchrun's, under accelerate launch
+        "threads_per_rank": torch.get_num_threads(),
+        "load_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "runnable": runnable,
     }
 
 
