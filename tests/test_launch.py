@@ -477,7 +477,8 @@ def test_the_gpu_packages_have_an_install_that_works():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     extras = [req for reqs in project["optional-dependencies"].values() for req in reqs]
     assert any(re.fullmatch(r"bitsandbytes==[0-9.]+", req) for req in extras), extras
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # the README moved into docs/
+    readme = "\n".join(path.read_text(encoding="utf-8") for path in docs)
     flash_installs = re.findall(r"pip install flash-attn[^`]*", readme)
     assert flash_installs and all("--no-build-isolation" in line for line in flash_installs), flash_installs
     assert "(CPU build)" not in readme and "download.pytorch.org/whl/cpu" in readme
