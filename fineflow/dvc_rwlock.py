@@ -14,7 +14,8 @@ DVC records which dvc process reads or writes which path in ``.dvc/tmp/rwlock`` 
   is stale when its PID is dead, or alive but not a dvc of this repository (``holds_project``).
 
 Both repairs are made under dvc's own guard, so never while a live dvc process edits the file, before fineflow
-runs dvc: from the flow's stage tasks and from ``fineflow ci``.
+runs dvc: from the flow's stage tasks and from ``fineflow ci``. What is busy after that is held by a live dvc of
+this repository: ``busy_error`` makes DVC's refusal a user error (never retried, no traceback) naming it.
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 from pathlib import Path
 
 import psutil
+
+from fineflow.core.errors import WorkspaceBusy
 
 RWLOCK = Path(".dvc/tmp/rwlock")
 GUARD = Path(".dvc/tmp/rwlock.lock")
@@ -131,3 +135,25 @@ def _is_dvc(argv: list[str]) -> bool:
     """`dvc …` (the console script, run directly or by its interpreter) or `python -m dvc …`."""
     names = [os.path.basename(arg) for arg in argv[:2]]
     return "dvc" in names or any(a == "-m" and b == "dvc" for a, b in zip(argv, argv[1:]))
+
+
+# DVC's refusal when a path is held: "ERROR: failed to reproduce '<stage>': '<path>' is busy, it is being blocked
+# by:" then one "  (PID <pid>): <cmd>" line per holder.
+_BUSY = re.compile(r"'([^']+)' is busy, it is being blocked by")
+_HOLDER = re.compile(r"^\s*\(PID \d+\): .*")
+
+
+def busy_error(output: list[str]) -> WorkspaceBusy | None:
+    """DVC's "'<path>' is busy" in a failed dvc command's output, as a user error naming its holders, or None.
+
+    ``repair_rwlock`` ran just before and cleared the entries of processes that are gone, so a holder named here
+    is a live dvc of this repository: retrying a few seconds later changes nothing (seen on main: retried twice)."""
+    path = next((m.group(1) for line in output if (m := _BUSY.search(line))), None)
+    if path is None:
+        return None
+    holders = [line.strip() for line in output if _HOLDER.match(line)]
+    return WorkspaceBusy(
+        f"'{path}' is busy: a dvc process of this repository that is still running holds it: "
+        + "; ".join(holders)
+        + ". Wait for it to end (or stop it), then run again; entries of dvc processes that are gone were cleared."
+    )

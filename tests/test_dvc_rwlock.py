@@ -15,9 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from fineflow.dvc_rwlock import GUARD, RWLOCK, repair_rwlock
 from fineflow.remote import dvc_environment
-from tasks.stages import repro_single
+from tasks.stages import is_user_error, repro_single
 
 
 def dvc_project(path: Path) -> Path:
@@ -131,6 +133,12 @@ def test_an_entry_held_by_a_live_dvc_of_this_repository_is_kept(tmp_path):
         assert [info["pid"] for info in before["write"].values()] == [running.pid]
         assert repair_rwlock(project) is None
         assert json.loads((project / RWLOCK).read_text()) == before
+        # the stage then finds the path busy: a user error (never retried: nothing changes between tries),
+        # naming the holder. Seen on main: a StageFailed with exit 255, retried twice.
+        with pytest.raises(Exception) as busy:
+            repro_single("slow", project, lambda line: None)
+        assert is_user_error(busy.value), busy.value
+        assert "is busy" in str(busy.value) and f"(PID {running.pid})" in str(busy.value), busy.value
     finally:
         os.killpg(running.pid, signal.SIGKILL)
         running.wait()
