@@ -156,6 +156,27 @@ def test_disk_full_stops_with_a_clear_error_and_keeps_the_previous_checkpoint(bu
     assert "resuming from" in output and "step-0000002" in output
 
 
+def test_a_disk_full_in_a_background_save_stops_training_within_a_step_not_at_the_next_save(built, tmp_path):
+    """Seen on main (issue 33): the step-150 async save hit ENOSPC, training went on to step 200 (the next
+    save) and only then failed: an interval of work lost. Here saves every 4 steps, step 8's fails: training
+    stops at step 8 or 9 (the step boundary after the write failed), not at step 12's save. Each step waits
+    0.5 s for its batch (an induced slow loader) so that the writer thread has long failed by then."""
+    from fineflow.checkpoint import latest_valid, load_checkpoint
+
+    project = train_project(built, tmp_path, {"checkpoint.every_steps": 4})
+    env = {**_env(1, disk_full_at_step=8), "FINEFLOW_TEST_LOADER_DELAY_S": "0.5"}
+    proc = _start(project, 1, env=env)
+    output = proc.communicate(timeout=600)[0]
+    _assert_faults_reached(output, 1, fault="disk full at step 8")
+    assert proc.returncode == 2 and "Traceback" not in output, output[-3000:]
+    assert "disk full" in output.lower() and "(checkpoint step 8)" in output and "step-0000004 is intact" in output
+    last, stopped = last_logged_step(project), re.search(r"Training stopped at step (\d+)", output)
+    assert 8 <= last <= 9 and stopped and int(stopped.group(1)) == last, (last, output[-3000:])  # main: 11
+    [run_dir] = run_dirs(project / "checkpoints")
+    assert latest_valid(run_dir).name == "step-0000004" and load_checkpoint(run_dir / "step-0000004").step == 4
+    assert not list(run_dir.glob(".tmp-*"))
+
+
 def test_changed_config_after_a_crash_is_refused_unless_resume_never(built, tmp_path):
     project = train_project(built, tmp_path)
     assert _kill_when(project, 1, lambda p: last_logged_step(p) >= 5 and not _writing(p))

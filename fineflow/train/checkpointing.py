@@ -46,6 +46,20 @@ class TrainStateSaver:
             due = int(flag[0]) > 0  # any rank's clock decides, so no rank skips a collective the others enter
         return due
 
+    def check_writer(self, step: int) -> None:
+        """Raise, at the end of step, the error of a background save that has failed since (rank 0, which has
+        the manager): so a full disk stops training within a step of the failed write, not at the next save an
+        interval later. A CheckpointError (disk full: the user's to fix) says where training stopped."""
+        if self.manager is None:
+            return
+        from fineflow.checkpoint import CheckpointError
+
+        try:
+            self.manager.check()
+        except CheckpointError as exc:
+            stopped = f"{exc} Training stopped at step {step}; a retry resumes from the previous checkpoint."
+            raise CheckpointError(stopped) from None
+
     def save(self, accelerator, model, optimizer, scheduler, step: int, state: dict, metric: float | None) -> None:
         from fineflow.checkpoint import capture_rng
 

@@ -168,6 +168,7 @@ def fit(
             if step_eval is not None:
                 record["eval_loss"] = round(step_eval, 5)
             log_step(accelerator, step_log, progress, record)
+        saver.check_writer(step)  # a failed background save (disk full) stops training here, not at the next save
         if stopping:
             stop(accelerator, saver, step, preempt)
     wall_s = time.perf_counter() - started
