@@ -34,6 +34,7 @@ class TrainStateSaver:
         self.fingerprint = fingerprint or {}
         self.engine = engine  # the run's Profile.engine: who holds the state, so who writes it
         self.last_save = time.monotonic()
+        self._save_error: Exception | None = None  # rank 0's failed background save, raised on every rank
 
     def due(self, step: int, last_step: int, accelerator) -> bool:
         """The same answer on every rank (validation before a save is collective)."""
@@ -46,19 +47,33 @@ class TrainStateSaver:
             due = int(flag[0]) > 0  # any rank's clock decides, so no rank skips a collective the others enter
         return due
 
-    def check_writer(self, step: int) -> None:
-        """Raise, at the end of step, the error of a background save that has failed since (rank 0, which has
-        the manager): so a full disk stops training within a step of the failed write, not at the next save an
-        interval later. A CheckpointError (disk full: the user's to fix) says where training stopped."""
-        if self.manager is None:
-            return
+    def writer_failed(self) -> bool:
+        """Whether rank 0's background save has failed (a full disk); never waits for one still writing. The
+        loop rides the answer on its per-step loss all-reduce, so every rank stops at the same step boundary,
+        within a step of the failed write rather than at the next save an interval later."""
+        if self.manager is None or self._save_error is not None:
+            return self._save_error is not None
         from fineflow.checkpoint import CheckpointError
 
         try:
             self.manager.check()
-        except CheckpointError as exc:
-            stopped = f"{exc} Training stopped at step {step}; a retry resumes from the previous checkpoint."
-            raise CheckpointError(stopped) from None
+        except CheckpointError as exc:  # a crash (WriterCrashed) is not caught: it fails rank 0 with a traceback
+            self._save_error = exc
+        return self._save_error is not None
+
+    def stop_on_failed_save(self, accelerator, last_step: int) -> None:
+        """Raise rank 0's save error on every rank (one message, the same error record whichever rank writes
+        it; no rank left in a collective whose peer has gone, which fails it with a traceback)."""
+        from fineflow.checkpoint import CheckpointError
+
+        message = [str(self._save_error) if self._save_error is not None else ""]
+        if accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(message, from_process=0)
+        raise CheckpointError(
+            f"{message[0]} Training stopped after step {last_step}; a retry resumes from the previous checkpoint."
+        )
 
     def save(self, accelerator, model, optimizer, scheduler, step: int, state: dict, metric: float | None) -> None:
         from fineflow.checkpoint import capture_rng
