@@ -21,7 +21,7 @@ overrides.py   param overrides with dotted keys, applied as ``dvc exp run -S`` a
 recipes.py     ``fineflow recipe``: model-family recipes planned for their device, written into params.yaml
 params_doc.py  ``fineflow params-doc``: the params reference (docs/reference/params.md) from the typed config
 remote.py      DVC from fineflow's own code: the command and the project's default remote
-dvc_rwlock.py  DVC's read/write lock file left empty by a SIGKILL, removed under DVC's guard
+dvc_rwlock.py  DVC's read/write lock after a SIGKILL: a half-written file, entries of dead dvcs (PID reused)
 ci.py          ``fineflow ci``: the CI retraining job as one command
 cli.py         the ``fineflow`` command and its subcommands
 """

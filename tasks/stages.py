@@ -34,7 +34,7 @@ from prefect import get_run_logger, task
 from fineflow.core.config import CheckpointSettings, load_params
 from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
 from fineflow.core.reports import read_approval_request, read_error_record
-from fineflow.dvc_rwlock import repair_rwlock
+from fineflow.dvc_rwlock import busy_error, repair_rwlock
 from fineflow.registry.approval import APPROVAL_ENV
 from fineflow.remote import dvc_environment
 from fineflow.train import preempt
@@ -157,6 +157,8 @@ def repro_single(stage: str, project_dir: Path, log, extra_env: dict[str, str] |
         except BaseException:  # KeyboardInterrupt, Prefect's TerminationSignal, anything: no stage outlives it
             stop_stage(proc, stage, project_dir, log, sent=stop.signum is not None)
             raise
+    if proc.returncode and (busy := busy_error(list(tail))):
+        raise busy  # held by a live dvc of this repository (repair_rwlock cleared the dead): retrying cannot help
     if proc.returncode:
         # `dvc repro` exits 255 for any failed stage command: the stage's error record says which kind it was
         report = Path(project_dir) / "reports" / f"{stage}.json"

@@ -357,6 +357,49 @@ def test_disk_full_stops_with_a_clear_error_and_the_previous_checkpoint_intact(t
     assert step_names(tmp_path) == ["step-0000001"]
 
 
+def blocked_then_full(monkeypatch, when: str) -> tuple[threading.Event, threading.Event]:
+    """Writes to files whose path contains `when` wait for the returned `release`, then fail with ENOSPC;
+    `entered` is set once the writer is inside such a write (a save still in flight, deterministically)."""
+    entered, release = threading.Event(), threading.Event()
+
+    def write_all(fd: int, data: memoryview, path: str) -> None:
+        if when in path:
+            entered.set()
+            release.wait(timeout=120)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        REAL_WRITE_ALL(fd, data, path)
+
+    monkeypatch.setattr(write_module, "write_all", write_all)
+    return entered, release
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_a_failed_background_save_is_seen_by_the_per_step_check_not_at_the_next_save(tmp_path, monkeypatch, backend):
+    """Seen on main (issue 33): the step-150 save hit ENOSPC and training went on to step 200, the next save,
+    before it failed. The loop now calls check() at every step: it does not wait for a save still writing, and
+    raises a failed one's error at once."""
+    if backend == "process":  # the spawned writer does not see this process's monkeypatch: the env fault
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAULTS_DIR), os.environ.get("PYTHONPATH", "")]))
+        monkeypatch.setenv("FINEFLOW_TEST_DISK_FULL_AT_STEP", "2")
+        entered = release = None
+    else:
+        entered, release = blocked_then_full(monkeypatch, "step-0000002")
+    with CheckpointManager(tmp_path, mode="async", async_backend=backend) as manager:
+        save_small(manager, 1)
+        manager.wait()
+        save_small(manager, 2)
+        if entered is not None:
+            assert entered.wait(timeout=120)
+            assert manager.check() is None  # still writing: the step goes on, nothing waits for the disk
+            release.set()
+        with pytest.raises(CheckpointError, match=r"disk full .*\(checkpoint step 2\).*step-0000001 is intact"):
+            for _ in range(1200):  # the writer fails in the background; a later step boundary sees it
+                manager.check()
+                threading.Event().wait(0.1)
+        assert manager.check() is None  # raised once; the manager holds no save in flight any more
+    assert step_names(tmp_path) == ["step-0000001"] and load_checkpoint(latest_valid(tmp_path)).step == 1
+
+
 def test_disk_full_by_monkeypatching_the_low_level_write(tmp_path, monkeypatch):
     with CheckpointManager(tmp_path, mode="sync") as manager:
         save_small(manager, 1)

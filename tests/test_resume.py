@@ -20,6 +20,7 @@ from tests.conftest import (
     finish_train,
     kill_when,
     last_logged_step,
+    launch_with_free_port,
     ranks_overrides,
     run_dirs,
     start_train,
@@ -154,6 +155,36 @@ def test_disk_full_stops_with_a_clear_error_and_keeps_the_previous_checkpoint(bu
     # space is back: the retry resumes from step 2 and finishes
     output = _finish(project, 1)
     assert "resuming from" in output and "step-0000002" in output
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_disk_full_in_a_background_save_stops_training_within_a_step_not_at_the_next_save(built, tmp_path, ranks):
+    """Seen on main (issue 33): the step-150 async save hit ENOSPC, training went on to step 200 (the next
+    save) and only then failed: an interval of work lost; with two ranks the message followed two tracebacks
+    (rank 1's, whose peer had gone mid-collective, and accelerate's). Here saves every 4 steps, step 8's fails:
+    every rank stops after step 8 or 9 (the step boundary after the write failed), not at step 12's save (main:
+    last step logged 11). Each step waits 0.5 s for its batch (an induced slow loader) so that the writer thread
+    has long failed by then."""
+    from fineflow.checkpoint import latest_valid, load_checkpoint
+
+    project = train_project(built, tmp_path, {"checkpoint.every_steps": 4, **ranks_overrides(ranks)})
+    env = {**_env(ranks, disk_full_at_step=8), "FINEFLOW_TEST_LOADER_DELAY_S": "0.5"}
+
+    def launch(port):
+        proc = _start(project, ranks, env=env, port=port)
+        output = proc.communicate(timeout=600)[0]
+        return proc.returncode == 0, output
+
+    _, output = launch_with_free_port(launch)
+    _assert_faults_reached(output, ranks, fault="disk full at step 8")
+    assert "disk full" in output.lower() and "(checkpoint step 8)" in output and "step-0000004 is intact" in output
+    last, stopped = last_logged_step(project), re.findall(r"Training stopped after step (\d+)", output)
+    assert 8 <= last <= 9 and stopped == [str(last)] * ranks, (last, output[-3000:])  # every rank, the same step
+    # no rank's traceback (accelerate's own launcher still prints one for a rank's exit 2 under torch elastic)
+    assert "[rank" not in output and (ranks > 1 or "Traceback" not in output), output[-3000:]
+    [run_dir] = run_dirs(project / "checkpoints")
+    assert latest_valid(run_dir).name == "step-0000004" and load_checkpoint(run_dir / "step-0000004").step == 4
+    assert not list(run_dir.glob(".tmp-*"))
 
 
 def test_changed_config_after_a_crash_is_refused_unless_resume_never(built, tmp_path):

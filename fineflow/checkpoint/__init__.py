@@ -35,6 +35,7 @@ background, one save at a time. Typical use from a training loop::
         ...  # load ckpt.model_tensors, ckpt.optimizer_state_dict, ...; restore_rng(ckpt.rng_snapshots[rank])
     for step in ...:
         ...
+        manager.check()   # every step: a background save that failed (disk full) raises now, not at the next save
         manager.save(step, trainable, optimizer.state_dict(), scheduler.state_dict(), state, rngs, metric)
     manager.close()   # waits for the last save and raises its error, if any
 

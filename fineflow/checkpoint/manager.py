@@ -1,6 +1,7 @@
 """CheckpointManager, the training loop's interface: save() snapshots the state into the host arena and
 hands the job to the background writer (a thread, or a spawned process with the arena in shared memory),
-one save in flight at a time; wait() and close() surface its errors; resuming goes through read.py."""
+one save in flight at a time; check() (every training step, without waiting), wait() and close() surface its
+errors; resuming goes through read.py."""
 
 from __future__ import annotations
 
@@ -82,6 +83,7 @@ class _InFlight:
     thread: threading.Thread | None = None
     result: dict | None = None
     error: BaseException | None = None
+    settled: bool = False  # the process backend's answer has arrived (result or error)
 
 
 @dataclass
@@ -92,7 +94,7 @@ class CheckpointManager:
     checkpoint is published). async_backend: "thread" (no extra process; the writer releases the GIL
     while writing and hashing) or "process" (a spawned writer; the snapshot goes to shared memory; it
     cannot stall the training thread at all, at the cost of a process start). on_write_error: "stop"
-    (the error surfaces from the next save()/wait()/close()) or "retry" (up to `retries` times with
+    (the error surfaces from the next check()/save()/wait()/close()) or "retry" (up to `retries` times with
     exponential backoff from retry_backoff_s, then the error). The background writer runs at nice 19: on
     a busy machine a save takes longer, but the training steps do not pay for it.
     """
@@ -202,6 +204,22 @@ class CheckpointManager:
             self._in_flight = _InFlight(step)
             self._jobs.put(job)
 
+    def check(self) -> None:
+        """Raise the error of a save in flight that has already failed; never waits for one still writing.
+
+        The loop calls it at every step: a failed background write (a full disk) then stops training at the
+        next step boundary, not at the next save an interval later (seen on main: ENOSPC at step 150 noticed at
+        step 200). A save being retried (on_write_error: retry) is still in flight: training goes on."""
+        flight = self._in_flight
+        if flight is None:
+            return
+        if flight.thread is not None:
+            if flight.thread.is_alive():
+                return
+        elif not flight.settled and not self._await_process(flight, block=False):
+            return
+        self.wait()  # finished: records its result, or raises its error
+
     def wait(self) -> Path | None:
         """Block until the save in flight (if any) is published; raise its error. Returns its path."""
         flight = self._in_flight
@@ -209,7 +227,7 @@ class CheckpointManager:
             return None
         if flight.thread is not None:
             flight.thread.join()
-        else:
+        elif not flight.settled:
             self._await_process(flight)
         self._in_flight = None  # only now: an interrupted wait() must not lose track of the save in flight
         if flight.error is not None:
@@ -324,14 +342,18 @@ class CheckpointManager:
         )
         self._process.start()
 
-    def _await_process(self, flight: _InFlight) -> None:
+    def _await_process(self, flight: _InFlight, block: bool = True) -> bool:
+        """The writer process's answer into flight (result, or error); block=False: only if it has arrived.
+        Whether flight is settled."""
         import queue
 
         while True:
             try:
-                status, payload = self._results.get(timeout=0.5)
+                status, payload = self._results.get(timeout=0.5) if block else self._results.get_nowait()
                 break
             except queue.Empty:
+                if block and self._process.is_alive():
+                    continue
                 if not self._process.is_alive():
                     code = self._process.exitcode
                     self._process = None
@@ -345,8 +367,12 @@ class CheckpointManager:
                         f"the checkpoint writer process died (exit code {code}) while "
                         f"saving step {flight.step}; {intact}"
                     )
-                    return
+                    flight.settled = True
+                    return True
+                return False  # not blocking, and the writer is still at work
         if status == "ok":
             flight.result = payload
         else:
             flight.error = CheckpointError(payload)
+        flight.settled = True
+        return True

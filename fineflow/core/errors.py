@@ -39,7 +39,8 @@ class DataError(FineflowError):
 
 
 class WorkspaceBusy(FineflowError):
-    """Another run holds the workspace (fineflow.core.workspace); the message names it."""
+    """Another run holds the workspace (fineflow.core.workspace) or a path in it (a live dvc in DVC's rwlock,
+    fineflow.dvc_rwlock); the message names it."""
 
 
 class ApprovalNeeded(FineflowError):

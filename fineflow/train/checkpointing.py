@@ -34,6 +34,7 @@ class TrainStateSaver:
         self.fingerprint = fingerprint or {}
         self.engine = engine  # the run's Profile.engine: who holds the state, so who writes it
         self.last_save = time.monotonic()
+        self._save_error: Exception | None = None  # rank 0's failed background save, raised on every rank
 
     def due(self, step: int, last_step: int, accelerator) -> bool:
         """The same answer on every rank (validation before a save is collective)."""
@@ -45,6 +46,34 @@ class TrainStateSaver:
             flag = accelerator.reduce(torch.tensor([int(late)], device=accelerator.device), reduction="sum")
             due = int(flag[0]) > 0  # any rank's clock decides, so no rank skips a collective the others enter
         return due
+
+    def writer_failed(self) -> bool:
+        """Whether rank 0's background save has failed (a full disk); never waits for one still writing. The
+        loop rides the answer on its per-step loss all-reduce, so every rank stops at the same step boundary,
+        within a step of the failed write rather than at the next save an interval later."""
+        if self.manager is None or self._save_error is not None:
+            return self._save_error is not None
+        from fineflow.checkpoint import CheckpointError
+
+        try:
+            self.manager.check()
+        except CheckpointError as exc:  # a crash (WriterCrashed) is not caught: it fails rank 0 with a traceback
+            self._save_error = exc
+        return self._save_error is not None
+
+    def stop_on_failed_save(self, accelerator, last_step: int) -> None:
+        """Raise rank 0's save error on every rank (one message, the same error record whichever rank writes
+        it; no rank left in a collective whose peer has gone, which fails it with a traceback)."""
+        from fineflow.checkpoint import CheckpointError
+
+        message = [str(self._save_error) if self._save_error is not None else ""]
+        if accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(message, from_process=0)
+        raise CheckpointError(
+            f"{message[0]} Training stopped after step {last_step}; a retry resumes from the previous checkpoint."
+        )
 
     def save(self, accelerator, model, optimizer, scheduler, step: int, state: dict, metric: float | None) -> None:
         from fineflow.checkpoint import capture_rng

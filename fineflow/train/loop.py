@@ -136,8 +136,11 @@ def fit(
         targets, step_tokens, step_loss = forward_backward(model, accelerator, prepared, cfg, timer)
         with timer.span("optimizer_s"):
             grad_norm = optimizer_step(model, optimizer, scheduler, accelerator, cfg.max_grad_norm)
+        save_failed = saver.writer_failed()  # rank 0's background save: on the loss all-reduce, to every rank
         with timer.span("loss_sync_s"):
-            loss_value, stopping = global_loss(accelerator, step_loss, targets)
+            loss_value, stopping, save_failed = global_loss(accelerator, step_loss, targets, save_failed)
+        if save_failed:  # a full disk stops training here (within a step of the failed write), not at the next save
+            saver.stop_on_failed_save(accelerator, step - 1)
         check_finite(loss_value, step, cfg)
         tokens_seen += step_tokens
         step_eval = None
@@ -235,19 +238,20 @@ def optimizer_step(model, optimizer, scheduler, accelerator, max_grad_norm: floa
     return grad_norm
 
 
-def global_loss(accelerator, step_loss: float, targets: int) -> tuple[float, bool]:
-    """(the step's loss over the global batch, whether any rank got a stop signal). The stop signal rides on the
-    loss all-reduce: every rank learns of it at the same step, without a collective of its own, whichever rank
-    (or how many) got the signal."""
+def global_loss(accelerator, step_loss: float, targets: int, save_failed: bool = False) -> tuple[float, bool, bool]:
+    """(the step's loss over the global batch, whether any rank got a stop signal, whether any rank's background
+    checkpoint save failed). The flags ride on the loss all-reduce: every rank learns of them at the same step,
+    without a collective of their own, whichever rank (or how many) raised them."""
     import torch
 
     from fineflow.train import preempt
 
     signalled = float(preempt.stop_signal() is not None)
     reduced = accelerator.reduce(
-        torch.tensor([step_loss, signalled], dtype=torch.float64, device=accelerator.device), reduction="sum"
+        torch.tensor([step_loss, signalled, float(save_failed)], dtype=torch.float64, device=accelerator.device),
+        reduction="sum",
     )
-    return float(reduced[0]) / max(1, targets), float(reduced[1]) > 0
+    return float(reduced[0]) / max(1, targets), float(reduced[1]) > 0, float(reduced[2]) > 0
 
 
 def check_finite(loss_value: float, step: int, cfg: TrainParams) -> None:
