@@ -361,7 +361,9 @@ class CheckpointSettings(_Section):
     )
     backend: Literal["thread", "process"] = Field("thread", description="where async writes run")
     on_write_error: Literal["stop", "retry"] = Field(
-        "stop", description="a failed write (disk full...): stop with a clear error, or retry"
+        "stop",
+        description="a failed write (disk full...): stop at the next step with a clear error (the previous "
+        "checkpoint intact), or retry while training goes on",
     )
     retries: int = Field(3, ge=0, description="write attempts after the first, with on_write_error: retry")
     # SIGTERM (preemption) or Ctrl-C: each rank finishes its step, saves it and exits 75 within this budget
