@@ -342,7 +342,9 @@ def test_the_streamed_merge_holds_about_one_shard_never_the_whole_model(tmp_path
             f"{model_bytes / 2**20:.1f} MiB, peak RSS over the start {peak / 2**20:.1f} MiB "
             f"({peak / shard_bytes:.2f} x the largest shard)"
         )
-    assert len(shards) >= 8 and peak < 3 * shard_bytes < model_bytes / 2
+    # measured 2.38x the largest shard on an idle machine, 3.01x in a fresh-clone CI run beside the xdist workers;
+    # holding the model whole would be 8.2x
+    assert len(shards) >= 8 and peak < 4 * shard_bytes < model_bytes / 2
 
 
 # ---- an adapter-only champion: promote, verify, evaluate against it, rollback, merge on demand --------------

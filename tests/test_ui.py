@@ -149,6 +149,38 @@ def _ledger(ended_at: str) -> dict:
     return {"total_s": 40.0, "goodput": 0.75, "ended_at": ended_at, "buckets": buckets, "cost": {}}
 
 
+def test_every_history_row_has_a_workspace_so_dvc_plots_can_read_the_file(tmp_path):
+    """Seen on the merge of workspace ids: the committed history's rows had no "workspace" and the new run's row had
+    one, and `dvc plots show` failed on the mixed file ("argument of type 'NoneType' is not iterable": the
+    goodput and cost plots over runs empty; tests/test_ddp.py's plots test caught it in a fresh clone)."""
+    import subprocess
+    import sys
+
+    from fineflow.goodput.chart import HISTORY_FILE, append_history
+
+    old = [{"run": 1, "when": "2026-12-01T00:00:00Z", "goodput": 0.1, "run_usd": 0.01}]
+    (tmp_path / HISTORY_FILE).write_text(json.dumps(old), encoding="utf-8")
+    rows = append_history(_ledger("2026-12-02T00:00:00Z"), tmp_path)
+    assert [row["workspace"] for row in rows][0] == "" and all(isinstance(row["workspace"], str) for row in rows)
+    assert rows[1]["workspace"] and rows[1]["run"] == 2
+    # and DVC reads it: the over-runs plot of a project holding this history shows both points
+    project = tmp_path / "project"
+    (project / "reports/plots").mkdir(parents=True)
+    (project / "reports/plots" / HISTORY_FILE).write_text(json.dumps(rows), encoding="utf-8")
+    (project / "dvc.yaml").write_text(
+        "plots:\n  - goodput_over_runs:\n      x: run\n      y:\n        reports/plots/goodput_history.json: goodput\n",
+        encoding="utf-8",
+    )
+    subprocess.run(["git", "init", "-q"], cwd=project, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=project, check=True)
+    shown = subprocess.run(
+        [sys.executable, "-m", "dvc", "plots", "show", "--json"], cwd=project, capture_output=True, text=True
+    )
+    data = json.loads(shown.stdout)
+    assert not data.get("errors"), data.get("errors")
+    assert len(data["data"]["goodput_over_runs"][0]["content"]["data"]["values"]) == 2
+
+
 def test_the_goodput_chart_shows_this_workspaces_runs_only_with_its_legend_clear_of_the_axis(tmp_path, monkeypatch):
     """Seen on main: "run 1" and "run 2" of the committed history (another machine's runs) on a new user's chart,
     and the legend over the x-axis label."""

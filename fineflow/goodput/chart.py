@@ -51,9 +51,17 @@ def append_history(ledger: dict, plots_dir: Path) -> list[dict]:
         rows = []
     rows = [row for row in rows if isinstance(row, dict)]
     index = (rows[-1].get("run", len(rows)) + 1) if rows else 1
-    rows = (rows + [history_row(ledger, index, workspace_id(plots_dir))])[-HISTORY_RUNS:]
+    rows = same_keys((rows + [history_row(ledger, index, workspace_id(plots_dir))])[-HISTORY_RUNS:])
     write_text_atomic(path, json.dumps(rows, indent=1) + "\n")
     return rows
+
+
+def same_keys(rows: list[dict]) -> list[dict]:
+    """Every row with every key (a missing value null; a missing workspace "", a run from before the ids): DVC's
+    plots fail on a file whose first row lacks a key a later row has ("argument of type 'NoneType' is not
+    iterable", the plots over runs empty), as the committed rows did once a run added its workspace."""
+    keys = list(dict.fromkeys(key for row in rows for key in row))
+    return [{key: row.get(key, "" if key == "workspace" else None) for key in keys} for row in rows]
 
 
 def own_runs(rows: list[dict], workspace: str) -> list[dict]:
