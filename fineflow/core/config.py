@@ -254,6 +254,24 @@ class LoraParams(_Section):
         return [value] if isinstance(value, str) else value  # `target_modules: all-linear`, as peft writes it
 
 
+class RayParams(_Section):
+    """train.launcher: ray. The train stage's driver connects to a Ray cluster and runs the ranks there under Ray
+    Train's placement (fineflow.train.engines.ray)."""
+
+    # owned by the ray launcher's work (issue 32): fields are added there
+    address: str | None = Field(
+        None, description="the Ray cluster (ray://host:10001 or host:6379); null: RAY_ADDRESS, else a local one"
+    )
+
+
+class SlurmParams(_Section):
+    """train.launcher: slurm. The train stage's driver submits the ranks as one Slurm allocation and waits
+    (fineflow.train.engines.slurm)."""
+
+    # owned by the slurm launcher's work (issue 32): fields are added there
+    partition: str | None = Field(None, description="the partition to submit to; null: the cluster's default")
+
+
 class TrainParams(_Section):
     """The train stage: method, precision, hardware, optimizer and schedule."""
 
@@ -313,6 +331,22 @@ class TrainParams(_Section):
     num_machines: int = Field(
         1, gt=0, description=">1: launch the stage on every machine with --machine-rank/--main-process-ip"
     )
+    # who places the ranks: local (accelerate launch on this machine, or one launch per machine by hand), or a
+    # cluster engine the stage hands the job to and waits for (fineflow.train.engines)
+    launcher: Literal["local", "ray", "slurm"] = Field(
+        "local", description="who places the ranks: local (accelerate launch here), ray or slurm (a cluster job)"
+    )
+    max_restarts: int = Field(
+        3, ge=0, description="ray/slurm: restarts from the newest checkpoint after a lost node or rank, then fail"
+    )
+    # a checkpoint of another world size (a lost node, a smaller allocation) is resumed with the same global
+    # batch (micro_batch_size x grad_accum x ranks as params give it): grad_accum is recomputed for the ranks
+    # there are (fineflow.train.elastic); off: another world size is another run
+    elastic: bool = Field(
+        False, description="resume on another number of ranks with the same global batch (grad_accum adapts)"
+    )
+    ray: RayParams = Field(RayParams(), description="train.launcher: ray")
+    slurm: SlurmParams = Field(SlurmParams(), description="train.launcher: slurm")
     auto_fit: bool = Field(
         False,
         description="when the plan exceeds device memory: true adapts (checkpointing, smaller micro-batch), false "

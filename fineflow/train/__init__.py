@@ -5,6 +5,7 @@ profile.py       the accelerate profile, read once into a frozen Profile (engine
 sizing.py        hardware checks and the planner's RunPlan: the one train configuration every step reads
 planner/         the memory planner (also ``fineflow plan``): shapes.py, memory.py, advice.py
 launch.py        the ``accelerate launch`` command line, and DeepSpeed's batch keys from params
+engines/         cluster launchers (train.launcher: ray, slurm): the stage as a driver that hands the ranks over
 precision.py     which precision a run trains in, and the dtypes that follow
 model.py         the model to train (LoRA / QLoRA / full) and saving it
 architecture.py  what the loaded model is: its decoder-layer class, its linears, fused qkv / gate_up; LoRA targets

@@ -22,6 +22,7 @@ from fineflow.model_ref import resolve_base_model
 from fineflow.train import gradsync
 from fineflow.train.fsdp import prepare_model_for_fsdp
 from fineflow.train.launch import (
+    WORKER_ENV,
     accelerate_command,
     check_deepspeed_profile,
     configure_deepspeed,
@@ -64,6 +65,8 @@ def launch_ranks(params: Params, module: str, argv: list[str], placement: dict, 
     )
     for warning in run.warnings:  # also in the train report's plan (memory["warnings"])
         log(f"WARNING: {warning}")
+    if cfg.launcher != "local":  # a cluster engine places the ranks; this process drives and waits
+        return run_cluster_job(params, run, profile, has_gpu, module, argv, log)
     command, env = accelerate_command(
         cfg.num_processes,
         has_gpu,
@@ -79,6 +82,26 @@ def launch_ranks(params: Params, module: str, argv: list[str], placement: dict, 
     log(f"launching: {' '.join(command[2:])}" + (f"; threads: {said}" if said else ""))
     # its own process group: a stop signal reaches the ranks once, forwarded (fineflow.train.preempt)
     return run_ranks(command, {**os.environ, **env, **threads}, run.params.checkpoint.preempt_grace_s, log)
+
+
+def run_cluster_job(params: Params, run, profile, has_gpu: bool, module: str, argv: list[str], log=print) -> int:
+    """train.launcher ray or slurm: the same rank command, placed by the engine (fineflow.train.engines)."""
+    from fineflow.train.engines import RankJob, run_job
+
+    cfg = run.train
+    env = {WORKER_ENV: "1"} | ({} if has_gpu else {"ACCELERATE_USE_CPU": "1"})
+    job = RankJob(
+        module,
+        argv,
+        world_size(cfg, profile),
+        cfg.num_machines,
+        has_gpu,
+        profile,
+        run.params,
+        run.params.checkpoint.preempt_grace_s,
+        env,
+    )
+    return run_job(cfg.launcher, job, log)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,10 @@ NOT_IN_FINGERPRINT = {
     "device_memory_gib",
     "accelerate_profile",
     "num_machines",
+    "launcher",  # who places the ranks: the same ranks train the same way (local and ray give the same bytes)
+    "max_restarts",
+    "ray",
+    "slurm",
 }
 
 
