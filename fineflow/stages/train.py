@@ -106,6 +106,7 @@ def launch(args, argv: list[str], spans: dict) -> int:
                     "main_process_port": args.main_process_port,
                 },
                 log=log,
+                spans=spans,
             )
             ranks_ended = time.time()
             spans.update(rank_spans(args.report, launched, ranks_ended) if code == 0 else {})

@@ -40,9 +40,11 @@ from fineflow.train.report import device_facts, run_flops, train_report
 from fineflow.train.sizing import GiB, RunPlan, check_hardware, fit_plan, world_size
 
 
-def launch_ranks(params: Params, module: str, argv: list[str], placement: dict, log=print) -> int:
-    """Size the run, then run ``python -m <module> <argv>`` under accelerate launch on the configured ranks;
-    returns the launch's exit code."""
+def launch_ranks(
+    params: Params, module: str, argv: list[str], placement: dict, log=print, spans: dict | None = None
+) -> int:
+    """Size the run, then run ``python -m <module> <argv>`` under accelerate launch on the configured ranks (or
+    on train.launcher's cluster engine, which adds its time to spans); returns the launch's exit code."""
     import torch
 
     has_gpu = torch.cuda.is_available()
@@ -66,7 +68,7 @@ def launch_ranks(params: Params, module: str, argv: list[str], placement: dict, 
     for warning in run.warnings:  # also in the train report's plan (memory["warnings"])
         log(f"WARNING: {warning}")
     if cfg.launcher != "local":  # a cluster engine places the ranks; this process drives and waits
-        return run_cluster_job(params, run, profile, has_gpu, module, argv, log)
+        return run_cluster_job(run, profile, has_gpu, module, argv, log, spans)
     command, env = accelerate_command(
         cfg.num_processes,
         has_gpu,
@@ -84,7 +86,7 @@ def launch_ranks(params: Params, module: str, argv: list[str], placement: dict, 
     return run_ranks(command, {**os.environ, **env, **threads}, run.params.checkpoint.preempt_grace_s, log)
 
 
-def run_cluster_job(params: Params, run, profile, has_gpu: bool, module: str, argv: list[str], log=print) -> int:
+def run_cluster_job(run: RunPlan, profile, has_gpu: bool, module: str, argv: list[str], log=print, spans=None) -> int:
     """train.launcher ray or slurm: the same rank command, placed by the engine (fineflow.train.engines)."""
     from fineflow.train.engines import RankJob, run_job
 
@@ -101,7 +103,7 @@ def run_cluster_job(params: Params, run, profile, has_gpu: bool, module: str, ar
         run.params.checkpoint.preempt_grace_s,
         env,
     )
-    return run_job(cfg.launcher, job, log)
+    return run_job(cfg.launcher, job, log, spans)
 
 
 @dataclass(frozen=True)

@@ -41,14 +41,17 @@ class RankJob:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def run_job(launcher: str, job: RankJob, log=print) -> int:
-    """Run the job's ranks on train.launcher's engine and wait; the exit code as a local launch gives it."""
+def run_job(launcher: str, job: RankJob, log=print, spans: dict | None = None) -> int:
+    """Run the job's ranks on train.launcher's engine and wait; the exit code as a local launch gives it. spans:
+    the stage attempt's journal spans, where the engine adds its own time (``engine_*`` keys: placement, queueing,
+    waiting for nodes, restarts), which the goodput ledger puts in its own bucket."""
+    spans = {} if spans is None else spans
     if launcher == "ray":
         from fineflow.train.engines.ray import run_on_ray
 
-        return run_on_ray(job, log)
+        return run_on_ray(job, log, spans)
     if launcher == "slurm":
         from fineflow.train.engines.slurm import run_on_slurm
 
-        return run_on_slurm(job, log)
+        return run_on_slurm(job, log, spans)
     raise ValueError(f"not a cluster launcher: {launcher!r}")
