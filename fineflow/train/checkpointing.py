@@ -18,7 +18,8 @@ class TrainStateSaver:
     Every rank calls ``due`` and ``save`` (each contributes its RNG state, and ranks must agree on a
     time-based trigger); only rank 0 has a manager and writes. What is saved: the trainable tensors only
     (LoRA: the adapter), optimizer and LR-scheduler state, the sampler position of the last consumed batch,
-    step and token counters, and every rank's Python/NumPy/torch RNG state (fineflow.checkpoint).
+    step and token counters, every rank's Python/NumPy/torch RNG state (fineflow.checkpoint), and the layout
+    (ranks, accumulation) that wrote it.
     """
 
     def __init__(
@@ -100,17 +101,24 @@ class TrainStateSaver:
         else:
             trainable, optimizer_state = {}, None
         scaler = getattr(accelerator, "scaler", None)  # fp16 on a GPU: the loss scale must continue too
+        sharding = {"sharding": self.engine} if sharded else {}
         self.manager.save(
             step,
             trainable,
             optimizer_state,
             scheduler.state_dict(),
-            {**state, "fingerprint": self.fingerprint, **({"sharding": self.engine} if sharded else {})},
+            {**state, "fingerprint": self.fingerprint, "layout": layout(accelerator), **sharding},
             rngs,
             metric,
             grad_scaler_state=scaler.state_dict() if scaler is not None else None,
             sharded_dir=sharded_dir,
         )
+
+
+def layout(accelerator) -> dict:
+    """The ranks and accumulation that wrote a checkpoint: what an elastic resume adapts from
+    (fineflow.train.elastic)."""
+    return {"world_size": accelerator.num_processes, "grad_accum": accelerator.gradient_accumulation_steps}
 
 
 ENGINE_NAMES = {"ddp": "an unsharded (one process or DDP)", "fsdp": "an FSDP", "deepspeed": "a DeepSpeed"}
@@ -142,6 +150,7 @@ def restore(checkpoint, accelerator, model, optimizer, scheduler, engine: str) -
 
     from fineflow.checkpoint import restore_rng
     from fineflow.train import zero
+    from fineflow.train.elastic import rank_rng
 
     written_by = checkpoint_engine(checkpoint)
     if written_by != engine:
@@ -167,4 +176,5 @@ def restore(checkpoint, accelerator, model, optimizer, scheduler, engine: str) -
     scaler = getattr(accelerator, "scaler", None)
     if scaler is not None and checkpoint.grad_scaler_state is not None:
         scaler.load_state_dict(checkpoint.grad_scaler_state)
-    restore_rng(checkpoint.rng_snapshots[accelerator.process_index])
+    # train.elastic on more ranks than wrote it: a new rank takes rank 0's state (fineflow.train.elastic)
+    restore_rng(rank_rng(checkpoint.rng_snapshots, accelerator.process_index))

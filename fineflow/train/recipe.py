@@ -239,8 +239,11 @@ class TrainRecipe:
         self.grad_sync_measured = gradsync.register(self.model)  # DDP: the all-reduce timed apart from backward
 
     def _setup_data(self) -> None:
+        """The shards and the seeded row order, dealt over the ranks there are (with train.elastic on other ranks
+        than params give, first the accumulation that keeps params' global batch)."""
         from fineflow.tokenize.shards import PackedShard, RowSampler
 
+        self._adapt_to_world()
         accelerator = self.accelerator
         self.train_shard, self.eval_shard = (
             PackedShard(self.paths.shards / "train"),
@@ -253,6 +256,24 @@ class TrainRecipe:
             accelerator.num_processes,
             row_tokens=self.train_shard.real_per_row,
         )
+
+    def _adapt_to_world(self) -> None:
+        """train.elastic: grad_accum for the ranks that run (fineflow.train.elastic), before the loader reads it;
+        the train report's "elastic" says what was adapted."""
+        from dataclasses import replace
+
+        from fineflow.train.elastic import adapt_to_world, global_batch
+
+        n = self.accelerator.num_processes
+        cfg, adapted = adapt_to_world(self.cfg, n, self.run.profile.engine)
+        if adapted is not None:
+            self.run = replace(self.run, params=self.params.model_copy(update={"train": cfg}))
+            self.params, self.cfg = self.run.params, self.run.train
+            self.accelerator.gradient_accumulation_steps = cfg.grad_accum  # accumulate() steps at its boundary
+            if self.main:
+                self.log(adapted)
+        self.elastic = {"global_batch": global_batch(cfg, n), "adapted": adapted, "resumed": None}
+        self.elastic = self.elastic if cfg.elastic else None
 
     def _setup_resume(self) -> None:
         """The run's fingerprint (rank 0 hashes the base weights, once), its checkpoint directory, and the
@@ -277,7 +298,19 @@ class TrainRecipe:
             restore(self.resumed, accelerator, self.model, self.optimizer, self.scheduler, self.run.profile.engine)
             self.sampler.load_state_dict(self.resumed.state["sampler"])
             self.start_step, self.tokens_seen = self.resumed.state["step"], self.resumed.state["tokens_seen"]
+            self._note_layout_change()
             self.phases["resume_load_s"] = time.perf_counter() - resuming  # a cost of the restart
+
+    def _note_layout_change(self) -> None:
+        """train.elastic: a checkpoint of other ranks or accumulation was resumed: say so (rank 0) and report it."""
+        from fineflow.train.elastic import Layout, describe_move
+
+        if self.elastic is None:
+            return
+        now = Layout(self.accelerator.num_processes, self.cfg.grad_accum)
+        self.elastic["resumed"] = describe_move(self.resumed.state, now, self.elastic["global_batch"])
+        if self.elastic["resumed"] is not None and self.main:
+            self.log(self.elastic["resumed"]["message"])
 
     def _setup_loader(self) -> None:
         from fineflow.train.loader import BatchLoader
@@ -401,6 +434,7 @@ class TrainRecipe:
             report.setdefault("device", {"type": accelerator.device.type, "count": n})
             report["flops"] = {"error": f"{type(exc).__name__}: {exc}"}
         report["grad_sync_measured"] = self.grad_sync_measured
+        report["elastic"] = self.elastic  # train.elastic: the global batch, and what a resume adapted
         finished = time.time()
         report["phases"] = self.timed_phases(result, probe_started, finished)
         report["timeline"] = {

@@ -3,7 +3,9 @@
 Checkpoints live in ``<checkpoints>/<run id>/step-N``, where the run id is a hash of everything that makes
 two runs' step N the same state: the base model's weights *by content*, method and adapter shape, the
 training data (the shard's content key), seed, ranks, batch and optimizer/schedule settings, the training
-code and the versions of the libraries it runs on. A re-run with the same inputs finds its own directory and
+code and the versions of the libraries it runs on. With ``train.elastic`` the ranks and the accumulation give
+way to the global batch they make (``fineflow.train.elastic``): another world size with the same global batch
+is the same run. A re-run with the same inputs finds its own directory and
 continues from the newest *valid* checkpoint there (fineflow.checkpoint verifies hashes and skips torn or
 corrupt ones) — but only if that run was interrupted: a run that finished (its model was saved, see
 ``mark_finished``) is never resumed, so a re-run always trains; it cannot hand back an earlier run's result.
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from fineflow.core.errors import FineflowError
 from fineflow.model_ref import base_identity
+from fineflow.train.elastic import Layout, check_movable, elastic_identity
 
 # settings that change neither the trajectory nor the weights: safe to edit between a crash and a retry
 NOT_IN_FINGERPRINT = {
@@ -61,7 +64,7 @@ TRAINING_LIBRARIES = (
 )
 FINISHED = "FINISHED"  # in a run directory: the run completed and its model was saved; never resume it
 # settings that decide a run's trajectory: an unfinished run that differs in these was edited, not replaced
-PARAM_KEYS = ("train", "seed", "seq_len", "world_size")
+PARAM_KEYS = ("train", "seed", "seq_len", "world_size", "global_batch")
 
 
 def code_identity() -> dict:
@@ -97,7 +100,7 @@ def run_fingerprint(
     planner's (fineflow.train.sizing.RunPlan.params): the train settings the run really uses (precision "auto"
     resolved, auto_fit's changes), so "auto" on a CPU and on a GPU are different runs."""
     train = {k: v for k, v in params.train.model_dump().items() if k not in NOT_IN_FINGERPRINT}
-    return {
+    fingerprint = {
         "base": base_identity(reference, cache_dir),
         "data": shard_meta.get("content_key"),
         "code": code if code is not None else code_identity(),
@@ -106,6 +109,7 @@ def run_fingerprint(
         "world_size": world_size,
         "train": train,
     }
+    return elastic_identity(fingerprint, params.train, world_size) if params.train.elastic else fingerprint
 
 
 def mark_finished(run_dir: Path, step: int) -> None:
@@ -143,8 +147,9 @@ def _state(checkpoint: Path) -> dict:
     return from_tree(json.loads((checkpoint / "state.json").read_text(encoding="utf-8")), {})
 
 
-def plan_resume(root: Path, fingerprint: dict, mode: str, log=print) -> ResumePlan:
-    """Rank 0 decides (other ranks read the same directory: a shared filesystem is assumed)."""
+def plan_resume(root: Path, fingerprint: dict, mode: str, log=print, layout: Layout | None = None) -> ResumePlan:
+    """Rank 0 decides (other ranks read the same directory: a shared filesystem is assumed). layout: this run's
+    ranks and accumulation; an elastic run's own checkpoint of sharded states on other ranks is refused."""
     from fineflow.checkpoint import clean_stale, latest_valid
 
     run_dir = Path(root) / run_id(fingerprint)
@@ -161,6 +166,8 @@ def plan_resume(root: Path, fingerprint: dict, mode: str, log=print) -> ResumePl
         clean_stale(run_dir)  # first: a crash mid re-save leaves the published checkpoint as .old-step-N
     own = latest_valid(run_dir, expected_fingerprint=fingerprint) if run_dir.exists() else None
     if own is not None:
+        if layout is not None:
+            check_movable(own, _state(own), layout)
         return ResumePlan(run_dir, own)
     for other in sorted(p for p in Path(root).glob("*") if p.is_dir() and p != run_dir):
         checkpoint = latest_valid(other, on_mismatch="ignore")
@@ -192,7 +199,8 @@ def resume_point(accelerator, checkpoints: Path, fingerprint: dict, mode: str):
 
     decision = [None]
     if accelerator.is_main_process:
-        plan = plan_resume(checkpoints, fingerprint, mode)
+        layout = Layout(accelerator.num_processes, accelerator.gradient_accumulation_steps)
+        plan = plan_resume(checkpoints, fingerprint, mode, layout=layout)
         decision = [str(plan.checkpoint) if plan.checkpoint else None]
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
