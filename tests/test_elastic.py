@@ -29,7 +29,10 @@ from tests.conftest import (
 
 STEPS = TRAIN_OVERRIDES["train.steps"]
 # Per-step tolerance against the uninterrupted run (relative, as tests/test_ddp.py): another world size sums the
-# same gradients in another order (see fineflow.train.elastic); the lr is the schedule's, to 1e-9.
+# same gradients in another order (see fineflow.train.elastic). Measured here: the logged loss and gradient norm
+# (5 decimals) equal at every step, the adapters 1.5e-8 (2 -> 1) and 1.6e-7 (1 -> 2) apart after 12 steps; 1e-4
+# leaves room for longer runs and still fails on a real difference (test_ddp's: a wrong loss scaling moves the loss
+# 2x, a schedule at another speed the lr 20-90%). The lr is the schedule's, to 1e-9.
 LOSS_REL = 1e-4
 PER_STEP = ("loss", "grad_norm", "lr")  # the step log's figures (loss and grad_norm rounded to 5 decimals)
 
@@ -148,8 +151,9 @@ def _published_and_idle(project) -> bool:
 
 def _assert_matches_uninterrupted(resumed, reference, exact_through: int) -> dict:
     """The resumed run's steps against the uninterrupted run's: steps 1..exact_through bit for bit (trained on
-    the reference's world size), every step's lr to 1e-9 and loss to LOSS_REL, the same real tokens per step (the
-    same rows: the sampler's order and position moved with the checkpoint). Returns the measured differences."""
+    the reference's world size), every step's lr to 1e-9, loss and gradient norm to LOSS_REL, the same real
+    tokens per step (the same rows: the sampler's order and position moved with the checkpoint). Returns the
+    largest relative difference per figure."""
     steps, ref = _steps(resumed), _steps(reference)
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
     assert [s["tokens"] for s in steps] == [s["tokens"] for s in ref]
@@ -168,6 +172,7 @@ def _adapter_difference(a, b) -> float:
     return max(float((x[k] - y[k]).abs().max()) for k in x)
 
 
+@pytest.mark.slow
 @pytest.mark.scenario
 def test_two_ranks_killed_then_finished_on_one_rank_match_the_uninterrupted_two_rank_run(
     built, reference_run, tmp_path
@@ -193,6 +198,7 @@ def test_two_ranks_killed_then_finished_on_one_rank_match_the_uninterrupted_two_
     print(f"2 -> 1 ranks after step {resumed_from}: max relative difference per step {measured}; adapter {adapter}")
 
 
+@pytest.mark.slow
 @pytest.mark.nightly
 def test_one_rank_killed_then_finished_on_two_ranks_match_the_uninterrupted_two_rank_run(
     built, reference_run, tmp_path

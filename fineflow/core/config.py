@@ -340,10 +340,14 @@ class TrainParams(_Section):
         3, ge=0, description="ray/slurm: restarts from the newest checkpoint after a lost node or rank, then fail"
     )
     # a checkpoint of another world size (a lost node, a smaller allocation) is resumed with the same global
-    # batch (micro_batch_size x grad_accum x ranks as params give it): grad_accum is recomputed for the ranks
-    # there are (fineflow.train.elastic); off: another world size is another run
+    # batch (micro_batch_size x grad_accum x ranks as params give it): the run's identity is that batch, and
+    # grad_accum is recomputed for the ranks there are, refused when it does not divide (fineflow.train.elastic).
+    # Same data order, schedule and optimizer state; the same maths in another reduction order (not bit-exact).
+    # Unsharded runs (one process, DDP): FSDP/DeepSpeed states stay on their world size. Set it before the run
+    # starts (it is part of the run's identity); off: another world size is another run
     elastic: bool = Field(
-        False, description="resume on another number of ranks with the same global batch (grad_accum adapts)"
+        False,
+        description="resume on another number of ranks with the same global batch (grad_accum adapts); unsharded runs",
     )
     ray: RayParams = Field(RayParams(), description="train.launcher: ray")
     slurm: SlurmParams = Field(SlurmParams(), description="train.launcher: slurm")

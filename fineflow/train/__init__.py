@@ -15,6 +15,7 @@ loss.py          the loss's vocabulary projection, chunked so the logits never e
 steps.py         what the loop reports through: StepTimer (a span per phase), StepLog, Progress
 checkpointing.py the loop's state saved (TrainStateSaver) and restored (restore), by the profile's engine
 resume.py        the run fingerprint, whether to resume, and the checkpoint every rank loads
+elastic.py       train.elastic: the global batch as the run's identity, grad_accum for the ranks there are
 tracker.py       the experiment tracker (TensorBoard / MLflow), one tracker run per training run
 report.py        the train report: figures, device facts, FLOPs and MFU
 loader.py        batches prepared ahead on a thread from the shard sampler
