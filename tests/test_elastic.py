@@ -97,6 +97,26 @@ def test_sharded_states_do_not_adapt_to_another_world(tiny_params, engine):
         elastic.adapt_to_world(cfg, 1, engine)
 
 
+def test_the_sampler_gives_a_step_the_same_rows_and_state_however_it_is_split():
+    """2 ranks x accumulation 1 and 1 rank x accumulation 2 (micro-batch 2) train the same 4 rows per step, across
+    an epoch's end, and their states match after every step: a checkpoint of one resumes in the other."""
+    from fineflow.tokenize.shards import RowSampler
+
+    tokens = torch.randint(1, 100, (10,)).numpy()
+    ranks = [RowSampler(10, seed=3, rank=r, world_size=2, row_tokens=tokens) for r in (0, 1)]
+    one = RowSampler(10, seed=3, row_tokens=tokens)
+    for _ in range(7):  # 28 rows: two epochs' ends
+        split = sorted(ranks[0].next_indices(2) + ranks[1].next_indices(2))
+        assert split == sorted(one.next_indices(2) + one.next_indices(2))
+        state = one.state_dict()
+        assert {k: v for k, v in ranks[0].state_dict().items() if k != "world_size"} == {
+            k: v for k, v in state.items() if k != "world_size"
+        }
+    resumed = RowSampler(10, seed=3, rank=1, world_size=2, row_tokens=tokens)
+    resumed.load_state_dict(one.state_dict())  # 1 rank's state on rank 1 of 2
+    assert resumed.next_indices(2) == ranks[1].next_indices(2)
+
+
 def _checkpoint(run_dir, fingerprint, state):
     """A real (small) checkpoint of fingerprint's run, as the train loop's saver writes one."""
     from fineflow.checkpoint import CheckpointManager, capture_rng

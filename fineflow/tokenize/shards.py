@@ -290,7 +290,9 @@ class RowSampler:
     rank gets ``count`` rows and as equal a number of real tokens as a greedy longest-first deal allows
     (ranks wait for the slowest at every gradient sync). Every rank computes the same deal, so no
     communication is needed. The state is two integers (epoch, position): resuming restores them directly,
-    without replaying the data loader.
+    without replaying the data loader. Neither depends on the number of ranks (the state's world_size only
+    records it), so with train.elastic a checkpoint of 2 ranks x 1 micro-step continues on 1 rank x 2 with the
+    same rows per optimizer step (fineflow.train.elastic).
     """
 
     def __init__(
