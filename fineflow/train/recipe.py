@@ -272,8 +272,9 @@ class TrainRecipe:
             self.accelerator.gradient_accumulation_steps = cfg.grad_accum  # accumulate() steps at its boundary
             if self.main:
                 self.log(adapted)
-        self.elastic = {"global_batch": global_batch(cfg, n), "adapted": adapted, "resumed": None}
-        self.elastic = self.elastic if cfg.elastic else None
+        self.elastic = (
+            {"global_batch": global_batch(cfg, n), "adapted": adapted, "resumed": None} if cfg.elastic else None
+        )
 
     def _setup_resume(self) -> None:
         """The run's fingerprint (rank 0 hashes the base weights, once), its checkpoint directory, and the

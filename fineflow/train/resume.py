@@ -5,10 +5,10 @@ two runs' step N the same state: the base model's weights *by content*, method a
 training data (the shard's content key), seed, ranks, batch and optimizer/schedule settings, the training
 code and the versions of the libraries it runs on. With ``train.elastic`` the ranks and the accumulation give
 way to the global batch they make (``fineflow.train.elastic``): another world size with the same global batch
-is the same run. A re-run with the same inputs finds its own directory and
-continues from the newest *valid* checkpoint there (fineflow.checkpoint verifies hashes and skips torn or
-corrupt ones) — but only if that run was interrupted: a run that finished (its model was saved, see
-``mark_finished``) is never resumed, so a re-run always trains; it cannot hand back an earlier run's result.
+is the same run. A re-run with the same inputs finds its own directory and continues from the newest *valid*
+checkpoint there (fineflow.checkpoint verifies hashes and skips torn or corrupt ones) — but only if that run
+was interrupted: a run that finished (its model was saved, see ``mark_finished``) is never resumed, so a re-run
+always trains; it cannot hand back an earlier run's result.
 
 Other inputs get another directory and start fresh — unless a run was left unfinished with other *params*
 (the same base, data and code): then ``train.resume: auto`` refuses, naming what changed, because the user
