@@ -35,6 +35,7 @@ from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError,
 from fineflow.core.reports import clear_error_record, read_error_record, read_json
 from fineflow.core.runtime import apply_offline_environment, is_train_worker
 from fineflow.train import preempt
+from fineflow.train.launch import check_checkpoint_storage
 from fineflow.train.plots import write_run_plots
 from fineflow.train.recipe import launch_ranks, train_rank
 
@@ -92,6 +93,8 @@ def launch(args, argv: list[str], spans: dict) -> int:
             clear_error_record(args.report)
             params = load_params(args.params)
             apply_offline_environment(model_base=params.model.base)  # the launcher's, and its ranks'
+            # a multi-machine run's checkpoints on storage every machine sees, checked before any rank starts
+            check_checkpoint_storage(params, args.checkpoints)
             launched = time.time()
             spans["params"] = time.perf_counter() - started - spans["workspace_wait"]
             ranks_started = launched
