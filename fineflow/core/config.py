@@ -411,7 +411,7 @@ class CheckpointSettings(_Section):
     # or ~/.aws files.
     store: str | None = Field(
         None,
-        description="also upload every checkpoint to this URL (s3://bucket/prefix) and resume from it; null: local only",
+        description="also upload every checkpoint to this URL (s3://bucket/prefix) and resume from it; null: none",
     )
     store_endpoint: str | None = Field(
         None, description="endpoint URL of an S3-compatible checkpoint.store (MinIO, Ceph); null: AWS S3"
