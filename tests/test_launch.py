@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fineflow.core.errors import FineflowError
 from fineflow.train.launch import WORKER_ENV, accelerate_command
@@ -639,3 +640,62 @@ def test_the_stage_refuses_node_local_checkpoints_before_any_rank_starts(built, 
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"on a {found[1]} filesystem" in done.stderr and "checkpoint.store" in done.stderr
     assert "launching" not in done.stdout and not (project / "checkpoints").exists()  # no rank, no planner
+
+
+# --- a training launched by hand, outside `dvc repro` (fineflow.stages.train.record_manual_run) ----------------
+def _dvc(project: Path, *args: str) -> subprocess.CompletedProcess:
+    from tests.conftest import venv_env
+
+    return subprocess.run(
+        [sys.executable, "-m", "dvc", *args], cwd=project, env=venv_env(), capture_output=True, text=True, timeout=300
+    )
+
+
+def _train_stage_project(built, path: Path) -> Path:
+    """A tiny git+DVC project whose dvc.yaml has the repo's train stage (its command and outputs; only the data
+    and params as dependencies, the code being this checkout's)."""
+    import yaml
+
+    from tests.conftest import train_project
+
+    project = train_project(built, path, {"train.steps": 2, "train.eval_every": 2})
+    stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["train"]
+    stage["deps"] = ["data/shards", "models/base"]
+    stage["params"] = ["train"]
+    (project / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"train": stage}}, sort_keys=False))
+    subprocess.run(["git", "init", "-q"], cwd=project, check=True)
+    assert _dvc(project, "init", "-q").returncode == 0
+    return project
+
+
+def test_a_training_launched_by_hand_records_itself_in_dvc_lock(built, tmp_path):
+    """Seen on main: the stage run by hand (the per-machine commands) left dvc.lock stale, so the next `dvc repro`
+    trained again. Machine 0's launcher, not started by DVC, now runs `dvc commit --force train` on success."""
+    from tests.conftest import TRAIN, venv_env
+
+    project = _train_stage_project(built, tmp_path / "p")
+    done = subprocess.run(TRAIN, cwd=project, env=venv_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "the run is recorded in dvc.lock (dvc commit --force train)" in done.stdout
+    lock = yaml.safe_load((project / "dvc.lock").read_text())
+    assert lock["stages"]["train"]["outs"][0]["path"] == "models/candidate"
+    status = _dvc(project, "status", "--json")
+    assert status.returncode == 0 and json.loads(status.stdout) == {}, status.stdout + status.stderr
+    again = _dvc(project, "repro")  # the pipeline is up to date: DVC does not train again
+    assert again.returncode == 0 and "Stage 'train' didn't change, skipping" in again.stdout, again.stdout
+
+
+def test_a_failed_record_of_a_manual_launch_names_the_command(tmp_path, capsys):
+    """Where `dvc commit` fails (here: a dvc.yaml outside any DVC repository), the launcher says so and gives the
+    exact command; a launch that is not dvc.yaml's train stage (another --out, no dvc.yaml) records nothing."""
+    import yaml
+
+    from fineflow.stages.train import record_manual_run
+
+    stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["train"]
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"train": stage}}))
+    assert not record_manual_run(Path("models/candidate"), tmp_path)
+    said = capsys.readouterr().out
+    assert "recording the run in dvc.lock failed" in said and f"run `dvc commit --force train` in {tmp_path}" in said
+    assert not record_manual_run(Path("elsewhere"), tmp_path) and not capsys.readouterr().out
+    assert not record_manual_run(Path("models/candidate"), tmp_path / "absent") and not capsys.readouterr().out
