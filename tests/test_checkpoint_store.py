@@ -168,6 +168,30 @@ def test_retention_applies_in_the_store(store, tmp_path):
     assert sorted(p.name for p in local.iterdir()) == ["step-0000004", "step-0000006", "step-0000008"]
 
 
+def test_a_run_that_starts_over_fetches_nothing_and_clears_its_store_copy(store, tmp_path):
+    """The local rule (fineflow.train.resume: a finished run, or train.resume never, trains again from step 0) holds
+    on a node whose disk is empty: the store's copy of the run is deleted instead of resumed from."""
+    from types import SimpleNamespace
+
+    from fineflow.checkpoint.store import fetch_for_resume, mark_run_finished
+
+    one_rank = SimpleNamespace(is_local_main_process=True, is_main_process=True, num_processes=1)
+    local = tmp_path / "node0/run-g"
+    with _manager(local, store, keep_last=3) as manager:
+        _save(manager, 2)
+    fetch_for_resume(one_rank, tmp_path / "node1/run-g", store, "FINISHED")  # resumable: fetched
+    assert (tmp_path / "node1/run-g/step-0000002").is_dir()
+    fetch_for_resume(one_rank, tmp_path / "node2/run-g", store, "FINISHED", fresh=True)  # train.resume: never
+    assert not (tmp_path / "node2/run-g").exists() and _stored_steps(store, "run-g") == {}
+    with _manager(local, store, keep_last=3) as manager:
+        _save(manager, 4)
+    (local / "FINISHED").write_text("{}")
+    mark_run_finished(store, local, "FINISHED")
+    assert "FINISHED" in _stored_steps(store, "run-g")
+    fetch_for_resume(one_rank, tmp_path / "node3/run-g", store, "FINISHED")  # finished: trains again
+    assert not list((tmp_path / "node3").rglob("step-*")) and _stored_steps(store, "run-g") == {}
+
+
 def _store_has_a_checkpoint(store: StoreConfig, project: Path, after: list[float]) -> bool:
     """kill_when's condition: a complete checkpoint of step 4 or later is in the store (asked at most every 0.1 s)."""
     if time.monotonic() < after[0]:

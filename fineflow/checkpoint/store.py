@@ -148,22 +148,63 @@ def apply_store_retention(
     return deleted
 
 
-def fetch_for_resume(accelerator, run_dir: Path, config: StoreConfig | None, finished_marker: str) -> None:
+def mark_run_finished(config: StoreConfig | None, run_dir: Path, marker: str) -> None:
+    """Rank 0, after the run's model was saved: run_dir's finished marker goes to the store too, so that a later
+    run of the same inputs on any node trains again instead of resuming (the local rule, fineflow.train.resume). A
+    failure warns: the model is saved."""
+    if config is None:
+        return
+    try:
+        fs, root = _filesystem(config)
+        fs.put_file(str(run_dir / marker), f"{root}/{run_dir.name}/{marker}")
+    except Exception as exc:  # noqa: BLE001 - the client's errors; the training is done
+        said = f"{config.where(run_dir.name)}: the run was not marked finished ({exc})"
+        warnings.warn(said, CheckpointWarning, stacklevel=2)
+
+
+def _remove_run(fs, run_path: str, marker: str) -> None:
+    """A run's directory in the store deleted, its finished marker last (a crash midway leaves it finished)."""
+    for _, step_path in _complete_steps(fs, run_path):
+        fs.rm_file(f"{step_path}/{MARKER}")
+    keys = [key for key in fs.find(run_path) if not key.endswith(f"/{marker}")]
+    if keys:
+        fs.rm(keys)
+    if fs.exists(f"{run_path}/{marker}"):
+        fs.rm_file(f"{run_path}/{marker}")
+
+
+def _sync_for_resume(config: StoreConfig, run_dir: Path, marker: str, fresh: bool, main: bool) -> None:
+    """One node's part of fetch_for_resume: a run that starts over (fresh, or finished here or in the store) has its
+    store copy deleted by rank 0 (main) and nothing fetched; otherwise the store's newest valid checkpoint is
+    downloaded when it is newer than run_dir's own newest valid one."""
+    fs, root = _filesystem(config)
+    run_path = f"{root}/{run_dir.name}"
+    if fresh or (run_dir / marker).exists() or fs.exists(f"{run_path}/{marker}"):
+        if main:
+            _remove_run(fs, run_path, marker)
+        return
+    local = latest_valid(run_dir) if run_dir.is_dir() else None
+    newest = fetch_newest(config, run_dir, read_manifest(local)["step"] if local else -1)
+    if newest is not None:
+        print(f"checkpoint.store: downloaded {config.where(run_dir.name, newest.name)} to {newest}", flush=True)
+
+
+def fetch_for_resume(
+    accelerator, run_dir: Path, config: StoreConfig | None, finished_marker: str, fresh: bool = False
+) -> None:
     """Before rank 0 decides where to resume: each node's local main process downloads the store's newest valid
     checkpoint into run_dir when it is newer than run_dir's own newest valid one (every node then sees the same
-    step on its own disk). A finished run (finished_marker in run_dir) is not fetched. A failure on any node is
-    raised on every rank (one rank failing alone would leave the others waiting)."""
+    step on its own disk). A run that starts over (fresh: train.resume never; or finished_marker in run_dir or in
+    the store) fetches nothing, and rank 0 deletes its copy in the store. A failure on any node is raised on every
+    rank (one rank failing alone would leave the others waiting)."""
     from fineflow.checkpoint.format import CheckpointError
 
     if config is None:
         return
     problem = None
-    if accelerator.is_local_main_process and not (run_dir / finished_marker).exists():
+    if accelerator.is_local_main_process:
         try:
-            local = latest_valid(run_dir) if run_dir.is_dir() else None
-            newest = fetch_newest(config, run_dir, read_manifest(local)["step"] if local else -1)
-            if newest is not None:
-                print(f"checkpoint.store: downloaded {config.where(run_dir.name, newest.name)} to {newest}", flush=True)
+            _sync_for_resume(config, run_dir, finished_marker, fresh, accelerator.is_main_process)
         except Exception as exc:  # noqa: BLE001 - the client's errors: said on every rank, below
             problem = f"{type(exc).__name__}: {exc}"
     if accelerator.num_processes > 1:

@@ -379,12 +379,14 @@ class TrainRecipe:
 
     def cleanup(self) -> None:
         """The trained model saved (a collective under FSDP/ZeRO-3), the run marked finished, trackers closed."""
-        from fineflow.train.resume import mark_finished
+        from fineflow.checkpoint.store import mark_run_finished, store_config
+        from fineflow.train.resume import FINISHED, mark_finished
 
         self.accelerator.wait_for_everyone()
         save_model(self.accelerator, self.model, self.paths.out_dir, self.cfg.method)
         if self.main:
             mark_finished(self.run_dir, self.cfg.steps)  # a later run of the same inputs trains again, never resumes
+            mark_run_finished(store_config(self.params.checkpoint), self.run_dir, FINISHED)  # on any node
         self.accelerator.end_training()
 
     def report(self, result) -> dict | None:

@@ -193,8 +193,7 @@ def resume_point(accelerator, checkpoints: Path, fingerprint: dict, mode: str, s
     from fineflow.checkpoint.store import fetch_for_resume
     from fineflow.train.fsdp import require_visible_to_every_rank
 
-    if mode != "never":
-        fetch_for_resume(accelerator, Path(checkpoints) / run_id(fingerprint), store, FINISHED)
+    fetch_for_resume(accelerator, Path(checkpoints) / run_id(fingerprint), store, FINISHED, fresh=mode == "never")
     decision = [None]
     if accelerator.is_main_process:
         plan = plan_resume(checkpoints, fingerprint, mode)
