@@ -245,3 +245,55 @@ def test_a_store_that_cannot_be_reached_is_said_on_resume(tmp_path, monkeypatch)
     one_rank = SimpleNamespace(is_local_main_process=True, num_processes=1)
     with warnings.catch_warnings(), pytest.raises(CheckpointError, match=r"checkpoint.store s3://nowhere/ckpt: .*"):
         fetch_for_resume(one_rank, tmp_path / "run-f", unreachable, "FINISHED")
+
+
+def _two_nodes(run_dirs: list[Path], store: StoreConfig, endpoints: list[str], tmp_path: Path) -> tuple[list, str]:
+    """tests.store_probe on two "machines" on loopback (one process each, each with its own run directory and
+    store endpoint): (exit codes, their output)."""
+    from fineflow.train.launch import accelerate_command
+    from tests.conftest import ROOT, launch_with_free_port, run_together
+
+    logs = [tmp_path / f"node{rank}.log" for rank in (0, 1)]
+    result: list = []
+
+    def launch(port):
+        commands = [
+            accelerate_command(
+                2,
+                False,
+                "tests.store_probe",
+                [str(run_dir), store.url, endpoint],
+                port,
+                num_machines=2,
+                machine_rank=rank,
+                main_process_ip="127.0.0.1",
+            )
+            for rank, (run_dir, endpoint) in enumerate(zip(run_dirs, endpoints))
+        ]
+        extra = {**CREDENTIALS, "AWS_MAX_ATTEMPTS": "1"}  # an unreachable endpoint fails at once
+        result[:] = run_together([(argv, {**env, **extra}) for argv, env in commands], ROOT, logs, 240)
+        text = "".join(log.read_text() for log in logs)
+        return "store_probe rank=1" in text, text
+
+    _, text = launch_with_free_port(launch)
+    return result, text
+
+
+@pytest.mark.slow
+def test_every_node_fetches_the_newest_valid_checkpoint_into_its_own_disk(store, tmp_path):
+    """Two machines without a shared filesystem: each one's local main process downloads the store's newest valid
+    checkpoint into its own run directory; a node that cannot read the store stops every rank with one error."""
+    with _manager(tmp_path / "writer/run-h", store, keep_last=3) as manager:
+        for step in (2, 4):
+            _save(manager, step)
+    nodes = [tmp_path / f"node{rank}/checkpoints/run-h" for rank in (0, 1)]
+    codes, text = _two_nodes(nodes, store, [store.endpoint, store.endpoint], tmp_path)
+    assert codes == [0, 0], text[-4000:]
+    for rank, node in enumerate(nodes):
+        assert f"store_probe rank={rank} steps=['step-0000004']" in text, text[-4000:]
+        verify_checkpoint(node / "step-0000004", deep=True)
+    blind = [tmp_path / f"blind{rank}/run-h" for rank in (0, 1)]
+    codes, text = _two_nodes(blind, store, [store.endpoint, "http://127.0.0.1:9"], tmp_path)
+    assert 0 not in codes, text[-4000:]  # accelerate launch exits 1 for a failed rank; the other is then stopped
+    for rank in (0, 1):
+        assert f"store_probe rank={rank} error=checkpoint.store {store.url}: the checkpoints of this run" in text

@@ -628,6 +628,7 @@ def test_a_multi_machine_run_on_node_local_checkpoints_is_refused_naming_the_fix
         require_shared_checkpoints(Path("/scratch/c"), 2, stored, sharded=True, mountinfo=mountinfo)
 
 
+@pytest.mark.slow
 def test_the_stage_refuses_node_local_checkpoints_before_any_rank_starts(built, tmp_path):
     from fineflow.train.launch import filesystem_of, is_shared_filesystem
     from tests.conftest import TRAIN, train_project, venv_env
@@ -668,6 +669,7 @@ def _train_stage_project(built, path: Path) -> Path:
     return project
 
 
+@pytest.mark.slow
 def test_a_training_launched_by_hand_records_itself_in_dvc_lock(built, tmp_path):
     """Seen on main: the stage run by hand (the per-machine commands) left dvc.lock stale, so the next `dvc repro`
     trained again. Machine 0's launcher, not started by DVC, now runs `dvc commit --force train` on success."""
