@@ -111,24 +111,31 @@ def test_a_corrupt_object_is_skipped_for_the_older_valid_checkpoint(store, tmp_p
     assert sorted(p.name for p in fresh.iterdir()) == ["step-0000002"]  # the corrupt one left nothing behind
 
 
-def _failing_puts(monkeypatch, name: str, failures: int) -> list[str]:
-    """The S3 client's uploads of objects called `name` fail `failures` times (then work): an upload torn between
-    a checkpoint's files and its manifest. Returns the failed keys."""
+def _replace_put_file(monkeypatch, wrap) -> None:
+    """The S3 client's upload of one file becomes wrap(the real one), an async function, for this test."""
     import s3fs
 
-    failed: list[str] = []
-    real = s3fs.S3FileSystem._put_file
-
-    async def put_file(self, lpath, rpath, *args, **kwargs):
-        if rpath.endswith(f"/{name}") and len(failed) < failures:
-            failed.append(rpath)
-            raise PermissionError(f"injected: {rpath} refused")
-        return await real(self, lpath, rpath, *args, **kwargs)
-
-    monkeypatch.setattr(s3fs.S3FileSystem, "_put_file", put_file)
+    monkeypatch.setattr(s3fs.S3FileSystem, "_put_file", wrap(s3fs.S3FileSystem._put_file))
     # fsspec binds each instance's sync put_file to its _put_file when the instance is made: make new ones
     s3fs.S3FileSystem.clear_instance_cache()
     monkeypatch.setattr(s3fs.S3FileSystem, "_cache", {})  # and none made while patched outlives the test
+
+
+def _failing_puts(monkeypatch, name: str, failures: int) -> list[str]:
+    """The S3 client's uploads of objects called `name` fail `failures` times (then work): an upload torn between
+    a checkpoint's files and its manifest. Returns the failed keys."""
+    failed: list[str] = []
+
+    def wrap(real):
+        async def put_file(self, lpath, rpath, *args, **kwargs):
+            if rpath.endswith(f"/{name}") and len(failed) < failures:
+                failed.append(rpath)
+                raise PermissionError(f"injected: {rpath} refused")
+            return await real(self, lpath, rpath, *args, **kwargs)
+
+        return put_file
+
+    _replace_put_file(monkeypatch, wrap)
     return failed
 
 
@@ -297,3 +304,31 @@ def test_every_node_fetches_the_newest_valid_checkpoint_into_its_own_disk(store,
     assert 0 not in codes, text[-4000:]  # accelerate launch exits 1 for a failed rank; the other is then stopped
     for rank in (0, 1):
         assert f"store_probe rank={rank} error=checkpoint.store {store.url}: the checkpoints of this run" in text
+
+
+def test_an_upload_runs_in_the_background_writer_not_the_training_loop(store, tmp_path, monkeypatch):
+    """save() (async) returns while the upload is still blocked in the writer thread; the loop's check() does not
+    wait for it; wait() does."""
+    import asyncio
+    import threading
+
+    release, uploading = threading.Event(), threading.Event()
+
+    def wrap(real):
+        async def held_put_file(self, lpath, rpath, *args, **kwargs):
+            uploading.set()
+            await asyncio.get_running_loop().run_in_executor(None, release.wait)
+            return await real(self, lpath, rpath, *args, **kwargs)
+
+        return held_put_file
+
+    _replace_put_file(monkeypatch, wrap)
+    manager = _manager(tmp_path / "local/run-i", store, mode="async")
+    weights = {"w": torch.ones(4, 4)}
+    manager.save(2, weights, {"state": {}, "param_groups": []}, {}, {"step": 2}, [{}])  # returns: nothing waits
+    assert uploading.wait(timeout=60), "the writer never started uploading"
+    manager.check()  # the loop's per-step check: the upload is in flight, not failed
+    assert manager.last_result is None
+    release.set()
+    manager.close()
+    assert manager.last_result["uploaded"].endswith("run-i/step-0000002")
