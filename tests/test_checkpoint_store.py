@@ -77,9 +77,11 @@ def _manager(root: Path, store: StoreConfig, **settings) -> CheckpointManager:
     return CheckpointManager(root, mode=settings.pop("mode", "sync"), keep_best=0, store=store, **settings)
 
 
-def test_published_checkpoints_are_uploaded_and_downloaded_bit_for_bit(store, tmp_path):
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_published_checkpoints_are_uploaded_and_downloaded_bit_for_bit(store, tmp_path, backend):
     run = tmp_path / "node0/checkpoints/run-a"
-    with _manager(run, store, mode="async", keep_last=3) as manager:  # the writer thread uploads
+    # the background writer uploads: a thread, or a spawned process (the StoreConfig travels with the job)
+    with _manager(run, store, mode="async", async_backend=backend, keep_last=3) as manager:
         for step in (2, 4):
             _save(manager, step)
         assert manager.last_result["uploaded"] == f"{store.url}/run-a/step-0000004"
