@@ -139,7 +139,9 @@ def launch(args, argv: list[str], spans: dict) -> int:
         log(f"train: {preempted['message']} (exit {PREEMPTED_EXIT})")
         return PREEMPTED_EXIT
     if code == 0 and not args.machine_rank and DVC_STAGE_ENV not in os.environ:
-        record_manual_run(args.out)
+        recording = time.perf_counter()
+        if record_manual_run(args.out):
+            spans["dvc_commit"] = time.perf_counter() - recording  # the journal's: bookkeeping DVC would have done
     return code
 
 
