@@ -86,7 +86,9 @@ def test_dvc_plots_show_has_points_for_every_declared_plot_and_the_run_has_png_c
 def test_two_machines_on_loopback_train_one_adapter(built, reference_run, tmp_path):
     """num_machines 2, one process each, one rendezvous on 127.0.0.1: two launches of the same stage. It trains
     exactly what one process with the same global batch trains (same lr, loss and grad norm per step)."""
-    project = train_project(built, tmp_path, {**ranks_overrides(2), "train.num_machines": 2})
+    # both "machines" are this host: one checkpoints dir that both see (the launcher refuses a node-local one)
+    shared = {"checkpoint.shared": True}
+    project = train_project(built, tmp_path, {**ranks_overrides(2), "train.num_machines": 2, **shared})
     one_steps = _steps(reference_run(1))
     logs = [tmp_path / f"machine{rank}.log" for rank in (0, 1)]
 

@@ -12,8 +12,10 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import yaml
 
 from fineflow.core.errors import FineflowError
 from fineflow.train.launch import WORKER_ENV, accelerate_command
@@ -541,3 +543,161 @@ def test_a_thread_count_the_user_set_is_kept_and_said(tiny_params, monkeypatch):
     from fineflow.train.launch import rank_threads
 
     assert rank_threads(2, {"OMP_NUM_THREADS": "3"}, cores=16)[0] == {}
+
+
+def test_an_unplaced_multi_machine_local_launch_says_what_to_do():
+    """Seen on main: train.num_machines 2 with the default local launcher and dvc.yaml's command (no placement)
+    was refused with only "machine_rank must be given ... main_process_ip must be given"."""
+    stage_args = ["--shards", "data/shards", "--checkpoints", "checkpoints", "--main-process-port", "29511"]
+    with pytest.raises(FineflowError) as refused:
+        accelerate_command(4, False, "fineflow.stages.train", stage_args, num_machines=2)
+    message = str(refused.value)
+    assert "machine_rank must be given" in message and "main_process_ip" in message
+    assert "train.launcher: ray or slurm" in message
+    # the exact per-machine command: the stage's own arguments, its placement replaced by this machine's
+    assert (
+        "`python -m fineflow.stages.train --shards data/shards --checkpoints checkpoints --machine-rank <N> "
+        "--main-process-ip <machine 0's address> --main-process-port 29500`" in message
+    )
+    assert "N = 0..1" in message and "checkpoint.store" in message and "dvc commit --force train" in message
+    # a profile that spans machines gives the same advice
+    with pytest.raises(FineflowError, match="train.launcher: ray or slurm"):
+        accelerate_command(None, True, "fineflow.stages.train", stage_args, profile=load_profile("multi_node"))
+
+
+# --- where a multi-machine run's checkpoints live (fineflow.train.launch.require_shared_checkpoints) --------------
+MOUNTINFO = """\
+22 1 259:2 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p2 rw
+40 22 0:38 / /mnt/shared rw,relatime shared:20 - nfs4 fs1:/export rw,vers=4.2
+41 22 0:39 / /scratch rw,relatime shared:21 - xfs /dev/sdb1 rw
+42 41 0:40 / /scratch/lustre rw shared:22 - lustre 10.0.0.1@o2ib:/fs rw
+43 22 0:41 / /mnt/juice\\040fs rw shared:23 - fuse.juicefs JuiceFS:vol rw
+44 22 0:42 / /dev/shm rw shared:24 - tmpfs tmpfs rw
+"""
+
+
+@pytest.fixture
+def mountinfo(tmp_path):
+    path = tmp_path / "mountinfo"
+    path.write_text(MOUNTINFO)
+    return path
+
+
+def test_the_filesystem_of_a_path_is_its_longest_mount(mountinfo):
+    from fineflow.train.launch import filesystem_of
+
+    assert filesystem_of("/home/me/project/checkpoints", mountinfo) == ("/", "ext4")
+    assert filesystem_of("/mnt/shared/ckpt/not-yet-made", mountinfo) == ("/mnt/shared", "nfs4")
+    assert filesystem_of("/scratch/run", mountinfo) == ("/scratch", "xfs")
+    assert filesystem_of("/scratch/lustre/run", mountinfo) == ("/scratch/lustre", "lustre")
+    assert filesystem_of("/mnt/juice fs/ckpt", mountinfo) == ("/mnt/juice fs", "fuse.juicefs")
+    assert filesystem_of("/x", mountinfo.with_name("absent")) is None  # no mountinfo (not Linux): no verdict
+
+
+def test_a_multi_machine_run_on_node_local_checkpoints_is_refused_naming_the_fixes(mountinfo):
+    from fineflow.core.config import CheckpointSettings
+    from fineflow.train.launch import require_shared_checkpoints
+
+    plain = CheckpointSettings()
+    with pytest.raises(FineflowError) as refused:
+        require_shared_checkpoints(Path("/scratch/ckpt"), 2, plain, sharded=False, mountinfo=mountinfo)
+    message = str(refused.value)
+    for said in (
+        "/scratch/ckpt",
+        "xfs filesystem",
+        "mounted at /scratch",
+        "checkpoint.store",
+        "checkpoint.shared: true",
+    ):
+        assert said in message, message
+    with pytest.raises(FineflowError, match="ext4 filesystem"):
+        require_shared_checkpoints(Path("/home/me/checkpoints"), 4, plain, sharded=False, mountinfo=mountinfo)
+    with pytest.raises(FineflowError, match="tmpfs"):
+        require_shared_checkpoints(Path("/dev/shm/c"), 2, plain, sharded=False, mountinfo=mountinfo)
+    # accepted: one machine; a shared filesystem (nfs4, lustre, fuse.*); a store; the escape hatch
+    require_shared_checkpoints(Path("/home/me/checkpoints"), 1, plain, sharded=True, mountinfo=mountinfo)
+    for shared in ("/mnt/shared/c", "/scratch/lustre/c", "/mnt/juice fs/c"):
+        require_shared_checkpoints(Path(shared), 2, plain, sharded=True, mountinfo=mountinfo)
+    stored = CheckpointSettings(store="s3://bucket/ckpt")
+    require_shared_checkpoints(Path("/scratch/c"), 2, stored, sharded=False, mountinfo=mountinfo)
+    require_shared_checkpoints(
+        Path("/scratch/c"), 2, CheckpointSettings(shared=True), sharded=True, mountinfo=mountinfo
+    )
+    # a sharded engine writes every rank's shards into the directory: a store does not replace sharing it
+    with pytest.raises(FineflowError, match=r"sharded engine .*checkpoint.store \(s3://bucket/ckpt\)"):
+        require_shared_checkpoints(Path("/scratch/c"), 2, stored, sharded=True, mountinfo=mountinfo)
+
+
+@pytest.mark.slow
+def test_the_stage_refuses_node_local_checkpoints_before_any_rank_starts(built, tmp_path):
+    from fineflow.train.launch import filesystem_of, is_shared_filesystem
+    from tests.conftest import TRAIN, train_project, venv_env
+
+    project = train_project(built, tmp_path / "p", {"train.num_machines": 2, "train.num_processes": 2})
+    found = filesystem_of(project / "checkpoints")
+    if found is None or is_shared_filesystem(found[1]):
+        pytest.skip(f"this machine's temporary directory is not on a local filesystem ({found})")
+    done = subprocess.run(TRAIN, cwd=project, env=venv_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"on a {found[1]} filesystem" in done.stderr and "checkpoint.store" in done.stderr
+    assert "launching" not in done.stdout and not (project / "checkpoints").exists()  # no rank, no planner
+
+
+# --- a training launched by hand, outside `dvc repro` (fineflow.stages.train.record_manual_run) ----------------
+def _dvc(project: Path, *args: str) -> subprocess.CompletedProcess:
+    from tests.conftest import venv_env
+
+    return subprocess.run(
+        [sys.executable, "-m", "dvc", *args], cwd=project, env=venv_env(), capture_output=True, text=True, timeout=300
+    )
+
+
+def _train_stage_project(built, path: Path) -> Path:
+    """A tiny git+DVC project whose dvc.yaml has the repo's train stage (its command and outputs; only the data
+    and params as dependencies, the code being this checkout's)."""
+    import yaml
+
+    from tests.conftest import train_project
+
+    project = train_project(built, path, {"train.steps": 2, "train.eval_every": 2})
+    stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["train"]
+    stage["deps"] = ["data/shards", "models/base"]
+    stage["params"] = ["train"]
+    (project / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"train": stage}}, sort_keys=False))
+    subprocess.run(["git", "init", "-q"], cwd=project, check=True)
+    assert _dvc(project, "init", "-q").returncode == 0
+    return project
+
+
+@pytest.mark.slow
+def test_a_training_launched_by_hand_records_itself_in_dvc_lock(built, tmp_path):
+    """Seen on main: the stage run by hand (the per-machine commands) left dvc.lock stale, so the next `dvc repro`
+    trained again. Machine 0's launcher, not started by DVC, now runs `dvc commit --force train` on success."""
+    from tests.conftest import TRAIN, venv_env
+
+    project = _train_stage_project(built, tmp_path / "p")
+    done = subprocess.run(TRAIN, cwd=project, env=venv_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "the run is recorded in dvc.lock (dvc commit --force train)" in done.stdout
+    lock = yaml.safe_load((project / "dvc.lock").read_text())
+    assert lock["stages"]["train"]["outs"][0]["path"] == "models/candidate"
+    status = _dvc(project, "status", "--json")
+    assert status.returncode == 0 and json.loads(status.stdout) == {}, status.stdout + status.stderr
+    again = _dvc(project, "repro")  # the pipeline is up to date: DVC does not train again
+    assert again.returncode == 0 and "Stage 'train' didn't change, skipping" in again.stdout, again.stdout
+
+
+def test_a_failed_record_of_a_manual_launch_names_the_command(tmp_path, capsys):
+    """Where `dvc commit` fails (here: a dvc.yaml outside any DVC repository), the launcher says so and gives the
+    exact command; a launch that is not dvc.yaml's train stage (another --out, no dvc.yaml) records nothing."""
+    import yaml
+
+    from fineflow.stages.train import record_manual_run
+
+    stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["train"]
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"train": stage}}))
+    assert not record_manual_run(Path("models/candidate"), tmp_path)
+    said = capsys.readouterr().out
+    assert "recording the run in dvc.lock failed" in said and f"run `dvc commit --force train` in {tmp_path}" in said
+    assert not record_manual_run(Path("elsewhere"), tmp_path) and not capsys.readouterr().out
+    assert not record_manual_run(Path("models/candidate"), tmp_path / "absent") and not capsys.readouterr().out

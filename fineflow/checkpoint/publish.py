@@ -1,6 +1,7 @@
 """One save, end to end, as the background writer runs it: temp dir -> files -> manifest -> marker ->
-fsync -> verify -> atomic rename -> fsync parent, then retention; OSErrors become a clear CheckpointError
-(or retries). Every backend (sync, thread, process) runs ``run_job``."""
+fsync -> verify -> atomic rename -> fsync parent, then retention, then (checkpoint.store) the upload and the
+store's retention; OSErrors and failed uploads become a clear CheckpointError (or retries). Every backend (sync,
+thread, process) runs ``run_job``."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from fineflow.checkpoint.format import (
 from fineflow.checkpoint.read import _sha256_file, verify_checkpoint
 from fineflow.checkpoint.retention import apply_retention
 from fineflow.checkpoint.snapshot import SaveJob
-from fineflow.checkpoint.write import _write_file, fsync_dir
+from fineflow.checkpoint.store import STORE_ADVICE, apply_store_retention, upload_checkpoint
+from fineflow.checkpoint.write import _write_file, fsync_dir, publish_dir
 
 
 def _write_checkpoint(job: SaveJob) -> tuple[Path, dict]:
@@ -58,7 +60,7 @@ def _write_checkpoint(job: SaveJob) -> tuple[Path, dict]:
     written = time.perf_counter()
     verify_checkpoint(tmp, deep=True)  # only a verified checkpoint is ever published
     verified = time.perf_counter()
-    _publish(tmp, final)
+    publish_dir(tmp, final)
     return final, {"files_s": written - started, "verify_s": verified - written}
 
 
@@ -83,20 +85,6 @@ def _unstage(job: SaveJob, tmp: Path) -> None:
     moved = tmp / SHARDED_DIR
     if job.sharded_dir is not None and moved.is_dir() and not Path(job.sharded_dir).exists():
         os.rename(moved, job.sharded_dir)
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename tmp to final atomically. Re-saving an existing step moves the old one aside first, so the
-    rename never meets 'Directory not empty'; a crash between the renames is undone by clean_stale()."""
-    aside = final.with_name(f".old-{final.name}")
-    if final.exists():
-        if aside.exists():
-            shutil.rmtree(aside)
-        os.rename(final, aside)
-    os.rename(tmp, final)
-    fsync_dir(final.parent)
-    if aside.exists():
-        shutil.rmtree(aside)
 
 
 def newest_complete(root: Path, exclude: Path | None = None) -> Path | None:
@@ -126,6 +114,18 @@ def _write_error(job: SaveJob, exc: OSError, attempts: int) -> CheckpointError:
     )
 
 
+def _may_retry(job: SaveJob, attempt: int, failure: str) -> bool:
+    """on_write_error: retry with attempts left: warn, wait the exponential backoff, and say to try again."""
+    if job.on_write_error != "retry" or attempt >= job.retries:
+        return False
+    delay = job.retry_backoff_s * 2**attempt
+    warnings.warn(
+        f"{failure}; retrying in {delay:g}s ({attempt + 1} of {job.retries})", CheckpointWarning, stacklevel=3
+    )
+    time.sleep(delay)
+    return True
+
+
 def run_job(job: SaveJob) -> dict:
     """Write, verify and publish one checkpoint, then apply retention; every backend runs this.
 
@@ -142,15 +142,7 @@ def run_job(job: SaveJob) -> dict:
         except OSError as exc:
             _unstage(job, tmp)
             shutil.rmtree(tmp, ignore_errors=True)
-            if job.on_write_error == "retry" and attempt < job.retries:
-                delay = job.retry_backoff_s * 2**attempt
-                warnings.warn(
-                    f"{exc.filename}: {exc.strerror or exc} while saving step {job.step}; retrying in "
-                    f"{delay:g}s ({attempt + 1} of {job.retries})",
-                    CheckpointWarning,
-                    stacklevel=2,
-                )
-                time.sleep(delay)
+            if _may_retry(job, attempt, f"{exc.filename}: {exc.strerror or exc} while saving step {job.step}"):
                 attempt += 1
                 continue
             raise _write_error(job, exc, attempt + 1) from exc
@@ -171,4 +163,36 @@ def run_job(job: SaveJob) -> dict:
         "attempts": attempt + 1,
         "bytes": sum(s.nbytes for s in job.tensor_files),
         "deleted": [str(p) for p in deleted],
+        **(_upload(job, path) if job.store is not None else {}),
     }
+
+
+def _upload(job: SaveJob, path: Path) -> dict:
+    """The published checkpoint uploaded to checkpoint.store (fineflow.checkpoint.store), then the store's
+    retention. A failed upload follows on_write_error as a failed write does (retried with backoff, or a
+    CheckpointError); the local checkpoint stays published either way. A failed cleanup in the store warns."""
+    started, attempt = time.perf_counter(), 0
+    while True:
+        try:
+            url = upload_checkpoint(job.store, path)
+            break
+        except Exception as exc:  # noqa: BLE001 - the object store client's errors (botocore's are not OSErrors)
+            failure = f"uploading step {job.step} to {job.store.url} failed ({type(exc).__name__}: {exc})"
+            if _may_retry(job, attempt, failure):
+                attempt += 1
+                continue
+            tries = f" after {attempt + 1} attempts" if attempt else ""
+            raise CheckpointError(
+                f"uploading checkpoint step {job.step} to checkpoint.store {job.store.url} failed{tries} "
+                f"({type(exc).__name__}: {exc}); the local checkpoint {path} is published. {STORE_ADVICE}"
+            ) from exc
+    upload_s = time.perf_counter() - started
+    protected = {Path(p).name for p in job.protected}
+    try:
+        deleted = apply_store_retention(job.store, path.parent.name, job.keep_last, job.keep_best, protected)
+    except Exception as exc:  # noqa: BLE001 - the new checkpoint is uploaded: a failed cleanup must not undo that
+        warnings.warn(
+            f"{job.store.url}: retention failed ({exc}); old checkpoints were kept", CheckpointWarning, stacklevel=2
+        )
+        deleted = []
+    return {"uploaded": url, "upload_s": upload_s, "upload_attempts": attempt + 1, "store_deleted": deleted}

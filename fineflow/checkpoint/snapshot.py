@@ -5,11 +5,15 @@ SaveJob that carries arena and JSON parts to a writer thread or process."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from fineflow.checkpoint.format import _safetensors_header, _safetensors_layout
+
+if TYPE_CHECKING:
+    from fineflow.checkpoint.store import StoreConfig
 
 
 @dataclass
@@ -40,6 +44,8 @@ class SaveJob:
     retry_backoff_s: float
     # a sharded save: the directory every rank has written its shards into, moved into the checkpoint
     sharded_dir: str | None = None
+    # checkpoint.store: where the published checkpoint is uploaded too (fineflow.checkpoint.store.StoreConfig)
+    store: StoreConfig | None = None
 
 
 def plan_files(tensor_sets: dict) -> tuple[list[tuple[TensorFile, dict, list]], int]:

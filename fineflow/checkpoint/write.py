@@ -1,4 +1,5 @@
-"""Low-level durable writing: create a file, write it in chunks, fsync it, fsync a directory.
+"""Low-level durable writing: create a file, write it in chunks, fsync it, fsync a directory; publish a finished
+directory under its final name atomically (publish_dir).
 
 Every byte of a checkpoint goes through ``write_all``, and nothing else in the package calls os.write:
 that single function is where tests inject faults (ENOSPC, slow writes), by replacing it: in process with
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -56,3 +58,17 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Rename tmp to final atomically. Re-saving an existing step moves the old one aside first, so the
+    rename never meets 'Directory not empty'; a crash between the renames is undone by clean_stale()."""
+    aside = final.with_name(f".old-{final.name}")
+    if final.exists():
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    if aside.exists():
+        shutil.rmtree(aside)

@@ -409,6 +409,21 @@ class CheckpointSettings(_Section):
     preempt_grace_s: float = Field(
         15, gt=0, description="on SIGTERM or Ctrl-C: seconds to finish the step, save it and exit 75 (resumable)"
     )
+    # storage every machine of a multi-machine run sees (fineflow.checkpoint.store): the local checkpoints dir stays
+    # the working copy; each published checkpoint is uploaded too (its manifest and marker last), and a resume with
+    # no newer valid local checkpoint downloads the store's newest valid one. Credentials: the usual AWS variables
+    # or ~/.aws files.
+    store: str | None = Field(
+        None,
+        description="also upload every checkpoint to this URL (s3://bucket/prefix) and resume from it; null: none",
+    )
+    store_endpoint: str | None = Field(
+        None, description="endpoint URL of an S3-compatible checkpoint.store (MinIO, Ceph); null: AWS S3"
+    )
+    shared: bool = Field(
+        False,
+        description="the checkpoints dir is on shared storage the multi-machine check does not recognise: allow it",
+    )
 
 
 class EvaluateParams(_Section):

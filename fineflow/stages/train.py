@@ -6,8 +6,11 @@
 Run plainly, this process is the launcher: it sizes the run with the memory planner and re-executes this
 module under ``accelerate launch`` with ``train.accelerate_profile`` / ``train.num_processes`` ranks. Each
 rank then trains; only rank 0 writes the model, checkpoints, step log and report. The recipe is
-``fineflow.train.recipe``. On a cluster, run it once per machine with ``--machine-rank N
---main-process-ip <machine 0> [--main-process-port P]`` (``train.num_machines`` > 1).
+``fineflow.train.recipe``. On a cluster (``train.num_machines`` > 1) with ``train.launcher: local``, run it once per
+machine with ``--machine-rank N --main-process-ip <machine 0> [--main-process-port P]``; machine 0's launcher, not
+started by DVC, then records the run in dvc.lock (``dvc commit --force train``: ``record_manual_run``). Its
+checkpoints must be on storage every machine sees (a shared directory or ``checkpoint.store``), checked before any
+rank starts (``fineflow.train.launch.check_checkpoint_storage``).
 
 SIGTERM or Ctrl-C: the ranks save the step they are on and the stage exits 75 (PREEMPTED_EXIT) within
 checkpoint.preempt_grace_s; run again, it resumes from that step (``fineflow.train.preempt``).
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +39,7 @@ from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError,
 from fineflow.core.reports import clear_error_record, read_error_record, read_json
 from fineflow.core.runtime import apply_offline_environment, is_train_worker
 from fineflow.train import preempt
+from fineflow.train.launch import check_checkpoint_storage
 from fineflow.train.plots import write_run_plots
 from fineflow.train.recipe import launch_ranks, train_rank
 
@@ -92,6 +97,8 @@ def launch(args, argv: list[str], spans: dict) -> int:
             clear_error_record(args.report)
             params = load_params(args.params)
             apply_offline_environment(model_base=params.model.base)  # the launcher's, and its ranks'
+            # a multi-machine run's checkpoints on storage every machine sees, checked before any rank starts
+            check_checkpoint_storage(params, args.checkpoints)
             launched = time.time()
             spans["params"] = time.perf_counter() - started - spans["workspace_wait"]
             ranks_started = launched
@@ -131,7 +138,50 @@ def launch(args, argv: list[str], spans: dict) -> int:
     if code and preempted:
         log(f"train: {preempted['message']} (exit {PREEMPTED_EXIT})")
         return PREEMPTED_EXIT
+    if code == 0 and not args.machine_rank and DVC_STAGE_ENV not in os.environ:
+        recording = time.perf_counter()
+        if record_manual_run(args.out):
+            spans["dvc_commit"] = time.perf_counter() - recording  # the journal's: bookkeeping DVC would have done
     return code
+
+
+DVC_STAGE_ENV = "DVC_STAGE"  # set by DVC (dvc.stage.run) for every stage command it runs: `dvc repro`, `dvc exp run`
+RECORD_COMMAND = "dvc commit --force train"
+
+
+def record_manual_run(out: Path, project: Path | None = None) -> bool:
+    """A training launched by hand (not by `dvc repro`: on a cluster, the per-machine commands) that succeeded on
+    machine 0: record it in dvc.lock (`dvc commit --force train`, which takes DVC's own lock), so that the next `dvc
+    repro` does not train again. Only where this directory's dvc.yaml has a train stage whose output is `out`; a
+    failed commit is said with the exact command to run. Whether the run was recorded."""
+    project = Path.cwd() if project is None else project
+    if not _is_the_train_stage(project, out):
+        return False
+    done = subprocess.run(
+        [sys.executable, "-m", "dvc", "commit", "--force", "train"], cwd=project, capture_output=True, text=True
+    )
+    if done.returncode == 0:
+        log(f"train: launched outside `dvc repro`: the run is recorded in dvc.lock ({RECORD_COMMAND})")
+        return True
+    said = (done.stderr or done.stdout).strip().splitlines()
+    log(
+        f"train: WARNING: launched outside `dvc repro`, and recording the run in dvc.lock failed "
+        f"({said[-1] if said else f'exit {done.returncode}'}): run `{RECORD_COMMAND}` in {project}; until then "
+        f"dvc.lock does not describe models/candidate and the next `dvc repro` trains again"
+    )
+    return False
+
+
+def _is_the_train_stage(project: Path, out: Path) -> bool:
+    """Whether project's dvc.yaml has a train stage with out among its outputs (this launch is that stage's)."""
+    import yaml
+
+    try:
+        stage = (yaml.safe_load((project / "dvc.yaml").read_text(encoding="utf-8")) or {})["stages"]["train"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return False
+    outs = [next(iter(entry)) if isinstance(entry, dict) else entry for entry in stage.get("outs", [])]
+    return Path(out) in {Path(path) for path in outs}
 
 
 def rank_spans(report_path: Path | str, launched: float, returned: float) -> dict:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from fineflow.core.errors import FineflowError
 from fineflow.core.runtime import TRAIN_WORKER_ENV
-from fineflow.train.profile import AUTO, Profile, resolve_processes
+from fineflow.train.profile import AUTO, Profile, load_profile, resolve_processes
 
 if TYPE_CHECKING:
     from fineflow.core.config import Params, TrainParams
@@ -78,9 +78,45 @@ def _placement_flags(machine_rank: int | None, main_process_ip: str | None, main
     return flags
 
 
+# the stage's own placement options (fineflow.stages.train), which a per-machine command sets
+PLACEMENT_OPTIONS = ("--machine-rank", "--main-process-ip", "--main-process-port")
+
+
+def per_machine_command(module: str, module_args: list[str], rank: str = "<N>") -> str:
+    """The command a person runs on machine `rank` of a hand-placed multi-machine launch: the stage's own command
+    with this machine's placement (any placement already in module_args replaced)."""
+    kept, skip = [], False
+    for arg in module_args:
+        if skip:
+            skip = False
+        elif arg in PLACEMENT_OPTIONS:
+            skip = True
+        elif not arg.startswith(tuple(f"{option}=" for option in PLACEMENT_OPTIONS)):
+            kept.append(arg)
+    placement = f"--machine-rank {rank} --main-process-ip <machine 0's address> --main-process-port 29500"
+    return " ".join(["python", "-m", module, *kept, placement])
+
+
+def _how_to_place(num_machines: int, module: str, module_args: list[str]) -> str:
+    """What to do about an unplaced multi-machine launch: a launcher that places it, or the per-machine commands."""
+    return (
+        f". With train.launcher: local nothing places the ranks of a {num_machines}-machine run: set train.launcher: "
+        f"ray or slurm (the stage then places every rank itself), or run on every machine N = 0..{num_machines - 1}, "
+        f"in the same checkout: `{per_machine_command(module, module_args)}` (checkpoints on storage every machine "
+        f"sees: a shared checkpoints directory or checkpoint.store). Launched by hand, the stage runs outside `dvc "
+        f"repro`: machine 0 then records the run in dvc.lock itself (`dvc commit --force train`)"
+    )
+
+
 def _check_multi_node(
-    num_processes: int, num_machines: int, machine_rank: int | None, main_process_ip: str | None, where: str
+    num_processes: int,
+    num_machines: int,
+    machine_rank: int | None,
+    main_process_ip: str | None,
+    where: str,
+    command: tuple[str, list[str]] | None = None,
 ) -> None:
+    """command: (module, module_args) of the launch, for the per-machine commands a placement problem names."""
     problems = []
     if num_processes % num_machines:
         problems.append(
@@ -92,7 +128,11 @@ def _check_multi_node(
     if not main_process_ip:
         problems.append("main_process_ip (the address of machine 0, reachable from every machine) must be given")
     if problems:
-        raise FineflowError(f"{where}: a {num_machines}-machine launch is not fully placed: " + "; ".join(problems))
+        unplaced = command is not None and (machine_rank is None or not main_process_ip)
+        advice = _how_to_place(num_machines, *command) if unplaced else ""
+        raise FineflowError(
+            f"{where}: a {num_machines}-machine launch is not fully placed: " + "; ".join(problems) + advice
+        )
 
 
 def accelerate_command(
@@ -145,7 +185,9 @@ def accelerate_command(
     ]
     env = {WORKER_ENV: "1"}
     if machines > 1:
-        _check_multi_node(num_processes, machines, machine_rank, main_process_ip, "accelerate_command")
+        _check_multi_node(
+            num_processes, machines, machine_rank, main_process_ip, "accelerate_command", (module, module_args)
+        )
     if num_processes > 1:
         argv.append("--multi_gpu")
         if not has_gpu:
@@ -198,6 +240,7 @@ def _profile_command(
             machine_rank,
             main_process_ip or profile.get("main_process_ip"),
             f"accelerate profile {path}",
+            (module, module_args),
         )
         if "num_machines" not in profile:
             argv += ["--num_machines", str(machines)]
@@ -391,3 +434,88 @@ def configure_deepspeed(accelerator, cfg: TrainParams) -> None:
 
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         fill_deepspeed_plugin(accelerator.state.deepspeed_plugin, cfg, accelerator.num_processes)
+
+
+# --- where a multi-machine run's checkpoints live ---------------------------------------------------------
+#
+# Every rank of a multi-machine run reads the checkpoint it resumes from (and, sharded, writes its shards) under
+# the checkpoints directory at the same path. A node-local directory is refused in the launcher, before any rank
+# starts: the ranks would otherwise find out deep in a collective (fineflow.train.fsdp.require_visible_to_every_rank).
+# The filesystem type comes from /proc/self/mountinfo; fuse.* counts as shared (sshfs, JuiceFS, gcsfuse, s3fs).
+SHARED_FILESYSTEMS = {"nfs", "nfs4", "lustre", "gpfs", "ceph", "cephfs", "beegfs", "glusterfs", "cifs", "smb3"}
+MOUNTINFO = Path("/proc/self/mountinfo")
+
+
+def _unescape_mount_path(field: str) -> str:
+    """mountinfo writes a space, tab, newline or backslash in a path as a three-digit octal escape (\\040)."""
+    import re
+
+    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
+
+
+def filesystem_of(path: Path, mountinfo: Path = MOUNTINFO) -> tuple[str, str] | None:
+    """(mount point, filesystem type) of the mount that holds path (which may not exist yet), or None where there is
+    no mountinfo to read (not Linux)."""
+    try:
+        lines = mountinfo.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    target = Path(os.path.abspath(path)).resolve()
+    best: tuple[str, str] | None = None
+    for line in lines:
+        head, _, tail = line.partition(" - ")
+        fields, kind = head.split(), tail.split()
+        if len(fields) < 5 or not kind:
+            continue
+        mount = Path(_unescape_mount_path(fields[4]))
+        if (mount == target or mount in target.parents) and (best is None or len(str(mount)) >= len(best[0])):
+            best = (str(mount), kind[0])
+    return best
+
+
+def is_shared_filesystem(kind: str) -> bool:
+    return kind in SHARED_FILESYSTEMS or kind.startswith("fuse.")
+
+
+def require_shared_checkpoints(
+    checkpoints: Path, machines: int, settings, sharded: bool, mountinfo: Path = MOUNTINFO
+) -> None:
+    """A multi-machine run whose checkpoints directory only this machine sees is refused here, before any rank
+    starts. Fine: one machine; checkpoint.shared: true (a shared filesystem this check does not know); a shared
+    filesystem; or checkpoint.store (each node downloads the checkpoint it resumes from), except for a sharded engine
+    (FSDP, DeepSpeed: every rank writes its shards into the directory, so it must be shared). settings: the params'
+    CheckpointSettings."""
+    if machines <= 1 or settings.shared:
+        return
+    found = filesystem_of(checkpoints, mountinfo)
+    if found is None or is_shared_filesystem(found[1]) or (settings.store and not sharded):
+        return
+    mount, kind = found
+    if settings.store:
+        fixes = (
+            f"a sharded engine (FSDP, DeepSpeed) writes every rank's shards into {checkpoints}, which checkpoint.store "
+            f"({settings.store}) does not replace: put --checkpoints on a filesystem every machine mounts at the same "
+            f"path (NFS, Lustre, GPFS, CephFS, BeeGFS)"
+        )
+    else:
+        fixes = (
+            "either put --checkpoints on a filesystem every machine mounts at the same path (NFS, Lustre, GPFS, "
+            "CephFS, BeeGFS), or set checkpoint.store (e.g. s3://bucket/prefix; checkpoint.store_endpoint for an "
+            "S3-compatible store): every checkpoint is then uploaded there and each machine downloads the one it "
+            "resumes from"
+        )
+    raise FineflowError(
+        f"a {machines}-machine run cannot keep its checkpoints in {checkpoints}: it is on a {kind} filesystem "
+        f"(mounted at {mount}), which only this machine sees; {fixes}. If it is shared storage this check does not "
+        f"recognise, set checkpoint.shared: true"
+    )
+
+
+def check_checkpoint_storage(params: Params, checkpoints: Path, mountinfo: Path = MOUNTINFO) -> None:
+    """The launcher's check of where checkpoints live (require_shared_checkpoints), with the machines and the engine
+    from train.num_machines and the accelerate profile."""
+    profile = load_profile(params.train.accelerate_profile)
+    machines = params.train.num_machines
+    if machines <= 1 and profile.path is not None:
+        machines = int(profile.settings.get("num_machines", 1))
+    require_shared_checkpoints(checkpoints, machines, params.checkpoint, profile.engine != "ddp", mountinfo)

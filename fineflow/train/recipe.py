@@ -279,6 +279,7 @@ class TrainRecipe:
     def _setup_resume(self) -> None:
         """The run's fingerprint (rank 0 hashes the base weights, once), its checkpoint directory, and the
         checkpoint to resume from: weights, optimizer, schedule, RNG and the sampler's position, no replay."""
+        from fineflow.checkpoint import store_config
         from fineflow.train.checkpointing import restore
         from fineflow.train.resume import resume_point, run_fingerprint
 
@@ -293,7 +294,10 @@ class TrainRecipe:
             fingerprint = broadcast_object_list(fingerprint)
         self.fingerprint = fingerprint[0]
         resuming = time.perf_counter()
-        self.run_dir, self.resumed = resume_point(accelerator, paths.checkpoints, self.fingerprint, self.cfg.resume)
+        store = store_config(self.params.checkpoint)  # checkpoint.store: the newest valid one there is fetched first
+        self.run_dir, self.resumed = resume_point(
+            accelerator, paths.checkpoints, self.fingerprint, self.cfg.resume, store
+        )
         self.start_step, self.tokens_seen = 0, 0
         if self.resumed is not None:
             restore(self.resumed, accelerator, self.model, self.optimizer, self.scheduler, self.run.profile.engine)
@@ -330,7 +334,7 @@ class TrainRecipe:
 
     def _setup_checkpointing(self) -> None:
         """Rank 0's checkpoint manager: the files, their retention and verification (fineflow.checkpoint)."""
-        from fineflow.checkpoint import CheckpointManager
+        from fineflow.checkpoint import CheckpointManager, store_config
 
         ck = self.params.checkpoint
         self.manager = None
@@ -343,6 +347,7 @@ class TrainRecipe:
                 async_backend=ck.backend,
                 on_write_error=ck.on_write_error,
                 retries=ck.retries,
+                store=store_config(ck),  # checkpoint.store: each published checkpoint is uploaded there too
             )
             if self.resumed is not None:
                 self.manager.protect(self.resumed.path)
@@ -408,12 +413,14 @@ class TrainRecipe:
 
     def cleanup(self) -> None:
         """The trained model saved (a collective under FSDP/ZeRO-3), the run marked finished, trackers closed."""
-        from fineflow.train.resume import mark_finished
+        from fineflow.checkpoint.store import mark_run_finished, store_config
+        from fineflow.train.resume import FINISHED, mark_finished
 
         self.accelerator.wait_for_everyone()
         save_model(self.accelerator, self.model, self.paths.out_dir, self.cfg.method)
         if self.main:
             mark_finished(self.run_dir, self.cfg.steps)  # a later run of the same inputs trains again, never resumes
+            mark_run_finished(store_config(self.params.checkpoint), self.run_dir, FINISHED)  # on any node
         self.accelerator.end_training()
 
     def report(self, result) -> dict | None:

@@ -192,11 +192,15 @@ def plan_resume(root: Path, fingerprint: dict, mode: str, log=print, layout: Lay
     return ResumePlan(run_dir, None)
 
 
-def resume_point(accelerator, checkpoints: Path, fingerprint: dict, mode: str):
-    """(run directory, loaded checkpoint or None): rank 0 decides, every rank loads the same one."""
+def resume_point(accelerator, checkpoints: Path, fingerprint: dict, mode: str, store=None):
+    """(run directory, loaded checkpoint or None): rank 0 decides, every rank loads the same one. store
+    (checkpoint.store, a fineflow.checkpoint.StoreConfig): each node first downloads the store's newest valid
+    checkpoint of this run when its own directory has none as new."""
     from fineflow.checkpoint import load_checkpoint
+    from fineflow.checkpoint.store import fetch_for_resume
     from fineflow.train.fsdp import require_visible_to_every_rank
 
+    fetch_for_resume(accelerator, Path(checkpoints) / run_id(fingerprint), store, FINISHED, fresh=mode == "never")
     decision = [None]
     if accelerator.is_main_process:
         layout = Layout(accelerator.num_processes, accelerator.gradient_accumulation_steps)
