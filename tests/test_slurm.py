@@ -1,0 +1,340 @@
+"""train.launcher: slurm (fineflow.train.engines.slurm): the batch script, each rank's environment, scontrol's
+answers and the driver's exit codes, with fake sbatch/scontrol/scancel on PATH (fast tier); a real one-host Slurm
+(munged, slurmctld, slurmd on 127.0.0.1) running the stage, requeued mid-run, bit-exact (nightly)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from fineflow.core.config import load_params
+from fineflow.core.errors import FineflowError
+from fineflow.train.engines import RankJob
+from fineflow.train.engines.slurm import (
+    EngineClock,
+    batch_script,
+    exit_code,
+    job_state,
+    parse_job_line,
+    restarts,
+    run_on_slurm,
+)
+from tests.conftest import write_params
+
+# scontrol show job -o of Slurm 22.05.8 (Debian bookworm), a running job just requeued: captured here
+REQUEUED = (
+    "JobId=1 JobName=j.sh UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901759 Nice=0 Account=(null) "
+    "QOS=(null) JobState=PENDING Reason=BeginTime Dependency=(null) Requeue=1 Restarts=1 BatchFlag=1 Reboot=0 "
+    "ExitCode=0:0 RunTime=00:00:00 TimeLimit=UNLIMITED TimeMin=N/A SubmitTime=2026-12-03T04:39:28 "
+    "NodeList=(null) NumNodes=1 NumCPUs=2 NumTasks=2 CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=2,node=1,billing=2 "
+    "Command=/tmp/sl/j.sh WorkDir=/tmp/sl StdErr=/tmp/sl/j-1.out StdIn=/dev/null StdOut=/tmp/sl/j-1.out Power= "
+)
+ENV = {"FINEFLOW_TRAIN_WORKER": "1", "ACCELERATE_USE_CPU": "1"}
+
+
+def _job(tmp_path: Path, overrides: dict | None = None, world=2, machines=1, module="x", grace=30.0, extra=()):
+    params = load_params(write_params(tmp_path / "params.yaml", overrides))
+    argv = ["--params", "params.yaml", "--report", "reports/train.json", *extra]
+    return RankJob(module, argv, world, machines, False, None, params, grace, dict(ENV))
+
+
+def _directives(script: str) -> list[str]:
+    return [line.removeprefix("#SBATCH ") for line in script.splitlines() if line.startswith("#SBATCH ")]
+
+
+def test_the_batch_script_carries_every_option_from_params(tmp_path):
+    slurm = {
+        "partition": "gpu",
+        "account": "proj42",
+        "qos": "high",
+        "time": "1-02:00:00",
+        "gpus_per_node": 4,
+        "cpus_per_task": 8,
+        "signal_s": 300,
+        "sbatch_args": ["--constraint=a100", "--exclusive"],
+    }
+    job = _job(tmp_path, {"train.slurm": slurm}, world=8, machines=2)
+    script = batch_script(job, "/shared/logs/slurm/train-%j.out")
+    directives = _directives(script)
+    for option in [
+        "--nodes=2",
+        "--ntasks-per-node=4",
+        "--cpus-per-task=8",
+        "--partition=gpu",
+        "--account=proj42",
+        "--qos=high",
+        "--time=1-02:00:00",
+        "--gpus-per-node=4",
+        "--requeue",
+        "--open-mode=append",
+        "--signal=TERM@300",
+        "--output=/shared/logs/slurm/train-%j.out",
+        "--constraint=a100",
+        "--exclusive",
+        f"--chdir={Path.cwd()}",
+    ]:
+        assert option in directives, option
+    assert "export FINEFLOW_TRAIN_WORKER=1" in script
+    assert "ACCELERATE_USE_CPU" not in script  # the allocation has GPUs, whatever the driver's machine has
+    assert "srun --cpus-per-task=8 " in script
+    assert script.rstrip().endswith(
+        f"{sys.executable} -m x --params params.yaml --report reports/train.json"
+    )  # the rank command, the stage's own argv
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)  # it parses
+
+
+def test_the_defaults_ask_for_no_partition_no_gpus_on_cpu_and_signal_before_the_grace(tmp_path):
+    job = _job(tmp_path, grace=45.0)
+    directives = _directives(batch_script(job, "out-%j"))
+    assert not [d for d in directives if d.split("=")[0] in {"--partition", "--account", "--qos", "--time"}]
+    assert not [d for d in directives if d.startswith("--gpus")]
+    assert "--signal=TERM@105" in directives  # the grace plus Slurm's 60 s resolution
+    assert "export ACCELERATE_USE_CPU=1" in batch_script(job, "out-%j")
+
+
+def test_ranks_that_do_not_divide_over_the_nodes_are_refused(tmp_path):
+    with pytest.raises(FineflowError, match=r"train.num_processes.*train.num_machines"):
+        batch_script(_job(tmp_path, world=3, machines=2), "out")
+
+
+PROBE = """
+import json, os, sys
+keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+        "OMP_NUM_THREADS", "FINEFLOW_TRAIN_WORKER"]
+with open(os.path.join(sys.argv[-1], f"rank{os.environ['RANK']}.json"), "w") as fh:
+    json.dump({key: os.environ.get(key) for key in keys} | {"argv": sys.argv[1:]}, fh)
+"""
+
+# srun on the second node of a 2-node, 4-rank job: its two tasks, with the variables Slurm gives them
+FAKE_SRUN = """#!/bin/bash
+while [[ $1 == --* ]]; do shift; done
+for local in 0 1; do
+  SLURM_PROCID=$((2 + local)) SLURM_LOCALID=$local SLURM_NODEID=1 "$@" || exit $?
+done
+"""
+FAKE_SCONTROL_HOSTNAMES = """#!/bin/bash
+[[ "$1 $2 $3" == "show hostnames node[07-08]" ]] && printf 'node07\\nnode08\\n'
+"""
+
+
+def _executable(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("per_node", [{"SLURM_NTASKS_PER_NODE": "2"}, {"SLURM_TASKS_PER_NODE": "2(x2)"}])
+def test_each_task_derives_torchruns_environment_from_slurms(tmp_path, per_node):
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir(), out.mkdir()
+    _executable(bin_dir / "srun", FAKE_SRUN)
+    _executable(bin_dir / "scontrol", FAKE_SCONTROL_HOSTNAMES)
+    (tmp_path / "slurm_probe.py").write_text(PROBE)
+    job = _job(tmp_path, {"train.slurm.cpus_per_task": 3}, world=4, machines=2, module="slurm_probe", extra=[str(out)])
+    script = _executable(tmp_path / "job.sbatch", batch_script(job, "out"))
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("SLURM", "OMP_", "RANK"))}
+    env |= {"PATH": f"{bin_dir}:{env['PATH']}", "PYTHONPATH": f"{tmp_path}:{env.get('PYTHONPATH', '')}"}
+    env |= {"SLURM_JOB_ID": "123456", "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "node[07-08]"} | per_node
+    env |= {"SLURM_CPUS_PER_TASK": "3"}
+    subprocess.run([str(script)], env=env, check=True, capture_output=True)
+
+    ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (2, 3)]
+    for local, rank in enumerate(ranks):
+        assert rank | {"argv": None} == {
+            "RANK": str(2 + local),
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": str(local),
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "1",
+            "MASTER_ADDR": "node07",  # the allocation's first host, on every node
+            "MASTER_PORT": str(20000 + 123456 % 9000),
+            "OMP_NUM_THREADS": "3",  # the task's CPUs
+            "FINEFLOW_TRAIN_WORKER": "1",
+            "argv": None,
+        }
+        assert rank["argv"] == job.argv
+
+
+def test_scontrols_one_line_answer_parses_with_its_state_and_restarts():
+    info = parse_job_line(REQUEUED + "\n")
+    assert (job_state(info), info["Reason"], restarts(info), info["ExitCode"]) == ("PENDING", "BeginTime", 1, "0:0")
+    assert info["TRES"] == "cpu=2,node=1,billing=2" and info["Power"] == ""
+    spaced = parse_job_line("JobId=7 JobState=FAILED Reason=NonZeroExitCode Command=/a dir/run.sh ExitCode=2:0")
+    assert spaced["Command"] == "/a dir/run.sh" and spaced["ExitCode"] == "2:0"
+
+
+@pytest.mark.parametrize(
+    ("state", "exit_status", "stopped", "expected"),
+    [
+        ("COMPLETED", "0:0", False, 0),
+        ("FAILED", "2:0", False, 2),  # a rank's user error: its record is in the report
+        ("FAILED", "75:0", False, 75),  # the ranks saved their step (a signal before the time limit)
+        ("CANCELLED", "0:15", True, 75),  # the driver was stopped and cancelled the job
+        ("PREEMPTED", "0:15", False, 75),
+        ("CANCELLED", "0:15", False, 1),  # someone else's scancel
+        ("FAILED", "1:0", False, 1),
+        ("TIMEOUT", "0:1", False, 1),
+        ("NODE_FAIL", "0:0", False, 1),
+    ],
+)
+def test_the_final_state_is_the_local_launchs_exit_code(state, exit_status, stopped, expected):
+    said = []
+    info = parse_job_line(f"JobId=9 JobState={state} Reason=X ExitCode={exit_status}")
+    assert exit_code("9", info, Path("logs/slurm/train-9.out"), said.append, stopped=stopped) == expected
+    if expected == 1:
+        assert state in said[-1] and "logs/slurm/train-9.out" in said[-1]
+
+
+def test_the_engine_clock_splits_queueing_from_waiting_after_a_requeue():
+    spans = {}
+    clock = EngineClock(spans, waiting_since=100.0)
+    for state, count, now in [
+        ("PENDING", 0, 101),
+        ("RUNNING", 0, 103),
+        ("RUNNING", 0, 110),
+        ("PENDING", 1, 111),
+        ("PENDING", 1, 112),
+        ("RUNNING", 1, 116),
+        ("COMPLETED", 1, 120),
+    ]:
+        clock.update(state, count, now)
+    assert spans == {"engine_queue": 3.0, "engine_requeue": 5.0}
+
+
+# --- the driver against fake Slurm commands ----------------------------------------------------------------
+
+FAKE_SBATCH = """#!{python}
+import pathlib, sys
+d = pathlib.Path({dir!r})
+(d / "sbatch.args").write_text("\\n".join(sys.argv[1:]))
+if (d / "refuse").exists():
+    sys.exit("sbatch: error: invalid partition specified: gpu")
+script = pathlib.Path(sys.argv[-1]).read_text()
+output = next(l.split("=", 1)[1] for l in script.splitlines() if l.startswith("#SBATCH --output="))
+pathlib.Path(output.replace("%j", "42")).write_text("rank 0: step 1\\nrank 0: step 2\\n")
+print("42;cluster")
+"""
+# scontrol: the next line of `states` per call (the last one repeats); after a scancel, `after_cancel` if any
+FAKE_SCONTROL = """#!{python}
+import pathlib
+d = pathlib.Path({dir!r})
+calls = int((d / "calls").read_text()) if (d / "calls").exists() else 0
+(d / "calls").write_text(str(calls + 1))
+states = (d / "states").read_text().splitlines()
+line = states[min(calls, len(states) - 1)]
+if (d / "scancel.args").exists() and (d / "after_cancel").exists():
+    line = (d / "after_cancel").read_text()
+print("JobId=42 JobName=fineflow-train " + line)
+"""
+FAKE_SCANCEL = """#!{python}
+import pathlib, sys
+d = pathlib.Path({dir!r})
+with (d / "scancel.args").open("a") as fh:
+    fh.write(" ".join(sys.argv[1:]) + "\\n")
+"""
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch):
+    """Fake sbatch/scontrol/scancel on PATH, the project in tmp_path/project; returns the fakes' folder."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in [("sbatch", FAKE_SBATCH), ("scontrol", FAKE_SCONTROL), ("scancel", FAKE_SCANCEL)]:
+        _executable(bin_dir / name, text.format(python=sys.executable, dir=str(bin_dir)))
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    (tmp_path / "project").mkdir()
+    monkeypatch.chdir(tmp_path / "project")
+    return bin_dir
+
+
+def _states(bin_dir: Path, *lines: str) -> None:
+    (bin_dir / "states").write_text("\n".join(lines))
+
+
+def _drive(tmp_path, overrides=None):
+    said, spans = [], {}
+    code = run_on_slurm(_job(tmp_path, overrides), said.append, spans, poll_s=0.01)
+    return code, said, spans
+
+
+def test_the_driver_submits_streams_the_output_and_waits_for_completion(tmp_path, fake_slurm):
+    _states(
+        fake_slurm,
+        "JobState=PENDING Restarts=0 ExitCode=0:0",
+        "JobState=RUNNING Restarts=0 ExitCode=0:0",
+        "JobState=COMPLETING Restarts=0 ExitCode=0:0",
+        "JobState=COMPLETED Restarts=0 ExitCode=0:0",
+    )
+    code, said, spans = _drive(tmp_path)
+    assert code == 0
+    args = (fake_slurm / "sbatch.args").read_text().splitlines()
+    assert args[0] == "--parsable" and args[1].startswith("logs/slurm/train-") and args[1].endswith(".sbatch")
+    assert ["rank 0: step 1", "rank 0: step 2"] == [line for line in said if line.startswith("rank")]
+    assert any("job 42" in line and "logs/slurm/train-42.out" in line for line in said)
+    assert set(spans) == {"engine_queue"} and int((fake_slurm / "calls").read_text()) == 4
+
+
+def test_a_requeued_job_keeps_the_driver_waiting_and_its_wait_is_engine_time(tmp_path, fake_slurm):
+    _states(
+        fake_slurm,
+        "JobState=RUNNING Restarts=0 ExitCode=0:0",
+        "JobState=PENDING Restarts=1 ExitCode=0:0",
+        "JobState=PENDING Restarts=1 ExitCode=0:0",
+        "JobState=RUNNING Restarts=1 ExitCode=0:0",
+        "JobState=COMPLETED Restarts=1 ExitCode=0:0",
+    )
+    code, said, spans = _drive(tmp_path)
+    assert code == 0 and set(spans) == {"engine_queue", "engine_requeue"}
+    assert not (fake_slurm / "scancel.args").exists()
+
+
+def test_more_requeues_than_max_restarts_cancel_the_job_and_fail(tmp_path, fake_slurm):
+    _states(
+        fake_slurm,
+        "JobState=RUNNING Restarts=0 ExitCode=0:0",
+        "JobState=PENDING Restarts=1 ExitCode=0:0",
+        "JobState=PENDING Restarts=2 ExitCode=0:0",
+        "JobState=RUNNING Restarts=2 ExitCode=0:0",
+    )
+    code, said, _ = _drive(tmp_path, {"train.max_restarts": 1})
+    assert code == 1
+    assert (fake_slurm / "scancel.args").read_text() == "42\n"
+    assert "requeued 2 times, more than train.max_restarts (1)" in said[-1]
+
+
+def test_a_ranks_user_error_exits_2(tmp_path, fake_slurm):
+    _states(fake_slurm, "JobState=RUNNING Restarts=0 ExitCode=0:0", "JobState=FAILED Restarts=0 ExitCode=2:0")
+    assert _drive(tmp_path)[0] == 2
+
+
+def test_a_stopped_driver_signals_the_ranks_and_returns_75_once_they_saved(tmp_path, fake_slurm):
+    _states(fake_slurm, "JobState=RUNNING Restarts=0 ExitCode=0:0")
+    (fake_slurm / "after_cancel").write_text("JobState=FAILED Restarts=0 ExitCode=75:0")
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        code, said, _ = _drive(tmp_path)
+    finally:
+        timer.cancel()
+    assert code == 75
+    assert (fake_slurm / "scancel.args").read_text() == "--signal=TERM 42\n"
+
+
+def test_sbatchs_refusal_is_a_user_error_with_its_message(tmp_path, fake_slurm):
+    (fake_slurm / "refuse").touch()
+    with pytest.raises(FineflowError, match=r"sbatch refused .*train\.slurm.*invalid partition specified: gpu"):
+        _drive(tmp_path)
+
+
+def test_no_slurm_client_on_path_is_a_user_error_naming_the_package(tmp_path, monkeypatch):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FineflowError, match=r"sbatch, scontrol, scancel not found.*slurm-client"):
+        run_on_slurm(_job(tmp_path), print, {})
