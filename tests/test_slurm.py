@@ -4,10 +4,13 @@ answers and the driver's exit codes, with fake sbatch/scontrol/scancel on PATH (
 
 import json
 import os
+import pwd
+import shutil
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +27,17 @@ from fineflow.train.engines.slurm import (
     restarts,
     run_on_slurm,
 )
-from tests.conftest import write_params
+from tests.conftest import (
+    TRAIN,
+    free_port,
+    last_logged_step,
+    ranks_overrides,
+    stop_by_pid,
+    train_project,
+    venv_env,
+    write_params,
+)
+from tests.faults import fault_env
 
 # scontrol show job -o of Slurm 22.05.8 (Debian bookworm), a running job just requeued: captured here
 REQUEUED = (
@@ -338,3 +351,190 @@ def test_no_slurm_client_on_path_is_a_user_error_naming_the_package(tmp_path, mo
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FineflowError, match=r"sbatch, scontrol, scancel not found.*slurm-client"):
         run_on_slurm(_job(tmp_path), print, {})
+
+
+# --- a real one-host Slurm (nightly) -----------------------------------------------------------------------
+
+SLURM_CONF = """\
+ClusterName=fineflow-test
+SlurmctldHost={host}(127.0.0.1)
+SlurmUser={user}
+SlurmdUser={user}
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+AuthType=auth/munge
+AuthInfo=socket={root}/munge/munge.sock
+CredType=cred/munge
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/log/slurmctld.log
+SlurmdLogFile={root}/log/slurmd.log
+# no cgroups in a container: processes tracked by parentage, no task binding
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/builtin
+JobRequeue=1
+ReturnToService=2
+MpiDefault=none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+NodeName=localhost NodeHostname=localhost NodeAddr=127.0.0.1 CPUs=2 RealMemory=1000 State=UNKNOWN
+PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+"""
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "srun")
+
+
+def _start(argv: list[str], log: Path) -> subprocess.Popen:
+    with log.open("w") as fh:
+        return subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_for(condition, timeout: float, what: str, logs: list[Path]):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result := condition():
+            return result
+        time.sleep(0.2)
+    said = "\n".join(f"--- {log}\n{log.read_text()[-2000:]}" for log in logs if log.exists())
+    raise AssertionError(f"{what} within {timeout:g} s\n{said}")
+
+
+def _node_idle(env) -> bool:
+    done = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True)
+    return done.stdout.strip() == "idle"
+
+
+@pytest.fixture
+def slurm_cluster(tmp_path):
+    """munged, slurmctld and slurmd of one node (localhost, 2 CPUs) on 127.0.0.1, state under tmp_path; yields
+    the environment (SLURM_CONF) for its clients. Stopped by PID afterwards, whatever happened."""
+    missing = [name for name in (*DAEMONS, "sinfo") if shutil.which(name) is None]
+    if missing:
+        pytest.skip(
+            f"no Slurm here ({', '.join(missing)} missing): apt-get install slurmctld slurmd munge slurm-client"
+        )
+    if os.geteuid() != 0:
+        pytest.skip("a one-host Slurm needs root: slurmd starts each job as its user (the workflow runs it with sudo)")
+    root = tmp_path / "slurm"
+    for name in ("munge", "state", "spool", "log"):
+        (root / name).mkdir(parents=True)
+    (root / "munge").chmod(0o700)
+    key = root / "munge/munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    conf = root / "slurm.conf"
+    user = pwd.getpwuid(os.geteuid()).pw_name  # not $USER: sudo -E keeps the caller's
+    conf.write_text(
+        SLURM_CONF.format(
+            host=os.uname().nodename.split(".")[0], user=user, root=root, ctld_port=free_port(), d_port=free_port()
+        )
+    )
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    logs = [root / "log/munged.out", root / "log/slurmctld.out", root / "log/slurmd.out", root / "log/slurmctld.log"]
+    munge = root / "munge"
+    daemons = [
+        _start(
+            [
+                "munged",
+                "-F",
+                "--force",
+                f"--key-file={key}",
+                f"--socket={munge}/munge.sock",
+                f"--pid-file={munge}/munged.pid",
+                f"--seed-file={munge}/seed",
+                f"--log-file={munge}/log",
+            ],
+            logs[0],
+        )
+    ]
+    try:
+        _wait_for(lambda: (munge / "munge.sock").exists(), 30, "munged did not open its socket", logs)
+        daemons.append(_start(["slurmctld", "-D", "-i", "-f", str(conf)], logs[1]))
+        daemons.append(_start(["slurmd", "-D", "-N", "localhost", "-f", str(conf)], logs[2]))
+        _wait_for(lambda: _node_idle(env), 60, "the node did not become idle", logs)
+        yield env
+    finally:
+        for daemon in reversed(daemons):
+            stop_by_pid(daemon)
+
+
+def _slurm_job_id(project: Path) -> str | None:
+    outputs = sorted((project / "logs/slurm").glob("train-*.out")) if (project / "logs/slurm").exists() else []
+    return outputs[0].name.removeprefix("train-").removesuffix(".out") if outputs else None
+
+
+def _scontrol(env, *args: str) -> str:
+    return subprocess.run(["scontrol", *args], env=env, capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.nightly
+def test_a_slurm_job_trains_what_the_local_launch_trains_and_a_requeue_resumes_bit_exact(
+    built, reference_run, slurm_cluster, tmp_path
+):
+    from safetensors.torch import load_file
+
+    reference = load_file(reference_run(2) / "models/candidate/adapter_model.safetensors")
+    overrides = ranks_overrides(2) | {"train.launcher": "slurm", "train.slurm.partition": "debug"}
+    env = venv_env() | {"SLURM_CONF": slurm_cluster["SLURM_CONF"], "OMP_NUM_THREADS": "1"}
+
+    # an uninterrupted run: the adapter the local 2-process launch trains, bit for bit
+    plain = train_project(built, tmp_path / "plain", overrides)
+    started = time.monotonic()
+    done = subprocess.run(TRAIN, cwd=plain, env=env, capture_output=True, text=True, timeout=600)
+    print(f"slurm run: {time.monotonic() - started:.1f} s")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "slurm: submitted job" in done.stdout + done.stderr
+    adapter = load_file(plain / "models/candidate/adapter_model.safetensors")
+    assert adapter.keys() == reference.keys() and all(adapter[k].equal(reference[k]) for k in adapter)
+
+    # requeued mid-run (what a preemption with PreemptMode=REQUEUE does): the next allocation resumes from the
+    # step the ranks saved on SIGTERM and ends with the same adapter. Slowed checkpoint writes keep the run going
+    # long enough for the requeue to land.
+    requeued = train_project(built, tmp_path / "requeued", overrides)
+    started = time.monotonic()
+    driver = subprocess.Popen(
+        TRAIN,
+        cwd=requeued,
+        env=fault_env(env, write_delay_s=0.5),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _wait_for(lambda: last_logged_step(requeued) >= 3, 300, "the job did not reach step 3", [])
+        job_id = _slurm_job_id(requeued)
+        _scontrol(slurm_cluster, "requeue", job_id)
+        requeued_at = last_logged_step(requeued)
+        # Slurm holds a requeued job ~2 minutes (its BeginTime): let it start as soon as the node is free
+        _wait_for(
+            lambda: "JobState=PENDING" in _scontrol(slurm_cluster, "show", "job", "-o", job_id),
+            60,
+            "the requeued job did not go back to PENDING",
+            [],
+        )
+        _scontrol(slurm_cluster, "update", f"JobId={job_id}", "StartTime=now")
+        output = driver.communicate(timeout=600)[0]
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+    print(f"requeued slurm run: {time.monotonic() - started:.1f} s")
+    assert driver.returncode == 0, output[-4000:]
+    assert requeued_at < 12 and "restart 1" in output, output[-4000:]
+    assert "Restarts=1" in _scontrol(slurm_cluster, "show", "job", "-o", job_id)
+    report = json.loads((requeued / "reports/train.json").read_text())
+    assert report["resumed_from_step"] >= requeued_at - 1 > 0
+    steps = [json.loads(line)["step"] for line in (requeued / "reports/train_steps.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 13))
+    adapter = load_file(requeued / "models/candidate/adapter_model.safetensors")
+    assert all(adapter[k].equal(reference[k]) for k in reference)
+    # the driver's journal: the wait for the first allocation and for the one after the requeue, as engine time
+    journal = [json.loads(line) for line in (requeued / "reports/ledger/journal.jsonl").read_text().splitlines()]
+    [end] = [line for line in journal if line["event"] == "end" and line["stage"] == "train"]
+    assert end["exit"] == 0 and end["spans"]["engine_queue"] > 0 and end["spans"]["engine_requeue"] > 0
+    print(f"engine time: queue {end['spans']['engine_queue']:.1f} s, requeue {end['spans']['engine_requeue']:.1f} s")
