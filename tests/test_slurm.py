@@ -28,6 +28,7 @@ from fineflow.train.engines.slurm import (
     run_on_slurm,
 )
 from tests.conftest import (
+    ROOT,
     TRAIN,
     free_port,
     last_logged_step,
@@ -108,6 +109,26 @@ def test_the_defaults_ask_for_no_partition_no_gpus_on_cpu_and_signal_before_the_
     assert not [d for d in directives if d.startswith("--gpus")]
     assert "--signal=TERM@105" in directives  # the grace plus Slurm's 60 s resolution
     assert "export ACCELERATE_USE_CPU=1" in batch_script(job, "out-%j")
+
+
+@pytest.mark.parametrize(
+    ("profile", "expected"),
+    [
+        ("fsdp_lora", {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_SHARDING_STRATEGY": "FULL_SHARD"}),
+        ("deepspeed_zero3", {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}),
+    ],
+)
+def test_ranks_get_the_settings_accelerate_launch_gives_for_the_profile_file(tmp_path, profile, expected):
+    """srun's ranks skip accelerate launch: the profile's engine reaches them through the same variables."""
+    from fineflow.train.profile import load_profile
+
+    loaded = load_profile(str(ROOT / f"configs/accelerate/{profile}.yaml"))
+    job = _job(tmp_path, world=loaded.processes)
+    job = RankJob(job.module, job.argv, job.world, 1, True, loaded, job.params, 30.0, job.env)
+    script = batch_script(job, "out")
+    for key, value in expected.items():
+        assert f"export {key}={value}\n" in script
+    assert "export FINEFLOW_TRAIN_WORKER=1" in script and "ACCELERATE_USE_CPU" not in script
 
 
 def test_ranks_that_do_not_divide_over_the_nodes_are_refused(tmp_path):

@@ -36,10 +36,13 @@ from pathlib import Path
 from string import Template
 
 from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
+from fineflow.train.launch import accelerate_command
 from fineflow.train.preempt import Forwarder, budget_s
 
 OUTPUT_DIR = Path("logs/slurm")
 POLL_S = 2.0
+# what accelerate launch sets from a profile file for every rank (ACCELERATE_USE_FSDP, FSDP_*, ACCELERATE_DEEPSPEED_*)
+PROFILE_ENV = ("ACCELERATE_", "FSDP_")
 # Slurm may send --signal's signal up to 60 s before the time given (its event resolution): added to the grace
 SIGNAL_SLACK_S = 60
 # states after which the job will not run again (a requeued job goes back to PENDING, never to these)
@@ -162,8 +165,34 @@ def gpus_per_node(job) -> int:
 
 
 def rank_env(job, gpus: int) -> dict[str, str]:
-    """What the ranks' environment adds: the job's, less ACCELERATE_USE_CPU when the allocation has GPUs."""
-    return {key: value for key, value in job.env.items() if not (gpus and key == "ACCELERATE_USE_CPU")}
+    """What the ranks' environment adds: the profile's settings, then the job's, less ACCELERATE_USE_CPU when the
+    allocation has GPUs."""
+    env = profile_env(job) | job.env
+    return {key: value for key, value in env.items() if not (gpus and key == "ACCELERATE_USE_CPU")}
+
+
+def profile_env(job) -> dict[str, str]:
+    """The environment `accelerate launch` gives each rank for job's accelerate profile file (FSDP's or DeepSpeed's
+    settings, its mixed precision), from accelerate's own launch code: ranks placed by srun run the engine the
+    planner planned for. Empty without a profile file (the ranks' defaults are the auto profile's)."""
+    if job.profile is None or job.profile.path is None:
+        return {}
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    machines = job.num_machines if job.num_machines > 1 else None  # the profile's own when one
+    command, _ = accelerate_command(
+        job.world, job.has_gpu, job.module, job.argv, 0, profile=job.profile, num_machines=machines,
+        machine_rank=0, main_process_ip="localhost",
+    )  # fmt: skip
+    args, defaults, precision_from_file = _validate_launch_command(launch_command_parser().parse_args(command[3:]))
+    if args.use_deepspeed and not args.cpu:  # what accelerate's launch_command sets before it asks for the env
+        fields = [*(defaults.deepspeed_config if defaults else [])] + ["mixed_precision"] * precision_from_file
+        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+        env = prepare_deepspeed_cmd_env(args)[1]
+    else:
+        env = prepare_multi_gpu_env(args)
+    return {key: value for key, value in env.items() if key.startswith(PROFILE_ENV) and os.environ.get(key) != value}
 
 
 def signal_seconds(job) -> int:
