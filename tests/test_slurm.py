@@ -513,14 +513,14 @@ def test_a_slurm_job_trains_what_the_local_launch_trains_and_a_requeue_resumes_b
     assert adapter.keys() == reference.keys() and all(adapter[k].equal(reference[k]) for k in adapter)
 
     # requeued mid-run (what a preemption with PreemptMode=REQUEUE does): the next allocation resumes from the
-    # step the ranks saved on SIGTERM and ends with the same adapter. Slowed checkpoint writes keep the run going
-    # long enough for the requeue to land.
+    # step the ranks saved on SIGTERM and ends with the same adapter. Slowed checkpoint writes (0.1 s) keep the run
+    # going long enough for the requeue to land.
     requeued = train_project(built, tmp_path / "requeued", overrides)
     started = time.monotonic()
     driver = subprocess.Popen(
         TRAIN,
         cwd=requeued,
-        env=fault_env(env, write_delay_s=0.5),
+        env=fault_env(env, write_delay_s=0.1),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -559,3 +559,37 @@ def test_a_slurm_job_trains_what_the_local_launch_trains_and_a_requeue_resumes_b
     [end] = [line for line in journal if line["event"] == "end" and line["stage"] == "train"]
     assert end["exit"] == 0 and end["spans"]["engine_queue"] > 0 and end["spans"]["engine_requeue"] > 0
     print(f"engine time: queue {end['spans']['engine_queue']:.1f} s, requeue {end['spans']['engine_requeue']:.1f} s")
+
+
+@pytest.mark.nightly
+def test_a_stopped_slurm_driver_has_the_ranks_save_their_step_and_exits_75(built, slurm_cluster, tmp_path):
+    """SIGTERM to the driver (what the Prefect task or Ctrl-C sends): scancel --signal=TERM reaches the ranks
+    through slurmstepd, they save the step they are on, and the stage exits 75 like a local launch."""
+    overrides = ranks_overrides(2) | {"train.launcher": "slurm"}
+    env = venv_env() | {"SLURM_CONF": slurm_cluster["SLURM_CONF"], "OMP_NUM_THREADS": "1"}
+    project = train_project(built, tmp_path / "stopped", overrides)
+    driver = subprocess.Popen(
+        TRAIN,
+        cwd=project,
+        env=fault_env(env, write_delay_s=0.1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _wait_for(lambda: last_logged_step(project) >= 3, 300, "the job did not reach step 3", [])
+        stopped = time.monotonic()
+        driver.send_signal(signal.SIGTERM)  # the driver alone: the ranks are Slurm's, not its children
+        output = driver.communicate(timeout=120)[0]
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+    print(f"stop to exit: {time.monotonic() - stopped:.1f} s")
+    assert driver.returncode == 75, output[-4000:]
+    assert "SIGTERM sent to job" in output and "Exited with exit code 75" in output, output[-4000:]
+    info = parse_job_line(_scontrol(slurm_cluster, "show", "job", "-o", _slurm_job_id(project)))
+    assert (job_state(info), info["ExitCode"]) == ("FAILED", "75:0")
+    assert last_logged_step(project) < 12  # stopped, not finished
+    assert "ran out before the step was saved" not in output, output[-4000:]
