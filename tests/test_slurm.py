@@ -2,6 +2,7 @@
 answers and the driver's exit codes, with fake sbatch/scontrol/scancel on PATH (fast tier); a real one-host Slurm
 (munged, slurmctld, slurmd on 127.0.0.1) running the stage, requeued mid-run, bit-exact (nightly)."""
 
+import contextlib
 import json
 import os
 import pwd
@@ -424,6 +425,10 @@ def _wait_for(condition, timeout: float, what: str, logs: list[Path]):
     raise AssertionError(f"{what} within {timeout:g} s\n{said}")
 
 
+def _squeue(env) -> str:
+    return subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True, timeout=30).stdout.strip()
+
+
 def _node_idle(env) -> bool:
     done = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True)
     return done.stdout.strip() == "idle"
@@ -433,7 +438,7 @@ def _node_idle(env) -> bool:
 def slurm_cluster(tmp_path):
     """munged, slurmctld and slurmd of one node (localhost, 2 CPUs) on 127.0.0.1, state under tmp_path; yields
     the environment (SLURM_CONF) for its clients. Stopped by PID afterwards, whatever happened."""
-    missing = [name for name in (*DAEMONS, "sinfo") if shutil.which(name) is None]
+    missing = [name for name in (*DAEMONS, "sinfo", "squeue") if shutil.which(name) is None]
     if missing:
         pytest.skip(
             f"no Slurm here ({', '.join(missing)} missing): apt-get install slurmctld slurmd munge slurm-client"
@@ -479,6 +484,10 @@ def slurm_cluster(tmp_path):
         _wait_for(lambda: _node_idle(env), 60, "the node did not become idle", logs)
         yield env
     finally:
+        if len(daemons) == 3:  # a test that failed mid-job: its ranks end with the job, before slurmd does
+            subprocess.run(["scancel", "--user", user], env=env, capture_output=True, timeout=30)
+            with contextlib.suppress(AssertionError):
+                _wait_for(lambda: not _squeue(env), 60, "the cancelled jobs did not end", [])
         for daemon in reversed(daemons):
             stop_by_pid(daemon)
 
@@ -486,6 +495,27 @@ def slurm_cluster(tmp_path):
 def _slurm_job_id(project: Path) -> str | None:
     outputs = sorted((project / "logs/slurm").glob("train-*.out")) if (project / "logs/slurm").exists() else []
     return outputs[0].name.removeprefix("train-").removesuffix(".out") if outputs else None
+
+
+@contextlib.contextmanager
+def _driver(project: Path, env: dict):
+    """The train stage (the driver) running in project, checkpoint writes slowed 0.1 s so that a run lasts long
+    enough for a requeue or a stop to land mid-run; SIGKILLed (its process group) if a test leaves it running."""
+    driver = subprocess.Popen(
+        TRAIN,
+        cwd=project,
+        env=fault_env(env, write_delay_s=0.1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        yield driver
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
 
 
 def _scontrol(env, *args: str) -> str:
@@ -513,20 +543,10 @@ def test_a_slurm_job_trains_what_the_local_launch_trains_and_a_requeue_resumes_b
     assert adapter.keys() == reference.keys() and all(adapter[k].equal(reference[k]) for k in adapter)
 
     # requeued mid-run (what a preemption with PreemptMode=REQUEUE does): the next allocation resumes from the
-    # step the ranks saved on SIGTERM and ends with the same adapter. Slowed checkpoint writes (0.1 s) keep the run
-    # going long enough for the requeue to land.
+    # step the ranks saved on SIGTERM and ends with the same adapter.
     requeued = train_project(built, tmp_path / "requeued", overrides)
     started = time.monotonic()
-    driver = subprocess.Popen(
-        TRAIN,
-        cwd=requeued,
-        env=fault_env(env, write_delay_s=0.1),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
+    with _driver(requeued, env) as driver:
         _wait_for(lambda: last_logged_step(requeued) >= 3, 300, "the job did not reach step 3", [])
         job_id = _slurm_job_id(requeued)
         _scontrol(slurm_cluster, "requeue", job_id)
@@ -540,10 +560,6 @@ def test_a_slurm_job_trains_what_the_local_launch_trains_and_a_requeue_resumes_b
         )
         _scontrol(slurm_cluster, "update", f"JobId={job_id}", "StartTime=now")
         output = driver.communicate(timeout=600)[0]
-    finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait()
     print(f"requeued slurm run: {time.monotonic() - started:.1f} s")
     assert driver.returncode == 0, output[-4000:]
     assert requeued_at < 12 and "restart 1" in output, output[-4000:]
@@ -568,24 +584,11 @@ def test_a_stopped_slurm_driver_has_the_ranks_save_their_step_and_exits_75(built
     overrides = ranks_overrides(2) | {"train.launcher": "slurm"}
     env = venv_env() | {"SLURM_CONF": slurm_cluster["SLURM_CONF"], "OMP_NUM_THREADS": "1"}
     project = train_project(built, tmp_path / "stopped", overrides)
-    driver = subprocess.Popen(
-        TRAIN,
-        cwd=project,
-        env=fault_env(env, write_delay_s=0.1),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
+    with _driver(project, env) as driver:
         _wait_for(lambda: last_logged_step(project) >= 3, 300, "the job did not reach step 3", [])
         stopped = time.monotonic()
         driver.send_signal(signal.SIGTERM)  # the driver alone: the ranks are Slurm's, not its children
         output = driver.communicate(timeout=120)[0]
-    finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait()
     print(f"stop to exit: {time.monotonic() - stopped:.1f} s")
     assert driver.returncode == 75, output[-4000:]
     assert "SIGTERM sent to job" in output and "Exited with exit code 75" in output, output[-4000:]
