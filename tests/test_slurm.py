@@ -596,3 +596,20 @@ def test_a_stopped_slurm_driver_has_the_ranks_save_their_step_and_exits_75(built
     assert (job_state(info), info["ExitCode"]) == ("FAILED", "75:0")
     assert last_logged_step(project) < 12  # stopped, not finished
     assert "ran out before the step was saved" not in output, output[-4000:]
+
+
+def test_the_stage_on_two_machines_submits_one_two_node_job_instead_of_refusing(built, tmp_path, fake_slurm):
+    """Seen on main: train.num_machines: 2 refused ("machine_rank must be given ...") since dvc.yaml's command
+    passes no placement. With train.launcher: slurm the stage's planner runs, then one 2-node allocation is
+    submitted (here to fake Slurm commands whose job fails at once: the stage exits 1, naming it)."""
+    overrides = ranks_overrides(2) | {"train.launcher": "slurm", "train.num_machines": 2}
+    project = train_project(built, tmp_path / "two-machines", overrides)
+    _states(fake_slurm, "JobState=FAILED Reason=NonZeroExitCode Restarts=0 ExitCode=1:0")
+    env = venv_env() | {"PATH": os.environ["PATH"], "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(TRAIN, cwd=project, env=env, capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output[-3000:]
+    assert "machine_rank must be given" not in output
+    assert "slurm: job 42 ended FAILED (reason NonZeroExitCode, exit code 1, signal 0)" in output
+    script = (project / (fake_slurm / "sbatch.args").read_text().splitlines()[-1]).read_text()
+    assert {"--nodes=2", "--ntasks-per-node=1"} <= set(_directives(script))
