@@ -273,13 +273,22 @@ with (d / "scancel.args").open("a") as fh:
     fh.write(" ".join(sys.argv[1:]) + "\\n")
 """
 
+# squeue --me --name=fineflow-train --format="%i %T %Z": the lines of `queue`, if any
+FAKE_SQUEUE = """#!{python}
+import pathlib
+d = pathlib.Path({dir!r})
+if (d / "queue").exists():
+    print((d / "queue").read_text())
+"""
+
 
 @pytest.fixture
 def fake_slurm(tmp_path, monkeypatch):
     """Fake sbatch/scontrol/scancel on PATH, the project in tmp_path/project; returns the fakes' folder."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in [("sbatch", FAKE_SBATCH), ("scontrol", FAKE_SCONTROL), ("scancel", FAKE_SCANCEL)]:
+    fakes = [("sbatch", FAKE_SBATCH), ("scontrol", FAKE_SCONTROL), ("scancel", FAKE_SCANCEL), ("squeue", FAKE_SQUEUE)]
+    for name, text in fakes:
         _executable(bin_dir / name, text.format(python=sys.executable, dir=str(bin_dir)))
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     (tmp_path / "project").mkdir()
@@ -371,7 +380,7 @@ def test_no_slurm_client_on_path_is_a_user_error_naming_the_package(tmp_path, mo
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(FineflowError, match=r"sbatch, scontrol, scancel not found.*slurm-client"):
+    with pytest.raises(FineflowError, match=r"sbatch, scontrol, scancel, squeue not found.*slurm-client"):
         run_on_slurm(_job(tmp_path), print, {})
 
 
@@ -551,14 +560,18 @@ def test_a_slurm_job_trains_what_the_local_launch_trains_and_a_requeue_resumes_b
         job_id = _slurm_job_id(requeued)
         _scontrol(slurm_cluster, "requeue", job_id)
         requeued_at = last_logged_step(requeued)
-        # Slurm holds a requeued job ~2 minutes (its BeginTime): let it start as soon as the node is free
+        # Slurm holds a requeued job ~2 minutes (its BeginTime)
         _wait_for(
             lambda: "JobState=PENDING" in _scontrol(slurm_cluster, "show", "job", "-o", job_id),
             60,
             "the requeued job did not go back to PENDING",
             [],
         )
-        _scontrol(slurm_cluster, "update", f"JobId={job_id}", "StartTime=now")
+        # while it waits, a second driver in the same workspace is refused, naming the job (squeue's answer)
+        second = subprocess.run(TRAIN, cwd=requeued, env=env, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2, (second.stdout + second.stderr)[-3000:]
+        assert f"slurm job {job_id} (PENDING) is already training in" in second.stdout + second.stderr
+        _scontrol(slurm_cluster, "update", f"JobId={job_id}", "StartTime=now")  # start it as soon as the node is free
         output = driver.communicate(timeout=600)[0]
     print(f"requeued slurm run: {time.monotonic() - started:.1f} s")
     assert driver.returncode == 0, output[-4000:]
@@ -572,8 +585,10 @@ def test_a_slurm_job_trains_what_the_local_launch_trains_and_a_requeue_resumes_b
     assert all(adapter[k].equal(reference[k]) for k in reference)
     # the driver's journal: the wait for the first allocation and for the one after the requeue, as engine time
     journal = [json.loads(line) for line in (requeued / "reports/ledger/journal.jsonl").read_text().splitlines()]
-    [end] = [line for line in journal if line["event"] == "end" and line["stage"] == "train"]
-    assert end["exit"] == 0 and end["spans"]["engine_queue"] > 0 and end["spans"]["engine_requeue"] > 0
+    ends = [line for line in journal if line["event"] == "end" and line["stage"] == "train"]
+    assert [end["exit"] for end in ends] == [2, 0]  # the refused second driver, then the requeued job's
+    end = ends[-1]
+    assert end["spans"]["engine_queue"] > 0 and end["spans"]["engine_requeue"] > 0
     print(f"engine time: queue {end['spans']['engine_queue']:.1f} s, requeue {end['spans']['engine_requeue']:.1f} s")
 
 
@@ -613,3 +628,16 @@ def test_the_stage_on_two_machines_submits_one_two_node_job_instead_of_refusing(
     assert "slurm: job 42 ended FAILED (reason NonZeroExitCode, exit code 1, signal 0)" in output
     script = (project / (fake_slurm / "sbatch.args").read_text().splitlines()[-1]).read_text()
     assert {"--nodes=2", "--ntasks-per-node=1"} <= set(_directives(script))
+
+
+def test_a_job_still_training_in_this_workspace_is_named_instead_of_submitting_a_second(tmp_path, fake_slurm):
+    """A driver killed by SIGKILL leaves its job running: a second job would write the same checkpoints."""
+    _states(fake_slurm, "JobState=COMPLETED Restarts=0 ExitCode=0:0")
+    elsewhere = tmp_path / "other-project"
+    (fake_slurm / "queue").write_text(f"41 RUNNING {elsewhere}\n")
+    assert _drive(tmp_path)[0] == 0  # another workspace's job: not ours
+    (fake_slurm / "queue").write_text(f"41 RUNNING {elsewhere}\n39 PENDING {Path.cwd().resolve()}\n")
+    (fake_slurm / "sbatch.args").unlink()
+    with pytest.raises(FineflowError, match=r"slurm job 39 \(PENDING\) is already training in .*scancel 39"):
+        _drive(tmp_path)
+    assert not (fake_slurm / "sbatch.args").exists()

@@ -41,6 +41,7 @@ from fineflow.train.preempt import Forwarder, budget_s
 
 OUTPUT_DIR = Path("logs/slurm")
 POLL_S = 2.0
+JOB_NAME = "fineflow-train"
 # what accelerate launch sets from a profile file for every rank (ACCELERATE_USE_FSDP, FSDP_*, ACCELERATE_DEEPSPEED_*)
 PROFILE_ENV = ("ACCELERATE_", "FSDP_")
 # Slurm may send --signal's signal up to 60 s before the time given (its event resolution): added to the grace
@@ -87,6 +88,7 @@ def run_on_slurm(job, log=print, spans: dict | None = None, poll_s: float = POLL
     """Submit job's ranks as one allocation, follow it to its end; the exit code as a local launch gives it."""
     spans = {} if spans is None else spans
     require_slurm_client()
+    require_no_job_here()
     script, output = write_script(job, time.strftime("%Y%m%d-%H%M%S"))
     job_id = submit(script)
     output = Path(str(output).replace("%j", job_id))
@@ -123,7 +125,7 @@ def sbatch_options(job, output: Path | str) -> list[str]:
     """The allocation: nodes x ranks per node, GPUs, time, where it may run, requeue and the stop signal."""
     settings = job.params.train.slurm
     options = [
-        "--job-name=fineflow-train",
+        f"--job-name={JOB_NAME}",
         f"--nodes={job.num_machines}",
         f"--ntasks-per-node={ranks_per_node(job)}",
         f"--cpus-per-task={settings.cpus_per_task}",
@@ -204,13 +206,28 @@ def signal_seconds(job) -> int:
 
 
 def require_slurm_client() -> None:
-    missing = [name for name in ("sbatch", "scontrol", "scancel") if shutil.which(name) is None]
+    missing = [name for name in ("sbatch", "scontrol", "scancel", "squeue") if shutil.which(name) is None]
     if missing:
         raise FineflowError(
             f"train.launcher: slurm needs Slurm's client commands on PATH; {', '.join(missing)} not found. Run the "
             "stage on a login node (`module load slurm` where the cluster uses modules; Debian/Ubuntu: "
             "apt-get install slurm-client), or set train.launcher: local"
         )
+
+
+def require_no_job_here() -> None:
+    """Refuse while a train job of this workspace is still queued or running (its driver was killed, or runs in
+    another shell): two jobs would write the same checkpoints and model."""
+    done = subprocess.run(
+        ["squeue", "--me", "--noheader", f"--name={JOB_NAME}", "--format=%i %T %Z"], capture_output=True, text=True
+    )
+    here = str(Path.cwd().resolve())
+    for job_id, state, workdir in (line.split(maxsplit=2) for line in done.stdout.splitlines() if line.strip()):
+        if workdir == here:
+            raise FineflowError(
+                f"slurm job {job_id} ({state}) is already training in {here}: wait for it, or `scancel {job_id}` "
+                f"(its ranks save their step on `scancel --signal=TERM {job_id}`) and run the stage again"
+            )
 
 
 def submit(script: Path) -> str:
