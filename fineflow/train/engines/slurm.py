@@ -89,11 +89,11 @@ def run_on_slurm(job, log=print, spans: dict | None = None, poll_s: float = POLL
     spans = {} if spans is None else spans
     require_slurm_client()
     require_no_job_here()
-    script, output = write_script(job, time.strftime("%Y%m%d-%H%M%S"))
-    job_id = submit(script)
-    output = Path(str(output).replace("%j", job_id))
-    log(f"slurm: submitted job {job_id} ({script}); its output: {output}")
-    with StopNoted() as stop:
+    with StopNoted() as stop:  # from before the submission: a stop signal never leaves a job behind
+        script, output = write_script(job, time.strftime("%Y%m%d-%H%M%S"))
+        job_id = submit(script)
+        output = Path(str(output).replace("%j", job_id))
+        log(f"slurm: submitted job {job_id} ({script}); its output: {output}")
         return follow(job_id, output, job, Watch(log, spans, poll_s, stop))
 
 
