@@ -268,8 +268,25 @@ class SlurmParams(_Section):
     """train.launcher: slurm. The train stage's driver submits the ranks as one Slurm allocation and waits
     (fineflow.train.engines.slurm)."""
 
-    # owned by the slurm launcher's work (issue 32): fields are added there
     partition: str | None = Field(None, description="the partition to submit to; null: the cluster's default")
+    account: str | None = Field(None, description="--account to charge; null: the user's default")
+    qos: str | None = Field(None, description="--qos; null: the association's default")
+    time: str | None = Field(
+        None, description='the allocation\'s time limit ("HH:MM:SS", "D-HH:MM:SS"); null: the partition\'s default'
+    )
+    gpus_per_node: int | None = Field(
+        None, ge=0, description="GPUs to allocate per node; null: one per rank on a GPU, none on CPU"
+    )
+    cpus_per_task: int = Field(1, ge=1, description="CPUs per rank (OMP_NUM_THREADS unless set)")
+    signal_s: int | None = Field(
+        None,
+        ge=1,
+        description="SIGTERM the ranks this many seconds before the time limit (they save and exit 75); null: "
+        "checkpoint.preempt_grace_s + 60 (Slurm may signal up to 60 s early)",
+    )
+    sbatch_args: list[str] = Field(
+        default_factory=list, description='more sbatch options, one per item (["--constraint=a100", "--exclusive"])'
+    )
 
 
 class TrainParams(_Section):
