@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fineflow.core import journal
 from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
@@ -206,6 +207,18 @@ class Cluster:
                     found += [process, *process.children(recursive=True)]
         return found
 
+    def lose_node(self, node: int) -> None:
+        """SIGKILL the node's raylet by PID, and what it started (the node's Ray workers, hence their ranks),
+        as a machine that goes away takes them all."""
+        import psutil
+
+        raylet = self.raylet(node)
+        tree = [raylet, *raylet.children(recursive=True)]
+        for process in tree:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        psutil.wait_procs(tree, timeout=10)
+
     def raylet(self, node: int):
         import psutil
 
@@ -299,28 +312,31 @@ def lose_node_when(cluster: Cluster, proc: subprocess.Popen, project: Path, cond
     while not condition(project):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the kill"
         time.sleep(0.01)
-    raylet = cluster.raylet(1)
-    raylet.kill()
-    raylet.wait(10)
+    cluster.lose_node(1)
     killed = time.monotonic()
     time.sleep(2)  # the node is seen dead before it comes back as a new one
     cluster.start_node(1)
     return killed
 
 
-def lost_node_resumes_bit_exact(built, reference_run, tmp_path, condition, env=None):
+def lost_node_resumes_bit_exact(built, reference_run, tmp_path, condition, env):
+    """The run on two nodes, node 1 lost when condition(project) holds: restarted, resumed, bit-exact. env slows
+    the steps (tests/faults) so that the loss lands before the run's end."""
     reference = adapter_bytes(reference_run(2))
+    env = {**env, "FINEFLOW_TEST_LOADER_DELAY_S": "0.5"}
     with ray_cluster() as cluster:
         project = ray_project(built, tmp_path / "p", cluster)
-        proc = start_stage(project, env or venv_env())
+        proc = start_stage(project, env)
         try:
             killed = lose_node_when(cluster, proc, project, condition)
         finally:
             code, output = finish(proc)
         restart_wall = time.monotonic() - killed
+    (tmp_path / "stage.log").write_text(output)
     assert code == 0, output[-5000:]
     assert "Ray Train restarted the ranks" in output, output[-5000:]
-    assert "resum" in output.lower()  # the restarted rank 0 resumed from a checkpoint
+    report = json.loads((project / "reports/train.json").read_text())
+    assert report["resumed_from_step"] >= 2, report["resumed_from_step"]  # not from step 0: from a checkpoint
     assert adapter_bytes(project) == reference
     print(f"lost node: kill to the stage's end {restart_wall:.1f} s")
 
@@ -329,7 +345,9 @@ def lost_node_resumes_bit_exact(built, reference_run, tmp_path, condition, env=N
 @pytest.mark.scenario
 @pytest.mark.slow
 def test_a_lost_node_mid_training_restarts_from_the_newest_checkpoint_bit_exact(built, reference_run, tmp_path):
-    lost_node_resumes_bit_exact(built, reference_run, tmp_path, lambda project: last_logged_step(project) >= 5)
+    lost_node_resumes_bit_exact(
+        built, reference_run, tmp_path, lambda project: last_logged_step(project) >= 5, fault_env(venv_env())
+    )
 
 
 @pytest.mark.nightly
@@ -342,3 +360,32 @@ def test_a_node_lost_during_a_checkpoint_save_restarts_bit_exact(built, referenc
         return last_logged_step(project) >= 3 and checkpoint_being_saved(project)
 
     lost_node_resumes_bit_exact(built, reference_run, tmp_path, saving, env)
+
+
+@pytest.mark.nightly
+@pytest.mark.scenario
+@pytest.mark.slow
+def test_sigterm_to_the_ray_driver_saves_the_step_exits_75_and_the_rerun_is_bit_exact(built, reference_run, tmp_path):
+    """SIGTERM to the stage (a preemption of the driver's machine, a Prefect cancel): the ranks on Ray save the
+    step they are on and the stage exits 75 within checkpoint.preempt_grace_s; run again, it resumes and ends
+    with the uninterrupted adapter."""
+    reference = adapter_bytes(reference_run(2))
+    with ray_cluster() as cluster:
+        project = ray_project(built, tmp_path / "p", cluster)
+        grace = yaml.safe_load((project / "params.yaml").read_text())["checkpoint"]["preempt_grace_s"]
+        proc = start_stage(project, venv_env())
+        deadline = time.monotonic() + 300
+        while last_logged_step(project) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the signal"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        code, output = finish(proc)
+        stopped_in = time.monotonic() - signalled
+        assert code == PREEMPTED_EXIT, output[-5000:]
+        assert stopped_in < grace + 10, stopped_in
+        code, output = finish(start_stage(project, venv_env()))
+    assert code == 0, output[-5000:]
+    assert json.loads((project / "reports/train.json").read_text())["resumed_from_step"] >= 3
+    assert adapter_bytes(project) == reference
+    print(f"SIGTERM to the driver: exit 75 in {stopped_in:.1f} s")

@@ -208,8 +208,9 @@ def stream(proc: subprocess.Popen, rank: int) -> threading.Thread:
     """Print the rank's lines prefixed by its rank (Ray forwards a worker's output to the driver)."""
 
     def pump():
-        for line in proc.stdout:
-            print(f"[rank {rank}] {line}", end="", flush=True)
+        for line in proc.stdout:  # one write per line: Ray's capture makes a line of every write
+            sys.stdout.write(f"[rank {rank}] {line.rstrip()}\n")
+            sys.stdout.flush()
 
     thread = threading.Thread(target=pump, name=f"fineflow-rank{rank}-log", daemon=True)
     thread.start()
@@ -433,9 +434,17 @@ def run_on_ray(job, log=print, spans: dict | None = None) -> int:
         ray.shutdown()
 
 
+def start_coordinator(ray):
+    """The Coordinator on the driver's node: it outlives any other node's loss (a lost node is what it dates)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(num_cpus=0, scheduling_strategy=here)(Coordinator).remote()
+
+
 def submit_and_wait(ray, job, log, spans: dict) -> int:
     """Submit the trainer, wait, and map what the ranks reported to one exit code."""
-    coordinator = ray.remote(num_cpus=0)(Coordinator).remote()
+    coordinator = start_coordinator(ray)
     submitted = ray.get(coordinator.mark_submitted.remote())
     log(f"train: {job.world} ranks submitted to Ray Train (up to {job.params.train.max_restarts} restarts)")
     error, signum = wait_for(build_trainer(job, coordinator), coordinator, job.grace_s, log)
