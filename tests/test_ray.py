@@ -108,6 +108,13 @@ def test_a_cluster_with_fewer_resources_than_ranks_is_refused_saying_what_it_has
     assert "train.num_processes" in message
 
 
+def test_strict_spread_over_fewer_nodes_than_ranks_is_refused():
+    engine.check_placement("STRICT_SPREAD", 2, 2, "head:6379")
+    engine.check_placement("SPREAD", 4, 1, "head:6379")  # SPREAD packs what it cannot spread
+    with pytest.raises(FineflowError, match=r"head:6379 has 1 node\(s\): add nodes, or use SPREAD or PACK"):
+        engine.check_placement("STRICT_SPREAD", 2, 1, "head:6379")
+
+
 def test_without_ray_the_message_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(FineflowError, match=r"pip install 'fineflow\[cluster\]'"):
@@ -172,6 +179,9 @@ def test_the_ledger_puts_engine_time_in_its_bucket_once_and_still_adds_up(tmp_pa
 # --- a real cluster on loopback -----------------------------------------------------------------------------
 
 RAY = str(Path(sys.executable).parent / "ray")
+# every Ray process here, the drivers too: no token authentication (a new local Ray turns it on by default and
+# writes ~/.ray/auth_token, after which `ray start --head` enables it and a worker node's `ray start` is refused)
+RAY_ENV = {"OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 NODE_IPS = ("127.0.0.2", "127.0.0.3")
 
 
@@ -237,7 +247,7 @@ def ray_cluster(nodes: int = 2):
 
     # short: Ray's unix sockets live under it (a socket path has 107 characters at most)
     root = Path(tempfile.mkdtemp(prefix="ffray-", dir="/tmp"))
-    env = {**venv_env(), "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**venv_env(), **RAY_ENV}
     cluster = Cluster(f"{NODE_IPS[0]}:{free_port()}", root, env)
     try:
         for node in range(nodes):
@@ -251,6 +261,11 @@ def ray_cluster(nodes: int = 2):
                 process.kill()
         psutil.wait_procs(left, timeout=10)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def ray_env(extra: dict | None = None) -> dict:
+    """The train stage's environment for the test clusters."""
+    return {**venv_env(), **RAY_ENV, **(extra or {})}
 
 
 def ray_project(built: Path, path: Path, cluster: Cluster, overrides: dict | None = None) -> Path:
@@ -280,18 +295,22 @@ def finish(proc: subprocess.Popen, timeout: float = 400) -> tuple[int, str]:
 
 @pytest.mark.scenario
 @pytest.mark.slow
-def test_two_ray_nodes_train_the_local_two_process_adapter_bit_for_bit(built, reference_run, tmp_path):
+def test_two_ray_nodes_train_the_local_two_process_adapter_bit_for_bit(
+    built, reference_run, tmp_path, monkeypatch, tiny_params
+):
     """`train.launcher: ray` on a two-node cluster, one rank per node over gloo: the stage as dvc.yaml runs it
     drives Ray Train and ends with the adapter the local 2-process launch writes, byte for byte; its ledger
-    adds up with the engine's time in its own bucket."""
+    adds up with the engine's time in its own bucket. Then, on the same cluster, a crash is restarted and a user
+    error is not (crash_then_user_error)."""
     reference = adapter_bytes(reference_run(2))
-    env = {**venv_env(), journal.RUN_ID_ENV: "test-ray", journal.RUN_STARTED_ENV: repr(time.time())}
+    env = ray_env({journal.RUN_ID_ENV: "test-ray", journal.RUN_STARTED_ENV: repr(time.time())})
     with ray_cluster() as cluster:
         project = ray_project(built, tmp_path / "p", cluster)
         started = time.monotonic()
         code, output = finish(start_stage(project, env))
         wall = time.monotonic() - started
-    assert code == 0, output[-5000:]
+        assert code == 0, output[-5000:]
+        crash_then_user_error(tmp_path / "stub", monkeypatch, tiny_params, cluster.address)
     assert adapter_bytes(project) == reference
     report = json.loads((project / "reports/train.json").read_text())
     assert report["world_size"] == 2
@@ -346,7 +365,7 @@ def lost_node_resumes_bit_exact(built, reference_run, tmp_path, condition, env):
 @pytest.mark.slow
 def test_a_lost_node_mid_training_restarts_from_the_newest_checkpoint_bit_exact(built, reference_run, tmp_path):
     lost_node_resumes_bit_exact(
-        built, reference_run, tmp_path, lambda project: last_logged_step(project) >= 5, fault_env(venv_env())
+        built, reference_run, tmp_path, lambda project: last_logged_step(project) >= 5, fault_env(ray_env())
     )
 
 
@@ -354,10 +373,10 @@ def test_a_lost_node_mid_training_restarts_from_the_newest_checkpoint_bit_exact(
 @pytest.mark.scenario
 @pytest.mark.slow
 def test_a_node_lost_during_a_checkpoint_save_restarts_bit_exact(built, reference_run, tmp_path):
-    env = fault_env(venv_env(), write_delay_s=1.0)  # a save long enough to be caught mid-write
+    env = fault_env(ray_env(), write_delay_s=1.0)  # a save long enough to be caught mid-write
 
-    def saving(project):
-        return last_logged_step(project) >= 3 and checkpoint_being_saved(project)
+    def saving(project):  # a later save in flight, after one was published (else a restart starts from step 0)
+        return any(project.glob("checkpoints/*/step-*")) and checkpoint_being_saved(project)
 
     lost_node_resumes_bit_exact(built, reference_run, tmp_path, saving, env)
 
@@ -373,7 +392,9 @@ def test_sigterm_to_the_ray_driver_saves_the_step_exits_75_and_the_rerun_is_bit_
     with ray_cluster() as cluster:
         project = ray_project(built, tmp_path / "p", cluster)
         grace = yaml.safe_load((project / "params.yaml").read_text())["checkpoint"]["preempt_grace_s"]
-        proc = start_stage(project, venv_env())
+        # slowed steps (tests/faults): the stop must land before the run's end
+        env = fault_env(ray_env()) | {"FINEFLOW_TEST_LOADER_DELAY_S": "0.5"}
+        proc = start_stage(project, env)
         deadline = time.monotonic() + 300
         while last_logged_step(project) < 3:
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the signal"
@@ -384,8 +405,51 @@ def test_sigterm_to_the_ray_driver_saves_the_step_exits_75_and_the_rerun_is_bit_
         stopped_in = time.monotonic() - signalled
         assert code == PREEMPTED_EXIT, output[-5000:]
         assert stopped_in < grace + 10, stopped_in
-        code, output = finish(start_stage(project, venv_env()))
+        code, output = finish(start_stage(project, env))
     assert code == 0, output[-5000:]
     assert json.loads((project / "reports/train.json").read_text())["resumed_from_step"] >= 3
     assert adapter_bytes(project) == reference
     print(f"SIGTERM to the driver: exit 75 in {stopped_in:.1f} s")
+
+
+STUB_RANK = """
+import os, signal, sys, time
+from pathlib import Path
+from fineflow.train.preempt import die_with_parent
+
+die_with_parent()  # as the train stage's rank does: a torn-down Ray worker takes its rank along
+rank = int(os.environ["RANK"])
+print(f"stub rank {rank} of {os.environ['WORLD_SIZE']} at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+sys.stdout.flush()
+if rank == 1:
+    time.sleep(1)
+    if not Path("crashed-once").exists():
+        Path("crashed-once").touch()
+        sys.exit(1)  # a crash: Ray Train restarts the group
+    sys.exit(2)  # a user error: final, never retried
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))  # the stop the driver sends when rank 1 gave up
+time.sleep(120)
+"""
+
+
+def crash_then_user_error(tmp_path: Path, monkeypatch, params, address: str) -> None:
+    """The driver in this process, stub ranks (STUB_RANK) on the cluster: rank 1 crashes (exit 1) and Ray Train
+    starts the group again; then it exits 2: no third group although max_restarts allows it, rank 0 is asked to
+    stop (exit 75), and the driver exits 2."""
+    from fineflow.train.engines import RankJob
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "stub_rank.py").write_text(STUB_RANK)
+    monkeypatch.chdir(tmp_path)  # the ranks' working directory, and .cache/ray
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    for key in ("RAY_DEDUP_LOGS", "RAY_TRAIN_V2_ENABLED", "RAY_ADDRESS"):
+        monkeypatch.delenv(key, raising=False)  # the driver sets the first two; restored after the test
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    ray_params = params.train.ray.model_copy(update={"address": address})
+    train = params.train.model_copy(update={"max_restarts": 3, "ray": ray_params})
+    job = RankJob("stub_rank", [], 2, 1, False, None, params.model_copy(update={"train": train}), 5.0)
+    lines, spans = [], {}
+    assert engine.run_on_ray(job, log=lines.append, spans=spans) == USER_ERROR_EXIT
+    assert "train: Ray Train restarted the ranks 1 time(s)" in lines  # one restart, not three
+    assert spans["engine_placement"] > 0 and spans["engine_restarts"] > 0 and spans["engine_lost"] > 0
+    assert (tmp_path / ".cache/ray").is_dir() and not (Path.home() / "ray_results").exists()

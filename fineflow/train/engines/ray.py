@@ -118,6 +118,15 @@ def check_resources(needed: dict[str, float], total: dict[str, float], nodes: in
         )
 
 
+def check_placement(placement: str, world: int, nodes: int, address: str) -> None:
+    """STRICT_SPREAD needs a node per rank: with fewer, Ray would wait for nodes forever."""
+    if placement == "STRICT_SPREAD" and nodes < world:
+        raise FineflowError(
+            f"train.ray.placement STRICT_SPREAD puts each of the {world} ranks on a node of its own, and the Ray "
+            f"cluster at {address} has {nodes} node(s): add nodes, or use SPREAD or PACK"
+        )
+
+
 def engine_spans(events: list[tuple], world: int, submitted: float) -> dict[str, float]:
     """The engine's time from the Coordinator's events (one clock): ``engine_placement`` (submit to the first
     group's ranks started; rank 0's start), ``engine_restarts`` (a failure to the next group's ranks started:
@@ -178,8 +187,12 @@ class Coordinator:
         return self.stop_reason
 
     def summary(self) -> dict:
-        last = {e[2]: e[3] for e in self.events if e[0] == "exit" and e[1] == self.group}
-        return {"events": self.events, "codes": last, "submitted": self.submitted, "groups": self.group + 1}
+        """The events, and the exit codes of the last group whose ranks ran (a group opened after a final exit
+        starts none)."""
+        exits = [e for e in self.events if e[0] == "exit"]
+        last = max((e[1] for e in exits), default=-1)
+        codes = {e[2]: e[3] for e in exits if e[1] == last}
+        return {"events": self.events, "codes": codes, "submitted": self.submitted, "groups": self.group + 1}
 
 
 # --- in each Ray Train worker -------------------------------------------------------------------------------
@@ -427,7 +440,9 @@ def run_on_ray(job, log=print, spans: dict | None = None) -> int:
     needed = needs_resources(job.world, job.has_gpu, job.params.train.ray.cpus_per_worker)
     address = connect(ray, resolve_address(job.params.train.ray.address, os.environ), needed, log)
     try:
-        check_resources(needed, ray.cluster_resources(), cluster_nodes(ray), address)
+        nodes = cluster_nodes(ray)
+        check_resources(needed, ray.cluster_resources(), nodes, address)
+        check_placement(job.params.train.ray.placement, job.world, nodes, address)
         spans["engine_connect"] = round(time.perf_counter() - connecting, 4)
         return submit_and_wait(ray, job, log, spans)
     finally:
