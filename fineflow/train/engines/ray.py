@@ -321,7 +321,7 @@ def connect(ray, address: str | None, needed: dict[str, float], log) -> str:
     if address is None:
         cpus = max(os.cpu_count() or 1, int(needed["CPU"] + 0.999))
         log(f"train: starting a local Ray for this machine ({cpus} CPUs)")
-        ray.init(num_cpus=cpus, **options)
+        ray.init(address="local", num_cpus=cpus, **options)  # a new one: never a cluster found on the machine
         return "a local Ray (train.ray.address and RAY_ADDRESS unset)"
     try:
         require_reachable(address)  # ray.init itself retries an unreachable address for minutes
