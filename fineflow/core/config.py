@@ -258,9 +258,16 @@ class RayParams(_Section):
     """train.launcher: ray. The train stage's driver connects to a Ray cluster and runs the ranks there under Ray
     Train's placement (fineflow.train.engines.ray)."""
 
-    # owned by the ray launcher's work (issue 32): fields are added there
     address: str | None = Field(
         None, description="the Ray cluster (ray://host:10001 or host:6379); null: RAY_ADDRESS, else a local one"
+    )
+    # Ray Train reserves this much per rank (plus one GPU per rank on a GPU machine); a cluster with less in all
+    # is refused before anything is submitted
+    cpus_per_worker: float = Field(1, gt=0, description="CPUs Ray reserves for each rank")
+    # SPREAD: ranks over as many nodes as can take them; PACK: as few nodes as possible (NVLink within a node);
+    # STRICT_SPREAD: one rank per node or wait
+    placement: Literal["SPREAD", "PACK", "STRICT_SPREAD"] = Field(
+        "SPREAD", description="Ray's placement of the ranks over nodes: SPREAD, PACK or STRICT_SPREAD"
     )
 
 

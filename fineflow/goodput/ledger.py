@@ -12,6 +12,9 @@ stage's report and step log.
   wall time, the wait before its retry, and a resume's checkpoint load, less the steps of it that the finished
   training kept (its step log lines up to the step resumed from: useful work). The steps it lost past its last
   checkpoint are in its wall time; the resume's training them again is useful work, counted once.
+- A cluster launcher's own time (train.launcher ray or slurm: connecting, placing the ranks, waiting for nodes,
+  restarting a lost rank group) is **engine**, from its ``engine_*`` spans, taken out of the launcher's span
+  that contains it; the work a failed rank group did before the restart is restart loss.
 - Lines a run that crashed before its ledger left in the journal are counted by the next run's ledger, whose
   total then includes the crashed run's time (the idle time between the two runs is excluded, and said).
 """
@@ -31,6 +34,7 @@ from fineflow.core.errors import APPROVAL_NEEDED_EXIT
 BUCKETS = (
     "orchestration",
     "startup",
+    "engine",
     "model_load",
     "base_pretrain",
     "validation",
@@ -49,6 +53,7 @@ PRODUCTIVE = "compute"
 DESCRIPTIONS = {
     "orchestration": "DVC and Prefect between stages, workspace waits, the base fingerprint, this ledger",
     "startup": "process start-up and imports, params, train planning, accelerate launch, rank set-up and exit",
+    "engine": "a cluster engine's own time (train.launcher ray/slurm): connecting, placing the ranks, restarts",
     "model_load": "loading the base model and building the trainable model",
     "base_pretrain": "pretraining the embedded base model (stage base)",
     "validation": "data generation and validation (stages data, validate)",
@@ -95,7 +100,17 @@ SPAN_BUCKET = {
     "loop_train_eval": "train_eval",
     "loop_checkpoint": "checkpoint",
     "loop_log": "logging",
+    # a cluster launcher's (fineflow.train.engines): connecting, placing the ranks, waiting for nodes, restarting
+    # them; the work a failed rank group did before its failure is lost like a failed attempt's
+    "engine_connect": "engine",
+    "engine_placement": "engine",
+    "engine_queue": "engine",
+    "engine_restarts": "engine",
+    "engine_lost": "restart_loss",
 }
+# the spans a cluster engine's time happens inside (launched -> rank 0's process start): they keep the rest
+ENGINE_PREFIX = "engine_"
+HOLDS_ENGINE_TIME = ("launch", "ranks")
 # the per-step keys of a step log line, and their buckets (a crashed attempt's kept steps are credited by them)
 STEP_BUCKET = {
     "data_wait_s": "data_wait",
@@ -288,11 +303,11 @@ def _count_spans(tally: _Tally, attempt: dict) -> None:
     body = attempt["end"] - attempt["entry"]
     tally.buckets["startup"] += attempt["entry"] - attempt["proc_start"]
     measured = 0.0
-    for name, seconds in attempt["spans"].items():
+    for name, seconds in without_engine_overlap(attempt["spans"]).items():
         if name == "body":
             tally.buckets[STAGE_BODY.get(attempt["stage"], "orchestration")] += seconds
-        elif name in SPAN_BUCKET:
-            tally.buckets[SPAN_BUCKET[name]] += seconds
+        elif name in SPAN_BUCKET or name.startswith(ENGINE_PREFIX):  # a launcher's other engine_* time: engine
+            tally.buckets[SPAN_BUCKET.get(name, "engine")] += seconds
         else:  # loop_other, a rank's time without its report: no timer split it
             tally.unaccounted += seconds
         measured += seconds
@@ -300,6 +315,17 @@ def _count_spans(tally: _Tally, attempt: dict) -> None:
         tally.unaccounted += body - measured
     else:  # this ledger's own process: up to now it has been building the ledger
         tally.buckets["orchestration"] += body
+
+
+def without_engine_overlap(spans: dict) -> dict:
+    """The spans with a cluster engine's time taken out of the launcher's span that contains it: `launch`
+    (planning to rank 0's process start, from the report) holds the engine's connecting, placement and
+    restarts, which the engine_* spans measure; counted once, in their own buckets."""
+    engine = sum(seconds for name, seconds in spans.items() if name.startswith(ENGINE_PREFIX))
+    holder = next((name for name in HOLDS_ENGINE_TIME if name in spans), None)
+    if not engine or holder is None:
+        return spans
+    return spans | {holder: max(0.0, spans[holder] - engine)}
 
 
 def _credit_kept_steps(tally: _Tally, train_report: dict, steps_log: Path | None) -> int:
