@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -475,7 +476,13 @@ def reference_run(built, tmp_path_factory):
 @pytest.fixture(scope="module")
 def prefect_server(tmp_path_factory):
     """A Prefect server on 127.0.0.1 for the flows the test starts (PREFECT_API_URL), stopped by its PID."""
-    home = tmp_path_factory.mktemp("prefect-server")
+    with prefect_server_on(tmp_path_factory.mktemp("prefect-server")) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def prefect_server_on(home: Path):
+    """`prefect server start` on 127.0.0.1 over the database in PREFECT_HOME=home; its API URL; stopped by PID."""
     port = free_port()
     env = {**venv_env(), "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false"}
     argv = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
