@@ -4,7 +4,8 @@ moves to and from the DVC remote.
 A run waits for the workspace in a task of its own (``wait for the workspace``, Running while it waits, its log
 naming the run it waits for), so the UI shows a queued run as waiting, not as failed. Runs are named after
 what they are: the commit (``a1b2c3d``; ``+edits-3f9a1c`` for uncommitted changes or overrides, a short hash of
-them), when the run started (``12-03 01:24:17 UTC``), and once the stages have run what DVC re-ran (``…: train,
+them), when the run started (``12-03 01:24:17 UTC``), the start of its run id (``#7c1e``: runs triggered in the
+same second differ), and once the stages have run what DVC re-ran (``…: train,
 evaluate, promote`` or ``…: nothing changed``), or where it failed (``…: failed at train``).
 
 With a default DVC remote configured (``dvc remote add -d``), a run starts with ``dvc pull`` and ends with
@@ -119,11 +120,13 @@ def run_label(project_dir: str, overrides: dict | None, started: float) -> str:
 
 
 def flow_run_name() -> str:
-    """The name a run starts with (the flow's flow_run_name): run_label of its project and overrides."""
+    """The name a run starts with (the flow's flow_run_name): run_label of its project and overrides, then the
+    first 4 hex digits of the run's id: two runs triggered at once (same commit, same second) differ."""
     from prefect.runtime import flow_run
 
     parameters = flow_run.parameters
-    return run_label(parameters.get("project_dir", "."), parameters.get("overrides"), time.time())
+    label = run_label(parameters.get("project_dir", "."), parameters.get("overrides"), time.time())
+    return f"{label} #{str(flow_run.id)[:4]}" if flow_run.id else label
 
 
 def rename_run(name: str) -> None:

@@ -457,3 +457,26 @@ def test_runs_left_running_by_a_dead_process_are_marked_crashed_by_the_next_run(
     assert [states[key].type.value for key in (dead, reused)] == ["CRASHED", "CRASHED"]
     assert f"{killed.pid}" in states[dead].message and "ended without reporting" in states[dead].message
     assert [states[key].type.value for key in (alive, elsewhere, current)] == ["RUNNING"] * 3
+
+
+@pytest.mark.slow
+def test_two_runs_started_in_the_same_second_on_one_workspace_get_distinct_names(prefect_server, tmp_path, monkeypatch):
+    """Two triggers at once (a cron tick and new data) on one commit: the names of the two queued runs differ,
+    though their commit, edits and start second are the same (on main both were `<sha> <time> UTC`)."""
+    import time
+
+    from prefect import flow
+    from prefect.runtime import flow_run
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks import runs
+
+    @flow(name="fineflow-test-names", flow_run_name=runs.flow_run_name)
+    def named(project_dir: str = ".", overrides: dict | None = None) -> str:
+        return flow_run.name
+
+    monkeypatch.setattr(time, "time", lambda: 1_796_000_000.0)  # one start second for both
+    with temporary_settings({PREFECT_API_URL: prefect_server}):
+        first, second = named(str(tmp_path)), named(str(tmp_path))
+    assert first != second, (first, second)
+    assert first.split(" #")[0] == second.split(" #")[0]  # the same commit and start: only the run id tells
