@@ -528,10 +528,17 @@ def s3_server(tmp_path_factory):
     """An S3 API server on 127.0.0.1 (moto's, as DVC's own S3 plugin tests use), with the bucket S3_BUCKET;
     its endpoint URL. Started as a process of its own, once per session, and stopped by its PID; each test uses
     a prefix of its own in the bucket."""
-    home = tmp_path_factory.mktemp("s3-server")
-    port = free_port()
+    with s3_server_on(tmp_path_factory.mktemp("s3-server")) as endpoint:
+        yield endpoint
+
+
+@contextlib.contextmanager
+def s3_server_on(home: Path, port: int | None = None):
+    """moto's S3 server on 127.0.0.1:port (a free one by default) with the bucket S3_BUCKET; its endpoint URL;
+    stopped by its PID. A server started again on the same port serves an empty store (moto keeps it in memory)."""
+    port = port or free_port()
     argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-    with (home / "server.log").open("w") as log:
+    with (home / "server.log").open("a") as log:
         server = subprocess.Popen(argv, env=venv_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     endpoint = f"http://127.0.0.1:{port}"
     try:
