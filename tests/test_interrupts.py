@@ -462,7 +462,7 @@ def test_ctrl_c_of_the_flow_ends_every_process_within_seconds(flow_project):
     _assert_stopped_cleanly(run, "SIGINT")  # the task forwards SIGINT to dvc's group, the launcher to the ranks
 
 
-@pytest.mark.scenario
+@pytest.mark.nightly  # CI keeps Ctrl-C of the flow (the supervisor's same forwarding) and SIGTERM to every process
 @pytest.mark.slow
 def test_sigterm_to_the_flows_pid_alone_ends_every_process_within_seconds(flow_project):
     """SIGTERM to one PID, what `kill` or a Kubernetes eviction (PID 1) does."""
