@@ -13,9 +13,9 @@ Each round draws, from one seeded schedule, an event and (at ``--fault-rate``) a
 - events: none (the nightly run), new data (`fineflow data add`: the on-new-data trigger starts the run), a
   param edit (train.lr), a changed eval set (evaluate.limit), concurrent triggers (two nightly runs at once);
 - faults: SIGKILL of a random process of the run's tree (flow, dvc, stage, launcher, rank), SIGTERM to every
-  process of the tree at once, a DVC lock entry whose PID now names an unrelated process, a remote that refuses
-  for a while (its endpoint pointed at a closed port for REFUSE_S), a disk that fills during a checkpoint write
-  (tests/faults' injection, through the run's job variables).
+  process of the tree at once, SIGKILL of the worker (a new one is started), a DVC lock entry whose PID now names
+  an unrelated process, a remote that refuses for a while (its endpoint pointed at a closed port for REFUSE_S), a
+  disk that fills during a checkpoint write (tests/faults' injection, through the run's job variables).
 
 After a fault the nightly deployment runs again until a run completes (``recovery_s``: from the fault to that
 run's end). After every round the invariants (``check_invariants``): `fineflow registry verify` passes (it checks
@@ -23,7 +23,7 @@ the champion against the log entry that installed it); `dvc status` is clean; th
 reason and its evidence; the goodput ledger adds up within 1%; no process is left in the project; no flow run is
 left Running. The report: ``soak.json`` and ``soak.md`` in ``--out`` (runs, faults by kind, invariant failures,
 the slowest recovery). Not yet drawn: a new base checkpoint at the same path, a late or missing approval, SIGKILL
-of the worker or of the server.
+of the server.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from tests.conftest import (  # noqa: E402  (the project's own helpers, importab
 from tests.faults import fault_env  # noqa: E402
 
 EVENTS = ("nightly", "new_data", "param_edit", "eval_change", "concurrent")
-FAULTS = ("sigkill_random", "sigterm_all", "reused_pid_lock", "remote_refusing", "disk_full")
+FAULTS = ("sigkill_random", "sigterm_all", "sigkill_worker", "reused_pid_lock", "remote_refusing", "disk_full")
 FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 RUN_TIMEOUT_S = 600
 REFUSE_S = 8  # the remote refuses this long: the pull task's retries (10 s apart) outlast it
@@ -74,6 +74,7 @@ class Soak:
     env: dict[str, str]
     rng: random.Random
     worker: subprocess.Popen | None = None
+    worker_log: Path | None = None
     rounds: list[dict] = field(default_factory=list)
 
 
@@ -99,6 +100,7 @@ def accelerate_cron(project: Path, cron: str) -> None:
 
 
 def start_worker(soak: Soak, log: Path) -> None:
+    soak.worker_log = log
     with log.open("a") as fh:
         soak.worker = subprocess.Popen(
             [sys.executable, "-m", "prefect", "worker", "start", "--pool", "fineflow-process"],
@@ -322,6 +324,16 @@ def signal_tree(soak: Soak, fault: str) -> str:
     return f"SIGKILL {name}"
 
 
+def kill_worker(soak: Soak) -> str:
+    """SIGKILL the worker while a stage of its run runs, then start a new one (what a supervisor like systemd
+    does): the run's own process goes on and ends, reported to the server as usual."""
+    wait_for_stage(soak)
+    soak.worker.kill()
+    soak.worker.wait()
+    start_worker(soak, soak.worker_log)
+    return f"SIGKILL worker {soak.worker.pid}"
+
+
 # --- invariants ------------------------------------------------------------------------------------------
 
 
@@ -426,6 +438,8 @@ def one_round(soak: Soak, round_no: int, fault_rate: float, planned: tuple | Non
     runs, record["detail"] = start_event(soak, event, round_no, env)
     if fault in ("sigkill_random", "sigterm_all"):
         record["hit"] = signal_tree(soak, fault)
+    elif fault == "sigkill_worker":
+        record["hit"] = kill_worker(soak)
     faulted_at = time.time()
     record["states"] = list(wait_for_runs(runs).values())
     record["recovery_runs"] = 0
