@@ -13,17 +13,17 @@ Each round draws, from one seeded schedule, an event and (at ``--fault-rate``) a
 - events: none (the nightly run), new data (`fineflow data add`: the on-new-data trigger starts the run), a
   param edit (train.lr), a changed eval set (evaluate.limit), concurrent triggers (two nightly runs at once);
 - faults: SIGKILL of a random process of the run's tree (flow, dvc, stage, launcher, rank), SIGTERM to every
-  process of the tree at once, SIGKILL of the worker (a new one is started), a DVC lock entry whose PID now names
-  an unrelated process, a remote that refuses for a while (its endpoint pointed at a closed port for REFUSE_S), a
-  disk that fills during a checkpoint write (tests/faults' injection, through the run's job variables).
+  process of the tree at once, SIGKILL of the worker or of the Prefect server (each started again), a DVC lock
+  entry whose PID now names an unrelated process, a remote that refuses for a while (its endpoint pointed at a
+  closed port for REFUSE_S), a disk that fills during a checkpoint write (tests/faults' injection, through the
+  run's job variables).
 
 After a fault the nightly deployment runs again until a run completes (``recovery_s``: from the fault to that
 run's end). After every round the invariants (``check_invariants``): `fineflow registry verify` passes (it checks
 the champion against the log entry that installed it); `dvc status` is clean; the promotion decision has its
 reason and its evidence; the goodput ledger adds up within 1%; no process is left in the project; no flow run is
 left Running. The report: ``soak.json`` and ``soak.md`` in ``--out`` (runs, faults by kind, invariant failures,
-the slowest recovery). Not yet drawn: a new base checkpoint at the same path, a late or missing approval, SIGKILL
-of the server.
+the slowest recovery). Not yet drawn: a new base checkpoint at the same path, a late or missing approval.
 """
 
 from __future__ import annotations
@@ -58,7 +58,16 @@ from tests.conftest import (  # noqa: E402  (the project's own helpers, importab
 from tests.faults import fault_env  # noqa: E402
 
 EVENTS = ("nightly", "new_data", "param_edit", "eval_change", "concurrent")
-FAULTS = ("sigkill_random", "sigterm_all", "sigkill_worker", "reused_pid_lock", "remote_refusing", "disk_full")
+FAULTS = (
+    "sigkill_random",
+    "sigterm_all",
+    "sigkill_worker",
+    "sigkill_server",
+    "reused_pid_lock",
+    "remote_refusing",
+    "disk_full",
+)
+SERVER_DOWN_S = 5  # a SIGKILLed server is started again (same port, same database) after this
 FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 RUN_TIMEOUT_S = 600
 REFUSE_S = 8  # the remote refuses this long: the pull task's retries (10 s apart) outlast it
@@ -75,6 +84,8 @@ class Soak:
     rng: random.Random
     worker: subprocess.Popen | None = None
     worker_log: Path | None = None
+    server_home: Path | None = None
+    servers: contextlib.ExitStack | None = None  # the Prefect servers started (again, after a kill)
     rounds: list[dict] = field(default_factory=list)
 
 
@@ -133,12 +144,13 @@ def stack(root: Path, project: Path | None, cron: str | None, seed: int):
     root.mkdir(parents=True, exist_ok=True)
     (root / "s3").mkdir(exist_ok=True)
     (root / "prefect").mkdir(exist_ok=True)
-    with s3_server_on(root / "s3") as endpoint, prefect_server_on(root / "prefect") as api:
+    with s3_server_on(root / "s3") as endpoint, contextlib.ExitStack() as servers:
+        api = servers.enter_context(prefect_server_on(root / "prefect"))
         project = project or copy_project(root / "project")
         add_s3_remote(project, endpoint, "soak")
         env = {**venv_env(), "PREFECT_API_URL": api, "PREFECT_HOME": str(root / "prefect-client")}
         env.pop("HF_HOME", None)  # the flow puts it in the project (apply_offline_environment)
-        soak = Soak(project, api, env, random.Random(seed))
+        soak = Soak(project, api, env, random.Random(seed), server_home=root / "prefect", servers=servers)
         if cron:
             accelerate_cron(project, cron)
         prefect(soak, "work-pool", "create", "fineflow-process", "--type", "process")
@@ -180,9 +192,15 @@ def wait_for_runs(run_ids: list, timeout_s: float = RUN_TIMEOUT_S) -> dict:
     """{id: final state type} once every run is final (or "TIMEOUT")."""
     deadline, states = time.monotonic() + timeout_s, {}
     while time.monotonic() < deadline:
-        with client() as c:
-            states = {run_id: c.read_flow_run(run_id).state_type.value for run_id in run_ids}
-        if all(state in FINAL for state in states.values()):
+        try:
+            dead = {run.id for run in left_running()}  # ended, though Prefect does not know it yet
+            with client() as c:
+                states = {run_id: c.read_flow_run(run_id).state_type.value for run_id in run_ids}
+        except Exception:  # the server is being started again: ask again
+            time.sleep(1)
+            continue
+        states = {run_id: "LEFT_RUNNING" if run_id in dead else state for run_id, state in states.items()}
+        if all(state in (*FINAL, "LEFT_RUNNING") for state in states.values()):
             return states
         time.sleep(1)
     return {run_id: (state if state in FINAL else "TIMEOUT") for run_id, state in states.items()}
@@ -334,6 +352,23 @@ def kill_worker(soak: Soak) -> str:
     return f"SIGKILL worker {soak.worker.pid}"
 
 
+def kill_server(soak: Soak) -> str:
+    """SIGKILL the Prefect server while a stage runs, and start it again SERVER_DOWN_S later on the same port
+    over the same database: the run's client retries through the gap, or its run is left Running with its
+    process gone, for the next run to mark Crashed."""
+    wait_for_stage(soak)
+    port = int(soak.api.rsplit(":", 1)[1].split("/")[0])
+    [server] = [p for p in psutil.process_iter(["cmdline"]) if _is_server(p.info["cmdline"] or [], port)]
+    os.killpg(server.pid, signal.SIGKILL)
+    time.sleep(SERVER_DOWN_S)
+    soak.servers.enter_context(prefect_server_on(soak.server_home, port))
+    return f"SIGKILL server {server.pid}, up again after {SERVER_DOWN_S} s"
+
+
+def _is_server(cmdline: list[str], port: int) -> bool:
+    return "prefect" in cmdline and "server" in cmdline and "start" in cmdline and str(port) in cmdline
+
+
 # --- invariants ------------------------------------------------------------------------------------------
 
 
@@ -427,6 +462,9 @@ def one_round(soak: Soak, round_no: int, fault_rate: float, planned: tuple | Non
     """Draw (or take the planned (event, fault)), apply, run, fault, recover, check: the round's record."""
     event, fault = planned or draw(soak, fault_rate)
     record = {"round": round_no, "event": event, "fault": fault, "started": time.time()}
+    worker_gone = soak.worker.poll()  # exited on its own (a killed one is started again at once): its code
+    if worker_gone is not None:
+        start_worker(soak, soak.worker_log)
     helpers, env = [], None
     if fault == "reused_pid_lock":
         helpers.append(reused_pid_lock(soak.project))
@@ -440,6 +478,8 @@ def one_round(soak: Soak, round_no: int, fault_rate: float, planned: tuple | Non
         record["hit"] = signal_tree(soak, fault)
     elif fault == "sigkill_worker":
         record["hit"] = kill_worker(soak)
+    elif fault == "sigkill_server":
+        record["hit"] = kill_server(soak)
     faulted_at = time.time()
     record["states"] = list(wait_for_runs(runs).values())
     record["recovery_runs"] = 0
@@ -450,6 +490,8 @@ def one_round(soak: Soak, round_no: int, fault_rate: float, planned: tuple | Non
         record["recovery_s"] = round(time.time() - faulted_at, 1)
     wait_idle()  # a killed run's last processes and its worker's report; a cron run that started meanwhile
     record["invariant_failures"] = check_invariants(soak, {h.pid for h in helpers})
+    if worker_gone is not None:
+        record["invariant_failures"].append(f"the worker had exited by itself (code {worker_gone}): restarted")
     for helper in helpers:
         helper.kill()
         helper.wait()

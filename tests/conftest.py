@@ -481,12 +481,13 @@ def prefect_server(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def prefect_server_on(home: Path):
-    """`prefect server start` on 127.0.0.1 over the database in PREFECT_HOME=home; its API URL; stopped by PID."""
-    port = free_port()
+def prefect_server_on(home: Path, port: int | None = None):
+    """`prefect server start` on 127.0.0.1:port (a free one by default) over the database in PREFECT_HOME=home;
+    its API URL; stopped by PID."""
+    port = port or free_port()
     env = {**venv_env(), "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false"}
     argv = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    with (home / "server.log").open("w") as log:
+    with (home / "server.log").open("a") as log:
         server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}/api"
     try:
@@ -497,8 +498,10 @@ def prefect_server_on(home: Path):
 
 
 def stop_by_pid(server: subprocess.Popen) -> None:
-    """SIGTERM to a server the test started (its own process group), SIGKILL if it is still there after 20 s."""
-    os.killpg(server.pid, signal.SIGTERM)
+    """SIGTERM to a server the test started (its own process group), SIGKILL if it is still there after 20 s
+    (a server already killed, as the soak kills one: nothing to do)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.pid, signal.SIGTERM)
     try:
         server.wait(timeout=20)
     except subprocess.TimeoutExpired:
