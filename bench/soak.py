@@ -33,6 +33,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,6 +87,7 @@ class Soak:
     worker_log: Path | None = None
     server_home: Path | None = None
     servers: contextlib.ExitStack | None = None  # the Prefect servers started (again, after a kill)
+    evidence: Path | None = None  # where a failed round's reports are kept
     rounds: list[dict] = field(default_factory=list)
 
 
@@ -151,6 +153,7 @@ def stack(root: Path, project: Path | None, cron: str | None, seed: int):
         env = {**venv_env(), "PREFECT_API_URL": api, "PREFECT_HOME": str(root / "prefect-client")}
         env.pop("HF_HOME", None)  # the flow puts it in the project (apply_offline_environment)
         soak = Soak(project, api, env, random.Random(seed), server_home=root / "prefect", servers=servers)
+        soak.evidence = root.parent / "evidence"
         if cron:
             accelerate_cron(project, cron)
         prefect(soak, "work-pool", "create", "fineflow-process", "--type", "process")
@@ -490,6 +493,8 @@ def one_round(soak: Soak, round_no: int, fault_rate: float, planned: tuple | Non
         record["recovery_s"] = round(time.time() - faulted_at, 1)
     wait_idle()  # a killed run's last processes and its worker's report; a cron run that started meanwhile
     record["invariant_failures"] = check_invariants(soak, {h.pid for h in helpers})
+    if record["invariant_failures"]:
+        keep_evidence(soak, round_no)
     if worker_gone is not None:
         record["invariant_failures"].append(f"the worker had exited by itself (code {worker_gone}): restarted")
     for helper in helpers:
@@ -497,6 +502,14 @@ def one_round(soak: Soak, round_no: int, fault_rate: float, planned: tuple | Non
         helper.wait()
     record["s"] = round(time.time() - record["started"], 1)
     return record
+
+
+def keep_evidence(soak: Soak, round_no: int) -> None:
+    """A failed round's reports (the ledger, the decision, the stage reports), before the next run rewrites them."""
+    target = soak.evidence / f"round-{round_no}"
+    target.mkdir(parents=True, exist_ok=True)
+    for report in (soak.project / "reports").glob("*.json"):
+        shutil.copy2(report, target / report.name)
 
 
 def _recover() -> str:
