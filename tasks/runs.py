@@ -12,6 +12,12 @@ With a default DVC remote configured (``dvc remote add -d``), a run starts with 
 ``dvc push``: a run in a fresh clone (a work-pool worker's) reuses the base, the shards, the checkpoints'
 results, the champion and the registry, and retrains only what changed; the next one finds this one's. Without
 a remote both are skipped (the embedded default keeps its state in the workspace).
+
+Runs whose process died (SIGKILL, the OOM killer, a server stopped with them) cannot report their end, and Prefect
+would show them Running forever: every run carries its workspace's and its process's tags, and a run's start marks
+Crashed the Running runs of its workspace whose process is gone (``reconcile_runs``). After a stop signal, a flow
+process whose Prefect server died with it exits as soon as its stage has stopped (``exit_once_the_api_is_gone``)
+instead of retrying a dead API past the grace the platform allows.
 """
 
 from __future__ import annotations
@@ -196,14 +202,17 @@ def _api_answers(timeout_s: float = 0.5) -> bool:
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL
 
-    urls = [PREFECT_API_URL.value()] + [server.address for server in SubprocessASGIServer._instances.values()]
+    servers = [server.address for server in SubprocessASGIServer._instances.values() if server.port]
+    urls = [PREFECT_API_URL.value(), *servers]
     urls = [url for url in urls if url]
     if not urls:
         return True  # no API known to this process: none that went away
     for url in urls:
         parts = urlsplit(url)
-        with contextlib.suppress(OSError), socket.create_connection((parts.hostname, parts.port or 80), timeout_s):
-            return True
+        with contextlib.suppress(OSError, ValueError):
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            with socket.create_connection((parts.hostname, port), timeout_s):
+                return True
     return False
 
 
