@@ -133,7 +133,7 @@ def report_user_error(message: str) -> None:
 
 
 def _interrupted(signum, frame):
-    runs.exit_once_the_api_is_gone(128 + signum)
+    runs.exit_once_the_api_is_gone(128 + signum, str(Path(__file__).resolve().parent.parent))
     raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
 
 

@@ -38,7 +38,6 @@ from prefect.cache_policies import NO_CACHE
 
 from fineflow.core.workspace import HOLDER_ENV, WorkspaceLock, describe
 from fineflow.remote import pull, push
-from fineflow.train.preempt import descendants
 
 SUPERVISED_ENV = "FINEFLOW_FLOW_SUPERVISOR"  # the supervisor's pid, in the flow process it starts (flows.pipeline)
 _HELD: dict[str, WorkspaceLock] = {}  # project path -> the lock this process holds for it
@@ -159,21 +158,24 @@ def push_state(project_dir: str) -> str | None:
 _WATCHING: list[threading.Thread] = []  # the one watchdog of exit_once_the_api_is_gone
 
 
-def exit_once_the_api_is_gone(code: int, poll_s: float = 0.5) -> None:
-    """After a stop signal: once no stage runs any more and Prefect's API does not answer, exit `code` at once.
-    A signal to every process (Slurm's job step, systemd's control group) also stops the flow's temporary
-    server; Prefect would then spend its report of the stop and its exit handlers (events, logs) retrying a
-    dead server, past the grace the platform allows (measured: 33 s). The run stays Running in that server's
-    database; the next run marks it Crashed (mark_dead_runs_crashed). Only in the flow process of `python -m
-    flows.pipeline` (SUPERVISED_ENV), whose supervisor ends whatever it leaves: elsewhere (a worker's run, a
-    test) the process is not this function's to end."""
+def exit_once_the_api_is_gone(code: int, project_dir: str, poll_s: float = 0.5) -> None:
+    """After a stop signal: once no stage of the project runs any more and Prefect's API does not answer, exit
+    `code` at once. A signal to every process (Slurm's job step, systemd's control group) also stops the flow's
+    temporary server; Prefect would then spend its report of the stop and its exit handlers (events, logs)
+    retrying a dead server, past the grace the platform allows (measured: 33 s). The run stays Running in that
+    server's database; the next run marks it Crashed (mark_dead_runs_crashed). Only in the flow process of
+    `python -m flows.pipeline` (SUPERVISED_ENV), whose supervisor ends whatever it leaves: elsewhere (a worker's
+    run, a test) the process is not this function's to end."""
     if _WATCHING or not os.environ.get(SUPERVISED_ENV):
         return
+    project = Path(project_dir).resolve()
 
     def watch() -> None:
         while True:
             time.sleep(poll_s)
-            if not _stage_running() and not _api_answers():
+            # the stage first: it may still be saving its step, and this process's exit would close the pipe
+            # its output goes to (dvc, its parent, may be gone already: the stage is then no descendant of ours)
+            if not _stage_running(project) and not _api_answers():
                 print("fineflow run: Prefect's server is gone: the next run marks this run Crashed", file=sys.stderr)
                 sys.stdout.flush()
                 sys.stderr.flush()
@@ -183,14 +185,17 @@ def exit_once_the_api_is_gone(code: int, poll_s: float = 0.5) -> None:
     _WATCHING[0].start()
 
 
-def _stage_running() -> bool:
-    """Whether a `dvc repro` this flow process started is still running (a stage saving its step)."""
+def _stage_running(project: Path) -> bool:
+    """Whether a `dvc` or a stage process works in the project (whoever its parent is now)."""
     import psutil
 
-    for child in descendants(os.getpid()):
-        with contextlib.suppress(psutil.Error):
-            if child.status() != psutil.STATUS_ZOMBIE and "dvc" in child.cmdline():
-                return True
+    for process in psutil.process_iter(["cmdline", "cwd", "status"]):
+        info = process.info
+        command = info["cmdline"] or []
+        if info["status"] == psutil.STATUS_ZOMBIE or not info["cwd"] or Path(info["cwd"]) != project:
+            continue
+        if "dvc" in command or any(part.startswith("fineflow.stages") for part in command):
+            return True
     return False
 
 

@@ -158,7 +158,7 @@ def repro_single(stage: str, project_dir: Path, log, extra_env: dict[str, str] |
         except BaseException as exc:  # KeyboardInterrupt, Prefect's TerminationSignal, anything: no stage outlives it
             if stop.signum is not None or isinstance(exc, KeyboardInterrupt) or hasattr(exc, "signal"):
                 # stopped: should Prefect's server have got the signal too, the flow must not wait for it
-                exit_once_the_api_is_gone(128 + (stop.signum or getattr(exc, "signal", signal.SIGTERM)))
+                exit_once_the_api_is_gone(128 + (stop.signum or getattr(exc, "signal", signal.SIGTERM)), project_dir)
             stop_stage(proc, stage, project_dir, log, sent=stop.signum is not None)
             raise
     if proc.returncode and (busy := busy_error(list(tail))):

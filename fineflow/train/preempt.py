@@ -337,7 +337,10 @@ def relay_launcher_stderr(stream, out) -> None:
 def stop_group(proc: subprocess.Popen, sig: int, seconds: float, sent: bool = False) -> None:
     """Send sig to proc's process group (unless it was sent already), give it `seconds` to exit, then SIGKILL
     the group and every descendant seen when the stop began (those in sessions of their own too)."""
+    import psutil
+
     tree = descendants(proc.pid)
+    deadline = time.monotonic() + seconds
     if not sent:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
@@ -347,9 +350,13 @@ def stop_group(proc: subprocess.Popen, sig: int, seconds: float, sent: bool = Fa
         print(f"fineflow: still running {seconds:g}s after {signal.Signals(sig).name}: killing it", file=sys.stderr)
         kill_tree(proc, tree, group=True)
         return
+    # proc ended before its children: killed by the same signal (Slurm, systemd and a container runtime signal
+    # every process at once, and `dvc repro` dies of SIGTERM at once). They were signalled too (proc's group, or
+    # directly) and may be saving their step: they get the rest of the budget, then are killed
     leftovers = [process for process in tree if process.is_running()]
-    if leftovers:  # a layer below was killed before it could stop its own children
-        kill_tree(proc, leftovers, group=True)
+    _, alive = psutil.wait_procs(leftovers, timeout=max(0.0, deadline - time.monotonic()))
+    if alive:
+        kill_tree(proc, alive, group=True)
 
 
 def become_subreaper() -> None:
