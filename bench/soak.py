@@ -456,8 +456,8 @@ def orphans(soak: Soak, own_pids: set[int]) -> list[str]:
 def draw(soak: Soak, fault_rate: float) -> tuple[str, str | None]:
     event = soak.rng.choice(EVENTS)
     fault = soak.rng.choice(FAULTS) if soak.rng.random() < fault_rate else None
-    if fault == "disk_full" and event in ("nightly", "concurrent", "new_data"):
-        event = "param_edit"  # the disk fills during a checkpoint write: the round must train
+    if fault == "disk_full":
+        event = "param_edit"  # the disk fills during a checkpoint write: the round must train (an eval change does not)
     return event, fault
 
 
