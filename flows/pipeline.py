@@ -44,7 +44,7 @@ from tasks import runs
 from tasks.approval import answered_task_name, ask_for_approval
 from tasks.stages import is_user_error, log_user_errors_without_tracebacks, preempt_grace_s, run_stage
 
-FLOW_PROCESS_ENV = "FINEFLOW_FLOW_SUPERVISOR"  # the supervisor's pid, in the flow process it starts
+FLOW_PROCESS_ENV = runs.SUPERVISED_ENV  # the supervisor's pid, in the flow process it starts
 # where the flow process leaves a user error's message for its supervisor, which prints it last (after Prefect's
 # temporary server has logged its stop at the flow process's exit)
 USER_ERROR_FILE_ENV = "FINEFLOW_FLOW_USER_ERROR"
@@ -66,6 +66,7 @@ def fineflow_pipeline(project_dir: str = ".", overrides: dict[str, Any] | None =
     stage = "start"  # where the run is: a failed run's name says it
     log_user_errors_without_tracebacks()  # a failed stage's user error: its message, not our plumbing's traceback
     apply_offline_environment(project_dir)  # a worker's run starts here, not in run_flow: offline for its stages
+    runs.reconcile_runs(project_dir)  # this run's tags; earlier runs whose process died: marked Crashed
     runs.claim_workspace(project_dir, owner=f"flow run {flow_run.name!r}")
     os.environ[RUN_NAME_ENV] = flow_run.name or ""  # its stages name their tracker runs after it
     # its stages' lines in the goodput journal are this run's, from its start (the wait for the workspace counts)
@@ -132,6 +133,7 @@ def report_user_error(message: str) -> None:
 
 
 def _interrupted(signum, frame):
+    runs.exit_once_the_api_is_gone(128 + signum, str(Path(__file__).resolve().parent.parent))
     raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
 
 

@@ -39,6 +39,7 @@ from fineflow.registry.approval import APPROVAL_ENV
 from fineflow.remote import dvc_environment
 from fineflow.train import preempt
 from tasks.artifacts import TrainingProgress, publish_failure, publish_report
+from tasks.runs import exit_once_the_api_is_gone
 
 # The lines of a failed stage's output that its message keeps: errors, and DVC's "is busy, it is being blocked
 # by: (PID …) <command>" that names the process holding the workspace.
@@ -154,7 +155,10 @@ def repro_single(stage: str, project_dir: Path, log, extra_env: dict[str, str] |
                     log(line)
             if stop.signum is not None:  # the stage ended on the stop before the lost exception could be raised
                 raise KeyboardInterrupt(f"stopped by {preempt.signal_name(stop.signum)}")
-        except BaseException:  # KeyboardInterrupt, Prefect's TerminationSignal, anything: no stage outlives it
+        except BaseException as exc:  # KeyboardInterrupt, Prefect's TerminationSignal, anything: no stage outlives it
+            if stop.signum is not None or isinstance(exc, KeyboardInterrupt) or hasattr(exc, "signal"):
+                # stopped: should Prefect's server have got the signal too, the flow must not wait for it
+                exit_once_the_api_is_gone(128 + (stop.signum or getattr(exc, "signal", signal.SIGTERM)), project_dir)
             stop_stage(proc, stage, project_dir, log, sent=stop.signum is not None)
             raise
     if proc.returncode and (busy := busy_error(list(tail))):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -475,11 +476,18 @@ def reference_run(built, tmp_path_factory):
 @pytest.fixture(scope="module")
 def prefect_server(tmp_path_factory):
     """A Prefect server on 127.0.0.1 for the flows the test starts (PREFECT_API_URL), stopped by its PID."""
-    home = tmp_path_factory.mktemp("prefect-server")
-    port = free_port()
+    with prefect_server_on(tmp_path_factory.mktemp("prefect-server")) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def prefect_server_on(home: Path, port: int | None = None):
+    """`prefect server start` on 127.0.0.1:port (a free one by default) over the database in PREFECT_HOME=home;
+    its API URL; stopped by PID."""
+    port = port or free_port()
     env = {**venv_env(), "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false"}
     argv = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    with (home / "server.log").open("w") as log:
+    with (home / "server.log").open("a") as log:
         server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}/api"
     try:
@@ -490,8 +498,10 @@ def prefect_server(tmp_path_factory):
 
 
 def stop_by_pid(server: subprocess.Popen) -> None:
-    """SIGTERM to a server the test started (its own process group), SIGKILL if it is still there after 20 s."""
-    os.killpg(server.pid, signal.SIGTERM)
+    """SIGTERM to a server the test started (its own process group), SIGKILL if it is still there after 20 s
+    (a server already killed, as the soak kills one: nothing to do)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.pid, signal.SIGTERM)
     try:
         server.wait(timeout=20)
     except subprocess.TimeoutExpired:
@@ -521,10 +531,17 @@ def s3_server(tmp_path_factory):
     """An S3 API server on 127.0.0.1 (moto's, as DVC's own S3 plugin tests use), with the bucket S3_BUCKET;
     its endpoint URL. Started as a process of its own, once per session, and stopped by its PID; each test uses
     a prefix of its own in the bucket."""
-    home = tmp_path_factory.mktemp("s3-server")
-    port = free_port()
+    with s3_server_on(tmp_path_factory.mktemp("s3-server")) as endpoint:
+        yield endpoint
+
+
+@contextlib.contextmanager
+def s3_server_on(home: Path, port: int | None = None):
+    """moto's S3 server on 127.0.0.1:port (a free one by default) with the bucket S3_BUCKET; its endpoint URL;
+    stopped by its PID. A server started again on the same port serves an empty store (moto keeps it in memory)."""
+    port = port or free_port()
     argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-    with (home / "server.log").open("w") as log:
+    with (home / "server.log").open("a") as log:
         server = subprocess.Popen(argv, env=venv_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     endpoint = f"http://127.0.0.1:{port}"
     try:

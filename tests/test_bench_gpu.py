@@ -99,7 +99,7 @@ def test_what_the_machine_cannot_host_is_skipped_with_its_reason():
 
 
 @pytest.mark.slow
-@pytest.mark.scenario  # ~80 s on 2 busy cores: a dvc repro, three trainings of one process and one of two ranks
+@pytest.mark.nightly  # ~100 s on 2 cores: a dvc repro, three trainings of one process and one of two ranks
 def test_the_cpu_dry_run_trains_through_the_stages_and_resumes_bit_exact(tmp_path):
     """`bash bench/gpu.sh --device cpu --tiny`: the configurations' entries come from the stages' own reports
     (train report, step log, goodput ledger), and the SIGTERMed run resumes to the uninterrupted run's adapter."""

@@ -411,3 +411,72 @@ def test_a_user_error_in_a_stage_of_the_flow_exits_2_with_its_message_last_and_n
     assert last.startswith("fineflow run: error: ") and "model.base 'nobody/no-such-model'" in last, last
     assert not (project / "reports/base.json").exists()  # base refused; no stage after it ran
     assert not (project / "reports/fingerprint.json").exists()
+
+
+# --- runs whose process died ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_runs_left_running_by_a_dead_process_are_marked_crashed_by_the_next_run(prefect_server, tmp_path):
+    """Against a real `prefect server` on 127.0.0.1: Running runs of this workspace whose process was SIGKILLed,
+    or whose pid now names another process, become Crashed with a message; a live process's run, another
+    workspace's and the current run stay Running."""
+    import os
+    import signal
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Running
+
+    from tasks import runs
+
+    @flow(name="fineflow-test-run")
+    def nothing():
+        pass
+
+    project, other = tmp_path / "project", tmp_path / "other"
+    project.mkdir(), other.mkdir()
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    killed_tag = runs.process_tag(killed.pid)
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.wait()
+    host, pid, started = runs.process_tag().removeprefix(runs.PROCESS_TAG).rsplit(":", 2)
+    reused_tag = f"{runs.PROCESS_TAG}{host}:{pid}:{int(started) - 3600}"  # this pid, an hour earlier: another process
+    with temporary_settings({PREFECT_API_URL: prefect_server}), get_client(sync_client=True) as client:
+
+        def run(project_dir, process):
+            tags = [runs.workspace_tag(project_dir), process]
+            return client.create_flow_run(nothing, tags=tags, state=Running()).id
+
+        dead, reused, alive = (run(project, tag) for tag in (killed_tag, reused_tag, runs.process_tag()))
+        elsewhere, current = run(other, killed_tag), run(project, killed_tag)
+        marked = runs.mark_dead_runs_crashed(client, str(project), current=current)
+        states = {key: client.read_flow_run(key).state for key in (dead, reused, alive, elsewhere, current)}
+    assert len(marked) == 2, marked
+    assert [states[key].type.value for key in (dead, reused)] == ["CRASHED", "CRASHED"]
+    assert f"{killed.pid}" in states[dead].message and "ended without reporting" in states[dead].message
+    assert [states[key].type.value for key in (alive, elsewhere, current)] == ["RUNNING"] * 3
+
+
+@pytest.mark.slow
+def test_two_runs_started_in_the_same_second_on_one_workspace_get_distinct_names(prefect_server, tmp_path, monkeypatch):
+    """Two triggers at once (a cron tick and new data) on one commit: the names of the two queued runs differ,
+    though their commit, edits and start second are the same (on main both were `<sha> <time> UTC`)."""
+    import time
+
+    from prefect import flow
+    from prefect.runtime import flow_run
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks import runs
+
+    @flow(name="fineflow-test-names", flow_run_name=runs.flow_run_name)
+    def named(project_dir: str = ".", overrides: dict | None = None) -> str:
+        return flow_run.name
+
+    monkeypatch.setattr(time, "time", lambda: 1_796_000_000.0)  # one start second for both
+    with temporary_settings({PREFECT_API_URL: prefect_server}):
+        first, second = named(str(tmp_path)), named(str(tmp_path))
+    assert first != second, (first, second)
+    assert first.split(" #")[0] == second.split(" #")[0]  # the same commit and start: only the run id tells

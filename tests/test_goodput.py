@@ -415,6 +415,32 @@ def test_a_bf16_probe_that_is_stable_still_finds_fp32_at_the_quiet_ratio(monkeyp
     assert precision["severity"] == "severe" and "measured at 2.1x fp32's rate" in precision["evidence"]
 
 
+def _timer(seconds: list[float]):
+    """A matmul timer that returns the given seconds, one per call (a probe under a load that comes and goes)."""
+    left = iter(seconds)
+    return lambda: next(left)
+
+
+def test_the_cpu_peak_is_the_median_of_spaced_rounds_and_a_busy_probe_makes_the_mfu_inconclusive(monkeypatch):
+    """On main the CPU peak was the best of 5 back-to-back matmuls: on a busy machine whatever instant happened to
+    be quiet, and nothing said so. Now: the median of spaced rounds, their spread, and an MFU line that says
+    "inconclusive" when the rounds disagree."""
+    monkeypatch.setattr(flops, "PROBE_PAUSE_S", 0.0)
+    rate = 2 * 1024**3
+    quiet = flops.cpu_peak_probe(timer=_timer([0.01] * 6 + [0.05]), rounds=7)  # one round hit by a burst
+    assert quiet == {"flops_per_s": round(rate / 0.01), "spread": 0.0, "rounds": 7}  # the median ignores it
+    busy = flops.cpu_peak_probe(timer=_timer([0.01, 0.08, 0.02, 0.05, 0.01, 0.09, 0.03]), rounds=7)
+    assert busy["spread"] > doctor.MAX_PROBE_SPREAD and busy["flops_per_s"] == round(rate / 0.03)
+    for probe, inconclusive in ((quiet, False), (busy, True)):
+        flops_facts = {"peak_source": "measured", "peak_spread": probe["spread"]}
+        run = _ledger({"compute": 90.0}, _train(compute_s=90.0) | {"flops": flops_facts}) | {"mfu": 0.1, "hfu": 0.1}
+        text = doctor.format_text(run, doctor.diagnose(run))
+        assert ("inconclusive: machine busy" in text) is inconclusive, text
+    monkeypatch.setattr(flops, "timed_matmul", lambda dtype, size=1024: _timer([0.01] * 7))
+    measured = flops.peak_flops("cpu", "cpu", "no")
+    assert measured["spread"] == 0.0 and "median of 7 rounds" in measured["source"]
+
+
 def _cpu_run(cpu: dict) -> dict:
     train = _train(compute_s=90.0) | {"device": {"type": "cpu", "name": "cpu", "bf16_capable": False, "cpu": cpu}}
     return _ledger({"compute": 90.0, "orchestration": 10.0}, train)

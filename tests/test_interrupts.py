@@ -7,6 +7,7 @@ From the unit (a rank's watchdog, fit() stopping at a step's end, the task stopp
 the real thing: SIGTERM to the train launcher of a 2-process DDP run, Ctrl-C (SIGINT to the process group, as a
 terminal sends it) and SIGTERM to the PID of `python -m flows.pipeline`."""
 
+import contextlib
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ from tests.conftest import (
     finish_train,
     last_logged_step,
     launch_with_free_port,
+    prefect_server_on,
     ranks_overrides,
     run_dirs,
     start_train,
@@ -372,14 +374,17 @@ def test_sigkill_of_the_launcher_leaves_no_rank_training_on(built, tmp_path):
 def flow_project(reproduced, tmp_path_factory):
     """A project whose stages up to tokenize are done (DVC skips them in the flow) and whose train stage runs
     long enough to be interrupted (3000 tiny steps), plus a Prefect home of its own (the flow's run states)."""
-    root = tmp_path_factory.mktemp("interrupts")
+    return _long_train_project(reproduced, tmp_path_factory.mktemp("interrupts"), GRACE_S)
+
+
+def _long_train_project(reproduced, root, grace_s: float) -> tuple:
     overrides = {
         "train.steps": 3000,
         "train.eval_every": 3000,
         "train.log_every": 1,
         "train.tracker": "none",
         "checkpoint.every_steps": 1000,
-        "checkpoint.preempt_grace_s": GRACE_S,
+        "checkpoint.preempt_grace_s": grace_s,
     }
     project = copy_reproduced(reproduced, root / "project", overrides)  # the session's finished run, retrained
     return project, root / "prefect"
@@ -457,13 +462,46 @@ def test_ctrl_c_of_the_flow_ends_every_process_within_seconds(flow_project):
     _assert_stopped_cleanly(run, "SIGINT")  # the task forwards SIGINT to dvc's group, the launcher to the ranks
 
 
-@pytest.mark.scenario
+@pytest.mark.nightly  # CI keeps Ctrl-C of the flow (the supervisor's same forwarding) and SIGTERM to every process
 @pytest.mark.slow
 def test_sigterm_to_the_flows_pid_alone_ends_every_process_within_seconds(flow_project):
     """SIGTERM to one PID, what `kill` or a Kubernetes eviction (PID 1) does."""
     run = _interrupt_flow(flow_project, lambda proc, tree: proc.send_signal(signal.SIGTERM))
     assert run["code"] == 128 + signal.SIGTERM, run["output"][-3000:]
     _assert_stopped_cleanly(run, "SIGINT")  # the task stops `dvc repro` with SIGINT, whatever stopped the flow
+
+
+@pytest.mark.scenario
+@pytest.mark.slow
+def test_sigterm_to_every_process_at_once_ends_within_the_readmes_grace(reproduced, tmp_path):
+    """SIGTERM to every PID of the tree at the same moment, what Slurm (every process of a job step) and systemd's
+    default KillMode (the whole control group) do: the flow's temporary Prefect server dies with the rest, and the
+    flow's report of the stop must not hang on it. The whole tree ends within the README's preempt_grace_s + 15."""
+
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks import runs
+
+    def sigterm_everyone(proc, tree):
+        for process in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.send_signal(signal.SIGTERM)
+
+    grace_s = 8  # the stage saves its step in ~2 s; the README's bound is then 23 s
+    project = _long_train_project(reproduced, tmp_path, grace_s)
+    run = _interrupt_flow(project, sigterm_everyone, within_s=2 * GONE_WITHIN_S)
+    print(f"exit {run['code']}, every process of the flow gone after {run['took']:.1f}s")  # shown with -s
+    assert run["code"] == 128 + signal.SIGTERM, run["output"][-3000:]
+    assert run["took"] < grace_s + 15, run["output"][-3000:]  # the README's bound for platforms
+    record = json.loads((run["project"] / "reports/train.error.json").read_text())
+    assert record["kind"] == "preempted", record  # the stage saved the step it was on
+    # its server died with it: the run is left Running in the server's database until the next run of the
+    # workspace marks it Crashed (a server over the same database, and what the next run does first)
+    with prefect_server_on(run["home"]) as url, temporary_settings({PREFECT_API_URL: url}):
+        with get_client(sync_client=True) as client:
+            runs.mark_dead_runs_crashed(client, str(project[0]))
+    assert _last_flow_run_state(run["home"]) in ("CRASHED", "CANCELLED"), run["output"][-3000:]
 
 
 @pytest.mark.nightly  # a third flow stopped during train; CI keeps Ctrl-C and SIGTERM of a live flow
@@ -483,3 +521,47 @@ def test_a_dead_prefect_server_does_not_hang_the_stop(flow_project):
     assert run["code"] == 128 + signal.SIGINT, run["output"][-3000:]
     record = json.loads((run["project"] / "reports/train.error.json").read_text())
     assert record["kind"] == "preempted"  # the stage was stopped and saved all the same
+
+
+# --- the launcher's output on a user error ---------------------------------------------------------------
+
+DRIVER = (  # run_ranks on the argv it is given, as the train launcher calls it
+    "import os, sys; from fineflow.train.preempt import run_ranks; sys.exit(run_ranks(sys.argv[1:], {**os.environ}, 5))"
+)
+USER_ERROR_RANK = """import sys
+print("fineflow train: error: params.yaml: train.lr must be > 0 (got -1)", file=sys.stderr, flush=True)
+sys.exit(2)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_rank_user_error_through_the_launcher_prints_its_message_and_no_traceback(tmp_path, ranks):
+    """A rank that exits 2 (a FineflowError: bad params or data) under `accelerate launch`: accelerate's simple
+    launcher raises CalledProcessError, torch elastic's ChildFailedError, each with ~40 lines of traceback and
+    report; run_ranks keeps the rank's message, the exit code, and drops the launcher's traceback."""
+    from fineflow.train.launch import accelerate_command
+
+    (tmp_path / "user_error_rank.py").write_text(USER_ERROR_RANK)
+    env = {**venv_env(), "PYTHONPATH": f"{tmp_path}{os.pathsep}{venv_env().get('PYTHONPATH', '')}"}
+
+    codes = []
+
+    def launch(port):
+        argv, extra = accelerate_command(ranks, False, "user_error_rank", [], port)
+        done = subprocess.run(
+            [sys.executable, "-c", DRIVER, *argv],
+            env={**env, **extra},
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        codes.append(done.returncode)
+        return done.returncode == 0, done.stdout + done.stderr
+
+    _, output = launch_with_free_port(launch)
+    assert codes[-1] != 0 and "train.lr must be > 0" in output, output[-3000:]
+    assert "Traceback" not in output and "ChildFailedError" not in output and "CalledProcessError" not in output, (
+        output[-3000:]
+    )

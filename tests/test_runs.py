@@ -439,7 +439,7 @@ def _wait_for(what, timeout: float, proc, log):
     pytest.fail(f"timed out after {timeout} s: {log.read_text()[-3000:]}")
 
 
-@pytest.mark.scenario
+@pytest.mark.nightly  # CI keeps the soak's short form (tests/test_soak.py): deploy --all, a worker, the trigger
 @pytest.mark.slow
 def test_prefect_yaml_deploys_both_deployments_a_worker_runs_them_and_new_data_triggers_a_run(prefect_server, tmp_path):
     """From a fresh copy: `prefect deploy --all` (what `make deploy` runs) registers nightly (cron in UTC) and

@@ -389,8 +389,7 @@ def format_text(ledger: dict, findings: list[dict]) -> str:
         lines.append(f"{name:<14} {seconds:9.2f} {seconds / total:7.1%} {usd:10.5f}  {DESCRIPTIONS.get(name, '')}")
     lines.append(f"{'unaccounted':<14} {ledger['unaccounted_s']:9.2f} {ledger['unaccounted_share']:7.2%}")
     if ledger.get("mfu") is not None:
-        source = ((ledger.get("train") or {}).get("flops") or {}).get("peak_source")
-        lines.append(f"MFU {ledger['mfu']:.2%}, HFU {ledger['hfu']:.2%} (peak: {source})")
+        lines.append(utilization_line(ledger))
     lines.append("")
     if not findings:
         lines.append("doctor: nothing found" + ("" if ledger.get("trained") else " (this run trained nothing)"))
@@ -402,3 +401,17 @@ def format_text(ledger: dict, findings: list[dict]) -> str:
             f"${finding['usd']:.4f}\n   evidence: {finding['evidence']}\n   fix: {setting} ({fix['why']})"
         )
     return "\n".join(lines)
+
+
+def utilization_line(ledger: dict) -> str:
+    """MFU and HFU with their peak's source; inconclusive when the CPU probe of the peak spread over
+    MAX_PROBE_SPREAD (a busy machine: the utilization is against a peak nobody measured)."""
+    flops = (ledger.get("train") or {}).get("flops") or {}
+    line = f"MFU {ledger['mfu']:.2%}, HFU {ledger['hfu']:.2%} (peak: {flops.get('peak_source')})"
+    spread = flops.get("peak_spread")
+    if spread is not None and spread > MAX_PROBE_SPREAD:
+        line += (
+            f"; inconclusive: machine busy, the peak probe's rounds spread over {spread:.0%} of their median "
+            f"(a figure needs <= {MAX_PROBE_SPREAD:.0%}): measure again on a quiet machine"
+        )
+    return line

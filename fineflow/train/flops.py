@@ -12,8 +12,9 @@ embedding lookup excluded: it is a gather, not a matmul):
 - gradient checkpointing adds one more forward (2N and the forward attention) to HFU.
 
 Peak FLOP/s come from ``PEAK_TFLOPS`` (dense, no sparsity: the vendors' datasheets) by device name and
-precision; on a CPU fineflow measures it (a 1024^2 matmul in the run's precision, best of 5, ~0.2 s) and says so
-in the report.
+precision; on a CPU fineflow measures it (``cpu_peak_probe``: the median of 7 1024^2 matmuls in the run's
+precision, spaced over ~0.3 s, and their spread) and says so in the report; a best-of-5 on a busy machine was
+whatever moment happened to be quiet, and the doctor now calls an MFU over a spread probe inconclusive.
 
 Whether bf16 would pay (the doctor's precision finding) is ``bf16_speedup``: bf16's matmul rate over fp32's,
 measured on a CPU with bf16 instructions (seen: 2.1x on an AMD EPYC with AVX-512 BF16), the table's ratio on a
@@ -64,29 +65,36 @@ CPU_DTYPES = {"no": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 PROBE_ROUNDS = 7  # interleaved fp32/bf16 pairs of the bf16 probe: enough for a median and quartiles, ~0.5 s
+PROBE_PAUSE_S = 0.02  # between the CPU peak probe's rounds: they sample the machine's load over ~0.3 s
 
 
-def measured_cpu_peak(size: int = 1024, repeats: int = 5, dtype: str = "float32") -> float:
-    """This CPU's matmul FLOP/s in `dtype`, best of `repeats` (with the threads torch uses)."""
-    import torch
-
-    kind = getattr(torch, dtype)
-    a, b = torch.randn(size, size, dtype=kind), torch.randn(size, size, dtype=kind)
-    torch.mm(a, b)  # warm-up: thread pool, caches
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - started)
-    return 2 * size**3 / best
+def cpu_peak_probe(
+    dtype: str = "float32", size: int = 1024, rounds: int = PROBE_ROUNDS, timer: Callable[[], float] | None = None
+) -> dict:
+    """{"flops_per_s", "spread", "rounds"}: this CPU's matmul rate in `dtype` (with the threads torch uses), the
+    median of `rounds` timed matmuls spaced PROBE_PAUSE_S apart (a load that comes and goes hits some rounds,
+    not the statistic), and their interquartile range over that median. `timer` (timing one size x size matmul)
+    defaults to this CPU's (``timed_matmul``); tests pass their own."""
+    timer = timer or timed_matmul(dtype, size)
+    rates = []
+    for _ in range(rounds):
+        rates.append(2 * size**3 / timer())
+        time.sleep(PROBE_PAUSE_S)
+    median = statistics.median(rates)
+    low, _, high = statistics.quantiles(rates, n=4)
+    return {"flops_per_s": round(median), "spread": round((high - low) / median, 3), "rounds": rounds}
 
 
 def peak_flops(device_type: str, device_name: str, precision: str) -> dict:
-    """{"flops_per_s", "source"}: the table's figure on a known GPU, a measured one on a CPU, else None."""
+    """{"flops_per_s", "source"}: the table's figure on a known GPU, a measured one on a CPU (with the probe's
+    "spread": over the doctor's MAX_PROBE_SPREAD, it calls the MFU inconclusive), else None."""
     if device_type == "cpu":
-        dtype = CPU_DTYPES.get(precision, "float32")
-        source = f"measured: {PRECISION_KEY.get(precision, precision)} 1024x1024 matmul on this CPU, best of 5"
-        return {"flops_per_s": round(measured_cpu_peak(dtype=dtype)), "source": source}
+        probe = cpu_peak_probe(CPU_DTYPES.get(precision, "float32"))
+        source = (
+            f"measured: {PRECISION_KEY.get(precision, precision)} 1024x1024 matmul on this CPU, "
+            f"median of {probe['rounds']} rounds"
+        )
+        return {"flops_per_s": probe["flops_per_s"], "source": source, "spread": probe["spread"]}
     value = table_peak(device_name, precision)
     if value is None:
         return {"flops_per_s": None, "source": f"unknown device {device_name!r} at {precision}: add it to PEAK_TFLOPS"}

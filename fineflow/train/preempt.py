@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -37,7 +38,7 @@ import threading
 import time
 from pathlib import Path
 
-from fineflow.core.errors import PREEMPTED_EXIT
+from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT
 from fineflow.core.reports import error_record_path, read_record, write_json_atomic
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -275,18 +276,71 @@ def run_ranks(argv: list[str], env: dict[str, str], grace_s: float, log=print) -
     # torch elastic's wait before it SIGKILLs the ranks it asked to stop (default 30 s): just beyond the grace
     env = {**env, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(math.ceil(budget_s(grace_s, "elastic")))}
     _libc()  # loaded here: between fork and exec only the call is made
-    proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_launched_by_launcher)
+    proc = subprocess.Popen(
+        argv, env=env, start_new_session=True, preexec_fn=_launched_by_launcher, stderr=subprocess.PIPE
+    )
+    relay = threading.Thread(target=relay_launcher_stderr, args=(proc.stderr, sys.stderr), daemon=True)
+    relay.start()
     with Forwarder(proc.pid, group=True) as forwarder:
         code = wait_bounded(proc, forwarder, budget_s(grace_s, "launcher"), group=True)
+    relay.join(timeout=5)  # the ranks' last lines (a rank outliving the launcher is killed with it)
     if forwarder.signum is not None:
         log(f"train: {signal.Signals(forwarder.signum).name} forwarded to the ranks; accelerate exited {code}")
     return 128 - code if code < 0 else code
 
 
+# A rank's user error (exit 2: its message already printed) makes the launcher raise: accelerate's simple launcher
+# a CalledProcessError, torch elastic a ChildFailedError and its failure report, ~40 lines that bury the message.
+_LAUNCHER_FAILURES = ("CalledProcessError", "ChildFailedError")
+_EXIT_CODES = (re.compile(r"exitcode\s*:\s*(-?\d+)"), re.compile(r"returned non-zero exit status (-?\d+)"))
+_ELASTIC_FAILED_LINE = re.compile(r"failed \(exitcode: 2\) local_rank: \d+")  # torch elastic's log line of it
+
+
+def _is_user_error_report(block: list[str]) -> bool:
+    """Whether a held traceback is the launcher's own, for ranks that all exited with the user-error code."""
+    text = "".join(block)
+    if not any(f"{name}:" in text for name in _LAUNCHER_FAILURES):
+        return False
+    codes = [int(code) for pattern in _EXIT_CODES for code in pattern.findall(text)]
+    return bool(codes) and all(code == USER_ERROR_EXIT for code in codes)
+
+
+def _traceback_over(block: list[str]) -> bool:
+    """Whether a held traceback is complete: its exception line came (the first unindented line after the
+    header), and for a ChildFailedError its report too (closed by the second ``====`` rule)."""
+    body = block[1:]
+    if any("ChildFailedError" in line for line in body if not line.startswith(" ")):
+        return sum(line.startswith("=====") for line in body) >= 2
+    return bool(body) and not body[-1].startswith((" ", "\n"))
+
+
+def relay_launcher_stderr(stream, out) -> None:
+    """Copy the launcher's stderr (the ranks' too) to `out` line by line, holding back each traceback until it
+    is over: the launcher's own for a rank's user error is dropped (``_is_user_error_report``), any other passed
+    on whole."""
+    held: list[str] = []
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", errors="replace")
+        if held or line.startswith("Traceback (most recent call last):"):
+            held.append(line)
+            if not (_traceback_over(held) or len(held) > 500):
+                continue
+            line, held = ("" if _is_user_error_report(held) else "".join(held)), []
+        elif _ELASTIC_FAILED_LINE.search(line):
+            continue
+        out.write(line)
+        out.flush()
+    out.write("".join(held))  # a traceback cut short: as it came
+    out.flush()
+
+
 def stop_group(proc: subprocess.Popen, sig: int, seconds: float, sent: bool = False) -> None:
     """Send sig to proc's process group (unless it was sent already), give it `seconds` to exit, then SIGKILL
     the group and every descendant seen when the stop began (those in sessions of their own too)."""
+    import psutil
+
     tree = descendants(proc.pid)
+    deadline = time.monotonic() + seconds
     if not sent:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
@@ -296,9 +350,13 @@ def stop_group(proc: subprocess.Popen, sig: int, seconds: float, sent: bool = Fa
         print(f"fineflow: still running {seconds:g}s after {signal.Signals(sig).name}: killing it", file=sys.stderr)
         kill_tree(proc, tree, group=True)
         return
+    # proc ended before its children: killed by the same signal (Slurm, systemd and a container runtime signal
+    # every process at once, and `dvc repro` dies of SIGTERM at once). They were signalled too (proc's group, or
+    # directly) and may be saving their step: they get the rest of the budget, then are killed
     leftovers = [process for process in tree if process.is_running()]
-    if leftovers:  # a layer below was killed before it could stop its own children
-        kill_tree(proc, leftovers, group=True)
+    _, alive = psutil.wait_procs(leftovers, timeout=max(0.0, deadline - time.monotonic()))
+    if alive:
+        kill_tree(proc, alive, group=True)
 
 
 def become_subreaper() -> None:

@@ -88,6 +88,7 @@ def run_flops(reference: str, cfg: TrainParams, shard, report: dict, accelerator
         "hardware_per_token": round(per_token["hardware"]),
         "peak_per_device": peak["flops_per_s"],
         "peak_source": peak["source"],
+        "peak_spread": peak.get("spread"),  # the CPU probe's (None: the table's figure)
         **flops.utilization(per_token, report.get("tokens_per_s"), peak, accelerator.num_processes),
     }
 

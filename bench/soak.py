@@ -1,0 +1,612 @@
+"""The soak: the project left running, as a team leaves it, with schedules, new data, edits and crashes.
+
+    python bench/soak.py --runs 50 --seed 1 --out logs/soak            # or --duration 14400
+    python bench/soak.py --runs 5 --fault-rate 0.6 --out logs/soak-ci  # what the CI scenario runs
+
+What it starts (on 127.0.0.1 only, each stopped by its PID at the end): a `prefect server`, moto's S3 server as
+the project's DVC remote, the project's own deployments (`prefect deploy --all` of prefect.yaml: nightly, whose
+cron ``--cron`` accelerates, and on-new-data on its event) and a process worker (`make worker`). The project is a
+tiny copy of this checkout (tests/conftest.py's copy_project: every stage in seconds), or ``--project``.
+
+Each round draws, from one seeded schedule, an event and (at ``--fault-rate``) a fault:
+
+- events: none (the nightly run), new data (`fineflow data add`: the on-new-data trigger starts the run), a
+  param edit (train.lr), a changed eval set (evaluate.limit), concurrent triggers (two nightly runs at once);
+- faults: SIGKILL of a random process of the run's tree (flow, dvc, stage, launcher, rank), SIGTERM to every
+  process of the tree at once, SIGKILL of the worker or of the Prefect server (each started again), a DVC lock
+  entry whose PID now names an unrelated process, a remote that refuses for a while (its endpoint pointed at a
+  closed port for REFUSE_S), a disk that fills during a checkpoint write (tests/faults' injection, through the
+  run's job variables).
+
+After a fault the nightly deployment runs again until a run completes (``recovery_s``: from the fault to that
+run's end). After every round the invariants (``check_invariants``): `fineflow registry verify` passes (it checks
+the champion against the log entry that installed it); `dvc status` is clean; the promotion decision has its
+reason and its evidence; the goodput ledger adds up within 1%; no process is left in the project; no flow run is
+left Running. The report: ``soak.json`` and ``soak.md`` in ``--out`` (runs, faults by kind, invariant failures,
+the slowest recovery). Not yet drawn: a new base checkpoint at the same path, a late or missing approval.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.conftest import (  # noqa: E402  (the project's own helpers, importable from the checkout)
+    add_s3_remote,
+    copy_project,
+    free_port,
+    prefect_server_on,
+    s3_server_on,
+    venv_env,
+)
+from tests.faults import fault_env  # noqa: E402
+
+EVENTS = ("nightly", "new_data", "param_edit", "eval_change", "concurrent")
+FAULTS = (
+    "sigkill_random",
+    "sigterm_all",
+    "sigkill_worker",
+    "sigkill_server",
+    "reused_pid_lock",
+    "remote_refusing",
+    "disk_full",
+)
+SERVER_DOWN_S = 5  # a SIGKILLed server is started again (same port, same database) after this
+FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+RUN_TIMEOUT_S = 600
+REFUSE_S = 8  # the remote refuses this long: the pull task's retries (10 s apart) outlast it
+MAX_RECOVERY_RUNS = 3
+
+
+@dataclass
+class Soak:
+    """What a soak runs against, and what it has seen."""
+
+    project: Path
+    api: str
+    env: dict[str, str]
+    rng: random.Random
+    worker: subprocess.Popen | None = None
+    worker_log: Path | None = None
+    server_home: Path | None = None
+    servers: contextlib.ExitStack | None = None  # the Prefect servers started (again, after a kill)
+    evidence: Path | None = None  # where a failed round's reports are kept
+    rounds: list[dict] = field(default_factory=list)
+
+
+# --- the stack --------------------------------------------------------------------------------------------
+
+
+def prefect(soak: Soak, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "prefect", *args], cwd=soak.project, env=soak.env, capture_output=True, text=True
+    )
+    if done.returncode:
+        raise RuntimeError(f"prefect {' '.join(args)} failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return done.stdout
+
+
+def accelerate_cron(project: Path, cron: str) -> None:
+    """The copy's prefect.yaml with nightly's cron replaced (the soak's clock runs faster than a night)."""
+    spec = yaml.safe_load((project / "prefect.yaml").read_text())
+    for deployment in spec["deployments"]:
+        for schedule in deployment.get("schedules") or []:
+            schedule["cron"] = cron
+    (project / "prefect.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+
+
+def start_worker(soak: Soak, log: Path) -> None:
+    soak.worker_log = log
+    with log.open("a") as fh:
+        soak.worker = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", "fineflow-process"],
+            cwd=soak.project,
+            env=soak.env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def stop_worker(soak: Soak) -> None:
+    """SIGTERM to the worker's group, then SIGKILL to whatever of its tree is left (a worker may sit on the first
+    SIGTERM for >20 s)."""
+    if soak.worker is None:
+        return
+    tree = [psutil.Process(soak.worker.pid), *run_tree(soak)] if soak.worker.poll() is None else []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(soak.worker.pid, signal.SIGTERM)
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    soak.worker.wait()
+
+
+@contextlib.contextmanager
+def stack(root: Path, project: Path | None, cron: str | None, seed: int):
+    """The servers, the project (deployed, its remote on S3) and the worker; stopped by PID on the way out."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "s3").mkdir(exist_ok=True)
+    (root / "prefect").mkdir(exist_ok=True)
+    with s3_server_on(root / "s3") as endpoint, contextlib.ExitStack() as servers:
+        api = servers.enter_context(prefect_server_on(root / "prefect"))
+        project = project or copy_project(root / "project")
+        add_s3_remote(project, endpoint, "soak")
+        env = {**venv_env(), "PREFECT_API_URL": api, "PREFECT_HOME": str(root / "prefect-client")}
+        env.pop("HF_HOME", None)  # the flow puts it in the project (apply_offline_environment)
+        soak = Soak(project, api, env, random.Random(seed), server_home=root / "prefect", servers=servers)
+        soak.evidence = root.parent / "evidence"
+        if cron:
+            accelerate_cron(project, cron)
+        prefect(soak, "work-pool", "create", "fineflow-process", "--type", "process")
+        prefect(soak, "--no-prompt", "deploy", "--all")
+        start_worker(soak, root / "worker.log")
+        try:
+            yield soak
+        finally:
+            stop_worker(soak)
+
+
+# --- runs ------------------------------------------------------------------------------------------------
+
+
+def client():
+    from prefect.client.orchestration import get_client
+
+    return get_client(sync_client=True)
+
+
+def deployment_id(name: str):
+    with client() as c:
+        return c.read_deployment_by_name(f"fineflow/{name}").id
+
+
+def start_nightly(env: dict[str, str] | None = None):
+    """A run of the nightly deployment now (what its cron does), with extra environment for its process."""
+    with client() as c:
+        job = {"env": env} if env else None
+        return c.create_flow_run_from_deployment(deployment_id("nightly"), job_variables=job).id
+
+
+def flow_runs() -> list:
+    with client() as c:
+        return c.read_flow_runs(limit=200)
+
+
+def wait_for_runs(run_ids: list, timeout_s: float = RUN_TIMEOUT_S) -> dict:
+    """{id: final state type} once every run is final (or "TIMEOUT")."""
+    deadline, states = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        try:
+            dead = {run.id for run in left_running()}  # ended, though Prefect does not know it yet
+            with client() as c:
+                states = {run_id: c.read_flow_run(run_id).state_type.value for run_id in run_ids}
+        except Exception:  # the server is being started again: ask again
+            time.sleep(1)
+            continue
+        states = {run_id: "LEFT_RUNNING" if run_id in dead else state for run_id, state in states.items()}
+        if all(state in (*FINAL, "LEFT_RUNNING") for state in states.values()):
+            return states
+        time.sleep(1)
+    return {run_id: (state if state in FINAL else "TIMEOUT") for run_id, state in states.items()}
+
+
+def wait_for_new_run(deployment: str, after: float, timeout_s: float = 120):
+    """The first run of `deployment` created after `after` (epoch seconds): a trigger's."""
+    wanted = deployment_id(deployment)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        runs = [r for r in flow_runs() if r.deployment_id == wanted and r.created.timestamp() >= after]
+        if runs:
+            return runs[0].id
+        time.sleep(1)
+    raise RuntimeError(f"no {deployment} run within {timeout_s} s of the trigger")
+
+
+def run_tree(soak: Soak) -> list:
+    """The processes under the worker: the flow runs' trees."""
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(soak.worker.pid).children(recursive=True)
+    return []
+
+
+def wait_for_stage(soak: Soak, timeout_s: float = 300) -> list:
+    """The run's tree once one of its stages runs (a `fineflow.stages.*` process), else what is there."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        tree = run_tree(soak)
+        if any("fineflow.stages" in " ".join(_cmdline(p)) for p in tree):
+            time.sleep(soak.rng.uniform(0.5, 3.0))  # somewhere into the stage
+            return run_tree(soak)
+        time.sleep(0.2)
+    return run_tree(soak)
+
+
+def _cmdline(process) -> list[str]:
+    with contextlib.suppress(psutil.Error):
+        return process.cmdline()
+    return []
+
+
+# --- events ----------------------------------------------------------------------------------------------
+
+
+def edit_param(project: Path, key: str, values: tuple) -> str:
+    """Set a dotted params.yaml key to the next of `values` (an uncommitted edit, as a person makes it)."""
+    path = project / "params.yaml"
+    params = yaml.safe_load(path.read_text())
+    section, name = key.split(".")
+    current = params[section].get(name)
+    params[section][name] = values[(values.index(current) + 1) % len(values)] if current in values else values[0]
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    return f"{key}={params[section][name]}"
+
+
+def add_data(soak: Soak, round_no: int) -> str:
+    rows = soak.project / "data/incoming" / f"soak-{round_no}.jsonl"
+    rows.parent.mkdir(parents=True, exist_ok=True)
+    rows.write_text(json.dumps({"instruction": f"Say {round_no}.", "output": str(round_no)}) + "\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "fineflow.cli", "data", "add", str(rows.relative_to(soak.project))],
+        cwd=soak.project,
+        env=soak.env,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        raise RuntimeError(f"fineflow data add failed: {done.stdout}{done.stderr}")
+    return rows.name
+
+
+def start_event(soak: Soak, event: str, round_no: int, env: dict[str, str] | None) -> tuple[list, str]:
+    """Apply the event and start the run(s) it causes; (run ids, what was done)."""
+    if event == "new_data":
+        started = time.time() - 1
+        detail = add_data(soak, round_no)
+        return [wait_for_new_run("on-new-data", started)], detail
+    detail = ""
+    if event == "param_edit":
+        detail = edit_param(soak.project, "train.lr", (0.003, 0.002))
+    elif event == "eval_change":
+        detail = edit_param(soak.project, "evaluate.limit", (6, 5))
+    runs = [start_nightly(env)]
+    if event == "concurrent":
+        runs.append(start_nightly(env))
+    return runs, detail
+
+
+# --- faults ----------------------------------------------------------------------------------------------
+
+
+def reused_pid_lock(project: Path) -> subprocess.Popen:
+    """A `write` entry in DVC's rwlock for the candidate, held by a live process that is no dvc (a reused PID)."""
+    holder = subprocess.Popen(["sleep", "600"])
+    lock = project / ".dvc/tmp/rwlock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    entry = {"pid": holder.pid, "cmd": "dvc repro --single-item train"}
+    lock.write_text(json.dumps({"read": {}, "write": {str(project / "models/candidate"): entry}}))
+    return holder
+
+
+def refuse_remote_for(project: Path, env: dict[str, str], seconds: float) -> threading.Thread:
+    """The remote's endpoint pointed at a closed port (connections refused) for `seconds`, then restored."""
+    config = project / ".dvc/config.local"
+    original = config.read_text()
+    closed = f"http://127.0.0.1:{free_port()}"
+    subprocess.run(
+        [sys.executable, "-m", "dvc", "remote", "modify", "--local", "store", "endpointurl", closed],
+        cwd=project,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
+
+    def restore():
+        time.sleep(seconds)
+        config.write_text(original)
+
+    thread = threading.Thread(target=restore, daemon=True)
+    thread.start()
+    return thread
+
+
+def signal_tree(soak: Soak, fault: str) -> str:
+    """SIGKILL one random process of the run's tree, or SIGTERM every one at once; what was hit."""
+    tree = wait_for_stage(soak)
+    if not tree:
+        return "no run process to hit"
+    if fault == "sigterm_all":
+        for process in tree:
+            with contextlib.suppress(psutil.Error):
+                process.send_signal(signal.SIGTERM)
+        return f"SIGTERM to {len(tree)} processes"
+    victim = soak.rng.choice(tree)
+    name = " ".join(_cmdline(victim))[:120]
+    with contextlib.suppress(psutil.Error):
+        victim.kill()
+    return f"SIGKILL {name}"
+
+
+def kill_worker(soak: Soak) -> str:
+    """SIGKILL the worker while a stage of its run runs, then start a new one (what a supervisor like systemd
+    does): the run's own process goes on and ends, reported to the server as usual."""
+    wait_for_stage(soak)
+    soak.worker.kill()
+    soak.worker.wait()
+    start_worker(soak, soak.worker_log)
+    return f"SIGKILL worker {soak.worker.pid}"
+
+
+def kill_server(soak: Soak) -> str:
+    """SIGKILL the Prefect server while a stage runs, and start it again SERVER_DOWN_S later on the same port
+    over the same database: the run's client retries through the gap, or its run is left Running with its
+    process gone, for the next run to mark Crashed."""
+    wait_for_stage(soak)
+    port = int(soak.api.rsplit(":", 1)[1].split("/")[0])
+    [server] = [p for p in psutil.process_iter(["cmdline"]) if _is_server(p.info["cmdline"] or [], port)]
+    os.killpg(server.pid, signal.SIGKILL)
+    time.sleep(SERVER_DOWN_S)
+    soak.servers.enter_context(prefect_server_on(soak.server_home, port))
+    return f"SIGKILL server {server.pid}, up again after {SERVER_DOWN_S} s"
+
+
+def _is_server(cmdline: list[str], port: int) -> bool:
+    return "prefect" in cmdline and "server" in cmdline and "start" in cmdline and str(port) in cmdline
+
+
+# --- invariants ------------------------------------------------------------------------------------------
+
+
+def _cli(soak: Soak, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", *argv], cwd=soak.project, env=soak.env, capture_output=True, text=True, timeout=300
+    )
+
+
+def check_invariants(soak: Soak, own_pids: set[int]) -> list[str]:
+    """What is wrong after a round (empty: nothing). See the module docstring."""
+    failures = []
+    verify = _cli(soak, "fineflow.cli", "registry", "verify")
+    if verify.returncode:
+        failures.append(f"registry verify exit {verify.returncode}: {(verify.stdout + verify.stderr)[-300:]}")
+    failures += dvc_status_failures(soak)
+    failures += decision_failures(soak.project) + ledger_failures(soak.project)
+    failures += [f"orphan process: {line}" for line in orphans(soak, own_pids)]
+    failures += [f"flow run left Running by a process that is gone: {run.name}" for run in left_running()]
+    return failures
+
+
+def left_running() -> list:
+    """Runs in Running whose process (tasks.runs' process tag) is gone: nothing will ever end them."""
+    from tasks.runs import PROCESS_TAG, process_gone
+
+    runs = [r for r in flow_runs() if r.state_type.value == "RUNNING"]
+    return [r for r in runs if any(t.startswith(PROCESS_TAG) and process_gone(t) for t in r.tags)]
+
+
+def wait_idle(timeout_s: float = RUN_TIMEOUT_S) -> None:
+    """Until no run is active but those left Running by a dead process (a cron run may have started)."""
+    deadline = time.monotonic() + timeout_s
+    time.sleep(2)
+    while time.monotonic() < deadline:
+        active = {r.id for r in flow_runs() if r.state_type.value in ("RUNNING", "PENDING")}
+        if active <= {r.id for r in left_running()}:
+            return
+        time.sleep(1)
+
+
+def dvc_status_failures(soak: Soak) -> list[str]:
+    """`dvc status` clean but for the stages dvc.yaml marks always_changed (fingerprint, goodput)."""
+    status = _cli(soak, "dvc", "status", "--json")
+    try:
+        changed = {stage: why for stage, why in json.loads(status.stdout or "{}").items() if why != ["always changed"]}
+    except json.JSONDecodeError:
+        return [f"dvc status failed: {(status.stdout + status.stderr)[-300:]}"]
+    return [f"dvc status not clean: {changed}"] if changed or status.returncode else []
+
+
+def decision_failures(project: Path) -> list[str]:
+    report = json.loads((project / "reports/promote.json").read_text())
+    missing = [key for key in ("decision", "reason", "p_value", "delta", "lineage") if report.get(key) in (None, "")]
+    if not missing and not (project / report["lineage"]).is_file():
+        missing.append(f"lineage file {report['lineage']}")
+    return [f"promotion decision without {', '.join(missing)}"] if missing else []
+
+
+def ledger_failures(project: Path) -> list[str]:
+    ledger = json.loads((project / "reports/goodput.json").read_text())
+    share = ledger.get("unaccounted_share")
+    return [] if share is not None and abs(share) <= 0.01 else [f"goodput ledger off by {share!r} of the run"]
+
+
+def orphans(soak: Soak, own_pids: set[int]) -> list[str]:
+    """Processes working in the project that are neither the worker nor this script's own helpers."""
+    worker = soak.worker.pid if soak.worker else None
+    found = []
+    for process in psutil.process_iter(["pid", "cwd", "cmdline", "status"]):
+        info = process.info
+        if info["pid"] in own_pids | {worker, os.getpid()} or info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        if (info["cwd"] or "").startswith(str(soak.project)):
+            found.append(f"{info['pid']} {' '.join(info['cmdline'] or [])[:120]}")
+    return found
+
+
+# --- a round ---------------------------------------------------------------------------------------------
+
+
+def draw(soak: Soak, fault_rate: float) -> tuple[str, str | None]:
+    event = soak.rng.choice(EVENTS)
+    fault = soak.rng.choice(FAULTS) if soak.rng.random() < fault_rate else None
+    if fault == "disk_full":
+        event = "param_edit"  # the disk fills during a checkpoint write: the round must train (an eval change does not)
+    return event, fault
+
+
+def one_round(soak: Soak, round_no: int, fault_rate: float, planned: tuple | None = None) -> dict:
+    """Draw (or take the planned (event, fault)), apply, run, fault, recover, check: the round's record."""
+    event, fault = planned or draw(soak, fault_rate)
+    record = {"round": round_no, "event": event, "fault": fault, "started": time.time()}
+    worker_gone = soak.worker.poll()  # exited on its own (a killed one is started again at once): its code
+    if worker_gone is not None:
+        start_worker(soak, soak.worker_log)
+    helpers, env = [], None
+    if fault == "reused_pid_lock":
+        helpers.append(reused_pid_lock(soak.project))
+    elif fault == "remote_refusing":
+        refuse_remote_for(soak.project, soak.env, REFUSE_S)
+    elif fault == "disk_full":
+        env = fault_env({}, disk_full_at_step=2)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (env["PYTHONPATH"], soak.env.get("PYTHONPATH"))))
+    runs, record["detail"] = start_event(soak, event, round_no, env)
+    if fault in ("sigkill_random", "sigterm_all"):
+        record["hit"] = signal_tree(soak, fault)
+    elif fault == "sigkill_worker":
+        record["hit"] = kill_worker(soak)
+    elif fault == "sigkill_server":
+        record["hit"] = kill_server(soak)
+    faulted_at = time.time()
+    record["states"] = list(wait_for_runs(runs).values())
+    record["recovery_runs"] = 0
+    while "COMPLETED" not in record["states"][-1:] and record["recovery_runs"] < MAX_RECOVERY_RUNS:
+        record["recovery_runs"] += 1
+        record["states"].append(_recover())
+    if fault:
+        record["recovery_s"] = round(time.time() - faulted_at, 1)
+    wait_idle()  # a killed run's last processes and its worker's report; a cron run that started meanwhile
+    record["invariant_failures"] = check_invariants(soak, {h.pid for h in helpers})
+    if record["invariant_failures"]:
+        keep_evidence(soak, round_no)
+    if worker_gone is not None:
+        record["invariant_failures"].append(f"the worker had exited by itself (code {worker_gone}): restarted")
+    for helper in helpers:
+        helper.kill()
+        helper.wait()
+    record["s"] = round(time.time() - record["started"], 1)
+    return record
+
+
+def keep_evidence(soak: Soak, round_no: int) -> None:
+    """A failed round's reports (the ledger, the decision, the stage reports), before the next run rewrites them."""
+    target = soak.evidence / f"round-{round_no}"
+    target.mkdir(parents=True, exist_ok=True)
+    for report in (soak.project / "reports").glob("*.json"):
+        shutil.copy2(report, target / report.name)
+
+
+def _recover() -> str:
+    run = start_nightly()
+    return wait_for_runs([run])[run]
+
+
+# --- the report ------------------------------------------------------------------------------------------
+
+
+def summary(rounds: list[dict], wall_s: float) -> dict:
+    faults: dict[str, int] = {}
+    for r in rounds:
+        if r["fault"]:
+            faults[r["fault"]] = faults.get(r["fault"], 0) + 1
+    recoveries = [r for r in rounds if "recovery_s" in r]
+    slowest = max(recoveries, key=lambda r: r["recovery_s"], default=None)
+    return {
+        "rounds": len(rounds),
+        "runs": sum(len(r["states"]) for r in rounds),
+        "completed_runs": sum(s == "COMPLETED" for r in rounds for s in r["states"]),
+        "events": {e: sum(r["event"] == e for r in rounds) for e in EVENTS},
+        "faults": faults,
+        "invariant_failures": [f"round {r['round']}: {f}" for r in rounds for f in r["invariant_failures"]],
+        "slowest_recovery": {k: slowest[k] for k in ("round", "fault", "recovery_s")} if slowest else None,
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def write_report(out: Path, rounds: list[dict], wall_s: float) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"summary": summary(rounds, wall_s), "rounds": rounds}
+    (out / "soak.json").write_text(json.dumps(result, indent=2, default=str))
+    s = result["summary"]
+    lines = [
+        "# Soak report",
+        "",
+        f"{s['rounds']} rounds, {s['runs']} runs ({s['completed_runs']} completed) in {s['wall_s']:.0f} s",
+        f"faults: {', '.join(f'{k} {v}' for k, v in s['faults'].items()) or 'none'}",
+        f"invariant failures: {len(s['invariant_failures'])}",
+        f"slowest recovery: {s['slowest_recovery']}",
+        "",
+        "| round | event | fault | run states | recovery s | failures |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rounds:
+        lines.append(
+            f"| {r['round']} | {r['event']} | {r['fault'] or ''} | {' '.join(r['states'])} | "
+            f"{r.get('recovery_s', '')} | {'; '.join(r['invariant_failures']).replace(chr(10), ' ')} |"
+        )
+    lines += [f"- {failure}" for failure in s["invariant_failures"]]
+    (out / "soak.md").write_text("\n".join(lines) + "\n")
+    return result
+
+
+def soak(
+    out: Path,
+    runs: int | None,
+    duration_s: float | None,
+    seed: int,
+    fault_rate: float,
+    project=None,
+    cron=None,
+    plan: list[tuple] = (),
+) -> dict:
+    """Run rounds until `runs` rounds or `duration_s` seconds (the first ones as `plan` says: (event, fault)
+    pairs); the report (also written to out)."""
+    started = time.monotonic()
+    rounds: list[dict] = []
+    with stack(out / "stack", project, cron, seed) as state:
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: state.api}):
+            while (runs is None or len(rounds) < runs) and (
+                duration_s is None or time.monotonic() - started < duration_s
+            ):
+                planned = plan[len(rounds)] if len(rounds) < len(plan) else None
+                rounds.append(one_round(state, len(rounds) + 1, fault_rate, planned))
+                write_report(out, rounds, time.monotonic() - started)  # a report at every round: kill it any time
+    return write_report(out, rounds, time.monotonic() - started)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, help="rounds to run (default: until --duration)")
+    parser.add_argument("--duration", type=float, help="seconds to run")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--fault-rate", type=float, default=0.5, help="share of rounds with a fault")
+    parser.add_argument("--cron", default="*/10 * * * *", help="nightly's accelerated cron ('' keeps prefect.yaml's)")
+    parser.add_argument("--out", type=Path, default=ROOT / "logs/soak")
+    args = parser.parse_args(argv)
+    if args.runs is None and args.duration is None:
+        parser.error("give --runs or --duration")
+    result = soak(args.out, args.runs, args.duration, args.seed, args.fault_rate, cron=args.cron or None)
+    print((args.out / "soak.md").read_text())
+    return 1 if result["summary"]["invariant_failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
