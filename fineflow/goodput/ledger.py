@@ -81,6 +81,7 @@ STAGE_BODY = {
 # the train launcher's spans (fineflow.stages.train.rank_spans) and every stage's generic ones
 SPAN_BUCKET = {
     "workspace_wait": "orchestration",
+    "dvc_commit": "orchestration",  # a train stage launched by hand records itself in dvc.lock
     "params": "startup",
     "report": "startup",
     "launch": "startup",
@@ -106,6 +107,7 @@ SPAN_BUCKET = {
     "engine_placement": "engine",
     "engine_queue": "engine",
     "engine_restarts": "engine",
+    "engine_requeue": "engine",  # Slurm: a requeued job's wait for its new allocation
     "engine_lost": "restart_loss",
 }
 # the spans a cluster engine's time happens inside (launched -> rank 0's process start): they keep the rest
