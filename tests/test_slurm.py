@@ -617,7 +617,8 @@ def test_the_stage_on_two_machines_submits_one_two_node_job_instead_of_refusing(
     """Seen on main: train.num_machines: 2 refused ("machine_rank must be given ...") since dvc.yaml's command
     passes no placement. With train.launcher: slurm the stage's planner runs, then one 2-node allocation is
     submitted (here to fake Slurm commands whose job fails at once: the stage exits 1, naming it)."""
-    overrides = ranks_overrides(2) | {"train.launcher": "slurm", "train.num_machines": 2}
+    # the test machine's tmp dir is node-local: the refusal of a node-local checkpoints dir is test_launch's
+    overrides = ranks_overrides(2) | {"train.launcher": "slurm", "train.num_machines": 2, "checkpoint.shared": True}
     project = train_project(built, tmp_path / "two-machines", overrides)
     _states(fake_slurm, "JobState=FAILED Reason=NonZeroExitCode Restarts=0 ExitCode=1:0")
     env = venv_env() | {"PATH": os.environ["PATH"], "OMP_NUM_THREADS": "1"}
