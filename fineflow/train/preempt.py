@@ -170,19 +170,17 @@ def read_preempted_record(report: str | Path) -> dict | None:
 # --- the layers above the ranks --------------------------------------------------------------------------
 
 
-class Forwarder:
+class StopNote:
     """While active (a context manager; inert outside the main thread, the only one that may set signal
-    handlers): the first SIGINT/SIGTERM is sent on to pid (its whole process group when group is true) and
-    noted; later ones are only noted, since a second signal would abort torch elastic's own orderly shutdown of
-    the ranks. ``send`` replaces the signal sent on (None: the one received)."""
+    handlers): the first SIGINT/SIGTERM is noted (signum, and ``at``: its time.monotonic()); later ones are only
+    noted too. A cluster driver's wait loop acts on the note (fineflow.train.engines)."""
 
-    def __init__(self, pid: int, group: bool, send: int | None = None):
-        self.pid, self.group, self.send = pid, group, send
+    def __init__(self):
         self.signum: int | None = None
-        self.at: float | None = None  # time.monotonic() of the first signal
+        self.at: float | None = None
         self._previous: dict = {}
 
-    def __enter__(self) -> Forwarder:
+    def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -192,14 +190,32 @@ class Forwarder:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
-    def _handle(self, signum, frame) -> None:
-        if self.signum is None:
-            self.signum, self.at = signum, time.monotonic()
-            with contextlib.suppress(ProcessLookupError):
-                (os.killpg if self.group else os.kill)(self.pid, self.send or signum)
+    def _handle(self, signum, frame) -> bool:
+        """Note the signal; true for the first one."""
+        if self.signum is not None:
+            return False
+        self.signum, self.at = signum, time.monotonic()
+        return True
 
     def overdue(self, seconds: float) -> bool:
         return self.at is not None and time.monotonic() - self.at > seconds
+
+
+class Forwarder(StopNote):
+    """A StopNote that also sends the first SIGINT/SIGTERM on to pid (its whole process group when group is true);
+    later ones are only noted, since a second signal would abort torch elastic's own orderly shutdown of the
+    ranks. ``send`` replaces the signal sent on (None: the one received)."""
+
+    def __init__(self, pid: int, group: bool, send: int | None = None):
+        super().__init__()
+        self.pid, self.group, self.send = pid, group, send
+
+    def _handle(self, signum, frame) -> bool:
+        first = super()._handle(signum, frame)
+        if first:
+            with contextlib.suppress(ProcessLookupError):
+                (os.killpg if self.group else os.kill)(self.pid, self.send or signum)
+        return first
 
 
 class StopStage(Forwarder):

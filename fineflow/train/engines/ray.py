@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
-from fineflow.train.preempt import STOP_SIGNALS, budget_s
+from fineflow.train.preempt import StopNote, budget_s
 
 INSTALL_HINT = "pip install 'fineflow[cluster]'"
 STORAGE_DIR = Path(".cache/ray")  # Ray Train's run state, under the project the driver runs in
@@ -353,28 +353,6 @@ def require_reachable(address: str, timeout_s: float = 5.0) -> None:
 
 def cluster_nodes(ray) -> int:
     return sum(1 for node in ray.nodes() if node.get("Alive"))
-
-
-class StopNote:
-    """While active (main thread only): the first SIGINT/SIGTERM is noted (the driver's wait loop acts on it)."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self.at: float | None = None
-        self._previous: dict = {}
-
-    def __enter__(self) -> StopNote:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._note) for sig in STOP_SIGNALS}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _note(self, signum, frame) -> None:
-        if self.signum is None:
-            self.signum, self.at = signum, time.monotonic()
 
 
 def build_trainer(job, coordinator):

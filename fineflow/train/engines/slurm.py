@@ -37,7 +37,7 @@ from string import Template
 
 from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
 from fineflow.train.launch import accelerate_command
-from fineflow.train.preempt import Forwarder, budget_s
+from fineflow.train.preempt import StopNote, budget_s
 
 OUTPUT_DIR = Path("logs/slurm")
 POLL_S = 2.0
@@ -89,7 +89,7 @@ def run_on_slurm(job, log=print, spans: dict | None = None, poll_s: float = POLL
     spans = {} if spans is None else spans
     require_slurm_client()
     require_no_job_here()
-    with StopNoted() as stop:  # from before the submission: a stop signal never leaves a job behind
+    with StopNote() as stop:  # from before the submission: a stop signal never leaves a job behind
         script, output = write_script(job, time.strftime("%Y%m%d-%H%M%S"))
         job_id = submit(script)
         output = Path(str(output).replace("%j", job_id))
@@ -268,17 +268,6 @@ def restarts(info: dict[str, str]) -> int:
     return int(info.get("Restarts", "0") or 0)
 
 
-class StopNoted(Forwarder):
-    """The driver's SIGINT/SIGTERM: noted only (pid 0: nothing to forward to); the driver cancels the job."""
-
-    def __init__(self):
-        super().__init__(0, group=False)
-
-    def _handle(self, signum, frame) -> None:
-        if self.signum is None:
-            self.signum, self.at = signum, time.monotonic()
-
-
 @dataclass
 class EngineClock:
     """Adds the time the job waits for an allocation to spans: engine_queue (from submission to running),
@@ -309,7 +298,7 @@ class Watch:
     log: object
     spans: dict
     poll_s: float
-    stop: StopNoted
+    stop: StopNote
 
 
 def follow(job_id: str, output: Path, job, watch: Watch) -> int:
