@@ -802,7 +802,14 @@ def soak(
     return write_report(out, rounds, time.monotonic() - started)
 
 
+def stop_on_signal(signum, frame):
+    """SIGTERM or Ctrl-C: unwind (the worker, the servers and the approver are stopped on the way out)."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, stop_on_signal)
+    signal.signal(signal.SIGINT, stop_on_signal)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, help="stop after this many flow runs (a faulted round makes several)")
     parser.add_argument("--rounds", type=int, help="stop after this many rounds")

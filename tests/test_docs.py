@@ -124,7 +124,10 @@ def test_the_readme_is_read_in_five_minutes_and_its_links_resolve():
 # synopsis or a placeholder: the test that runs that command with real values). Blocks under a
 # `!!! warning "Needs a GPU"` or `"Needs a cluster"` admonition are exempt.
 COMMANDS = {
-    "python bench/soak.py --runs 50 --seed 7 --out logs/soak": (
+    "python bench/soak.py --runs 50 --embedded-default --seed 3 --out logs/soak": (
+        "tests/test_soak.py::test_a_short_soak_of_events_and_faults_leaves_every_invariant_true"
+    ),
+    "python bench/soak.py --rounds 30 --seed 7 --out logs/soak-tiny": (
         "tests/test_soak.py::test_a_short_soak_of_events_and_faults_leaves_every_invariant_true"
     ),
     "make run": "tests/test_flow.py::test_flow_then_dvc_repro",  # make run = python -m flows.pipeline
