@@ -99,13 +99,16 @@ def test_every_assistant_turn_of_a_conversation_is_trained():
     assert turns == [f"Answer {i + 1} follows.<|eot_id|>" for i in range(5)]
 
 
-def test_a_turn_the_template_ends_with_its_own_end_of_turn_token_gets_no_eos_after_it():
-    """Seen on main: Gemma 2 ends a turn with <end_of_turn> and a newline, and training appended <eos> after it:
-    the trained answer was "...<end_of_turn>\\n<eos>", a doubled end of turn, not the model's format."""
+def test_only_the_final_turn_gets_the_eos_the_template_does_not_write():
+    """Gemma 2 ends every turn with <end_of_turn>, not the EOS: training appends the EOS after the final reply (so
+    the model learns to stop where generation stops, as for a single reply), never inside the conversation."""
     tokenizer = _tokenizer("gemma2")
-    ids, mask = _encode(tokenizer, _row(CHAT[:2]))
-    assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "Red is one.<end_of_turn>\n"
-    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(CHAT[:2], tokenize=False)
+    ids, mask = _encode(tokenizer, _row(CHAT))
+    assert [tokenizer.decode(run) for run in _trained_runs(ids, mask)] == [
+        "Red is one.<end_of_turn>\n",
+        "Blue, too.<end_of_turn>\n",
+        "Red feels warmer.<end_of_turn>\n<eos>",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -133,8 +136,10 @@ def test_each_assistant_turn_trains_its_own_text_and_end_of_turn_and_nothing_els
         for m in messages
         if m["role"] == "assistant"
     ]
+    eos = "" if END_OF_TURN[family].rstrip().endswith(tokenizer.eos_token) else tokenizer.eos_token
+    expected[-1] += eos  # the final reply ends with the EOS (Gemma's turns end with <end_of_turn>)
     assert [tokenizer.decode(run) for run in _trained_runs(ids, mask)] == expected
-    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(row["messages"], tools=tools, tokenize=False)
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(row["messages"], tools=tools, tokenize=False) + eos
     prompt = tokenizer.encode(render_pair(tokenizer, row)[0], add_special_tokens=False)
     assert ids[: len(prompt)] == prompt and not any(mask[len(prompt) - 1 : len(prompt)])
     print(MASKS, json.dumps({"family": family, "tools": bool(tools), **_role_counts(tokenizer, row, ids, mask)}))

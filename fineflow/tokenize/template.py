@@ -97,15 +97,6 @@ def _not_a_prefix(prompt: str, full: str) -> str:
     )
 
 
-def ends_turn(tokenizer, response: str) -> bool:
-    """Whether a chat template's rendering of an assistant turn ends it with a special token (Gemma's
-    <end_of_turn>\n, Phi-3's <|end|>\n, Llama 3.1's <|eot_id|> or <|eom_id|>, the EOS itself): the turn ends as
-    the model's own format ends it, and training appends no EOS after it (main did: "<end_of_turn>\n<eos>")."""
-    text = response.rstrip()
-    specials = [token.content for token in getattr(tokenizer, "added_tokens_decoder", {}).values() if token.special]
-    return ends_with_eos(tokenizer, response) or any(text.endswith(token) for token in specials if token)
-
-
 def ends_with_eos(tokenizer, response: str) -> bool:
     """Whether the rendered response already ends the turn with the EOS token (Llama 3.1's <|eot_id|>, Qwen's
     <|im_end|>\n, Mistral's </s>): then training appends no second one."""
@@ -125,8 +116,9 @@ def render_pair(tokenizer, row: dict) -> tuple[str, str]:
 def render_segments(tokenizer, row: dict, train_on: str = "all_assistant") -> list[Segment]:
     """A validated row as masked and trained pieces: every assistant turn of a chat row (train_on
     all_assistant, with a chat template), else render_pair's prompt and response. The last trained piece
-    ends with the EOS unless the template already ended it (ends_turn; instruction rows: ends_with_eos), so the
-    model learns to stop; earlier turns end as the template ends them."""
+    ends with the EOS unless the template already wrote it (ends_with_eos), so the model learns to stop where
+    generation stops; earlier turns end as the template ends them (Gemma's <end_of_turn>: no EOS inside a
+    conversation the model would never see at inference)."""
     chat = bool(row.get("messages")) and chat_template_of(tokenizer) is not None
     if chat and train_on == "all_assistant":
         segments = chat_segments(tokenizer, row["messages"], row.get("tools"))
@@ -136,7 +128,7 @@ def render_segments(tokenizer, row: dict, train_on: str = "all_assistant") -> li
     last = max((i for i, s in enumerate(segments) if s.trained), default=None)
     if last is None:
         raise RenderError("the conversation has no assistant turn to train on")
-    if (ends_turn if chat else ends_with_eos)(tokenizer, segments[last].text):
+    if ends_with_eos(tokenizer, segments[last].text):
         return segments
     return [*segments[: last + 1], Segment(None, True, segments[last].turn), *segments[last + 1 :]]
 
