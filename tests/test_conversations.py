@@ -205,3 +205,150 @@ def test_tool_call_arguments_given_as_a_json_string_render_as_the_object():
     text_call = {**CALL, "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     messages = [*TOOL_CHAT[:2], {"role": "assistant", "content": None, "tool_calls": [text_call]}, *TOOL_CHAT[3:]]
     assert _row(messages, TOOLS) == _row(TOOL_CHAT, TOOLS)
+
+
+# --- the gate: declared checks of conversations, each naming the row and the turn ---------------------------------
+
+
+def _gate(tmp_path, conversations: list, tokens=None):
+    from fineflow.core.config import FieldMapping, ValidateParams
+    from fineflow.data.formats import apply_mapping, read_rows
+    from fineflow.data.validation import validate_rows
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in conversations), encoding="utf-8")
+    rows = apply_mapping(read_rows(path), FieldMapping(messages="messages"), str(path))
+    return path, validate_rows(rows, str(path), ValidateParams(max_bad_share=1.0), tokens=tokens)
+
+
+def test_conversations_out_of_shape_are_quarantined_naming_the_row_and_the_turn(tmp_path):
+    from fineflow.data.tokens import TokenView
+
+    second_call = {**CALL, "id": "call_2", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    conversations = [
+        {"messages": TOOL_CHAT, "tools": TOOLS},  # 1: good
+        {"messages": [*CHAT[:2], {"role": "assistant", "content": "Green as well."}]},  # 2: two replies in a row
+        {"messages": [CHAT[0], {"role": "assistant", "content": " "}, *CHAT[2:]]},  # 3: an empty turn
+        {
+            "messages": [
+                *TOOL_CHAT[:2],
+                {"role": "assistant", "content": "", "tool_calls": [CALL, second_call]},
+                *TOOL_CHAT[3:],
+            ]
+        },
+        {"messages": [CHAT[0], {"role": "tool", "content": "{}"}, CHAT[1]]},  # 5: a result nobody asked for
+    ]
+    path, outcome = _gate(tmp_path, conversations, TokenView(_tokenizer("qwen2.5"), 2048))
+    assert [row.line for row in outcome.kept] == [1]
+    found = {row.line: row.reasons for row in outcome.quarantined}
+    assert found == {
+        line: [f"{path}:{line}: failed {reason}"]
+        for line, reason in [
+            (2, "chat_role_order(messages) (messages[2]: the assistant turn cannot follow messages[1] (assistant))"),
+            (3, "chat_non_empty(turns) (messages[1] (assistant): the message is empty)"),
+            (4, "chat_tool_results(messages) (messages[2].tool_calls[1] (get_weather): no tool message answers it)"),
+            (5, "chat_role_order(messages) (messages[1]: the tool turn cannot follow messages[0] (user))"),
+        ]
+    }
+    report = outcome.report()["checks"]
+    assert {name: report[name]["failed_rows"] for name in report if name.startswith("chat_")} == {
+        "chat_role_order(messages)": 2,
+        "chat_non_empty(turns)": 1,
+        "chat_tool_results(messages)": 1,
+        "chat_template_renders(row)": 0,
+        "chat_turns_rendered(template)": 0,
+        "chat_turns_fit(seq_len)": 0,
+    }
+    assert report["chat_turns_fit(seq_len)"]["category"] == "chat_truncation"
+
+
+def test_a_turn_the_template_drops_is_quarantined(tmp_path):
+    """Phi-3's template writes user and assistant messages only: a system message would silently not be trained
+    with, so the row is refused, naming the message."""
+    from fineflow.data.tokens import TokenView
+
+    conversations = [{"messages": CHAT}, {"messages": [{"role": "system", "content": "Answer like a pirate."}, *CHAT]}]
+    path, outcome = _gate(tmp_path, conversations, TokenView(_tokenizer("phi3"), 512))
+    assert [row.line for row in outcome.kept] == [1]
+    assert outcome.quarantined[0].reasons == [
+        f"{path}:2: failed chat_turns_rendered(template) (messages[0] (system): the chat template drops this turn's "
+        "text from the rendering)"
+    ]
+
+
+def test_a_conversation_truncation_would_cut_inside_an_assistant_turn_is_quarantined(tmp_path):
+    """tokenize.seq_len falling inside the third reply: quarantined (a reply cut before its end would be trained
+    as if it ended there). Falling between two turns: kept, its later turns lost to the truncation warning only."""
+    from fineflow.data.tokens import TokenView
+
+    tokenizer = _tokenizer("llama3")
+    ids, mask = _encode(tokenizer, _row(TEN_TURNS))
+    starts = [i for i in range(len(mask)) if mask[i] and not mask[i - 1]]
+    ends = [i + 1 for i in range(len(mask)) if mask[i] and (i + 1 == len(mask) or not mask[i + 1])]
+    inside, between = starts[2] + 2, ends[1]
+    path, outcome = _gate(tmp_path, [{"messages": TEN_TURNS}], TokenView(tokenizer, inside))
+    assert outcome.quarantined[0].reasons == [
+        f"{path}:1: failed chat_turns_fit(seq_len) (messages[6] (assistant): tokenize.seq_len={inside} cuts this turn "
+        f"after 2 of its {ends[2] - starts[2]} tokens (the conversation has {len(ids)}))"
+    ]
+    _, outcome = _gate(tmp_path, [{"messages": TEN_TURNS}], TokenView(tokenizer, between))
+    assert not outcome.quarantined and outcome.kept[0].warnings[0].endswith("truncated to tokenize.seq_len)")
+
+
+def test_a_template_without_tools_that_rejects_a_tool_conversation_is_quarantined(tmp_path):
+    from fineflow.data.tokens import TokenView
+
+    path, outcome = _gate(
+        tmp_path, [{"messages": CHAT}, {"messages": TOOL_CHAT[1:]}], TokenView(_tokenizer("gemma2"), 512)
+    )
+    [reason] = outcome.quarantined[0].reasons
+    assert reason.startswith(f"{path}:2: failed chat_template_renders(row)") and "must alternate" in reason
+
+
+# --- shards: a conversation is one example, packed whole; the chat rule keys chat shards only ----------------------
+
+
+def test_a_conversation_is_packed_whole_as_one_example_that_attends_only_to_itself(tmp_path):
+    import numpy as np
+
+    from fineflow.tokenize.shards import PackedShard
+    from fineflow.tokenize.template import encode_batch
+    from fineflow.tokenize.tokenization import tokenize_to_shard
+
+    tokenizer = _tokenizer("qwen2.5")
+    rows = [_row(CHAT), _row(TOOL_CHAT[1:]), _row(CHAT[:2]), _row(TEN_TURNS)]
+    expected = encode_batch(tokenizer, rows)
+    meta = tokenize_to_shard(rows, tokenizer, "unused", tmp_path / "s", 256, np.dtype(np.uint16), 1, 16, {})
+    shard = PackedShard(tmp_path / "s")
+    examples = np.fromfile(tmp_path / "s/examples.idx", dtype=np.int64).reshape(-1, 3)
+    assert meta["examples"] == len(rows) == len(examples) and meta["truncated_examples"] == 0
+    for i, (row, start, length) in enumerate(examples):
+        assert (
+            shard.tokens[row, start : start + length].tolist(),
+            shard.loss_mask[row, start : start + length].tolist(),
+        ) == expected.example(i)
+        # positions restart at the conversation's first token: the block-diagonal attention ends at its edges
+        assert shard.positions[row, start : start + length].tolist() == list(range(length))
+    assert meta["trained_tokens"] == int(expected.mask.sum())
+
+
+def test_the_chat_rule_keys_the_shards_of_chat_rows_only(tmp_path):
+    """Instruction rows keep the template hash (and so the shards, and the model trained on them) they had; a
+    split of conversations gets the chat-turn rule and tokenize.train_on in its hash, and a change of either
+    rebuilds it."""
+    from fineflow.core.config import TokenizeParams
+    from fineflow.tokenize.template import template_hash
+    from fineflow.tokenize.tokenization import content_key, split_template_hash
+
+    tokenizer = _tokenizer("llama3")
+    instructions, chats = tmp_path / "instructions.jsonl", tmp_path / "chats.jsonl"
+    instructions.write_text(json.dumps({"instruction": "Say hi.", "input": "", "output": "hi"}) + "\n")
+    chats.write_text(json.dumps(_row(CHAT)) + "\n")
+    every, last = TokenizeParams(), TokenizeParams(train_on="last_assistant")
+    assert split_template_hash(instructions, tokenizer, every) == template_hash(tokenizer)
+    assert content_key(instructions, tokenizer, every) == content_key(instructions, tokenizer, last)
+    assert split_template_hash(chats, tokenizer, every) not in {
+        template_hash(tokenizer),
+        split_template_hash(chats, tokenizer, last),
+    }
+    assert content_key(chats, tokenizer, every) != content_key(chats, tokenizer, last)

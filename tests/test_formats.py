@@ -167,7 +167,7 @@ def test_chat_messages_become_instruction_and_response(tmp_path):
         ),
         (
             [{"role": "system", "content": "s"}, {"role": "assistant", "content": "x"}],
-            "failed chat_role_order(messages) (messages[1]: the assistant turn cannot come after a system turn)",
+            "failed chat_role_order(messages) (messages[1]: the assistant turn cannot follow messages[0] (system))",
         ),
     ],
 )

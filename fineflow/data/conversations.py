@@ -84,8 +84,8 @@ def role_order_problem(messages: list[dict]) -> str | None:
             if i:
                 return f"messages[{i}]: a system message must come first"
         elif previous not in FOLLOWS[role]:
-            after = f"after a {previous} turn" if previous else "first"
-            return f"messages[{i}]: the {role} turn cannot come {after}"
+            after = f"follow messages[{i - 1}] ({previous})" if previous else "come first"
+            return f"messages[{i}]: the {role} turn cannot {after}"
         elif role == "tool" and previous == "assistant" and not messages[i - 1].get("tool_calls"):
             return f"messages[{i}]: a tool result must follow an assistant turn that calls a tool"
         previous = role
@@ -122,7 +122,7 @@ def unanswered_tool_call(messages: list[dict]) -> str | None:
             if (call.get("id") in answered) if call.get("id") is not None else j < len(results):
                 continue
             name = call["function"]["name"]
-            return f"messages[{i}].tool_calls[{j}] ({name}): no tool message answers this call"
+            return f"messages[{i}].tool_calls[{j}] ({name}): no tool message answers it"
         stray = [a for a in answered if a is not None and a not in ids]
         if stray:
             return f"messages[{i + 1 + answered.index(stray[0])}] (tool): answers no call of messages[{i}]"
