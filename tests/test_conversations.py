@@ -146,18 +146,22 @@ def test_each_assistant_turn_trains_its_own_text_and_end_of_turn_and_nothing_els
 
 
 def _role_counts(tokenizer, row: dict, ids: list[int], mask: list[int]) -> dict:
-    """Masked tokens by the role of the message whose prefix rendering first holds them (what a template writes
-    before the first message counts with it; an assistant turn's header is "assistant"), and trained tokens."""
+    """Masked tokens by the role of the message whose prefix rendering first holds them (an assistant turn's
+    header is "assistant"), "template" for what the template writes before the first message's text (its default
+    system prompt, the tools block, the first header), and the trained tokens."""
     from fineflow.tokenize.conversation import render
 
     messages, tools = row["messages"], row.get("tools")
     ends = [_rendered_length(tokenizer, messages[:i], tools) for i in range(1, len(messages) + 1)]
-    encoding = tokenizer(render(tokenizer, messages, tools), add_special_tokens=False, return_offsets_mapping=True)
+    whole = render(tokenizer, messages, tools)
+    preamble = whole.find(messages[0]["content"].strip())
+    encoding = tokenizer(whole, add_special_tokens=False, return_offsets_mapping=True)
     assert encoding["input_ids"] == ids[: len(encoding["input_ids"])]  # the pieces tokenize as the whole here
     counts = {"trained": sum(mask)}
     for (start, _), trained in zip(encoding["offset_mapping"], mask):
         if not trained:
-            role = messages[next(i for i, end in enumerate(ends) if start < end)]["role"]
+            owner = messages[next(i for i, end in enumerate(ends) if start < end)]["role"]
+            role = "template" if start < preamble else owner
             counts[role] = counts.get(role, 0) + 1
     return counts
 
@@ -352,3 +356,106 @@ def test_the_chat_rule_keys_the_shards_of_chat_rows_only(tmp_path):
         split_template_hash(chats, tokenizer, last),
     }
     assert content_key(chats, tokenizer, every) != content_key(chats, tokenizer, last)
+
+
+# --- through the real stages ---------------------------------------------------------------------------------------
+
+EXAMPLES = ("data/examples/chat_tools.jsonl", "data/examples/chat_tools_eval.jsonl")
+UNANSWERED = {  # one more train row: a tool call that no tool message answers
+    "messages": [
+        {"role": "user", "content": "What is the weather in Berlin?"},
+        {"role": "assistant", "content": None, "tool_calls": [{**CALL, "id": "call99999"}]},
+        {"role": "assistant", "content": "Probably grey."},
+    ],
+}
+
+
+def _jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _qwen_turn(message: dict) -> str:
+    """Qwen2.5's rendering of an assistant turn, written out here from its template's text, not computed."""
+    calls = [
+        f'<tool_call>\n{{"name": "{c["function"]["name"]}", "arguments": {json.dumps(c["function"]["arguments"])}}}\n'
+        "</tool_call>"
+        for c in message.get("tool_calls", [])
+    ]
+    return "\n".join(([message["content"]] if message["content"] else []) + calls) + "<|im_end|>\n"
+
+
+@pytest.mark.scenario
+@pytest.mark.slow
+def test_the_bundled_chat_set_with_tool_calls_runs_every_stage(tmp_path):
+    """`dvc repro` on data/examples/chat_tools.jsonl (multi-turn, tool calls and results, tools) with a tiny Qwen2.5
+    and its real template: the gate quarantines an unanswered tool call naming row and turn; each conversation is
+    one packed example whose trained tokens are exactly its assistant turns (text or tool calls, then <|im_end|>);
+    training runs on them; evaluation prompts with the conversation up to the final reply, tools included."""
+    import subprocess
+    import sys
+    import time
+
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from fineflow.tokenize.shards import PackedShard
+    from fineflow.tokenize.template import render_pair
+    from tests.conftest import ROOT, copy_project, venv_env
+    from tests.families import save_family
+
+    began = time.monotonic()
+    lines = [line for path in EXAMPLES for line in (ROOT / path).read_text(encoding="utf-8").splitlines()]
+    base = save_family("qwen2.5", lines * 3, tmp_path / "base")
+    overrides = {
+        "model.base": str(base),
+        "data.train_path": EXAMPLES[0],
+        "data.eval_path": EXAMPLES[1],
+        "data.mapping.messages": "messages",
+        "tokenize.seq_len": 1024,
+        "train.steps": 30,
+        "train.lr": 0.01,
+        "train.lora.target_modules": "all-linear",
+        "checkpoint.every_steps": 30,
+        "evaluate.max_gen_toks": 8,
+    }
+    project = copy_project(tmp_path / "project", overrides)
+    with (project / EXAMPLES[0]).open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(UNANSWERED) + "\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "dvc", "repro"], cwd=project, env=venv_env(), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+
+    [quarantined] = _jsonl(project / "data/validated/quarantine.jsonl")
+    assert quarantined["reasons"] == [  # in the suite's order: the turns' order, then the tool results
+        f"{EXAMPLES[0]}:13: failed chat_role_order(messages) (messages[2]: the assistant turn cannot follow "
+        "messages[1] (assistant))",
+        f"{EXAMPLES[0]}:13: failed chat_tool_results(messages) (messages[1].tool_calls[0] (get_weather): no tool "
+        "message answers it)",
+    ]
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    rows = _jsonl(project / "data/validated/train.jsonl")
+    shard = PackedShard(project / "data/shards/train")
+    examples = np.fromfile(project / "data/shards/train/examples.idx", dtype=np.int64).reshape(-1, 3)
+    assert len(examples) == len(rows) == 12
+    counts: dict[str, int] = {}
+    for row, (packed, start, length) in zip(rows, examples):
+        ids = shard.tokens[packed, start : start + length].tolist()
+        mask = shard.loss_mask[packed, start : start + length].tolist()
+        turns = [_qwen_turn(m) for m in row["messages"] if m["role"] == "assistant"]
+        assert [tokenizer.decode(run) for run in _trained_runs(ids, mask)] == turns
+        for role, n in _role_counts(tokenizer, row, ids, mask).items():
+            counts[role] = counts.get(role, 0) + n
+    evaluated = _jsonl(project / "data/validated/eval.jsonl")
+    for task in ("fineflow_synth", "fineflow_synth_mc"):
+        for sample in _jsonl(project / f"eval/samples/candidate/{task}.jsonl"):
+            row = evaluated[sample["doc_id"]]
+            prompt = render_pair(tokenizer, row)[0]
+            assert ("# Tools" in prompt) == bool(row.get("tools")) and all(
+                (r[0] if isinstance(r, list) else r["arg_0"]) == prompt for r in sample["arguments"]
+            )
+    losses = [s["loss"] for s in _jsonl(project / "reports/train_steps.jsonl") if "loss" in s]
+    assert losses[-1] < losses[0]
+    decision = json.loads((project / "reports/promote.json").read_text())["decision"]
+    print(MASKS, json.dumps({"set": EXAMPLES[0], **counts, "loss": [round(losses[0], 3), round(losses[-1], 3)]}))
+    print(f"chat scenario: gate {decision}, {time.monotonic() - began:.0f} s")
