@@ -459,3 +459,17 @@ def test_the_bundled_chat_set_with_tool_calls_runs_every_stage(tmp_path):
     decision = json.loads((project / "reports/promote.json").read_text())["decision"]
     print(MASKS, json.dumps({"set": EXAMPLES[0], **counts, "loss": [round(losses[0], 3), round(losses[-1], 3)]}))
     print(f"chat scenario: gate {decision}, {time.monotonic() - began:.0f} s")
+
+
+def test_the_tokenize_stage_names_the_file_and_row_a_template_cannot_mask(tmp_path):
+    """A row the gate kept only as a warning (validate.checks.chat_template: warn) stops the tokenize stage with
+    the rows file, the row and the turn, not a traceback from the renderer."""
+    from fineflow.core.config import TokenizeParams
+    from fineflow.core.errors import FineflowError
+    from fineflow.tokenize.tokenization import tokenize_split
+
+    rows = tmp_path / "train.jsonl"
+    rows.write_text(json.dumps(_row(CHAT[:2])) + "\n" + json.dumps(_row(CHAT)) + "\n")
+    with pytest.raises(FineflowError, match=rf"{rows}: row 2: messages\[1\] \(assistant\): the chat template renders"):
+        tokenize_split(_tokenizer("qwen3"), "unused", rows, tmp_path / "shard", TokenizeParams())
+    assert not (tmp_path / "shard").exists() and not (tmp_path / ".tmp-shard").exists()
