@@ -126,6 +126,7 @@ def test_each_assistant_turn_trains_its_own_text_and_end_of_turn_and_nothing_els
     """Decoded, the trained tokens of each turn are the turn's text (or the template's rendering of its tool
     call) and the template's end of turn; the whole example is the template's rendering; and the prompt of the
     final reply tokenizes as evaluation encodes it (render_pair's prompt, alone)."""
+    from fineflow.tokenize.conversation import dropped_turn
     from fineflow.tokenize.template import render_pair
 
     tokenizer = _tokenizer(family)
@@ -140,6 +141,7 @@ def test_each_assistant_turn_trains_its_own_text_and_end_of_turn_and_nothing_els
     expected[-1] += eos  # the final reply ends with the EOS (Gemma's turns end with <end_of_turn>)
     assert [tokenizer.decode(run) for run in _trained_runs(ids, mask)] == expected
     assert tokenizer.decode(ids) == tokenizer.apply_chat_template(row["messages"], tools=tools, tokenize=False) + eos
+    assert dropped_turn(row["messages"], tokenizer.decode(ids)) is None  # every message is in the rendering
     prompt = tokenizer.encode(render_pair(tokenizer, row)[0], add_special_tokens=False)
     assert ids[: len(prompt)] == prompt and not any(mask[len(prompt) - 1 : len(prompt)])
     print(MASKS, json.dumps({"family": family, "tools": bool(tools), **_role_counts(tokenizer, row, ids, mask)}))
@@ -297,6 +299,29 @@ def test_a_conversation_truncation_would_cut_inside_an_assistant_turn_is_quarant
     ]
     _, outcome = _gate(tmp_path, [{"messages": TEN_TURNS}], TokenView(tokenizer, between))
     assert not outcome.quarantined and outcome.kept[0].warnings[0].endswith("truncated to tokenize.seq_len)")
+
+
+def test_pii_redaction_reaches_tool_call_arguments_and_tool_results(tmp_path):
+    """validate.pii: redact replaces PII in every text the template renders: a tool call's arguments and a tool
+    result too, not only the derived instruction and output."""
+    from fineflow.core.config import parse_params
+    from fineflow.data.formats import Row
+    from fineflow.data.validation import validate_rows
+
+    call = {**CALL, "function": {"name": "send_mail", "arguments": {"to": "ann@example.org", "body": "Hi"}}}
+    messages = [
+        {"role": "user", "content": "Mail Ann that I am late."},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sent to ann@example.org"},
+        {"role": "assistant", "content": "Done."},
+    ]
+    outcome = validate_rows(
+        [Row(1, data=_row(messages))], "chat", parse_params({"validate": {"pii": "redact"}}).validate_
+    )
+    [row] = outcome.kept
+    assert "ann@example.org" not in json.dumps(row.data)
+    assert row.data["messages"][1]["tool_calls"][0]["function"]["arguments"] == {"to": "[EMAIL]", "body": "Hi"}
+    assert row.data["messages"][2]["content"] == "sent to [EMAIL]"
 
 
 def test_a_template_without_tools_that_rejects_a_tool_conversation_is_quarantined(tmp_path):
