@@ -165,7 +165,10 @@ class ValidationChecks(_Section):
         "a conversation out of order: system not first, no user turn first, two assistant turns in a row, a "
         "tool result not after a tool call, a user turn right after a tool result, or not ending with the assistant"
     )
-    chat_empty_turn: CheckParams = _check("a message with no text (an assistant turn may be tool calls instead)")
+    chat_empty_turn: CheckParams = _check(
+        "a message before the final reply with no text (an assistant turn may be tool calls instead); an empty final "
+        "reply is non_empty's"
+    )
     chat_tool_results: CheckParams = _check("an assistant tool call that no tool message answers")
     # ... and with the base tokenizer: what its chat template and tokenize.seq_len make of them
     chat_dropped_turn: CheckParams = _check("a message the chat template leaves out of its rendering")
