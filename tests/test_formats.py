@@ -160,8 +160,15 @@ def test_chat_messages_become_instruction_and_response(tmp_path):
             [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}],
             "messages[0].content must be a string",
         ),
-        ([{"role": "user", "content": "hi"}], "the last message must be the assistant's response"),
-        ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "x"}], "no user message"),
+        # the order of the turns is a declared check of the gate (validate.checks.chat_roles), naming the turn
+        (
+            [{"role": "user", "content": "hi"}],
+            "failed chat_role_order(messages) (messages[0]: the last message must be the assistant's response)",
+        ),
+        (
+            [{"role": "system", "content": "s"}, {"role": "assistant", "content": "x"}],
+            "failed chat_role_order(messages) (messages[1]: the assistant turn cannot follow messages[0] (system))",
+        ),
     ],
 )
 def test_malformed_chat_rows_are_quarantined_with_the_reason(tmp_path, messages, problem):

@@ -412,10 +412,12 @@ def _tiny_tokenizer():
 
 
 def test_every_reported_check_is_declared_once_in_suite_order(tmp_path):
+    from fineflow.data.formats import chat_to_record
     from fineflow.data.overlap import LeakIndex
     from fineflow.data.tokens import TokenView
 
-    path = write(tmp_path / "t.jsonl", [json.dumps(GOOD), json.dumps({**GOOD, "output": "bye"})])
+    chat, _ = chat_to_record([{"role": "user", "content": "Say bye."}, {"role": "assistant", "content": "bye"}])
+    path = write(tmp_path / "t.jsonl", [json.dumps(GOOD), json.dumps({**GOOD, "output": "bye"}), json.dumps(chat)])
     outcome = validate_rows(
         read_jsonl(path),
         str(path),
@@ -426,7 +428,7 @@ def test_every_reported_check_is_declared_once_in_suite_order(tmp_path):
     report = outcome.report()["checks"]
     names = [check.name for check in checks.CHECKS]
     assert len(names) == len(set(names))
-    assert list(report) == names  # every declaration applies here: token view, leak index, pii: quarantine
+    assert list(report) == names  # every declaration applies: token view, leak index, pii: quarantine, a chat row
     for check in checks.CHECKS:
         entry = report[check.name]
         knobs = check.knobs(CFG.checks)

@@ -160,6 +160,22 @@ class ValidationChecks(_Section):
     )
     # chat rows: the tokenizer's chat template must render every conversation as prompt + response
     chat_template: CheckParams = _check("a chat row that the tokenizer's chat template cannot render")
+    # conversations (data.mapping.messages), before any tokenizer: the shape of the turns ...
+    chat_roles: CheckParams = _check(
+        "a conversation out of order: system not first, no user turn first, two assistant turns in a row, a "
+        "tool result not after a tool call, a user turn right after a tool result, or not ending with the assistant"
+    )
+    chat_empty_turn: CheckParams = _check(
+        "a message before the final reply with no text (an assistant turn may be tool calls instead); an empty final "
+        "reply is non_empty's"
+    )
+    chat_tool_results: CheckParams = _check("an assistant tool call that no tool message answers")
+    # ... and with the base tokenizer: what its chat template and tokenize.seq_len make of them
+    chat_dropped_turn: CheckParams = _check("a message the chat template leaves out of its rendering")
+    chat_truncation: CheckParams = _check(
+        "a conversation that tokenize.seq_len would cut inside an assistant turn (quarantined, not trained cut)",
+        max_share=0.05,
+    )
 
 
 class ValidateParams(_Section):
@@ -217,6 +233,11 @@ class TokenizeParams(_Section):
     )
     workers: int = Field(1, gt=0, description="tokenizer processes; the shards are identical for any count")
     pack_window: int = Field(20000, gt=0, description="examples packed together at a time: bounds memory on big data")
+    train_on: Literal["all_assistant", "last_assistant"] = Field(
+        "all_assistant",
+        description="chat rows: train on every assistant turn (system, user and tool messages masked), or only the "
+        "last (the rest is prompt); instruction rows train on their output either way",
+    )
 
     @field_validator("seq_len")
     @classmethod

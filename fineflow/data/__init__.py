@@ -2,6 +2,7 @@
 
 synth.py       the bundled synthetic instruction dataset (seeded, with injected bad rows)
 formats.py     reading user files: JSONL, CSV or Parquet, chat ``messages``, the column mapping (``data.mapping``)
+conversations.py  chat messages and tool calls in normal form, and the checks of a conversation's turns
 checks.py      every validation check, each declared once (``CHECKS``)
 validation.py  the data gate: the suite over parsed rows, quarantine, whether the file passes
 gx_suite.py    the great-expectations side: a chunk's suite on its frame, Data Docs of a split

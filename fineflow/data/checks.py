@@ -24,12 +24,13 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from fineflow.core.config import CheckParams, ValidateParams, ValidationChecks
+from fineflow.data.conversations import empty_turn, role_order_problem, unanswered_tool_call
 from fineflow.data.formats import REQUIRED, Row, example_text
 from fineflow.data.overlap import FirstSeen, LeakIndex, normalize, stable_hash
 from fineflow.data.pii import pii_kinds, redacted_preview
 
-if TYPE_CHECKING:  # only its type is needed here
-    from fineflow.data.tokens import TokenView
+if TYPE_CHECKING:  # only their types are needed here
+    from fineflow.data.tokens import Measure, TokenView
 
 Expectation = Any  # a great_expectations Expectation; GX is imported only when a suite is built (slow import)
 
@@ -71,8 +72,8 @@ class CheckContext:
         return [normalize(text) for text in self.texts]
 
     @cached_property
-    def measured(self) -> list[tuple[int | None, int | None, str | None]]:
-        """TokenView.measure_many of the rows, once: three token columns come from the same measurement."""
+    def measured(self) -> list[Measure]:
+        """TokenView.measure_many of the rows, once: the token columns come from the same measurement."""
         return self.tokens.measure_many([row.data for row in self.rows])
 
 
@@ -192,15 +193,46 @@ def _control_char(data: dict) -> str | None:
 
 
 def _token_counts(ctx: CheckContext) -> list[int | None]:
-    return [n_tokens for n_tokens, _, _ in ctx.measured]
+    return [measure.n_tokens for measure in ctx.measured]
 
 
 def _trained_token_counts(ctx: CheckContext) -> list[int | None]:
-    return [trained for _, trained, _ in ctx.measured]
+    return [measure.trained for measure in ctx.measured]
 
 
 def _render_errors(ctx: CheckContext) -> list[str | None]:
-    return [error for _, _, error in ctx.measured]
+    return [measure.render_error for measure in ctx.measured]
+
+
+def _dropped_turns(ctx: CheckContext) -> list[str | None]:
+    return [measure.dropped_turn for measure in ctx.measured]
+
+
+def _cut_turns(ctx: CheckContext) -> list[str | None]:
+    return [measure.cut_turn for measure in ctx.measured]
+
+
+VISIBLE_TEXT = re.compile(VISIBLE)
+
+
+def _conversation_problems(rule: Callable[[list[dict]], str | None]) -> Callable[[CheckContext], list[str | None]]:
+    """A derived column of what `rule` (fineflow.data.conversations) finds wrong with each chat row's turns;
+    None for a row without messages (instruction data in the same file is not a conversation)."""
+    return lambda ctx: [rule(row.data["messages"]) if row.data.get("messages") else None for row in ctx.rows]
+
+
+HAVE_MESSAGES = rows_have("messages")
+
+
+def _chat_check(name: str, category: str, column: str, derive, applies=HAVE_MESSAGES) -> Check:
+    """A check of conversations whose column names the turn that fails it (its reason's detail)."""
+    return Check(
+        name, category, column, _expect_null, derive=derive, applies=applies, detail=lambda row: f" ({row[column]})"
+    )
+
+
+def _with_chat_tokens(ctx: CheckContext) -> bool:
+    return with_tokens(ctx) and "messages" in ctx.columns_in_rows
 
 
 def _eval_overlaps(ctx: CheckContext) -> list[float]:
@@ -244,6 +276,20 @@ def schema_checks(columns: tuple[str, ...]) -> list[Check]:
 
 CHECKS: list[Check] = [
     *schema_checks(REQUIRED),
+    # conversations (data.mapping.messages) first: a conversation out of order says so before its derived output
+    _chat_check("chat_role_order(messages)", "chat_roles", "role_order", _conversation_problems(role_order_problem)),
+    _chat_check(
+        "chat_non_empty(turns)",
+        "chat_empty_turn",
+        "empty_turn",
+        _conversation_problems(lambda messages: empty_turn(messages, VISIBLE_TEXT)),
+    ),
+    _chat_check(
+        "chat_tool_results(messages)",
+        "chat_tool_results",
+        "unanswered_call",
+        _conversation_problems(unanswered_tool_call),
+    ),
     Check(
         "non_empty(output)",
         "non_empty",
@@ -323,6 +369,10 @@ CHECKS: list[Check] = [
         # a template's own error may quote the conversation (raise_exception): its PII and secrets are redacted
         detail=lambda row: f" ({redacted_preview(row['render_error'])})",
     ),
+    _chat_check(
+        "chat_turns_rendered(template)", "chat_dropped_turn", "dropped_turn", _dropped_turns, _with_chat_tokens
+    ),
+    _chat_check("chat_turns_fit(seq_len)", "chat_truncation", "cut_turn", _cut_turns, _with_chat_tokens),
     Check(
         "no_leakage(eval)",
         "leakage",

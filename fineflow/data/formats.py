@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fineflow.core.errors import DataError
+from fineflow.data.conversations import call_text, normal_message
 from fineflow.data.pii import PREVIEW_SOURCE_CHARS, redacted_preview
 
 # The record every source is mapped onto (apply_mapping); the gate checks it and the tokenizer renders it.
@@ -380,39 +381,39 @@ def read_rows(path: str | Path, fmt: str = "auto", max_row_bytes: int | None = N
     return READERS[fmt](path, max_row_bytes=max_row_bytes)
 
 
-CHAT_ROLES = ("system", "user", "assistant")
-
-
-def chat_to_record(messages: object) -> tuple[dict | None, str | None]:
+def chat_to_record(messages: object, tools: object = None) -> tuple[dict | None, str | None]:
     """(instruction/input/output record, None) from an OpenAI-style messages list, or (None, problem).
 
-    The last message must be the assistant's: it is the response. Everything before it is the prompt;
-    a single (system +) user turn becomes the instruction as is, longer conversations one "Role: text"
-    line per turn.
+    The record keeps the conversation in normal form (fineflow.data.conversations), and the tool definitions
+    of the row (``tools``) when it has some: the tokenizer's chat template renders them. Its derived fields
+    are what the text checks read: the final message is the output, everything before it the instruction (a
+    single (system +) user turn as is, longer conversations one "Role: text" line per turn, tool calls
+    written out). Whether the turns are in order is the gate's check (fineflow.data.checks), not a reason to
+    refuse the row here.
     """
     if not isinstance(messages, list) or not messages:
         return None, "messages must be a non-empty list of {role, content} objects"
+    normal = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
-            return None, f"messages[{i}].role must be one of {list(CHAT_ROLES)}"
-        if not isinstance(message.get("content"), str):
-            return None, f"messages[{i}].content must be a string"
-    if messages[-1]["role"] != "assistant":
-        return None, "the last message must be the assistant's response"
-    prompt = messages[:-1]
-    if not any(m["role"] == "user" for m in prompt):
-        return None, "no user message before the assistant's response"
+        message, problem = normal_message(i, message)
+        if problem:
+            return None, problem
+        normal.append(message)
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        return None, "tools must be a list of tool definitions ({type, function: {name, parameters}} objects)"
+    prompt = normal[:-1]
     if [m["role"] for m in prompt] in (["user"], ["system", "user"]):
         instruction = "\n".join(m["content"] for m in prompt)
     else:
-        instruction = "\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in prompt)
+        instruction = "\n".join(f"{m['role'].capitalize()}: {_turn_text(m)}" for m in prompt)
     # the conversation itself travels on: the tokenizer's chat template (when it has one) renders it
-    return {
-        "instruction": instruction,
-        "input": "",
-        "output": messages[-1]["content"],
-        "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
-    }, None
+    record = {"instruction": instruction, "input": "", "output": _turn_text(normal[-1]), "messages": normal}
+    return ({**record, "tools": tools} if tools else record), None
+
+
+def _turn_text(message: dict) -> str:
+    calls = " ".join(call_text(call) for call in message.get("tool_calls", []))
+    return f"{message['content']} {calls}".strip() if calls else message["content"]
 
 
 def _wanted_columns(mapping) -> dict[str, str | None]:
@@ -460,7 +461,7 @@ def _mapped(row: Row, mapping, wanted: dict[str, str | None], source: str) -> Ro
             name: row.data[column] for name, column in wanted.items() if column is not None and column in row.data
         }
         return row
-    record, problem = chat_to_record(row.data.get(mapping.messages))
+    record, problem = chat_to_record(row.data.get(mapping.messages), row.data.get("tools"))
     if problem:
         row.raw = json.dumps(row.data, ensure_ascii=False, default=str)[:PREVIEW_SOURCE_CHARS]
         row.data = None

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from fineflow.tokenize.template import RenderError, _ids, ends_with_eos, render_pair
+from fineflow.tokenize.conversation import Segment, dropped_turn
+from fineflow.tokenize.template import RenderError, _ids, render_segments
 
 EXACT_TOKEN_CHARS = 16_384  # texts up to this long are tokenized whole (exact counts) ...
 TOKEN_PIECE_CHARS = 4_096  # ... longer ones in pieces of this size
@@ -59,36 +61,67 @@ def token_counts(tokenizer, texts: list[str]) -> list[int]:
     return counts
 
 
+class Measure(NamedTuple):
+    """How the tokenize stage will see one row."""
+
+    n_tokens: int | None  # tokens of the rendered example with its EOS (None: it does not render)
+    trained: int | None  # trained tokens left after truncation to seq_len
+    render_error: str | None  # why the template cannot render the row
+    dropped_turn: str | None = None  # a chat row's message the chat template leaves out
+    cut_turn: str | None = None  # a chat row's assistant turn that truncation to seq_len would cut
+
+
 @dataclass(frozen=True)
 class TokenView:
-    """How the tokenize stage will see a row: the tokenizer and the packed row length it truncates to."""
+    """How the tokenize stage will see a row: the tokenizer, the packed row length it truncates to, and which
+    assistant turns of a chat row it trains (tokenize.train_on)."""
 
     tokenizer: object
     seq_len: int
+    train_on: str = "all_assistant"
 
-    def measure_many(self, rows: list[dict]) -> list[tuple[int | None, int | None, str | None]]:
-        """Per row: (tokens in the rendered example with its EOS, response tokens still trained on after
-        truncation to seq_len, why the template could not render the row or None)."""
-        pairs: list[tuple[str, str] | str] = []
+    def measure_many(self, rows: list[dict]) -> list[Measure]:
+        """Each row rendered as the tokenize stage renders it (fineflow.tokenize.template.render_segments) and
+        counted piece by piece."""
+        examples: list[list[Segment] | str] = []
         for data in rows:
             row = {c: str(data.get(c) or "") for c in ("instruction", "input", "output")}
+            row.update({c: data.get(c) for c in ("messages", "tools")})  # as validated (clean_record)
             try:
-                pairs.append(render_pair(self.tokenizer, {**row, "messages": data.get("messages")}))
+                examples.append(render_segments(self.tokenizer, row, self.train_on))
             except RenderError as exc:
-                pairs.append(str(exc))  # only the render check fails; token checks skip (null) the row
-        rendered = [pair for pair in pairs if isinstance(pair, tuple)]
-        counts = iter(token_counts(self.tokenizer, [text for pair in rendered for text in pair]))
+                examples.append(str(exc))  # only the render check fails; token checks skip (null) the row
+        texts = [s.text for example in examples if not isinstance(example, str) for s in example if s.text is not None]
+        counts = iter(token_counts(self.tokenizer, texts))
         out = []
-        for pair in pairs:
-            if isinstance(pair, str):
-                out.append((None, None, pair))
+        for data, example in zip(rows, examples):
+            if isinstance(example, str):
+                out.append(Measure(None, None, example))
                 continue
-            # the EOS that ends every response is trained on: appended unless the template already wrote it
-            appended = 0 if ends_with_eos(self.tokenizer, pair[1]) else 1
-            prompt, response = next(counts), next(counts) + appended
-            total = prompt + response
-            out.append((total, max(0, min(self.seq_len, total) - prompt), None))
+            sizes = [next(counts) if s.text is not None else 1 for s in example]  # the appended EOS: one token
+            out.append(self._measure(data, example, sizes))
         return out
 
-    def measure(self, data: dict) -> tuple[int | None, int | None, str | None]:
+    def _measure(self, data: dict, example: list[Segment], sizes: list[int]) -> Measure:
+        total = sum(sizes)
+        trained, cut, at = 0, None, 0
+        turns: dict[int, list[int]] = {}  # assistant turn -> [first token, end] of its trained pieces
+        for segment, size in zip(example, sizes):
+            if segment.trained:
+                trained += max(0, min(at + size, self.seq_len) - at)
+                if segment.turn is not None:
+                    turns.setdefault(segment.turn, [at, at])[1] = at + size
+            at += size
+        for turn, (first, end) in turns.items():
+            if first < self.seq_len < end:
+                cut = (
+                    f"messages[{turn}] (assistant): tokenize.seq_len={self.seq_len} cuts this turn after "
+                    f"{self.seq_len - first} of its {end - first} tokens (the conversation has {total})"
+                )
+        dropped = None
+        if turns:  # a conversation through the chat template: the pieces joined are its whole rendering
+            dropped = dropped_turn(data["messages"], "".join(s.text for s in example if s.text is not None))
+        return Measure(total, trained, None, dropped, cut)
+
+    def measure(self, data: dict) -> Measure:
         return self.measure_many([data])[0]

@@ -128,9 +128,23 @@ def _redact_row(row: Row) -> None:
 
 
 def _redact_message(message):
-    if isinstance(message, dict) and isinstance(message.get("content"), str):
-        return {**message, "content": redact(message["content"], find_pii(message["content"]))}
+    if not isinstance(message, dict):
+        return message
+    if isinstance(message.get("content"), str):
+        message = {**message, "content": _redacted(message["content"])}
+    if message.get("tool_calls"):  # a tool call's arguments are the model's text too
+        message["tool_calls"] = [_redact_call(call) for call in message["tool_calls"]]
     return message
+
+
+def _redact_call(call: dict) -> dict:
+    function = call["function"]
+    arguments = {k: _redacted(v) if isinstance(v, str) else v for k, v in function["arguments"].items()}
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def _redacted(text: str) -> str:
+    return redact(text, find_pii(text))
 
 
 def _frame(ctx: CheckContext, suite: list[Check]):
@@ -353,8 +367,9 @@ def clean_record(row: Row) -> dict:
         "input": row.data.get("input") or "",
         "output": row.data["output"],
     }
-    if row.data.get("messages"):
-        record["messages"] = row.data["messages"]
+    for key in ("messages", "tools"):  # a conversation and its tool definitions: the chat template renders them
+        if row.data.get(key):
+            record[key] = row.data[key]
     return record
 
 

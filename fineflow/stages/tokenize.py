@@ -3,8 +3,10 @@
     python -m fineflow.stages.tokenize --rows data/validated --base-dir models/base --out data/shards
 
 Reads ``<rows>/train.jsonl`` and ``<rows>/eval.jsonl``, renders each with the prompt template (or the
-tokenizer's chat template for chat rows), and writes ``<out>/train`` and ``<out>/eval`` shard directories
-(see fineflow.tokenize.shards for the format).
+tokenizer's chat template for chat rows: every assistant turn trained, or only the last, as
+``tokenize.train_on`` says; fineflow.tokenize.conversation), and writes ``<out>/train`` and ``<out>/eval``
+shard directories (see fineflow.tokenize.shards for the format). A conversation is one example: packed
+whole into one row, attending only to itself.
 
 Content-addressed: each shard's meta.json records a key over the rows file's bytes, the tokenizer, the
 template and the packing parameters. A split whose existing shard has the same key is left as it is (no

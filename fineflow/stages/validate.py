@@ -80,7 +80,8 @@ def run(
         from fineflow.model_ref import resolve_base_model
         from fineflow.tokenize.tokenization import load_tokenizer
 
-        tokens = TokenView(load_tokenizer(resolve_base_model(params.model, base_dir)), params.tokenize.seq_len)
+        tokenizer = load_tokenizer(resolve_base_model(params.model, base_dir))
+        tokens = TokenView(tokenizer, params.tokenize.seq_len, params.tokenize.train_on)
     if docs_dir is not None:
         shutil.rmtree(docs_dir, ignore_errors=True)  # one run's docs, not an accumulation of old ones
     with ExitStack() as stack:

@@ -10,10 +10,14 @@ Fields follow a space, never a newline, and the response is " " + output: byte-l
 knows, while "Paris" after a newline would be split into rarer pieces it has to learn anew.
 
 Chat rows (validated rows that keep their ``messages``) are rendered with the tokenizer's own chat
-template when it has one — the format an instruct model was trained on — as prompt = the conversation
-up to the generation prompt, response = what the full conversation adds after it (text the template writes
-before the answer, Qwen3's empty think block, counts as prompt). Tokenizers without a
-chat template (the embedded one) render chat rows through the fineflow template like any other row.
+template when it has one — the format an instruct model was trained on. With ``tokenize.train_on:
+all_assistant`` (the default) every assistant turn is trained and everything else is masked, the turns read
+off the template's real rendering (fineflow.tokenize.conversation); with ``last_assistant`` only the final
+reply is: prompt = the conversation up to the generation prompt, response = what the full conversation adds
+after it (text the template writes before the answer, Qwen3's empty think block, counts as prompt). That
+split is also what evaluation prompts with (``render_pair``). A conversation of one reply is the same
+tokens either way. Tokenizers without a chat template (the embedded one) render chat rows through the
+fineflow template like any other row.
 """
 
 from __future__ import annotations
@@ -24,16 +28,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fineflow.tokenize.conversation import RenderError, Segment, chat_segments, render, split_lead
+
+__all__ = ["RenderError"]  # raised here for rows the chat template rejects; defined with the conversation rules
+
 PROMPT_WITH_INPUT = "### Instruction: {instruction}\n### Input: {input}\n### Response:"
 PROMPT_NO_INPUT = "### Instruction: {instruction}\n### Response:"
 RESPONSE_PREFIX = " "  # lm-eval's target_delimiter; stripped from generations before exact match
 # How chat rows are split and ended (in template_hash, so shards of an older rule are rebuilt): 2 = the template's
 # lead before the answer goes to the prompt, and no second EOS after a turn the template ends with EOS.
 CHAT_RENDERING = "chat-rendering 2"
-
-
-class RenderError(ValueError):
-    """A row the template cannot render (the chat template rejected the conversation)."""
+# How conversations are cut into trained turns (fineflow.tokenize.conversation), with tokenize.train_on: hashed
+# only into the shards of splits that hold chat rows, so instruction data keeps its shards (and its trained
+# model) while chat shards of an older rule are rebuilt. 1 = every assistant turn from the real rendering.
+CHAT_TURNS = "chat-turns 1"
 
 
 def render_prompt(instruction: str, input: str = "") -> str:
@@ -47,26 +55,28 @@ def chat_template_of(tokenizer) -> str | None:
     return template if isinstance(template, str) and template else None
 
 
-def template_hash(tokenizer=None) -> str:
+def template_hash(tokenizer=None, chat_turns: str | None = None) -> str:
     """Changes whenever the template text (or the tokenizer's chat template) changes, so shards built
-    with another template are rebuilt."""
+    with another template are rebuilt; chat_turns (``chat_turns_rule``) for a split with chat rows."""
     chat = chat_template_of(tokenizer) or "" if tokenizer is not None else ""
-    text = "\0".join([PROMPT_WITH_INPUT, PROMPT_NO_INPUT, RESPONSE_PREFIX, CHAT_RENDERING, chat])
+    parts = [PROMPT_WITH_INPUT, PROMPT_NO_INPUT, RESPONSE_PREFIX, CHAT_RENDERING, chat]
+    text = "\0".join(parts + ([chat_turns] if chat_turns else []))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def render_chat(tokenizer, messages: list[dict]) -> tuple[str, str]:
-    """(prompt, response) texts of a conversation through the tokenizer's chat template."""
-    try:
-        prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=False)
-        full = tokenizer.apply_chat_template(messages, tokenize=False)
-    except Exception as exc:  # jinja raises whatever the template author chose (raise_exception, TypeError)
-        raise RenderError(
-            f"the tokenizer's chat template cannot render this conversation: {type(exc).__name__}: {exc}"
-        ) from None
+def chat_turns_rule(tokenizer, train_on: str) -> str | None:
+    """What decides a chat row's trained tokens besides the template text: None without a chat template
+    (chat rows then render through the fineflow template, untouched by the rule)."""
+    return f"{CHAT_TURNS}; train_on={train_on}" if chat_template_of(tokenizer) else None
+
+
+def render_chat(tokenizer, messages: list[dict], tools: list | None = None) -> tuple[str, str]:
+    """(prompt, response) texts of a conversation through the tokenizer's chat template: the final reply."""
+    prompt = render(tokenizer, messages[:-1], tools, generation=True)
+    full = render(tokenizer, messages, tools)
     if not full.startswith(prompt) or len(full) == len(prompt):
         raise RenderError(_not_a_prefix(prompt, full))
-    return _template_lead_into_prompt(prompt, full[len(prompt) :], messages[-1].get("content"))
+    return split_lead(prompt, full[len(prompt) :], messages[-1].get("content"))
 
 
 def _not_a_prefix(prompt: str, full: str) -> str:
@@ -87,19 +97,6 @@ def _not_a_prefix(prompt: str, full: str) -> str:
     )
 
 
-def _template_lead_into_prompt(prompt: str, response: str, answer) -> tuple[str, str]:
-    """Text the template writes between the generation prompt and the assistant's answer (Qwen3's empty
-    "<think>\n\n</think>\n\n") belongs to the prompt: the model is not to learn it, and evaluation, which
-    prompts with the prompt and stops generating at a newline, would otherwise read it instead of the answer.
-    With it the prompt is Qwen3's own non-thinking prompt (enable_thinking=False). Whitespace alone (Mistral's
-    " " + answer) stays with the answer: a prompt ending in a space tokenizes unlike what the model saw."""
-    start = response.find(answer.strip()) if isinstance(answer, str) and answer.strip() else -1
-    lead = response[:start] if start > 0 else ""
-    if not lead.strip():
-        return prompt, response
-    return prompt + lead, response[start:]
-
-
 def ends_with_eos(tokenizer, response: str) -> bool:
     """Whether the rendered response already ends the turn with the EOS token (Llama 3.1's <|eot_id|>, Qwen's
     <|im_end|>\n, Mistral's </s>): then training appends no second one."""
@@ -109,10 +106,31 @@ def ends_with_eos(tokenizer, response: str) -> bool:
 
 def render_pair(tokenizer, row: dict) -> tuple[str, str]:
     """(prompt, response) texts of a validated row: the chat template for chat rows when the tokenizer has
-    one, else the fineflow template. The EOS is appended as a token id, never as text."""
+    one (the final reply), else the fineflow template. The EOS is appended as a token id, never as text.
+    Evaluation prompts with this prompt."""
     if row.get("messages") and chat_template_of(tokenizer):
-        return render_chat(tokenizer, row["messages"])
+        return render_chat(tokenizer, row["messages"], row.get("tools"))
     return render_prompt(row["instruction"], row.get("input") or ""), RESPONSE_PREFIX + row["output"]
+
+
+def render_segments(tokenizer, row: dict, train_on: str = "all_assistant") -> list[Segment]:
+    """A validated row as masked and trained pieces: every assistant turn of a chat row (train_on
+    all_assistant, with a chat template), else render_pair's prompt and response. The last trained piece
+    ends with the EOS unless the template already wrote it (ends_with_eos), so the model learns to stop where
+    generation stops; earlier turns end as the template ends them (Gemma's <end_of_turn>: no EOS inside a
+    conversation the model would never see at inference)."""
+    chat = bool(row.get("messages")) and chat_template_of(tokenizer) is not None
+    if chat and train_on == "all_assistant":
+        segments = chat_segments(tokenizer, row["messages"], row.get("tools"))
+    else:
+        prompt, response = render_pair(tokenizer, row)
+        segments = [Segment(prompt, False), Segment(response, True, len(row["messages"]) - 1 if chat else None)]
+    last = max((i for i, s in enumerate(segments) if s.trained), default=None)
+    if last is None:
+        raise RenderError("the conversation has no assistant turn to train on")
+    if ends_with_eos(tokenizer, segments[last].text):
+        return segments
+    return [*segments[: last + 1], Segment(None, True, segments[last].turn), *segments[last + 1 :]]
 
 
 def encode_example(tokenizer, instruction: str, input: str, output: str) -> tuple[list[int], list[int]]:
@@ -175,24 +193,32 @@ def _ids(tokenizer, texts: list[str]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
-def encode_batch(tokenizer, rows: list[dict]) -> EncodedBatch:
-    """encode_example for many rows at once, into flat arrays (the same tokens as one by one).
+def encode_batch(tokenizer, rows: list[dict], train_on: str = "all_assistant", first_row: int = 1) -> EncodedBatch:
+    """Many rows at once, into flat arrays: each row's pieces (render_segments) tokenized separately and
+    concatenated, so a prompt's tokens are those lm-eval gets when it encodes the prompt alone.
 
-    Rendering raises RenderError for a chat row the chat template rejects (validation quarantines those).
+    Rendering raises RenderError for a chat row the chat template rejects (validation quarantines those),
+    naming the row by its number in the rows file (``first_row``: the number of rows[0]).
     The arrays are built without per-token Python work: ids are streamed into one buffer and the mask is
-    one np.repeat of 0/1 over the (prompt, response) segment lengths.
+    one np.repeat of 0/1 over the pieces' lengths.
     """
-    pairs = [render_pair(tokenizer, row) for row in rows]
-    prompt_ids = _ids(tokenizer, [p for p, _ in pairs])
-    response_ids = _ids(tokenizer, [r for _, r in pairs])
-    segments = np.empty(2 * len(rows), dtype=np.int64)
-    segments[0::2] = [len(p) for p in prompt_ids]
-    eos = [() if ends_with_eos(tokenizer, r) else (tokenizer.eos_token_id,) for _, r in pairs]
-    segments[1::2] = [len(r) + len(e) for r, e in zip(response_ids, eos)]  # + EOS where the template has none
-    ids = np.fromiter(
-        itertools.chain.from_iterable(itertools.chain.from_iterable(zip(prompt_ids, response_ids, eos))),
-        dtype=np.int64,
-        count=int(segments.sum()),
-    )
-    mask = np.repeat(np.tile(np.array([0, 1], dtype=np.uint8), len(rows)), segments)
-    return EncodedBatch(ids, mask, segments[0::2] + segments[1::2])
+    examples = _rendered(tokenizer, rows, train_on, first_row)
+    texts = iter(_ids(tokenizer, [s.text for segments in examples for s in segments if s.text is not None]))
+    eos = (tokenizer.eos_token_id,)
+    pieces = [next(texts) if s.text is not None else eos for segments in examples for s in segments]
+    sizes = np.array([len(piece) for piece in pieces], dtype=np.int64)
+    ids = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int64, count=int(sizes.sum()))
+    trained = np.array([s.trained for segments in examples for s in segments], dtype=np.uint8)
+    owner = np.repeat(np.arange(len(examples)), [len(segments) for segments in examples])
+    lengths = np.bincount(owner, weights=sizes, minlength=len(examples)).astype(np.int64)
+    return EncodedBatch(ids, np.repeat(trained, sizes), lengths)
+
+
+def _rendered(tokenizer, rows: list[dict], train_on: str, first_row: int) -> list[list[Segment]]:
+    examples = []
+    for number, row in enumerate(rows, start=first_row):
+        try:
+            examples.append(render_segments(tokenizer, row, train_on))
+        except RenderError as exc:
+            raise RenderError(f"row {number}: {exc}") from None
+    return examples

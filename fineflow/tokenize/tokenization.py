@@ -32,16 +32,25 @@ from fineflow.tokenize.shards import (
     token_dtype,
     tokenizer_hash,
 )
-from fineflow.tokenize.template import EncodedBatch, encode_batch, template_hash
+from fineflow.tokenize.template import (
+    EncodedBatch,
+    RenderError,
+    chat_turns_rule,
+    encode_batch,
+    template_hash,
+)
 
 _WORKER_TOKENIZER = None
+_WORKER_TRAIN_ON = "all_assistant"
+CHAT_ROW = b'"messages": ['  # how a validated chat row (json.dumps of clean_record) holds its conversation
 
 
-def _init_worker(reference: str) -> None:
-    global _WORKER_TOKENIZER
+def _init_worker(reference: str, train_on: str) -> None:
+    global _WORKER_TOKENIZER, _WORKER_TRAIN_ON
     from transformers import AutoTokenizer
 
     _WORKER_TOKENIZER = AutoTokenizer.from_pretrained(reference)
+    _WORKER_TRAIN_ON = train_on
 
 
 def _parsed(chunk: list) -> list[dict]:
@@ -49,8 +58,9 @@ def _parsed(chunk: list) -> list[dict]:
     return [json.loads(item) if isinstance(item, str) else item for item in chunk]
 
 
-def _encode_chunk(chunk: list) -> EncodedBatch:
-    return encode_batch(_WORKER_TOKENIZER, _parsed(chunk))
+def _encode_chunk(numbered: tuple[int, list]) -> EncodedBatch:
+    first_row, chunk = numbered
+    return encode_batch(_WORKER_TOKENIZER, _parsed(chunk), _WORKER_TRAIN_ON, first_row)
 
 
 def read_lines(path: Path) -> Iterator[str]:
@@ -73,17 +83,23 @@ def chunks(items: Iterable, size: int) -> Iterator[list]:
 
 
 def encode_stream(
-    rows: Iterable[dict | str], tokenizer, reference: str, workers: int, chunk_rows: int = 2000
+    rows: Iterable[dict | str],
+    tokenizer,
+    reference: str,
+    workers: int,
+    chunk_rows: int = 2000,
+    train_on: str = "all_assistant",
 ) -> Iterator[EncodedBatch]:
     """Encoded chunks of rows (dicts or raw JSON lines), in input order; workers > 1 encodes chunks in a
     process pool."""
+    numbered = ((1 + i * chunk_rows, chunk) for i, chunk in enumerate(chunks(rows, chunk_rows)))
     if workers == 1:
-        for chunk in chunks(rows, chunk_rows):
-            yield encode_batch(tokenizer, _parsed(chunk))
+        for first_row, chunk in numbered:
+            yield encode_batch(tokenizer, _parsed(chunk), train_on, first_row)
         return
     context = multiprocessing.get_context("spawn")  # no fork of a parent that may hold torch threads
-    with context.Pool(workers, initializer=_init_worker, initargs=(reference,)) as pool:
-        yield from pool.imap(_encode_chunk, chunks(rows, chunk_rows))
+    with context.Pool(workers, initializer=_init_worker, initargs=(reference, train_on)) as pool:
+        yield from pool.imap(_encode_chunk, numbered)
 
 
 def windows(batches: Iterable[EncodedBatch], size: int) -> Iterator[EncodedBatch]:
@@ -113,12 +129,15 @@ def tokenize_to_shard(
     workers: int,
     pack_window: int,
     meta: dict,
+    train_on: str = "all_assistant",
 ) -> dict:
-    """Encode, pack window by window and append to a shard directory; returns the shard's meta."""
+    """Encode, pack window by window and append to a shard directory; returns the shard's meta. Each example
+    (a whole conversation of a chat row) is packed whole into one row, where it attends only to itself."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     writer = ShardWriter(out_dir, seq_len, dtype)
     truncated = 0
-    for window in windows(encode_stream(rows, tokenizer, reference, workers, min(2000, pack_window)), pack_window):
+    encoded = encode_stream(rows, tokenizer, reference, workers, min(2000, pack_window), train_on)
+    for window in windows(encoded, pack_window):
         arrays, cut = pack_examples(window, seq_len, pad_id, dtype)
         writer.append(arrays)
         truncated += cut
@@ -136,13 +155,32 @@ def load_tokenizer(reference: str):
     return tokenizer
 
 
+def has_chat_rows(rows_path: Path, block: int = 1 << 20) -> bool:
+    """Whether a validated rows file holds a chat row: read in blocks, as bytes (a quote inside a JSON string
+    is escaped, so the marker occurs only as a row's key)."""
+    tail = b""
+    with rows_path.open("rb") as fh:
+        while data := fh.read(block):
+            if CHAT_ROW in tail + data:
+                return True
+            tail = data[-len(CHAT_ROW) :]
+    return False
+
+
+def split_template_hash(rows_path: Path, tokenizer, cfg) -> str:
+    """The template hash of one split: with the chat-turn rule and tokenize.train_on when its rows hold
+    conversations (they decide which of their tokens are trained), without for instruction rows."""
+    rule = chat_turns_rule(tokenizer, cfg.train_on) if has_chat_rows(rows_path) else None
+    return template_hash(tokenizer, rule)
+
+
 def content_key(rows_path: Path, tokenizer, cfg) -> str:
     """What a shard is a function of: the rows, the tokenizer, the template, the packing and the format.
     (Not the worker count: it does not change a byte.)"""
     parts = [
         sha256_file(rows_path),
         tokenizer_hash(tokenizer),
-        template_hash(tokenizer),
+        split_template_hash(rows_path, tokenizer, cfg),
         str(cfg.seq_len),
         str(cfg.pack_window),
         str(FORMAT_VERSION),
@@ -160,23 +198,31 @@ def tokenize_split(tokenizer, reference: str, rows_path: Path, out_dir: Path, cf
     meta = {
         "vocab_size": len(tokenizer),
         "tokenizer_hash": tokenizer_hash(tokenizer),
-        "template_hash": template_hash(tokenizer),
+        "template_hash": split_template_hash(rows_path, tokenizer, cfg),
         "code_version": __version__,
         "content_key": key,
     }
     building = out_dir.with_name(f".tmp-{out_dir.name}")
     shutil.rmtree(building, ignore_errors=True)
-    meta = tokenize_to_shard(
-        read_lines(rows_path),
-        tokenizer,
-        reference,
-        building,
-        cfg.seq_len,
-        token_dtype(len(tokenizer)),
-        cfg.workers,
-        cfg.pack_window,
-        meta,
-    )
+    try:
+        meta = tokenize_to_shard(
+            read_lines(rows_path),
+            tokenizer,
+            reference,
+            building,
+            cfg.seq_len,
+            token_dtype(len(tokenizer)),
+            cfg.workers,
+            cfg.pack_window,
+            meta,
+            cfg.train_on,
+        )
+    except RenderError as exc:  # a row kept with validate.checks.chat_template at severity warn
+        shutil.rmtree(building, ignore_errors=True)
+        raise FineflowError(
+            f"{rows_path}: {exc}; the validate stage quarantines such rows unless validate.checks.chat_template "
+            "is a warning"
+        ) from None
     shutil.rmtree(out_dir, ignore_errors=True)  # a reader never sees a mix: meta.json is written last
     os.replace(building, out_dir)
     return {**meta, "reused": False}
