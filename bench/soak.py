@@ -94,9 +94,9 @@ class Approver:
     """A person answering promotions (promote.require_approval) as the Prefect UI's Resume form does: each Paused
     run is answered as the round's draw says (its first request; any later one of the round is approved at once)."""
 
-    def __init__(self, timeout_s: float):
-        self.late_s = timeout_s * LATE_SHARE
-        self.mode, self.answers = "prompt", []
+    def __init__(self, api: str, timeout_s: float):
+        self.api, self.late_s = api, timeout_s * LATE_SHARE
+        self.mode, self.answers, self.errors = "prompt", [], []
         self._plans: dict = {}  # paused run id -> (answer, first seen)
         self._drawn_this_round = False
         self._stop = threading.Event()
@@ -104,17 +104,22 @@ class Approver:
         self._thread.start()
 
     def new_round(self, mode: str) -> None:
-        self.mode, self.answers, self._drawn_this_round = mode, [], False
+        self.mode, self.answers, self.errors, self._drawn_this_round = mode, [], [], False
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(10)
 
     def _watch(self) -> None:
-        while not self._stop.wait(1):
-            with contextlib.suppress(Exception):  # the server is being started again: look again
-                for run in paused_runs():
-                    self._consider(run.id)
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: self.api}):  # settings are per thread (context variables)
+            while not self._stop.wait(1):
+                try:
+                    for run in paused_runs():
+                        self._consider(run.id)
+                except Exception as exc:  # the server is being started again: look again (kept for the report)
+                    self.errors = [*self.errors[-4:], f"{type(exc).__name__}: {exc}"[:300]]
 
     def _consider(self, run_id) -> None:
         if run_id not in self._plans:
@@ -241,7 +246,7 @@ def stack(root: Path, project: Path | None, cron: str | None, seed: int, approva
         prefect(soak, "work-pool", "create", "fineflow-process", "--type", "process")
         prefect(soak, "--no-prompt", "deploy", "--all")
         start_worker(soak, root / "worker.log")
-        soak.approver = Approver(approval_timeout_s)
+        soak.approver = Approver(api, approval_timeout_s)
         try:
             yield soak
         finally:
@@ -556,8 +561,16 @@ def dvc_status_failures(soak: Soak) -> list[str]:
     return [f"dvc status not clean: {changed}"] if changed or status.returncode else []
 
 
+def read_report(project: Path, name: str) -> dict | None:
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads((project / "reports" / name).read_text())
+    return None
+
+
 def decision_failures(project: Path) -> list[str]:
-    report = json.loads((project / "reports/promote.json").read_text())
+    report = read_report(project, "promote.json")
+    if report is None:
+        return ["no promotion decision: reports/promote.json is missing or unreadable"]
     missing = [key for key in ("decision", "reason", "p_value", "delta", "lineage") if report.get(key) in (None, "")]
     if not missing and not (project / report["lineage"]).is_file():
         missing.append(f"lineage file {report['lineage']}")
@@ -588,7 +601,10 @@ def reference_failures(soak: Soak) -> list[str]:
     result reused from other inputs): one reference run per input state, in a scratch copy of the project."""
     state = train_inputs(soak.project)
     if state not in soak.references:
-        soak.references[state] = reference_adapter(soak)
+        try:
+            soak.references[state] = reference_adapter(soak)
+        except RuntimeError as exc:
+            return [str(exc)]
     found, wanted = adapter_digest(soak.project / "models/candidate"), soak.references[state]
     return [] if found == wanted else [f"candidate adapter {found} is not the reference {wanted} of inputs {state}"]
 
@@ -613,8 +629,7 @@ def reference_adapter(soak: Soak) -> str:
 
 
 def ledger_failures(project: Path) -> list[str]:
-    ledger = json.loads((project / "reports/goodput.json").read_text())
-    share = ledger.get("unaccounted_share")
+    share = (read_report(project, "goodput.json") or {}).get("unaccounted_share")
     return [] if share is not None and abs(share) <= 0.01 else [f"goodput ledger off by {share!r} of the run"]
 
 
@@ -682,8 +697,13 @@ def one_round(soak: Soak, round_no: int, fault_rate: float, planned: tuple | Non
         record["recovery_s"] = round(time.time() - faulted_at, 1)
     wait_idle()  # a killed run's last processes and its worker's report; a cron run that started meanwhile
     record["approvals"] = list(soak.approver.answers)
+    if soak.approver.errors:
+        record["approver_errors"] = list(soak.approver.errors)
     checked = time.monotonic()
-    record["invariant_failures"] = check_invariants(soak, {h.pid for h in helpers})
+    try:
+        record["invariant_failures"] = check_invariants(soak, {h.pid for h in helpers})
+    except Exception as exc:  # a harness left for hours reports what broke and goes on
+        record["invariant_failures"] = [f"checking the invariants failed: {type(exc).__name__}: {exc}"]
     record["check_s"] = round(time.monotonic() - checked, 1)  # a new input state's reference run is most of it
     record["reference_states"] = len(soak.references)
     if record["invariant_failures"]:

@@ -51,3 +51,37 @@ def test_a_candidate_that_is_not_its_inputs_reference_is_an_invariant_failure(tm
     (candidate / "adapter_model.safetensors").write_bytes(bytes(range(255)) + b"\x00")
     [failure] = reference_failures(soak)
     assert "is not the reference" in failure and train_inputs(project) in failure, failure
+
+
+@pytest.mark.slow
+def test_the_soaks_approver_answers_a_paused_promotion_late_through_the_server(prefect_server, tmp_path):
+    """The approver (the soak's person) finds a run paused for PromotionApproval on a real server and answers it
+    as drawn: late, at 60% of the timeout, approving, as the UI's Resume form does."""
+    import os
+    import subprocess
+    import sys
+
+    from bench.soak import APPROVER, Approver
+    from tests.conftest import ROOT, venv_env
+
+    script = tmp_path / "asks.py"
+    script.write_text(
+        "from prefect import flow\n"
+        "from prefect.flow_runs import pause_flow_run\n"
+        "from tasks.approval import PromotionApproval\n"
+        "@flow\n"
+        "def asks():\n"
+        "    answer = pause_flow_run(wait_for_input=PromotionApproval, timeout=60, poll_interval=1)\n"
+        "    print('ANSWER', answer.approve, answer.approver, answer.comment)\n"
+        "asks()\n"
+    )
+    env = {**venv_env(), "PREFECT_API_URL": prefect_server, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
+    approver = Approver(prefect_server, timeout_s=10)  # late: after 6 s
+    try:
+        approver.new_round("late")
+        done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        approver.stop()
+    assert f"ANSWER True {APPROVER} soak: late" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+    [answer] = approver.answers
+    assert answer["answer"] == "late" and answer["after_s"] >= 6 and answer["status"] == "ACCEPT", answer
