@@ -85,7 +85,7 @@ FAULTS = (
 )
 SERVER_DOWN_S = 5  # a SIGKILLed server is started again (same port, same database) after this
 FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
-RUN_TIMEOUT_S = 600
+RUN_TIMEOUT_S = 1800  # the embedded default's first run builds everything: >10 min on a busy 2-core machine
 REFUSE_S = 8  # the remote refuses this long: the pull task's retries (10 s apart) outlast it
 MAX_RECOVERY_RUNS = 3
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import time
 import urllib.request
 
 import pytest
+import yaml
 
 from fineflow.core.workspace import WorkspaceLock, describe
 from fineflow.dag import upstream_stages
@@ -402,6 +404,29 @@ def test_a_run_pushes_to_the_dvc_remote_and_a_fresh_clone_pulls_what_it_pushed(k
     assert json.loads(_dvc(fresh, "status", "--json", "data")) == {}  # nothing to rebuild
 
 
+@pytest.mark.slow
+def test_a_pull_keeps_the_unsaved_outputs_a_killed_stage_left_and_still_restores_the_rest(tmp_path):
+    """Seen in the soak: a promote stage killed after it wrote the champion but before DVC recorded it left
+    files DVC never saved; every later run's `dvc pull` then refused ("Can't remove the following unsaved
+    files") and failed, run after run, until a person intervened. The pull now keeps those files (the stage's
+    re-run decides what they become) and still restores every other output the workspace lacks."""
+    from tasks.runs import pull
+
+    project = copy_project(tmp_path / "project")
+    _dvc(project, "remote", "add", "-d", "store", str(tmp_path / "remote"))
+    _dvc(project, "repro", "--single-item", "data")
+    _dvc(project, "push")
+    shutil.rmtree(project / ".dvc/cache")  # another machine's run: the lock's outputs are on the remote only
+    (project / "data/raw/eval.jsonl").unlink()  # missing here: the pull must restore it
+    killed = project / "data/raw/train.jsonl"  # what a killed stage left: written, never saved by DVC
+    killed.write_text('{"instruction": "half", "output": "written"}\n')
+    logs = []
+    assert pull(str(project), logs.append) == "store"
+    assert killed.read_text() == '{"instruction": "half", "output": "written"}\n'  # kept
+    assert (project / "data/raw/eval.jsonl").is_file()  # restored from the remote
+    assert any("unsaved" in line and "data/raw/train.jsonl" in line for line in logs), logs
+
+
 def test_a_failing_remote_fails_the_pull_so_its_task_retries_instead_of_rebuilding_everything(tmp_path, monkeypatch):
     """A failed `dvc pull` (an unreachable remote, expired credentials) fails pull_state, whose task retries it,
     instead of being logged while the run goes on to rebuild the base and retrain from scratch."""
@@ -439,11 +464,79 @@ def _wait_for(what, timeout: float, proc, log):
     pytest.fail(f"timed out after {timeout} s: {log.read_text()[-3000:]}")
 
 
+ASKS = """
+import time
+from prefect import flow
+from prefect.flow_runs import pause_flow_run
+from tasks.approval import PromotionApproval
+
+@flow
+def asks(hold_s: float):
+    started = time.monotonic()
+    answer = pause_flow_run(wait_for_input=PromotionApproval, timeout=120, poll_interval=1)
+    time.sleep(max(0.0, hold_s - (time.monotonic() - started)))  # past the engine's next lease renewal
+    return answer.approver
+"""
+
+
+@pytest.mark.nightly  # a run held past the engine's 225 s lease renewal
+@pytest.mark.slow
+def test_a_run_of_the_projects_deployments_paused_for_approval_completes_past_a_lease_renewal(prefect_server, tmp_path):
+    """Seen in the soak: every approved promotion on the project's deployments crashed inside promote
+    ("Concurrency lease renewal failed - slots are no longer reserved"): the server revokes a deployment
+    concurrency limit's lease when the run pauses, and the engine's next renewal (every 225 s) cancels the run.
+    A flow deployed with prefect.yaml's nightly options (name, entrypoint and schedule aside) pauses for a
+    PromotionApproval, is answered at once, and runs on past the renewal: it must complete."""
+    from tests.conftest import ROOT
+    from tests.test_chaos import flow_env, kill_tree
+
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    [nightly] = [d for d in spec["deployments"] if d["name"] == "nightly"]
+    options = {k: v for k, v in nightly.items() if k not in ("name", "entrypoint", "schedules", "parameters")}
+    pool = f"asks-{tmp_path.name}"[:40]
+    deployment = {**options, "name": "asks", "entrypoint": "asks.py:asks", "work_pool": {"name": pool}}
+    spec["deployments"] = [{**deployment, "parameters": {"hold_s": 260}}]
+    flows = tmp_path / "flows"
+    flows.mkdir()
+    (flows / "asks.py").write_text(ASKS)
+    (flows / "prefect.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    env = {**flow_env(prefect_server, chaos=False), "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(flows)])
+    _prefect(flows, env, "work-pool", "create", pool, "--type", "process")
+    _prefect(flows, env, "--no-prompt", "deploy", "--all")
+    [ours] = [d for d in _post(prefect_server, "/deployments/filter") if d["work_pool_name"] == pool]
+    log = tmp_path / "worker.log"
+    with log.open("w") as fh:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool],
+            cwd=flows,
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        run = _post(prefect_server, f"/deployments/{ours['id']}/create_flow_run")
+
+        def state() -> str:
+            [found] = [r["state_type"] for r in _flow_runs(prefect_server) if r["id"] == run["id"]]
+            return found
+
+        _wait_for(lambda: state() == "PAUSED", 180, worker, log)
+        answer = {"approve": True, "approver": "alice", "comment": "checked"}
+        assert _post(prefect_server, f"/flow_runs/{run['id']}/resume", {"run_input": answer})["status"] == "ACCEPT"
+        _wait_for(lambda: state() in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"), 420, worker, log)
+        assert state() == "COMPLETED", log.read_text()[-4000:]
+    finally:
+        kill_tree(worker)
+
+
 @pytest.mark.nightly  # CI keeps the soak's short form (tests/test_soak.py): deploy --all, a worker, the trigger
 @pytest.mark.slow
 def test_prefect_yaml_deploys_both_deployments_a_worker_runs_them_and_new_data_triggers_a_run(prefect_server, tmp_path):
     """From a fresh copy: `prefect deploy --all` (what `make deploy` runs) registers nightly (cron in UTC) and
-    on-new-data on the process pool, both limited to one run at a time; a process worker (`make worker`) runs
+    on-new-data on the process pool, with no deployment concurrency limit (the workspace lock takes turns; see
+    the pause test below); a process worker (`make worker`) runs
     a nightly run to completion with its artifacts (a table per stage, the promotion, training progress) and
     the stages' edges; `fineflow data add` then emits fineflow.data.added and the trigger starts an
     on-new-data run. The worker and everything under it is stopped by PID."""
@@ -460,8 +553,7 @@ def test_prefect_yaml_deploys_both_deployments_a_worker_runs_them_and_new_data_t
     assert (nightly["schedule"]["cron"], nightly["schedule"]["timezone"]) == ("0 2 * * *", "UTC")
     for deployment in deployments.values():
         assert deployment["work_pool_name"] == "fineflow-process"
-        assert deployment["global_concurrency_limit"]["limit"] == 1
-        assert deployment["concurrency_options"]["collision_strategy"] == "ENQUEUE"
+        assert deployment["global_concurrency_limit"] is None
 
     log = tmp_path / "worker.log"
     with log.open("w") as fh:
