@@ -225,5 +225,31 @@ def test_a_broken_export_is_refused_by_the_check_that_sees_it_each_for_its_own_r
         report = verdict("f16", vocabulary_checks(gguf_file, tokenizer, 2, docs))
         assert report["shippable"] is False, expected
         assert [reason.split(":")[0] for reason in report["reasons"]] == [expected], report["reasons"]
+        print(report["reasons"][0])
     good = convert(base, tmp_path / "good.gguf", "f16")
     assert verdict("f16", vocabulary_checks(good, tokenizer, 2, docs))["shippable"]
+
+
+def _realmodel_missing() -> str | None:
+    from tests.test_real_model import _realmodel_missing as missing
+
+    return missing()
+
+
+@pytest.mark.nightly  # a 135M model converted twice (GGUF -> HF -> GGUF) and scored by both runtimes: ~4 min
+@needs_llama_cpp
+@pytest.mark.skipif(_realmodel_missing() is not None, reason=str(_realmodel_missing()))
+def test_smollm2_exports_with_its_chatml_template_and_im_end_and_passes_parity(built, tmp_path):
+    from fineflow.base.gguf import model_dir_from_gguf, packaged_gguf
+    from fineflow.export.champion import export_model
+
+    model_dir = model_dir_from_gguf(packaged_gguf(), tmp_path / "smollm2")
+    params = _tiny_params(quantized=["q8_0", "q4_k_m"], parity_docs=12)
+    report = export_model(model_dir, built / "data/validated/eval.jsonl", tmp_path / "gguf", tmp_path / "work", params)
+    exports = report["exports"]
+    for kind, export in exports.items():
+        assert export["shippable"], (kind, export["reasons"])
+    f16 = exports["f16"]["checks"]
+    assert f16["stop_tokens"]["figures"] == {"training_eos": 2, "gguf_eos": 2}  # <|im_end|>
+    assert f16["chat_template"]["figures"]["equal"] == 2 * f16["chat_template"]["figures"]["conversations"]
+    print(json.dumps({k: {"bytes": v["bytes"], **v["checks"]["scores"]["figures"]} for k, v in exports.items()}))

@@ -77,8 +77,9 @@ def eval_docs(rendered_rows: Path, limit: int | None = None) -> list[EvalDoc]:
     return docs[:limit] if limit else docs
 
 
-def load_runtime(gguf_file: Path, vocab_only: bool, n_ctx: int = 0, threads: int | None = None):
-    """llama.cpp (llama-cpp-python's Llama) on gguf_file, on CPU, quiet."""
+def load_runtime(gguf_file: Path, vocab_only: bool, n_ctx: int = 512, threads: int | None = None):
+    """llama.cpp (llama-cpp-python's Llama) on gguf_file, on CPU, quiet. n_ctx 0: the file's context length (not
+    for a vocab-only load, which has no context length to take)."""
     llama_cpp = require_llama_cpp()
     return llama_cpp.Llama(
         model_path=str(gguf_file), vocab_only=vocab_only, n_ctx=n_ctx, n_threads=threads, verbose=False, seed=0

@@ -8,9 +8,10 @@ llama.cpp from source, see ``make export-tools``). llama.cpp's converter, ``conv
 ``conversion`` package and its own ``gguf-py``, is in no wheel: it ships only inside that same sdist
 (``vendor/llama.cpp/``). ``fetch`` takes it from there, so the converter that writes the GGUF and the runtime that
 reads it are the same llama.cpp revision (the pre-tokenizer names, the architecture keys and the quantization
-types agree by construction). The sdist is checked against the sha256 PyPI publishes for it before anything is
-extracted; pip downloads it (``pip download --no-binary``), or ``--sdist`` names a copy already on disk (the one
-the wheel was built from). Only the converter's files are extracted (~2 MB), into the user's cache, once.
+types agree by construction). The sdist is checked against the sha256 pinned here (that of the file PyPI serves)
+before anything is extracted; pip downloads it (``pip download --no-binary``), or ``--sdist`` names a copy already
+on disk (the one the wheel was built from). Only the converter's files are extracted (~2 MB), into the user's
+cache, once.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from fineflow.core.errors import FineflowError
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the `export` extra pins the same version (pyproject.toml)
 SDIST = f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
-SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"  # PyPI's, for this file
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"  # the file pip downloads from PyPI
 VENDOR = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
 CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "LICENSE")
 CONVERTER_SCRIPT = "convert_hf_to_gguf.py"
