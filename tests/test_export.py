@@ -141,25 +141,43 @@ def _tiny_params(**export):
     return parse_params(raw)
 
 
+def _champion(built: Path, folder: Path) -> Path:
+    """A champion directory as promote installs one with its merged model (merged/: here the tiny base itself)."""
+    shutil.copytree(built / "models/base", folder / "merged")
+    (folder / "champion.json").write_text(json.dumps({"candidate_id": "c-test", "seq": 1}), encoding="utf-8")
+    return folder
+
+
+def test_the_export_stage_with_no_champion_exports_nothing_and_says_so(built, tmp_path):
+    from fineflow.stages.export import REPORT_FILE, run
+
+    out = tmp_path / "models/export"
+    report = run(_tiny_params(), tmp_path / "models/champion", built / "data/validated/eval.jsonl", out)
+    assert report == {"champion": None, "shippable": [], "not_shippable": {}}
+    assert sorted(p.name for p in out.iterdir()) == [REPORT_FILE]
+
+
 @pytest.mark.nightly  # a converter subprocess per GGUF and llama.cpp scoring: ~1 min on 2 cores; needs the extra
 @needs_llama_cpp
-def test_the_embedded_model_exports_to_gguf_and_passes_parity(built, tmp_path):
+def test_the_embedded_champion_exports_to_gguf_and_passes_parity(built, tmp_path):
     from gguf import GGUFReader
 
-    from fineflow.export.champion import export_model
+    from fineflow.stages.export import REPORT_FILE, run
 
+    champion = _champion(built, tmp_path / "models/champion")
+    out = tmp_path / "models/export"
     params = _tiny_params(quantized=["q8_0", "q4_0"])
-    report = export_model(
-        built / "models/base", built / "data/validated/eval.jsonl", tmp_path / "gguf", tmp_path / "work", params
-    )
+    summary = run(params, champion, built / "data/validated/eval.jsonl", out)
+    assert summary == {"champion": "c-test", "shippable": ["f16", "q4_0", "q8_0"], "not_shippable": {}}
+    report = json.loads((out / REPORT_FILE).read_text(encoding="utf-8"))
     exports = report["exports"]
-    assert list(exports) == ["f16", "q8_0", "q4_0"]
-    for kind, export in exports.items():
-        assert export["shippable"], (kind, export["reasons"])
+    assert report["source"] == "merged" and sorted(exports) == ["f16", "q4_0", "q8_0"]
+    assert sorted(p.name for p in out.iterdir()) == sorted([REPORT_FILE, *(e["file"] for e in exports.values())])
+    for export in exports.values():
         assert export["checks"]["token_ids"]["figures"]["equal"] == 2 * report["eval_docs"]
     assert exports["q4_0"]["checks"]["scores"]["figures"]["gated"] is False  # 4-bit: reported
     assert exports["f16"]["checks"]["scores"]["figures"]["same_answer"] == 1.0
-    fields = GGUFReader(tmp_path / "gguf" / exports["f16"]["file"]).fields
+    fields = GGUFReader(out / exports["f16"]["file"]).fields
     assert bytes(fields["tokenizer.ggml.pre"].parts[-1]).decode() == "gpt-2"
     print(json.dumps({k: {"bytes": v["bytes"], **v["checks"]["scores"]["figures"]} for k, v in exports.items()}))
 

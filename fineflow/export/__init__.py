@@ -7,5 +7,5 @@ each one (tokenizer ids, chat template, stop tokens, scores on the eval docs).
     parity.py         the checks: the GGUF through llama.cpp against the training tokenizer and the merged model
     champion.py       the champion's merged model found or built, exported and checked: the stage's report
 
-Needs the ``export`` extra (``make export-tools``). Entry: ``fineflow.stages.export`` (not yet: the library first).
+Needs the ``export`` extra (``make export-tools``). Entry: ``fineflow.stages.export``.
 """

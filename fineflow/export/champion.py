@@ -87,7 +87,7 @@ def export_model(
         checks.append(check_scores(answers, reference, docs, cfg.tolerance.get(kind), bootstrap))
         exports[kind] = {**record, **verdict(kind, checks)}
         _log_verdict(exports[kind], log)
-    return {"model": str(model_dir), "eval_docs": len(docs), "exports": exports}
+    return {"eval_docs": len(docs), "exports": exports}
 
 
 def _generation_eos(model_dir: Path, generation_config_class) -> int | list[int] | None:
@@ -115,4 +115,10 @@ def export_champion(
 
     model_dir = champion_model_dir(champion_dir, work_dir, log)
     report = export_model(model_dir, eval_rows, out_dir, work_dir, params, log)
-    return {"champion": (read_champion(champion_dir) or {}).get("candidate_id"), **report}
+    # which of the champion's forms was exported, by name (a path into the scratch folder would change every run)
+    source = model_dir.relative_to(champion_dir).as_posix() if model_dir.is_relative_to(champion_dir) else None
+    return {
+        "champion": (read_champion(champion_dir) or {}).get("candidate_id"),
+        "source": source or "the adapter merged onto its base (fineflow.registry.merge)",
+        **report,
+    }

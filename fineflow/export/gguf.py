@@ -12,6 +12,7 @@ quantizer, what ``llama-quantize`` runs) applied to that float file, as llama.cp
 from __future__ import annotations
 
 import ctypes
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,9 @@ def quantize(float_file: Path, out_file: Path, kind: str, threads: int | None = 
     if kind not in QUANT_FTYPES:
         raise FineflowError(f"params.yaml: export.quantized: {kind!r} is not one of {sorted(QUANT_FTYPES)}")
     llama_cpp = require_llama_cpp()
+    # llama.cpp's log through llama-cpp-python's logger: its warnings (a tensor whose row length the type cannot
+    # take, quantized to a fallback type instead), not a line per tensor
+    logging.getLogger("llama-cpp-python").setLevel(logging.WARNING)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, QUANT_FTYPES[kind])
     params.nthread = threads or 0  # 0: llama.cpp uses every hardware thread
