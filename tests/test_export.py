@@ -122,6 +122,13 @@ def test_the_score_check_gates_by_the_bootstrap_ci_and_only_reports_an_ungated_t
     worse = ["wrong"] * 20 + reference[20:]  # the export loses 20 of the 150 right answers: -0.10
     failed = check_scores(worse, reference, docs, 0.01, bootstrap)
     assert not failed.passed and "delta -0.100" in failed.reason and "export.tolerance" in failed.reason
+    two_better = reference[:150] + targets[150:152] + reference[152:]  # +0.01: within, and not worse
+    assert check_scores(two_better, reference, docs, 0.01, bootstrap).passed
+    far_better = reference[:150] + targets[150:170] + reference[170:]  # +0.10: answers differently too
+    assert not check_scores(far_better, reference, docs, 0.01, bootstrap).passed
+    one_lost = ["wrong"] + reference[1:]  # -0.005, but one lost answer in 200 cannot rule out losing 1.5 points
+    uncertain = check_scores(one_lost, reference, docs, 0.01, bootstrap)
+    assert not uncertain.passed and uncertain.figures["ci"][0] < -0.01 < uncertain.figures["delta"]
     reported = check_scores(worse, reference, docs, None, bootstrap)
     assert reported.passed and reported.figures["gated"] is False and reported.figures["delta"] == -0.1
     report = verdict("q8_0", [same, failed])

@@ -540,13 +540,13 @@ class ExportParams(_Section):
     quantized: list[EXPORT_QUANT_TYPES] = Field(
         ["q8_0", "q4_k_m"], description="GGUF types llama.cpp's quantizer makes from the float one (may be [])"
     )
-    # parity: the exact-match difference (export - transformers) on the eval docs, with its paired-bootstrap CI
-    # (promote.bootstrap_samples, promote.confidence, seeded by `seed`), must lie within +-tolerance; a type not
-    # listed here is reported, not gated (4-bit types lose a little, by design)
+    # parity: the exact-match difference (export - transformers) on the eval docs must be within +-tolerance, and
+    # its paired-bootstrap CI's lower end (promote.bootstrap_samples, promote.confidence, seeded by `seed`) at
+    # least -tolerance; a type not listed here is reported, not gated (4-bit types lose a little, by design)
     tolerance: dict[str, float] = Field(
         default_factory=lambda: {"f16": 0.01, "bf16": 0.01, "q8_0": 0.01},
         json_schema_extra=_enforced(ge=0),
-        description="largest exact-match difference per GGUF type, CI included; a type not listed: reported only",
+        description="per GGUF type: largest exact-match difference, and lowest CI end negated; unlisted: reported only",
     )
     parity_docs: int | None = Field(
         None, gt=0, description="eval docs the parity check answers with each GGUF and with transformers; null: all"

@@ -15,8 +15,9 @@ Four checks, each failing with its own reason (``Check.reason``):
 - ``scores``: the GGUF run by llama.cpp on CPU and the merged model run by transformers answer the eval docs
   greedily, as the evaluate stage's ``fineflow_synth`` task does (its prompt, its stop strings, max_gen_toks, the
   leading whitespace stripped), each answer scored by exact match; the paired bootstrap the gate uses
-  (``fineflow.registry.gate.paired_bootstrap``) gives the export's exact-match difference and its CI, which must
-  lie within ``export.tolerance[<type>]``. A type without a tolerance is reported, not gated.
+  (``fineflow.registry.gate.paired_bootstrap``) gives the export's exact-match difference and its CI: the
+  difference must be within ±``export.tolerance[<type>]`` and the CI's lower end at least -tolerance (not worse
+  by more than the tolerance, at the gate's confidence). A type without a tolerance is reported, not gated.
 
 The first three need only the file's vocabulary and metadata; they run before any weights are loaded.
 """
@@ -276,13 +277,15 @@ def check_scores(
     }
     if tolerance is None:
         return Check("scores", True, figures={**figures, "gated": False})
-    if result.ci_low < -tolerance or result.ci_high > tolerance:
+    # within tolerance both ways on the point difference (an export that scores far better answers differently
+    # too), and, as the gate judges a candidate, not worse by more than tolerance at the CI's lower end
+    if abs(result.delta) > tolerance or result.ci_low < -tolerance:
         return Check(
             "scores",
             False,
             f"exact match {figures['exact_match']:.3f} vs {figures['reference_exact_match']:.3f} (transformers): "
-            f"delta {result.delta:+.3f}, CI [{result.ci_low:+.3f}, {result.ci_high:+.3f}] is not within "
-            f"±{tolerance} (export.tolerance)",
+            f"delta {result.delta:+.3f}, CI [{result.ci_low:+.3f}, {result.ci_high:+.3f}]: the delta must be within "
+            f"±{tolerance} and the CI's lower end at least -{tolerance} (export.tolerance)",
             {**figures, "gated": True},
         )
     return Check("scores", True, figures={**figures, "gated": True})
