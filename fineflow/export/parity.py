@@ -249,8 +249,7 @@ def runtime_answer(runtime, prompt: str, max_gen_toks: int) -> str:
 
 
 def runtime_answers(gguf_file: Path, docs: list[EvalDoc], max_gen_toks: int, threads: int | None) -> list[str]:
-    n_ctx = 0  # the file's own context length
-    runtime = load_runtime(gguf_file, vocab_only=False, n_ctx=n_ctx, threads=threads)
+    runtime = load_runtime(gguf_file, vocab_only=False, n_ctx=0, threads=threads)  # the file's context length
     try:
         return [runtime_answer(runtime, doc.prompt, max_gen_toks) for doc in docs]
     finally:
