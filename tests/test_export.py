@@ -164,6 +164,25 @@ def test_the_export_stage_with_no_champion_exports_nothing_and_says_so(built, tm
     assert sorted(p.name for p in out.iterdir()) == [REPORT_FILE]
 
 
+def test_an_adapter_only_champion_is_merged_onto_its_base_for_the_export_and_no_champion_is_refused(built, tmp_path):
+    from safetensors.torch import load_file
+
+    from fineflow.export.champion import champion_model_dir
+    from tests.conftest import random_adapter
+
+    with pytest.raises(FineflowError, match="no champion .champion.json. to export"):
+        champion_model_dir(tmp_path / "none", tmp_path / "work")
+    champion = random_adapter(built / "models/base", tmp_path / "champion", seed=5)
+    record = {"candidate_id": "c-adapter", "base_model": str(built / "models/base")}
+    (champion / "champion.json").write_text(json.dumps(record), encoding="utf-8")
+    merged = champion_model_dir(champion, tmp_path / "work", log=lambda line: None)
+    assert merged == tmp_path / "work/merged" and (merged / "tokenizer.json").is_file()
+    base = load_file(str(built / "models/base/model.safetensors"))
+    weights = load_file(str(merged / "model.safetensors"))
+    changed = sorted(name for name in base if not base[name].equal(weights[name]))
+    assert changed and all(name.endswith(("q_proj.weight", "v_proj.weight", "down_proj.weight")) for name in changed)
+
+
 @pytest.mark.nightly  # a converter subprocess per GGUF and llama.cpp scoring: ~1 min on 2 cores; needs the extra
 @needs_llama_cpp
 def test_the_embedded_champion_exports_to_gguf_and_passes_parity(built, tmp_path):
