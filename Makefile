@@ -4,9 +4,9 @@
 #               whole-run fault scenarios (pytest -m scenario: make test-scenarios, make test-nightly)
 # Also: make test-scenarios and make test-nightly (the other two test tiers: tests/README.md), make test-all
 # (all three; CI, .ci/run, runs make test then make test-scenarios), make repro (plain `dvc repro`, no Prefect),
-# make docs (the documentation site, docs/, built strictly into site/), make ci (the CI retraining job: fineflow
-# ci), make serve (the scheduled deployment, served from this process), make deploy + make worker (prefect.yaml
-# on a work pool), make clean.
+# make docs (the documentation site, docs/, built strictly into site/), make export-tools (llama.cpp for the GGUF
+# export: fineflow/export), make ci (the CI retraining job: fineflow ci), make serve (the scheduled deployment,
+# served from this process), make deploy + make worker (prefect.yaml on a work pool), make clean.
 
 PYTHON ?= python3
 VENV := .venv
@@ -25,7 +25,7 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: run docs lint test test-scenarios test-nightly test-all repro ci serve deploy worker venv clean
+.PHONY: run docs lint test test-scenarios test-nightly test-all repro ci serve deploy worker venv clean export-tools
 
 venv: $(STAMP)
 
@@ -77,6 +77,18 @@ test-all: test test-scenarios test-nightly
 
 repro: $(STAMP)
 	$(BIN)/dvc repro
+
+# The GGUF export's tools (fineflow/export, the `export` extra): llama-cpp-python's sdist, checked against its pinned
+# sha256, gives llama.cpp's converter (extracted into ~/.cache/fineflow) and is built into a CPU wheel kept in
+# .cache/wheels (GGML_NATIVE=OFF: it runs on any x86-64 with AVX2, not only this CPU; gcc/g++ and cmake needed,
+# 9 CPU-minutes: 15 min here on 2 cores shared with other work); a new venv then installs that wheel in seconds.
+LLAMA_CPP_SDIST := .cache/sdist/llama_cpp_python-0.3.36.tar.gz
+export-tools: $(STAMP)
+	$(BIN)/pip download --quiet --no-deps --no-binary :all: --dest .cache/sdist llama-cpp-python==0.3.36
+	$(BIN)/python -m fineflow.export.tooling fetch --sdist $(LLAMA_CPP_SDIST)
+	ls .cache/wheels/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1 || CMAKE_ARGS="-DGGML_NATIVE=OFF" \
+		$(BIN)/pip wheel --no-deps --wheel-dir .cache/wheels $(LLAMA_CPP_SDIST)
+	$(BIN)/pip install --quiet --find-links .cache/wheels -e '.[export]'
 
 # The CI retraining job (fineflow/ci.py): pull, dvc repro with its gate, push, a summary; what
 # .github/workflows/retrain.yml runs. make ci CI_ARGS="--fail-on-refusal --commit"

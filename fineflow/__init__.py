@@ -13,6 +13,7 @@ train/         stage train: the launcher, the loop, the planner, precision, FSDP
 checkpoint/    atomic, verified, exactly resumable checkpoints
 evaluate/      stage evaluate: lm-eval for the base, the candidate and the champion; the bundled tasks
 registry/      stage promote: the gate, the registry, the champion, lineage, approval
+export/        the champion as GGUF files for llama.cpp, each parity-checked against the trained model
 goodput/       stage goodput: the ledger, cost, the charts, the doctor
 model_ref.py   which base model the stages load (the embedded one, a path or a hub id)
 corpus.py      the bundled text of the synthetic data and the embedded base's pretraining

@@ -1,0 +1,124 @@
+"""The champion's exports: its merged model found (or built, streamed), written as GGUF files, each parity-checked.
+
+``export_champion`` is what the export stage runs; ``export_model`` does the same for any Hugging Face model
+directory (the tests' SmolLM2, a model promoted elsewhere). The report lists every GGUF with its size, sha256,
+whether it is shippable and, when not, each failed check's reason (``fineflow.export.parity``).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from fineflow.core.config import Params
+from fineflow.core.errors import FineflowError
+from fineflow.export.gguf import export_gguf
+from fineflow.export.parity import (
+    EvalDoc,
+    check_scores,
+    eval_docs,
+    reference_answers,
+    runtime_answers,
+    trained_stop_ids,
+    verdict,
+    vocabulary_checks,
+)
+
+
+def champion_model_dir(champion_dir: Path, work_dir: Path, log: Callable[[str], None] = print) -> Path:
+    """The champion's full model: merged/ when promote stored it, its own files for a fully fine-tuned champion,
+    else the adapter merged onto its base now, shard by shard (fineflow.registry.merge), into work_dir."""
+    from fineflow.registry.install import read_champion
+    from fineflow.registry.merge import build_merged
+
+    if not read_champion(champion_dir):
+        raise FineflowError(f"{champion_dir}: no champion (champion.json) to export: the export follows a promotion")
+    if (champion_dir / "merged" / "config.json").is_file():
+        return champion_dir / "merged"
+    if (champion_dir / "adapter_config.json").is_file():
+        log(f"export: {champion_dir} is adapter-only: merging it onto its base, streamed")
+        shutil.rmtree(work_dir / "merged", ignore_errors=True)
+        build_merged(champion_dir, work_dir / "merged")
+        return work_dir / "merged"
+    if (champion_dir / "config.json").is_file():
+        return champion_dir
+    raise FineflowError(f"{champion_dir}: neither merged/, an adapter nor a model: re-run promote")
+
+
+def rendered_eval_docs(eval_rows: Path, tokenizer, work_dir: Path, limit: int | None) -> list[EvalDoc]:
+    """The eval rows with their prompts as the evaluate stage renders them (the training rendering)."""
+    from fineflow.evaluate.harness import render_eval_rows
+
+    if not eval_rows.is_file():
+        raise FineflowError(f"{eval_rows}: no eval rows: the parity check answers the evaluate stage's eval docs")
+    work_dir.mkdir(parents=True, exist_ok=True)
+    docs = eval_docs(render_eval_rows(eval_rows, tokenizer, work_dir / "eval_rows.jsonl"), limit)
+    if not docs:
+        raise FineflowError(f"{eval_rows}: no eval rows to check the exports on")
+    return docs
+
+
+def export_model(
+    model_dir: Path, eval_rows: Path, out_dir: Path, work_dir: Path, params: Params, log: Callable[[str], None] = print
+) -> dict:
+    """GGUF files of model_dir in out_dir, each with its parity verdict; the export's report."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    cfg = params.export
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    docs = rendered_eval_docs(eval_rows, tokenizer, work_dir, cfg.parity_docs)
+    files = export_gguf(model_dir, out_dir, cfg.float_type, list(cfg.quantized), cfg.threads, log)
+    generation_eos = _generation_eos(model_dir, GenerationConfig)
+    stop_ids = trained_stop_ids(tokenizer, generation_eos)
+    max_gen_toks = params.evaluate.max_gen_toks
+    log(f"export: the merged model answers {len(docs)} eval docs (transformers, the reference)")
+    reference = reference_answers(model_dir, tokenizer, docs, max_gen_toks, stop_ids)
+    bootstrap = {
+        "samples": params.promote.bootstrap_samples,
+        "confidence": params.promote.confidence,
+        "seed": params.seed,
+    }
+    exports = {}
+    for kind, record in files.items():
+        gguf_file = out_dir / record["file"]
+        checks = vocabulary_checks(gguf_file, tokenizer, generation_eos, docs)
+        answers = runtime_answers(gguf_file, docs, max_gen_toks, cfg.threads)
+        checks.append(check_scores(answers, reference, docs, cfg.tolerance.get(kind), bootstrap))
+        exports[kind] = {**record, **verdict(kind, checks)}
+        _log_verdict(exports[kind], log)
+    return {"eval_docs": len(docs), "exports": exports}
+
+
+def _generation_eos(model_dir: Path, generation_config_class) -> int | list[int] | None:
+    """generation_config.json's eos_token_id (the ids generation stopped on in evaluation), if the model has one."""
+    try:
+        return generation_config_class.from_pretrained(model_dir).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        return None
+
+
+def _log_verdict(export: dict, log: Callable[[str], None]) -> None:
+    scores = export["checks"]["scores"]["figures"]
+    state = "shippable" if export["shippable"] else "NOT shippable: " + "; ".join(export["reasons"])
+    log(
+        f"export: {export['file']} exact match {scores['exact_match']:.3f} (transformers "
+        f"{scores['reference_exact_match']:.3f}, delta {scores['delta']:+.3f}, CI {scores['ci']}), {state}"
+    )
+
+
+def export_champion(
+    champion_dir: Path, eval_rows: Path, out_dir: Path, work_dir: Path, params: Params, log=print
+) -> dict:
+    """The champion's GGUF exports with their parity verdicts (the export stage's library call)."""
+    from fineflow.registry.install import read_champion
+
+    model_dir = champion_model_dir(champion_dir, work_dir, log)
+    report = export_model(model_dir, eval_rows, out_dir, work_dir, params, log)
+    # which of the champion's forms was exported, by name (a path into the scratch folder would change every run)
+    source = model_dir.relative_to(champion_dir).as_posix() if model_dir.is_relative_to(champion_dir) else None
+    return {
+        "champion": (read_champion(champion_dir) or {}).get("candidate_id"),
+        "source": source or "the adapter merged onto its base (fineflow.registry.merge)",
+        **report,
+    }
