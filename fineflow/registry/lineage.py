@@ -153,6 +153,16 @@ def shard_hashes(shards_dir: Path) -> dict:
     return out
 
 
+def mixture_sources(rows_dir: Path) -> dict:
+    """{"sources": [...]} from the validate stage's sources.json when the train split is a mixture of
+    data.sources (each with its content hash, rows kept, weight or n, rows mixed); {} otherwise."""
+    try:
+        listing = json.loads((rows_dir / "sources.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return {"sources": listing.get("sources", [])}
+
+
 def checkpoint_hashes(checkpoints: Path) -> dict[str, str]:
     """{checkpoint dir: sha256 of its manifest.json (which lists every file's sha256)}."""
     if not checkpoints.is_dir():
@@ -207,7 +217,8 @@ def build_manifest(
         "fineflow_lineage": FORMAT,
         "params": params,
         "packages": package_versions(),
-        "data": shard_hashes(shards_dir),
+        # the validate stage's rows lie beside the shards (dvc.yaml: data/validated, a dependency of promote)
+        "data": {**shard_hashes(shards_dir), **mixture_sources(shards_dir.parent / "validated")},
         "dvc_lock": dvc_lock_hashes(dvc_lock or root / "dvc.lock"),
         "artefacts": {
             "adapter": {
