@@ -2,8 +2,9 @@
 
 Unknown keys are rejected and every problem is reported at once, each as ``params.yaml: <key> <problem>``,
 so a user fixes their file in one go. Paths are not here: they live in ``dvc.yaml`` and reach stages as
-arguments (the one exception is ``data.train_path``/``data.eval_path``, which ``dvc.yaml`` interpolates so
-that a user can point the pipeline at their own files by editing params alone).
+arguments (the exceptions are ``data.train_path``/``data.eval_path``, which ``dvc.yaml`` interpolates so
+that a user can point the pipeline at their own files by editing params alone, and ``data.sources``, whose
+paths the fingerprint stage hashes for DVC).
 
 The field defaults below are the values the project ships: ``params.yaml`` states every one of them (with the
 trade-offs in its comments) and tests/test_config.py fails on any key where the two differ. Library code
