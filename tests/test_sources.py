@@ -171,6 +171,8 @@ def test_bad_source_params_name_the_source_and_the_field(source, words):
 def test_a_missing_path_and_a_wrong_mapping_name_the_source(built, tmp_path):
     with pytest.raises(FineflowError, match=r"data\.sources\[1\]\.path: no such file or folder 'data/nope\.jsonl'"):
         run_validate(built, tmp_path, [{"path": str(EXAMPLES / "units.jsonl")}, {"path": "data/nope.jsonl"}])
+    with pytest.raises(FineflowError, match=r"data\.sources\[0\]\.split: .* is one file, it has no splits"):
+        run_validate(built, tmp_path, [{"path": str(EXAMPLES / "units.jsonl"), "split": "test"}])
     wrong = {**QA, "instruction": "query"}
     with pytest.raises(DataError) as caught:
         run_validate(built, tmp_path, [{"path": str(EXAMPLES / "arithmetic"), "mapping": wrong}], base=False)

@@ -94,6 +94,9 @@ def resolve_source(index: int, spec: SourceParams, download: bool = False) -> So
     if kind == "file":
         if not path.is_file():
             raise FineflowError(f"params.yaml: data.sources[{index}].path: {spec.path!r} is a folder, not a file")
+        if spec.split is not None:  # silently reading the whole file would train on what the user meant to leave
+            where = f"params.yaml: data.sources[{index}].split"
+            raise FineflowError(f"{where}: {spec.path!r} is one file, it has no splits (remove split)")
         return Source(index, spec, kind, (path,))
     if not path.is_dir():
         where = f"params.yaml: data.sources[{index}].path"
