@@ -320,6 +320,15 @@ def _short(value) -> str:
     return str(value)
 
 
+def source_line(source: dict) -> str:
+    """One source of a mixture: where, what (content hash), how much was kept and trained on."""
+    amount = f"n {source['n']}" if source.get("n") is not None else f"weight {source.get('weight'):g}"
+    return (
+        f"{source['path']}  {_short(source['content_sha256'])}  kept {source['rows_kept']}  {amount}  "
+        f"mixed {source['rows_mixed']}"
+    )
+
+
 def tree(manifest: dict, title: str = "lineage"):
     """A rich Tree of the manifest, the questions people ask first at the top. Values are plain Text, so a
     bracket in a path or a param is never read as rich markup."""
@@ -357,6 +366,11 @@ def tree(manifest: dict, title: str = "lineage"):
         add(pk, f"{name} {version}")
     data = section("data")
     for key, value in (manifest.get("data") or {}).items():
+        if key == "sources":  # a mixture's sources (data.sources): one line each
+            node = add(data, f"sources ({len(value)})")
+            for source in value:
+                add(node, source_line(source))
+            continue
         add(data, f"{key} {_short(value)}")
     art = section("artefacts")
     adapter = (manifest.get("artefacts") or {}).get("adapter") or {}
