@@ -87,7 +87,9 @@ def step(work: Path, base_dir: Path, name: str) -> dict:
     out = subprocess.run(command, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{name} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"    {work.name} {name}: {json.dumps(result)}", file=sys.stderr, flush=True)  # a long run's progress
+    return result
 
 
 def measure(root: Path, base_dir: Path, total: int) -> dict:
