@@ -2,8 +2,9 @@
 
 Unknown keys are rejected and every problem is reported at once, each as ``params.yaml: <key> <problem>``,
 so a user fixes their file in one go. Paths are not here: they live in ``dvc.yaml`` and reach stages as
-arguments (the one exception is ``data.train_path``/``data.eval_path``, which ``dvc.yaml`` interpolates so
-that a user can point the pipeline at their own files by editing params alone).
+arguments (the exceptions are ``data.train_path``/``data.eval_path``, which ``dvc.yaml`` interpolates so
+that a user can point the pipeline at their own files by editing params alone, and ``data.sources``, whose
+paths the fingerprint stage hashes for DVC).
 
 The field defaults below are the values the project ships: ``params.yaml`` states every one of them (with the
 trade-offs in its comments) and tests/test_config.py fails on any key where the two differ. Library code
@@ -93,12 +94,75 @@ class DataParams(_Section):
         description="which source column feeds each internal field (instruction, input, output, or chat messages)",
     )
 
+    sources: list[SourceParams] | None = Field(
+        None,
+        description="several datasets mixed by weight into the train split (then train_path is unused; eval_path "
+        "stays the eval split): a list of {path, kind, format, split, mapping, weight or n}, each validated on its "
+        "own; null: train_path alone",
+    )
+
     @field_validator("train_path", "eval_path")
     @classmethod
     def _quotable(cls, path: str) -> str:
         if "'" in path or "\n" in path:  # dvc.yaml puts the path in single quotes on the validate command line
             raise ValueError("must not contain a single quote or a newline (dvc.yaml quotes the path with ')")
         return path
+
+    @field_validator("sources")
+    @classmethod
+    def _some_sources(cls, sources: list | None) -> list | None:
+        if sources is not None and not sources:
+            raise ValueError("name at least one source, or set it to null to train on data.train_path")
+        return sources
+
+
+SOURCE_KINDS = ("auto", "file", "shards", "saved", "hub")
+
+
+class SourceParams(_Section):
+    """One dataset of a mixture (``data.sources``): where its rows are, how its columns map, and how much of
+    it the train split takes: ``weight`` times its kept rows (0.5: a seeded half; 2: each row twice), or exactly
+    ``n`` rows. Changing a weight re-mixes; the source is not validated again (fineflow.data.mix)."""
+
+    path: str = Field(
+        description="a local JSONL/CSV/Parquet file, a folder of Parquet or JSONL shards, a folder `datasets` "
+        "save_to_disk wrote, or a Hugging Face dataset id (org/name)"
+    )
+    kind: str = Field(
+        "auto",
+        description="file | shards | saved | hub; auto: an existing file or folder by what it holds, else a hub id",
+    )
+    format: Literal["auto", "jsonl", "csv", "parquet"] = Field(
+        "auto", description="file format of the file or shards; auto: by file extension"
+    )
+    split: str | None = Field(
+        None,
+        description="which split to read: of a saved DatasetDict or a hub dataset (null: train), or the shards "
+        "whose file or folder name has it (null: every shard)",
+    )
+    mapping: FieldMapping | None = Field(
+        None, description="this source's columns (as data.mapping); null: data.mapping"
+    )
+    weight: float | None = Field(None, description="its kept rows times this go into the mix; null: 1 (or n)")
+    n: int | None = Field(None, description="exactly this many of its rows go into the mix (instead of weight)")
+
+    @model_validator(mode="after")
+    def _one_amount(self) -> SourceParams:
+        where = f"source {self.path!r}"
+        if self.kind not in SOURCE_KINDS:
+            raise ValueError(f"{where}: kind {self.kind!r} is not a source kind (use one of {', '.join(SOURCE_KINDS)})")
+        if self.weight is not None and self.n is not None:
+            raise ValueError(f"{where}: give weight or n, not both (weight scales its kept rows, n is a row count)")
+        if self.weight is not None and not self.weight > 0:
+            raise ValueError(f"{where}: weight must be > 0, it is {self.weight:g} (remove the source to leave it out)")
+        if self.n is not None and self.n <= 0:
+            raise ValueError(f"{where}: n must be > 0, it is {self.n} (remove the source to leave it out)")
+        return self
+
+    @property
+    def amount(self) -> dict:
+        """How much of the source the mix takes: {"n": rows} or {"weight": w} (weight 1 when neither is set)."""
+        return {"n": self.n} if self.n is not None else {"weight": 1.0 if self.weight is None else self.weight}
 
 
 class FieldMapping(_Section):
@@ -119,6 +183,7 @@ class FieldMapping(_Section):
     )
 
 
+SourceParams.model_rebuild()
 DataParams.model_rebuild()
 
 

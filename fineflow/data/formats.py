@@ -338,14 +338,15 @@ def read_parquet(path: str | Path, batch_rows: int = 10_000, max_row_bytes: int 
         for batch in batches:
             for record in batch.to_pylist():
                 number += 1
-                yield _parquet_row(record, number, f"{path}:{number}", max_row_bytes)
+                yield record_row(record, number, f"{path}:{number}", max_row_bytes)
     except (OSError, pa.ArrowException) as exc:
         raise DataError(f"{path}: cannot read the file as Parquet ({exc})") from None
     if not number:
         raise DataError(f"{path}: the file is empty (no rows)")
 
 
-def _parquet_row(record: dict, number: int, where: str, max_row_bytes: int | None) -> Row:
+def record_row(record: dict, number: int, where: str, max_row_bytes: int | None) -> Row:
+    """A row from a decoded record (Parquet, a saved dataset): its size and hash are its canonical JSON's."""
     data = {k: v for k, v in record.items() if v is not None}
     source = _Source(max_row_bytes)
     source.add(json.dumps(data, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8", "replace"))
@@ -430,12 +431,12 @@ def _renamed(wanted: dict[str, str | None]) -> dict[str, str]:
     }
 
 
-def apply_mapping(rows: Iterable[Row], mapping, source: str) -> Iterator[Row]:
+def apply_mapping(rows: Iterable[Row], mapping, source: str, key: str = "data.mapping") -> Iterator[Row]:
     """Rename source columns to the internal schema (instruction, input, output), row by row.
 
     A mapped column that no row has is a wrong mapping, not bad rows: when the stream ends without having
-    seen it, raise naming the key and the columns the file does have. A chat row whose messages are
-    malformed is quarantined with the reason.
+    seen it, raise naming the key (``key``: data.mapping, or a source's) and the columns the file does have.
+    A chat row whose messages are malformed is quarantined with the reason.
     """
     wanted = _wanted_columns(mapping)
     unseen = _renamed(wanted)
@@ -448,7 +449,7 @@ def apply_mapping(rows: Iterable[Row], mapping, source: str) -> Iterator[Row]:
     if unseen and present:
         name, column = next(iter(unseen.items()))
         raise DataError(
-            f"{source}: params.yaml data.mapping.{name} is {column!r}, but no row has that "
+            f"{source}: params.yaml {key}.{name} is {column!r}, but no row has that "
             f"column (columns found: {sorted(present)})"
         )
 

@@ -27,7 +27,7 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import IO, Protocol
 
 from fineflow.core.config import ValidateParams
 from fineflow.core.errors import DataError
@@ -175,6 +175,29 @@ class RowSink(Protocol):
     def kept(self, row: Row) -> None: ...
 
     def quarantined(self, row: Row) -> None: ...
+
+
+@dataclass
+class JsonlSink:
+    """Writes each row as the gate routes it: a kept row's clean record, a rejected row's quarantine record, and
+    (pii: redact) which kept row had which PII kinds replaced: the line and kinds, never the value."""
+
+    split: str
+    kept_file: IO[str]
+    quarantine_file: IO[str]
+    redactions_file: IO[str]
+
+    def kept(self, row: Row) -> None:
+        _write_line(self.kept_file, clean_record(row))
+        if row.redacted:
+            _write_line(self.redactions_file, {"split": self.split, "line": row.line, "kinds": row.redacted})
+
+    def quarantined(self, row: Row) -> None:
+        _write_line(self.quarantine_file, quarantine_record(row, self.split))
+
+
+def _write_line(fh: IO[str], record: dict) -> None:
+    fh.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
 @dataclass
@@ -412,11 +435,8 @@ def validate_splits(
         return docs_dir / split if docs_dir else None
 
     eval_path, train_path = Path(paths["eval"]), Path(paths["train"])
-    leak_index = LeakIndex(n=cfg.leakage_ngram)
-    eval_sink = _Tee(sinks["eval"], leak_index)
-    outcomes = {
-        "eval": validate_stream(load(eval_path), str(eval_path), cfg, eval_sink, None, docs("eval"), tokens, "eval")
-    }
+    outcome, leak_index = validate_eval(load(eval_path), str(eval_path), cfg, sinks["eval"], docs("eval"), tokens)
+    outcomes = {"eval": outcome}
     outcomes["train"] = validate_stream(
         load(train_path), str(train_path), cfg, sinks["train"], leak_index, docs("train"), tokens, "train"
     )
@@ -424,6 +444,15 @@ def validate_splits(
         if isinstance(sinks[split], ListSink):
             outcome.kept, outcome.quarantined = sinks[split].kept_rows, sinks[split].quarantined_rows
     return outcomes
+
+
+def validate_eval(
+    rows: Iterable[Row], source: str, cfg: ValidateParams, sink: RowSink, docs_dir: Path | None, tokens
+) -> tuple[ValidationOutcome, LeakIndex]:
+    """The eval split's gate, and the index of its kept rows that train rows are checked for leakage against."""
+    leak_index = LeakIndex(n=cfg.leakage_ngram)
+    outcome = validate_stream(rows, source, cfg, _Tee(sink, leak_index), None, docs_dir, tokens, "eval")
+    return outcome, leak_index
 
 
 @dataclass

@@ -211,6 +211,18 @@ def _lineage(record: dict) -> list[str]:
         "",
         f"Data: tokenizer {data.get('tokenizer_hash')}, template {data.get('template_hash')}, "
         f"eval rows sha256 {record.get('eval_data_sha256')}.",
+        *_sources(data.get("sources")),
         "`fineflow lineage models/champion` prints the full manifest (params, packages, dvc.lock hashes).",
         "",
     ]
+
+
+def _sources(sources: list[dict] | None) -> list[str]:
+    """The train split's sources when it is a mixture (data.sources): each by content, with its share."""
+    if not sources:
+        return []
+    lines = ["", "| source | content sha256 | rows kept | weight | rows mixed |", "|---|---|---|---|---|"]
+    for s in sources:
+        amount = f"n={s['n']}" if s.get("n") is not None else f"{s.get('weight'):g}"
+        lines.append(f"| {s['path']} | {s['content_sha256'][:16]} | {s['rows_kept']} | {amount} | {s['rows_mixed']} |")
+    return lines + [""]

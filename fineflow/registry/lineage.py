@@ -153,6 +153,16 @@ def shard_hashes(shards_dir: Path) -> dict:
     return out
 
 
+def mixture_sources(rows_dir: Path) -> dict:
+    """{"sources": [...]} from the validate stage's sources.json when the train split is a mixture of
+    data.sources (each with its content hash, rows kept, weight or n, rows mixed); {} otherwise."""
+    try:
+        listing = json.loads((rows_dir / "sources.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return {"sources": listing.get("sources", [])}
+
+
 def checkpoint_hashes(checkpoints: Path) -> dict[str, str]:
     """{checkpoint dir: sha256 of its manifest.json (which lists every file's sha256)}."""
     if not checkpoints.is_dir():
@@ -207,7 +217,8 @@ def build_manifest(
         "fineflow_lineage": FORMAT,
         "params": params,
         "packages": package_versions(),
-        "data": shard_hashes(shards_dir),
+        # the validate stage's rows lie beside the shards (dvc.yaml: data/validated, a dependency of promote)
+        "data": {**shard_hashes(shards_dir), **mixture_sources(shards_dir.parent / "validated")},
         "dvc_lock": dvc_lock_hashes(dvc_lock or root / "dvc.lock"),
         "artefacts": {
             "adapter": {
@@ -309,6 +320,15 @@ def _short(value) -> str:
     return str(value)
 
 
+def source_line(source: dict) -> str:
+    """One source of a mixture: where, what (content hash), how much was kept and trained on."""
+    amount = f"n {source['n']}" if source.get("n") is not None else f"weight {source.get('weight'):g}"
+    return (
+        f"{source['path']}  {_short(source['content_sha256'])}  kept {source['rows_kept']}  {amount}  "
+        f"mixed {source['rows_mixed']}"
+    )
+
+
 def tree(manifest: dict, title: str = "lineage"):
     """A rich Tree of the manifest, the questions people ask first at the top. Values are plain Text, so a
     bracket in a path or a param is never read as rich markup."""
@@ -346,6 +366,11 @@ def tree(manifest: dict, title: str = "lineage"):
         add(pk, f"{name} {version}")
     data = section("data")
     for key, value in (manifest.get("data") or {}).items():
+        if key == "sources":  # a mixture's sources (data.sources): one line each
+            node = add(data, f"sources ({len(value)})")
+            for source in value:
+                add(node, source_line(source))
+            continue
         add(data, f"{key} {_short(value)}")
     art = section("artefacts")
     adapter = (manifest.get("artefacts") or {}).get("adapter") or {}

@@ -1,14 +1,16 @@
-"""Stage fingerprint: record which base model every later stage uses, by content.
+"""Stage fingerprint: record which base model every later stage uses, by content (and the data sources).
 
 python -m fineflow.stages.fingerprint --base-dir models/base --out models/base_fingerprint.json \
-    --hash-cache .cache/fineflow
+    --hash-cache .cache/fineflow --sources-out data/sources.json
 
 DVC tracks what is inside the project; a real base that ``model.base`` names (a local directory, or a hub id
 resolved from the local cache) is outside it, and a new checkpoint written at the same path would change
 nothing DVC sees. This stage always runs (``always_changed`` in dvc.yaml), hashes the base's files (cached by
 path, size and mtime, so an unchanged base is not read again) and writes the hashes: when they change, DVC
 re-runs every stage that depends on the file; when they don't, the file's bytes are the same and nothing
-downstream runs.
+downstream runs. ``data.sources`` (fineflow.data.sources) are inputs outside the project too: with
+``--sources-out`` each one's content hash goes to that file, which the validate stage depends on (without
+sources it is an empty list, the same bytes on every run).
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ from fineflow.core.reports import write_json_atomic
 from fineflow.model_ref import base_identity, resolve_base_model
 
 
-def run(params: Params, base_dir: Path, out: Path, hash_cache: Path) -> dict:
+def run(params: Params, base_dir: Path, out: Path, hash_cache: Path, sources_out: Path | None = None) -> dict:
+    if sources_out is not None:
+        from fineflow.data.sources import fingerprint_sources
+
+        sources_out.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(sources_out, fingerprint_sources(params.data.sources, hash_cache, log))
     reference = resolve_base_model(params.model, base_dir)
     identity = {"base": reference, **base_identity(reference, hash_cache)}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -36,8 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base-dir", type=Path, required=True, help="the base stage's output directory")
     parser.add_argument("--out", type=Path, required=True, help="the fingerprint JSON to write")
     parser.add_argument("--hash-cache", type=Path, required=True, help="directory for the file hash cache")
+    parser.add_argument("--sources-out", type=Path, default=None, help="the JSON of data.sources' content hashes")
     args = parser.parse_args(argv)
-    return run_entry("fingerprint", args, lambda params: run(params, args.base_dir, args.out, args.hash_cache))
+    return run_entry(
+        "fingerprint", args, lambda params: run(params, args.base_dir, args.out, args.hash_cache, args.sources_out)
+    )
 
 
 if __name__ == "__main__":

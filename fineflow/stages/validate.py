@@ -1,6 +1,8 @@
 """Stage validate: the great-expectations gate over the raw train and eval rows.
 
-Reads JSONL, CSV or Parquet (``data.format``), renamed to instruction/input/output by ``data.mapping``.
+Reads JSONL, CSV or Parquet (``data.format``), renamed to instruction/input/output by ``data.mapping``. With
+``data.sources`` the train split is their mix instead: each source validated on its own, its result kept by
+content in ``--source-cache`` (fineflow.data.mixture, fineflow.data.source_gate).
 
     python -m fineflow.stages.validate --train data/raw/train.jsonl --eval data/raw/eval.jsonl \
         --out data/validated
@@ -17,7 +19,6 @@ non-zero with the reason.
 
 from __future__ import annotations
 
-import json
 import shutil
 from contextlib import ExitStack
 from pathlib import Path
@@ -26,14 +27,13 @@ from fineflow.core.config import Params
 from fineflow.core.entry import log, run_entry, stage_parser
 from fineflow.core.errors import DataError
 from fineflow.core.reports import write_json_atomic
-from fineflow.data.formats import Row
+from fineflow.data.mixture import Mixture
 from fineflow.data.tokens import TokenView
-from fineflow.data.validation import clean_record, quarantine_record, raise_if_blocked, validate_splits
+from fineflow.data.validation import JsonlSink, raise_if_blocked, validate_splits
 
 
 class _Files:
-    """The stage's row files, written as the gate routes each row: a split's kept rows, and the quarantine
-    and the redaction log shared by both splits."""
+    """The stage's row files: each split's kept rows, and the quarantine and the redaction log all splits share."""
 
     def __init__(self, stack: ExitStack, out_dir: Path):
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -44,25 +44,19 @@ class _Files:
     def _open(self, name: str):
         return self.stack.enter_context((self.out_dir / name).open("w", encoding="utf-8"))
 
-    def sink(self, split: str) -> _SplitSink:
-        return _SplitSink(split, self._open(f"{split}.jsonl"), self)
+    def sink(self, split: str) -> JsonlSink:
+        return JsonlSink(split, self._open(f"{split}.jsonl"), self.quarantine, self.redactions)
 
 
-def _write(fh, record: dict) -> None:
-    fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+def _token_view(params: Params, base_dir: Path | None) -> TokenView | None:
+    """Token-level checks see rows exactly as the tokenize stage will (None without a base)."""
+    if base_dir is None:
+        return None
+    from fineflow.model_ref import resolve_base_model
+    from fineflow.tokenize.tokenization import load_tokenizer
 
-
-class _SplitSink:
-    def __init__(self, split: str, kept_file, files: _Files):
-        self.split, self.kept_file, self.files = split, kept_file, files
-
-    def kept(self, row: Row) -> None:
-        _write(self.kept_file, clean_record(row))
-        if row.redacted:  # pii: redact keeps the row; every replacement is logged (line and kinds, never the value)
-            _write(self.files.redactions, {"split": self.split, "line": row.line, "kinds": row.redacted})
-
-    def quarantined(self, row: Row) -> None:
-        _write(self.files.quarantine, quarantine_record(row, self.split))
+    tokenizer = load_tokenizer(resolve_base_model(params.model, base_dir))
+    return TokenView(tokenizer, params.tokenize.seq_len, params.tokenize.train_on)
 
 
 def run(
@@ -73,17 +67,18 @@ def run(
     report_path: Path,
     docs_dir: Path | None = None,
     base_dir: Path | None = None,
+    source_cache: Path | None = None,
+    hash_cache: Path | None = None,
 ) -> dict:
     cfg = params.validate_
-    tokens = None
-    if base_dir is not None:  # token-level checks see rows exactly as the tokenize stage will
-        from fineflow.model_ref import resolve_base_model
-        from fineflow.tokenize.tokenization import load_tokenizer
-
-        tokenizer = load_tokenizer(resolve_base_model(params.model, base_dir))
-        tokens = TokenView(tokenizer, params.tokenize.seq_len, params.tokenize.train_on)
+    tokens = _token_view(params, base_dir)
     if docs_dir is not None:
         shutil.rmtree(docs_dir, ignore_errors=True)  # one run's docs, not an accumulation of old ones
+    if source_cache is not None:  # a DVC output: there (empty) without data.sources too
+        source_cache.mkdir(parents=True, exist_ok=True)
+    if params.data.sources:
+        mixture = Mixture(params, out_dir, source_cache or out_dir.parent / "source_cache", hash_cache, docs_dir)
+        return mixture.run(eval_path, tokens, report_path)
     with ExitStack() as stack:
         files = _Files(stack, out_dir)
         sinks = {split: files.sink(split) for split in ("eval", "train")}
@@ -121,11 +116,28 @@ def main(argv: list[str] | None = None) -> int:
         default=Path("reports/data_docs"),
         help="where GX renders its Data Docs HTML (one site per split)",
     )
+    parser.add_argument(
+        "--source-cache",
+        type=Path,
+        default=None,
+        help="with data.sources: each source's result by content (a persisted output; default: beside --out)",
+    )
+    parser.add_argument("--hash-cache", type=Path, default=None, help="directory for the sources' file hash cache")
     args = parser.parse_args(argv)
     return run_entry(
         "validate",
         args,
-        lambda p: run(p, args.train, args.eval, args.out, Path(args.report), args.data_docs, args.base_dir),
+        lambda p: run(
+            p,
+            args.train,
+            args.eval,
+            args.out,
+            Path(args.report),
+            args.data_docs,
+            args.base_dir,
+            args.source_cache,
+            args.hash_cache,
+        ),
     )
 
 
