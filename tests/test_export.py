@@ -156,7 +156,7 @@ def _champion(built: Path, folder: Path) -> Path:
 
 
 def test_the_export_stage_with_no_champion_exports_nothing_and_says_so(built, tmp_path):
-    from fineflow.stages.export import REPORT_FILE, run
+    from fineflow.export.stage import REPORT_FILE, run
 
     out = tmp_path / "models/export"
     report = run(_tiny_params(), tmp_path / "models/champion", built / "data/validated/eval.jsonl", out)
@@ -188,7 +188,7 @@ def test_an_adapter_only_champion_is_merged_onto_its_base_for_the_export_and_no_
 def test_the_embedded_champion_exports_to_gguf_and_passes_parity(built, tmp_path):
     from gguf import GGUFReader
 
-    from fineflow.stages.export import REPORT_FILE, run
+    from fineflow.export.stage import REPORT_FILE, run
 
     champion = _champion(built, tmp_path / "models/champion")
     out = tmp_path / "models/export"

@@ -67,6 +67,7 @@ def test_params_survive_dvc_exp_runs_rewrite_of_one_key_in_every_section(tmp_pat
         "evaluate.limit": "4",
         "promote.min_delta": "0.1",
         "cost.device_hour_usd": "2.5",
+        "export.parity_docs": "8",
     }
     assert {key.split(".")[0] for key in sets} >= set(load_params(project / "params.yaml").model_dump(by_alias=True))
     argv = [sys.executable, "-m", "dvc", "exp", "run", "--name", "every-section", "data"]
@@ -80,7 +81,7 @@ def test_params_survive_dvc_exp_runs_rewrite_of_one_key_in_every_section(tmp_pat
     loaded = load_params(project / "params.yaml")
     assert (loaded.seed, loaded.train.precision, loaded.train.lr, loaded.data.n_train) == (7, "no", 1e-3, 120)
     assert (loaded.checkpoint.every_minutes, loaded.evaluate.limit, loaded.promote.min_delta) == (None, 4, 0.1)
-    assert loaded.cost.device_hour_usd == 2.5
+    assert loaded.cost.device_hour_usd == 2.5 and loaded.export.parity_docs == 8
     assert len((project / "data/raw/train.jsonl").read_text().splitlines()) >= 120  # plus the injected bad rows
     shown = subprocess.run(
         [sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=project, env=venv_env(), capture_output=True

@@ -15,6 +15,5 @@ tokenize.py     validated rows -> packed, memory-mapped shards
 train.py        fine-tuning under accelerate (the launcher, then each rank)
 evaluate.py     lm-eval for the base, the candidate and the champion
 promote.py      the gate between a candidate and the champion
-export.py       the champion as GGUF files for llama.cpp, each parity-checked (not yet in dvc.yaml)
 goodput.py      the run's ledger: where its wall time and money went
 """

@@ -1,6 +1,6 @@
 """Stage export: the promoted champion as GGUF files for llama.cpp, each parity-checked before it is shippable.
 
-    python -m fineflow.stages.export --champion models/champion --eval-rows data/validated/eval.jsonl \
+    python -m fineflow.export.stage --champion models/champion --eval-rows data/validated/eval.jsonl \
         --out models/export
 
 Writes ``<out>/model-<type>.gguf`` for ``export.float_type`` and each of ``export.quantized``, and
