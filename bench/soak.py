@@ -12,7 +12,9 @@ tiny copy of this checkout (tests/conftest.py's copy_project: every stage in sec
 
 Each round draws, from one seeded schedule, an event and (at ``--fault-rate``) a fault:
 
-- events: none (the nightly run), new data (`fineflow data add`: the on-new-data trigger starts the run), a
+- events: none (the nightly run), new data (rows appended to the training file, then `fineflow data add`: the
+  on-new-data trigger starts the run; the first one moves data.train_path to a team-owned copy of the data
+  stage's output, which `data add` refuses), a
   param edit (train.lr), a changed eval set (evaluate.limit), concurrent triggers (two nightly runs at once), a
   new base checkpoint at the same path (the base's weights replaced in place, as a team's base directory is
   updated; the first one moves model.base from the embedded base to that directory);
@@ -357,12 +359,30 @@ def edit_param(project: Path, key: str, values: tuple) -> str:
     return f"{key}={params[section][name]}"
 
 
+TEAM_TRAIN = "data/incoming/train.jsonl"  # the training file a team appends to (the data stage's is its output)
+
+
+def new_row(round_no: int, part: int) -> dict:
+    return {"instruction": f"Repeat the code of soak round {round_no}, part {part}.", "output": f"r{round_no}p{part}"}
+
+
 def add_data(soak: Soak, round_no: int) -> str:
-    rows = soak.project / "data/incoming" / f"soak-{round_no}.jsonl"
-    rows.parent.mkdir(parents=True, exist_ok=True)
-    rows.write_text(json.dumps({"instruction": f"Say {round_no}.", "output": str(round_no)}) + "\n")
+    """New rows appended to the file training reads, then `fineflow data add` (dvc add + the event). The first
+    time, data.train_path moves from the data stage's output to a copy of it the team owns."""
+    rows = soak.project / TEAM_TRAIN
+    path = soak.project / "params.yaml"
+    params = yaml.safe_load(path.read_text())
+    moved = params["data"]["train_path"] != TEAM_TRAIN
+    if moved:
+        rows.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(soak.project / params["data"]["train_path"], rows)
+        params["data"]["train_path"] = TEAM_TRAIN
+        path.write_text(yaml.safe_dump(params, sort_keys=False))
+    new = [new_row(round_no, part) for part in range(4)]
+    with rows.open("a") as fh:
+        fh.writelines(json.dumps(row) + "\n" for row in new)
     done = subprocess.run(
-        [sys.executable, "-m", "fineflow.cli", "data", "add", str(rows.relative_to(soak.project))],
+        [sys.executable, "-m", "fineflow.cli", "data", "add", TEAM_TRAIN],
         cwd=soak.project,
         env=soak.env,
         capture_output=True,
@@ -370,7 +390,7 @@ def add_data(soak: Soak, round_no: int) -> str:
     )
     if done.returncode:
         raise RuntimeError(f"fineflow data add failed: {done.stdout}{done.stderr}")
-    return rows.name
+    return f"{len(new)} rows appended to {TEAM_TRAIN}" + (" (data.train_path moved there)" if moved else "")
 
 
 def new_base(soak: Soak, round_no: int) -> str:

@@ -245,8 +245,8 @@ def write_scores(path, candidate: int, base: int, champion: tuple[int, str] | No
 
 def gate_only_project(built: Path, path: Path, overrides: dict | None = None) -> Path:
     """A copy of the project whose dvc.yaml keeps the promote stage alone (and its metrics), with its inputs in
-    place: the tiny base, the shards, and a candidate (a random adapter) evaluated at 30/40 exact matches
-    against the base's 5/40. The gate's outcomes in seconds, without training or lm-eval."""
+    place: the tiny base, the shards, the validated rows, and a candidate (a random adapter) evaluated at 30/40
+    exact matches against the base's 5/40. The gate's outcomes in seconds, without training or lm-eval."""
     project = copy_project(path, overrides)
     pipeline = yaml.safe_load((project / "dvc.yaml").read_text(encoding="utf-8"))
     pipeline["stages"] = {"promote": pipeline["stages"]["promote"]}
@@ -257,6 +257,7 @@ def gate_only_project(built: Path, path: Path, overrides: dict | None = None) ->
     shutil.rmtree(project / "reports", ignore_errors=True)
     shutil.copytree(built / "models/base", project / "models/base")
     shutil.copytree(built / "data/shards", project / "data/shards")
+    shutil.copytree(built / "data/validated", project / "data/validated")  # promote's lineage reads its sources
     (project / "models/base_fingerprint.json").write_text("{}\n")
     (project / "eval").mkdir()
     write_scores(project / "eval/scores.json", 30, 5)

@@ -287,7 +287,8 @@ def _gate_only_origin(built: Path, tmp_path: Path, s3_server: str) -> Path:
     """A bare git origin of a gate-only project (conftest.gate_only_project) whose inputs are tracked with
     `dvc add` and pushed to the S3 remote its .dvc/config names: the gate's outcomes without training."""
     seed = gate_only_project(built, tmp_path / "seed", {"promote.min_delta": 0.9})  # refused until lowered
-    inputs = ["models/base", "data/shards", "models/base_fingerprint.json", "eval", "models/candidate"]
+    inputs = ["models/base", "data/shards", "data/validated", "models/base_fingerprint.json", "eval"]
+    inputs.append("models/candidate")
     _dvc(seed, "add", *inputs)
     add_s3_remote(seed, s3_server, prefix="ci")  # the keys go to .dvc/config.local: never committed
     _dvc(seed, "push")

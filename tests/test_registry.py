@@ -534,6 +534,7 @@ def test_a_rollback_survives_the_next_dvc_repro_and_dvc_checkout(built, adapters
     project = copy_project(tmp_path / "project")
     shutil.copytree(built / "models/base", project / "models/base")
     shutil.copytree(built / "data/shards", project / "data/shards")
+    shutil.copytree(built / "data/validated", project / "data/validated")  # promote's lineage reads its sources
     (project / "models/base_fingerprint.json").write_text("{}\n")
     (project / "eval").mkdir()
     ids = []
