@@ -453,6 +453,19 @@ def _prefect(project, env, *args: str) -> str:
     return done.stdout
 
 
+def _start_worker(pool: str, cwd, env, log) -> subprocess.Popen:
+    """A process worker for the pool (`make worker`), in its own session, its output in log."""
+    with log.open("w") as fh:
+        return subprocess.Popen(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool],
+            cwd=cwd,
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
 def _wait_for(what, timeout: float, proc, log):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -506,15 +519,7 @@ def test_a_run_of_the_projects_deployments_paused_for_approval_completes_past_a_
     _prefect(flows, env, "--no-prompt", "deploy", "--all")
     [ours] = [d for d in _post(prefect_server, "/deployments/filter") if d["work_pool_name"] == pool]
     log = tmp_path / "worker.log"
-    with log.open("w") as fh:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool],
-            cwd=flows,
-            env=env,
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    worker = _start_worker(pool, flows, env, log)
     try:
         run = _post(prefect_server, f"/deployments/{ours['id']}/create_flow_run")
 
@@ -556,15 +561,7 @@ def test_prefect_yaml_deploys_both_deployments_a_worker_runs_them_and_new_data_t
         assert deployment["global_concurrency_limit"] is None
 
     log = tmp_path / "worker.log"
-    with log.open("w") as fh:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "worker", "start", "--pool", "fineflow-process"],
-            cwd=project,
-            env=env,
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    worker = _start_worker("fineflow-process", project, env, log)
     try:
         run = _post(prefect_server, f"/deployments/{deployments['nightly']['id']}/create_flow_run")
 
