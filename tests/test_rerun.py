@@ -152,3 +152,67 @@ def test_a_local_base_whose_files_change_at_the_same_path_reruns_what_depends_on
     assert json.loads((project / "reports/train.json").read_text())["resumed_from_step"] == 0
     second = _adapter(project)
     assert any(not torch.equal(first[k], second[k]) for k in first)  # trained on the new weights
+
+
+def _install_champion(project, seed: int, tiny_params) -> str:
+    """A random adapter promoted (by the registry's own promote, on hand-written scores) over whatever the
+    project's champion is: a champion the evaluate stage has to score beside the candidate. Its id."""
+    from fineflow.registry.champion import promote
+    from fineflow.registry.store import alias_id
+    from tests.conftest import random_adapter, write_scores
+
+    adapter = random_adapter(project / "models/base", project.parent / f"champion-{seed}", seed=seed)
+    current = alias_id(project / "models/registry")
+    scores = write_scores(project.parent / f"scores-{seed}.json", 40, 0, (0, current) if current else None)
+    report = promote(
+        tiny_params,
+        scores,
+        adapter,
+        project / "models/champion",
+        project / "models/registry",
+        base_dir=project / "models/base",
+        shards_dir=project / "data/shards",
+        root=project,
+        log=lambda _: None,
+    )
+    assert report["decision"] == "promoted", report
+    return report["candidate_id"]
+
+
+def _scored_champion(project) -> str:
+    return json.loads((project / "eval/scores.json").read_text())["champion"]["id"]
+
+
+@pytest.mark.scenario
+@pytest.mark.slow
+def test_evaluate_scores_the_current_champion_when_its_other_inputs_return_to_an_earlier_state(
+    reproduced, tmp_path, tiny_params
+):
+    """Seen on main (the soak, run-cache): evaluate reads the champion but cannot declare it (promote makes it:
+    a cycle), so DVC's run cache, keyed on the declared inputs alone, handed back the scores of an earlier
+    champion when evaluate.limit returned to a value seen before; promote then refused every run until a person
+    forced evaluate. Evaluate is never restored from the run cache: it scores the champion of the moment."""
+    from tests.conftest import copy_reproduced, write_params
+
+    project = copy_reproduced(reproduced, tmp_path / "project")
+    first = _install_champion(project, 11, tiny_params)
+    second = _install_champion(project, 12, tiny_params)  # the champion now
+
+    def repro_with_limit(limit: int) -> list[str]:
+        write_params(project / "params.yaml", {"evaluate": {"limit": limit}})
+        return _dvc_repro(project)
+
+    assert "evaluate" in repro_with_limit(4) and _scored_champion(project) == second
+    rollback = subprocess.run(
+        [sys.executable, "-m", "fineflow.cli", "registry", "rollback", "--to", first],
+        cwd=project,
+        env=venv_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert rollback.returncode == 0, rollback.stderr
+    assert "evaluate" in repro_with_limit(5) and _scored_champion(project) == first
+    ran = repro_with_limit(4)  # evaluate's declared inputs as in the first run; the champion is not
+    assert "evaluate" in ran and _scored_champion(project) == first
+    promote = json.loads((project / "reports/promote.json").read_text())
+    assert "re-run the evaluate stage" not in promote.get("reason", ""), promote

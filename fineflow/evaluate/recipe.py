@@ -84,7 +84,9 @@ def evaluate_models(
     champion, champion_notes = champion_to_score(champion_dir, base_digest, log)
     if champion is not None:
         models["champion"] = champion
-    shutil.rmtree(out_dir / "samples", ignore_errors=True)  # no stale champion samples from an earlier run
+    # nothing of an earlier run stays: DVC keeps the folder (a persisted output: no run cache, see dvc.yaml),
+    # and a stale champion's samples would be read as this run's
+    shutil.rmtree(out_dir, ignore_errors=True)
     for name in ("base", "candidate", "champion"):
         (raw_dir / f"{name}.json").unlink(missing_ok=True)
     cfg = params.evaluate
