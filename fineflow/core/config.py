@@ -181,6 +181,10 @@ class FieldMapping(_Section):
         description="chat data: the column of OpenAI-style {role, content} lists; the last message is the response "
         "and the three columns above are unused",
     )
+    # preference data (train.objective dpo or simpo): the prompt as above (instruction/input, or messages: the
+    # conversation before the answer), and two answers to it; output is then unused
+    chosen: str = Field("chosen", description="preference data: the column of the preferred answer")
+    rejected: str = Field("rejected", description="preference data: the column of the dispreferred answer")
 
 
 SourceParams.model_rebuild()
@@ -237,6 +241,11 @@ class ValidationChecks(_Section):
     chat_tool_results: CheckParams = _check("an assistant tool call that no tool message answers")
     # ... and with the base tokenizer: what its chat template and tokenize.seq_len make of them
     chat_dropped_turn: CheckParams = _check("a message the chat template leaves out of its rendering")
+    pair_identical: CheckParams = _check("a preference pair whose chosen and rejected answers are the same text")
+    pair_empty: CheckParams = _check("a preference pair with an empty (or whitespace-only) chosen or rejected answer")
+    pair_truncation: CheckParams = _check(
+        "a preference pair that tokenize.seq_len would cut until chosen and rejected are the same tokens"
+    )
     chat_truncation: CheckParams = _check(
         "a conversation that tokenize.seq_len would cut inside an assistant turn (quarantined, not trained cut)",
         max_share=0.05,
@@ -382,6 +391,28 @@ class SlurmParams(_Section):
     )
 
 
+class PreferenceParams(_Section):
+    """Preference tuning (train.objective dpo or simpo): the loss's constants and DPO's reference model."""
+
+    beta: float = Field(
+        0.1,
+        gt=0,
+        description="dpo: how far the policy may move from the reference (larger stays closer); simpo: the reward "
+        "scale (its paper uses 2 to 10)",
+    )
+    simpo_gamma: float = Field(
+        0.5, ge=0, description="simpo: the margin by which the chosen reward must beat the rejected one"
+    )
+    # DPO's reference scores the pairs once (the reference stage caches its log-probabilities): champion is the
+    # registry's champion adapter on the base (the SFT model, after an SFT run was promoted), which the policy also
+    # starts from; base is the base model and a fresh adapter. Without a champion, champion means the base.
+    reference: Literal["champion", "base"] = Field(
+        "champion",
+        description="dpo: the model the policy is anchored to and starts from: the champion (the base when none "
+        "yet) or the base",
+    )
+
+
 class TrainParams(_Section):
     """The train stage: method, precision, hardware, optimizer and schedule."""
 
@@ -491,6 +522,12 @@ class TrainParams(_Section):
         "tensorboard", description="accelerate experiment tracker, logging under logs/"
     )
     lora: LoraParams = Field(LoraParams(), description="the LoRA adapter (lora and qlora)")
+    objective: Literal["sft", "dpo", "simpo"] = Field(
+        "sft",
+        description="sft: next-token loss on the answers; dpo: preference pairs against a reference model; simpo: "
+        "preference pairs, reference-free (length-normalised)",
+    )
+    preference: PreferenceParams = Field(PreferenceParams(), description="train.objective dpo or simpo")
 
 
 class CheckpointSettings(_Section):
