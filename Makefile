@@ -97,11 +97,13 @@ ci: $(STAMP)
 	$(BIN)/fineflow ci $(CI_ARGS)
 
 # prefect.yaml's deployments (nightly, on-new-data) on a process work pool, on the server PREFECT_API_URL names;
-# `make worker` runs them (in this checkout: prefect.yaml has no pull section).
+# `make worker` runs them (in this checkout: prefect.yaml has no pull section). flows/automations.py: the server marks a
+# run whose process died (its heartbeats stopped) Crashed.
 POOL ?= fineflow-process
 deploy: $(STAMP)
 	$(BIN)/prefect work-pool inspect $(POOL) >/dev/null 2>&1 || $(BIN)/prefect work-pool create $(POOL) --type process
 	$(BIN)/prefect --no-prompt deploy --all
+	$(BIN)/python -m flows.automations
 
 worker: $(STAMP)
 	$(BIN)/prefect worker start --pool $(POOL)

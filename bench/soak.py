@@ -247,6 +247,9 @@ def stack(root: Path, project: Path | None, cron: str | None, seed: int, approva
             accelerate_cron(project, cron)
         prefect(soak, "work-pool", "create", "fineflow-process", "--type", "process")
         prefect(soak, "--no-prompt", "deploy", "--all")
+        # as `make deploy`: the server marks a run whose process died Crashed (flows/automations.py)
+        automation = [sys.executable, "-m", "flows.automations"]
+        subprocess.run(automation, cwd=project, env=env, check=True, capture_output=True)
         start_worker(soak, root / "worker.log")
         soak.approver = Approver(api, approval_timeout_s)
         try:

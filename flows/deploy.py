@@ -16,6 +16,7 @@ on them. Each run checks them again before its first stage (flows/pipeline.py).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -41,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fineflow serve: error: {exc}", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT
     apply_offline_environment(project)
+    if os.environ.get("PREFECT_API_URL"):  # a server that outlives this process: it marks a run that died Crashed
+        from flows.automations import ensure_crash_automation
+
+        print(ensure_crash_automation(), flush=True)
     fineflow_pipeline.serve(
         name=args.name,
         schedules=[Cron(args.cron, timezone=args.timezone)],

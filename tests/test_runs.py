@@ -477,6 +477,29 @@ def _wait_for(what, timeout: float, proc, log):
     pytest.fail(f"timed out after {timeout} s: {log.read_text()[-3000:]}")
 
 
+def _deploy_like_nightly(api_url: str, tmp_path, name: str, source: str, parameters: dict):
+    """The flow `name` of `source` deployed with prefect.yaml's nightly options (name, entrypoint, schedule and
+    parameters aside) on a process pool of its own: (the env a worker for it needs, the pool, the flow's folder)."""
+    from tests.conftest import ROOT
+    from tests.test_chaos import flow_env
+
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    [nightly] = [d for d in spec["deployments"] if d["name"] == "nightly"]
+    options = {k: v for k, v in nightly.items() if k not in ("name", "entrypoint", "schedules", "parameters")}
+    pool = f"{name}-{tmp_path.name}"[:40]
+    deployment = {**options, "name": name, "entrypoint": f"{name}.py:{name}", "work_pool": {"name": pool}}
+    spec["deployments"] = [{**deployment, "parameters": parameters}]
+    flows = tmp_path / "flows"
+    flows.mkdir()
+    (flows / f"{name}.py").write_text(source)
+    (flows / "prefect.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    env = {**flow_env(api_url, chaos=False), "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(flows)])
+    _prefect(flows, env, "work-pool", "create", pool, "--type", "process")
+    _prefect(flows, env, "--no-prompt", "deploy", "--all")
+    return env, pool, flows
+
+
 ASKS = """
 import time
 from prefect import flow
@@ -500,23 +523,9 @@ def test_a_run_of_the_projects_deployments_paused_for_approval_completes_past_a_
     concurrency limit's lease when the run pauses, and the engine's next renewal (every 225 s) cancels the run.
     A flow deployed with prefect.yaml's nightly options (name, entrypoint and schedule aside) pauses for a
     PromotionApproval, is answered at once, and runs on past the renewal: it must complete."""
-    from tests.conftest import ROOT
-    from tests.test_chaos import flow_env, kill_tree
+    from tests.test_chaos import kill_tree
 
-    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
-    [nightly] = [d for d in spec["deployments"] if d["name"] == "nightly"]
-    options = {k: v for k, v in nightly.items() if k not in ("name", "entrypoint", "schedules", "parameters")}
-    pool = f"asks-{tmp_path.name}"[:40]
-    deployment = {**options, "name": "asks", "entrypoint": "asks.py:asks", "work_pool": {"name": pool}}
-    spec["deployments"] = [{**deployment, "parameters": {"hold_s": 260}}]
-    flows = tmp_path / "flows"
-    flows.mkdir()
-    (flows / "asks.py").write_text(ASKS)
-    (flows / "prefect.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
-    env = {**flow_env(prefect_server, chaos=False), "PREFECT_HOME": str(tmp_path / "prefect-home")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(flows)])
-    _prefect(flows, env, "work-pool", "create", pool, "--type", "process")
-    _prefect(flows, env, "--no-prompt", "deploy", "--all")
+    env, pool, flows = _deploy_like_nightly(prefect_server, tmp_path, "asks", ASKS, {"hold_s": 260})
     [ours] = [d for d in _post(prefect_server, "/deployments/filter") if d["work_pool_name"] == pool]
     log = tmp_path / "worker.log"
     worker = _start_worker(pool, flows, env, log)
@@ -675,3 +684,57 @@ def test_a_flow_run_pauses_at_promotion_for_a_persons_answer_rejected_then_appro
     assert last["context"]["approval"]["approver"] == "alice"
     assert json.loads((champion / "champion.json").read_text())["candidate_id"] == last["candidate_id"]
     assert verify_log(registry, champion) == [] and dvc_status(project) == {}
+
+
+SLEEPER = """
+import time
+from prefect import flow
+from prefect.flow_runs import pause_flow_run
+from tasks.approval import PromotionApproval
+
+@flow(name="fineflow")  # the flow the automation watches
+def sleeper(sleep_s: float):
+    pause_flow_run(wait_for_input=PromotionApproval, timeout=600, poll_interval=1)
+    time.sleep(sleep_s)
+"""
+
+
+@pytest.mark.nightly  # heartbeats are at least 30 s apart: the automation acts after 90 s without one
+@pytest.mark.slow
+def test_a_run_whose_machine_died_is_marked_crashed_by_the_server_and_a_paused_one_is_not(prefect_server, tmp_path):
+    """A run whose process dies with its worker (a machine lost: nothing left to report) stayed Running until
+    the workspace's next run reconciled it, a day later on a nightly schedule. The server's own automation
+    (`python -m flows.automations`, run by `make deploy`) marks it Crashed once its heartbeats stop; a run paused
+    for an approval for longer than that window keeps beating and stays Paused."""
+    from flows.automations import AUTOMATION_NAME, MISSED_BEATS
+    from tests.conftest import ROOT
+    from tests.test_chaos import kill_tree
+
+    env, pool, flows = _deploy_like_nightly(prefect_server, tmp_path, "sleeper", SLEEPER, {"sleep_s": 900})
+    env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] = "30"  # the shortest Prefect allows
+    made = subprocess.run(
+        [sys.executable, "-m", "flows.automations"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert made.returncode == 0 and AUTOMATION_NAME in made.stdout, made.stdout + made.stderr
+    [ours] = [d for d in _post(prefect_server, "/deployments/filter") if d["work_pool_name"] == pool]
+    log = tmp_path / "worker.log"
+    worker = _start_worker(pool, flows, env, log)
+    try:
+        run = _post(prefect_server, f"/deployments/{ours['id']}/create_flow_run")
+
+        def state() -> dict:
+            [found] = [r for r in _flow_runs(prefect_server) if r["id"] == run["id"]]
+            return found["state"]
+
+        _wait_for(lambda: state()["type"] == "PAUSED", 180, worker, log)
+        time.sleep(MISSED_BEATS * 30 + 20)  # longer than the automation's window
+        assert state()["type"] == "PAUSED", state()
+        answer = {"approve": True, "approver": "alice", "comment": "ok"}
+        assert _post(prefect_server, f"/flow_runs/{run['id']}/resume", {"run_input": answer})["status"] == "ACCEPT"
+        _wait_for(lambda: state()["type"] == "RUNNING", 60, worker, log)
+    finally:
+        kill_tree(worker)  # the worker and the flow's process at once: no one left to report the run
+    deadline = time.monotonic() + MISSED_BEATS * 30 + 120
+    while state()["type"] == "RUNNING" and time.monotonic() < deadline:
+        time.sleep(5)
+    assert state()["type"] == "CRASHED" and "no heartbeat" in state()["message"], state()
