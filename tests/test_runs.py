@@ -500,6 +500,19 @@ def _deploy_like_nightly(api_url: str, tmp_path, name: str, source: str, paramet
     return env, pool, flows
 
 
+def _worker_and_a_run(api_url: str, pool: str, flows, env):
+    """A worker for the pool (its log beside the flow's folder) and a run of the pool's one deployment."""
+    [ours] = [d for d in _post(api_url, "/deployments/filter") if d["work_pool_name"] == pool]
+    log = flows.parent / "worker.log"
+    worker = _start_worker(pool, flows, env, log)
+    return worker, log, _post(api_url, f"/deployments/{ours['id']}/create_flow_run")
+
+
+def _state_of(api_url: str, run: dict) -> dict:
+    [found] = [r for r in _flow_runs(api_url) if r["id"] == run["id"]]
+    return found["state"]
+
+
 ASKS = """
 import time
 from prefect import flow
@@ -526,15 +539,11 @@ def test_a_run_of_the_projects_deployments_paused_for_approval_completes_past_a_
     from tests.test_chaos import kill_tree
 
     env, pool, flows = _deploy_like_nightly(prefect_server, tmp_path, "asks", ASKS, {"hold_s": 260})
-    [ours] = [d for d in _post(prefect_server, "/deployments/filter") if d["work_pool_name"] == pool]
-    log = tmp_path / "worker.log"
-    worker = _start_worker(pool, flows, env, log)
+    worker, log, run = _worker_and_a_run(prefect_server, pool, flows, env)
     try:
-        run = _post(prefect_server, f"/deployments/{ours['id']}/create_flow_run")
 
         def state() -> str:
-            [found] = [r["state_type"] for r in _flow_runs(prefect_server) if r["id"] == run["id"]]
-            return found
+            return _state_of(prefect_server, run)["type"]
 
         _wait_for(lambda: state() == "PAUSED", 180, worker, log)
         answer = {"approve": True, "approver": "alice", "comment": "checked"}
@@ -716,16 +725,12 @@ def test_a_run_whose_machine_died_is_marked_crashed_by_the_server_and_a_paused_o
         [sys.executable, "-m", "flows.automations"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
     assert made.returncode == 0 and AUTOMATION_NAME in made.stdout, made.stdout + made.stderr
-    [ours] = [d for d in _post(prefect_server, "/deployments/filter") if d["work_pool_name"] == pool]
-    log = tmp_path / "worker.log"
-    worker = _start_worker(pool, flows, env, log)
+    worker, log, run = _worker_and_a_run(prefect_server, pool, flows, env)
+
+    def state() -> dict:
+        return _state_of(prefect_server, run)
+
     try:
-        run = _post(prefect_server, f"/deployments/{ours['id']}/create_flow_run")
-
-        def state() -> dict:
-            [found] = [r for r in _flow_runs(prefect_server) if r["id"] == run["id"]]
-            return found["state"]
-
         _wait_for(lambda: state()["type"] == "PAUSED", 180, worker, log)
         time.sleep(MISSED_BEATS * 30 + 20)  # longer than the automation's window
         assert state()["type"] == "PAUSED", state()
