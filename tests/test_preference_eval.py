@@ -189,6 +189,17 @@ def test_a_preference_objective_with_an_sft_eval_set_is_a_clear_error(built, tmp
     assert len(read_pairs(bad, limit=1)) == 1  # evaluate.limit: only the rows scored are read
 
 
+def test_fineflow_preference_in_evaluate_tasks_is_implied_by_pairs_and_refused_without():
+    from fineflow.evaluate.preference import lm_eval_tasks
+
+    assert lm_eval_tasks(["fineflow_synth", "fineflow_preference"], preference=True) == ["fineflow_synth"]
+    assert lm_eval_tasks(["fineflow_synth"], preference=False) == ["fineflow_synth"]
+    with pytest.raises(FineflowError, match=r"evaluate.tasks lists fineflow_preference.*train.objective dpo or simpo"):
+        lm_eval_tasks(["fineflow_synth", "fineflow_preference"], preference=False)
+    with pytest.raises(FineflowError, match=r"lists only fineflow_preference; keep an lm-eval task"):
+        lm_eval_tasks(["fineflow_preference"], preference=True)
+
+
 # ---- the gate on hand-written scores ------------------------------------------------------------
 
 GATE = dict(
@@ -252,24 +263,35 @@ def test_a_smaller_reward_margin_is_reported_but_vetoes_nothing():
 # ---- through the real evaluate stage -----------------------------------------------------------------
 
 
-def _evaluate(built, pair_rows, candidate, tmp_path, params, champion=None):
+def _evaluate(built, eval_rows, candidate, out, params, champion=None):
     from fineflow.evaluate.recipe import evaluate_models
 
     report = evaluate_models(
-        params, built / "models/base", candidate, pair_rows, tmp_path / "eval", tmp_path / "lm_eval", champion
+        params, built / "models/base", candidate, eval_rows, out / "eval", out / "lm_eval", champion
     )
-    return json.loads((tmp_path / "eval/scores.json").read_text()), report
+    return json.loads((out / "eval/scores.json").read_text()), report
+
+
+@pytest.fixture(scope="module")
+def preference_scores(built, pair_rows, chosen_adapter, tmp_path_factory):
+    """The real evaluate stage on the 16 pairs: candidate the adapter taught the chosen answers, champion a random
+    adapter; fineflow_preference listed in evaluate.tasks (optional: pairs imply it). (scores.json, report, out)."""
+    out = tmp_path_factory.mktemp("evaluated")
+    champion = random_adapter(built / "models/base", out / "champion", seed=3)
+    (champion / "champion.json").write_text(json.dumps({"candidate_id": CHAMPION["id"]}))
+    tasks = ["fineflow_synth", "fineflow_synth_mc", "fineflow_preference"]
+    scores, report = _evaluate(
+        built, pair_rows, chosen_adapter, out, _params(evaluate={"limit": None, "tasks": tasks}), champion
+    )
+    return scores, report, out
 
 
 def test_the_evaluate_stage_scores_pairs_and_the_gate_promotes_only_a_real_preference_gain(
-    built, pair_rows, chosen_adapter, tmp_path
+    preference_scores, pair_rows
 ):
-    """Candidate: an adapter taught the chosen answers; champion: a random adapter. Real evaluate stage (lm-eval
-    tasks on the chosen answers + fineflow_preference on the pairs), then the gate on its scores.json."""
-    champion = random_adapter(built / "models/base", tmp_path / "champion", seed=3)
-    (champion / "champion.json").write_text(json.dumps({"candidate_id": CHAMPION["id"]}))
-    params = _params(evaluate={"limit": None})
-    scores, report = _evaluate(built, pair_rows, chosen_adapter, tmp_path, params, champion)
+    """Every model scored on fineflow_preference beside the lm-eval tasks (on the chosen answers), then the gate on
+    that scores.json: the taught candidate over the base (at chance) and over the random champion; a tie refused."""
+    scores, report, out = preference_scores
     pairs = [json.loads(line) for line in pair_rows.read_text().splitlines()]
     assert scores["tasks"] == ["fineflow_synth", "fineflow_synth_mc", "fineflow_preference"]
     assert scores["preference"] == {"task": "fineflow_preference", "beta": 0.5, "anchor": "base", "pairs": len(pairs)}
@@ -278,8 +300,9 @@ def test_the_evaluate_stage_scores_pairs_and_the_gate_promotes_only_a_real_prefe
         assert [s["doc_id"] for s in samples["fineflow_preference"]] == list(range(len(pairs)))
         assert [s["target"] for s in samples["fineflow_synth"]] == [p["chosen"] for p in pairs]  # the SFT guard
         assert set(report[name]) >= {ACC, MARGIN, GUARD}
-        lines = (tmp_path / f"eval/samples/{name}/fineflow_preference.jsonl").read_text().splitlines()
+        lines = (out / f"eval/samples/{name}/fineflow_preference.jsonl").read_text().splitlines()
         assert [json.loads(line) for line in lines] == samples["fineflow_preference"]
+        assert "fineflow_preference" not in json.loads((out / f"lm_eval/{name}.json").read_text())["results"]
     base = scores["base"]["samples"]["fineflow_preference"]
     assert {(s["preference_accuracy"], s["reward_margin"]) for s in base} == {(0.5, 0.0)}  # the anchor: chance
     candidate, random_one = (scores[n]["metrics"]["fineflow_preference"] for n in ("candidate", "champion"))
@@ -294,6 +317,42 @@ def test_the_evaluate_stage_scores_pairs_and_the_gate_promotes_only_a_real_prefe
     tie = promotion_decision({**scores, "candidate": scores["champion"]}, record, [], **GATE)
     assert not tie.promote and tie.stats["delta"] == 0, tie.reason
     print(f"gate: vs base {first.reason}; vs random champion {over_random.reason}; tie {tie.reason}")
+
+
+def test_the_promote_stage_installs_a_preference_champion_and_judges_the_next_candidate_against_it(
+    built, preference_scores, chosen_adapter, tmp_path
+):
+    """promote (the stage's procedure) with promote.primary_metric fineflow_preference/preference_accuracy: the
+    taught adapter is promoted over the base and its per-pair scores recorded; the random adapter, judged against
+    that champion on the same pairs, is refused."""
+    import subprocess
+
+    from fineflow.registry.champion import promote
+
+    scores, _, out = preference_scores
+    params = _params(promote={"primary_metric": ACC, "max_regression": 0.2})  # the primary metric decides here
+    root = tmp_path / "project"  # a git checkout: the lineage needs a commit
+    root.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost"]
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    subprocess.run(git + ["commit", "-q", "--allow-empty", "-m", "fixture"], cwd=root, check=True)
+    champion, registry = root / "models/champion", root / "models/registry"
+    (root / "train.json").write_text(json.dumps({"wall_s": 1.0, "tokens_per_s": 100.0, "steps": 4}))
+    kw = dict(base_dir=built / "models/base", shards_dir=built / "data/shards", root=root, lineage_dir=root / "runs")
+    kw["train_report"] = root / "train.json"
+    first_scores = root / "first.json"
+    first_scores.write_text(json.dumps({k: v for k, v in scores.items() if k != "champion"}))
+    first = promote(params, first_scores, chosen_adapter, champion, registry, **kw)
+    assert first["decision"] == "promoted", first["reason"]
+    recorded = json.loads((champion / "champion.json").read_text())
+    assert recorded["metrics"][ACC] == scores["candidate"]["metrics"]["fineflow_preference"]["preference_accuracy"]
+    # the next run: the random adapter is the candidate, the taught one (now champion) re-scored beside it
+    installed = {**scores["candidate"], "id": recorded["candidate_id"]}
+    second_scores = root / "second.json"
+    second_scores.write_text(json.dumps({**scores, "candidate": scores["champion"], "champion": installed}))
+    second = promote(params, second_scores, out / "champion", champion, registry, **kw)
+    assert second["decision"] == "refused" and "does not beat the champion" in second["reason"], second["reason"]
+    print(f"\npromote: first {first['reason']}; second {second['reason']}")
 
 
 def test_an_sft_objective_writes_the_scores_main_writes(built, tmp_path):

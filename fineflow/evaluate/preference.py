@@ -41,6 +41,23 @@ def answer_row(row: dict, answer: str) -> dict:
     return {**row, "output": answer}
 
 
+def lm_eval_tasks(tasks: list[str], preference: bool) -> list[str]:
+    """evaluate.tasks without fineflow_preference (scored here, not by lm-eval; implied by a preference objective,
+    so listing it is optional), or a FineflowError when it is listed without pairs or is the only task listed."""
+    if TASK in tasks and not preference:
+        raise FineflowError(
+            f"params.yaml: evaluate.tasks lists {TASK}, which scores preference pairs: it needs train.objective dpo "
+            f"or simpo (with sft, remove it from evaluate.tasks)"
+        )
+    rest = [task for task in tasks if task != TASK]
+    if not rest:
+        raise FineflowError(
+            f"params.yaml: evaluate.tasks lists only {TASK}; keep an lm-eval task beside it (fineflow_synth: the "
+            f"chosen answers' exact match), the regression guard that the model still does its SFT task"
+        )
+    return rest
+
+
 def read_pairs(eval_rows: Path, limit: int | None = None) -> list[dict]:
     """The eval rows (the first ``limit``, as evaluate.limit cuts every task), each a pair with string ``chosen``
     and ``rejected``; a row that is not one is a FineflowError naming the file, line and field."""

@@ -28,7 +28,7 @@ from fineflow.evaluate.harness import (
     write_samples,
 )
 from fineflow.evaluate.preference import TASK as PREFERENCE_TASK
-from fineflow.evaluate.preference import PairScorer, read_pairs, write_pair_samples
+from fineflow.evaluate.preference import PairScorer, lm_eval_tasks, read_pairs, write_pair_samples
 from fineflow.evaluate.sizing import (
     base_scored_note,
     choose_placement,
@@ -66,7 +66,8 @@ def evaluate_models(
     base_fingerprint: Path | None = None,
     log=print,
 ) -> dict:
-    """Score the base, the candidate and (when there is one) the champion on every task; write
+    """Score the base, the candidate and (when there is one) the champion on every task (and with a preference
+    objective on every eval pair: fineflow.evaluate.preference); write
     ``<out_dir>/scores.json``, per-sample outputs and lm-eval's raw results; return the stage's report.
 
     base_dir: the base stage's output (the base when ``model.base`` is the embedded model). base_fingerprint: the
@@ -78,6 +79,41 @@ def evaluate_models(
     import torch
 
     torch.manual_seed(params.seed)
+    models, champion_notes = models_to_score(adapter_dir, champion_dir, base_digest, log)
+    # nothing of an earlier run stays: DVC keeps the folder (a persisted output: no run cache, see dvc.yaml),
+    # and a stale champion's samples would be read as this run's
+    shutil.rmtree(out_dir, ignore_errors=True)
+    for name in ("base", "candidate", "champion"):
+        (raw_dir / f"{name}.json").unlink(missing_ok=True)
+    cfg = params.evaluate
+    pairs = pair_scorer(params, eval_rows)  # a preference eval set: read and checked before anything loads
+    tasks = lm_eval_tasks(cfg.tasks, pairs is not None)
+    load, placement, base_scored = plan_loading(params, base_reference, log)  # refuses before anything loads
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="fineflow-tasks-") as tmp:
+        from transformers import AutoTokenizer
+
+        # the prompts as training rendered them: the same tokenizer (chat template included) as the tokenize stage
+        tokenizer = AutoTokenizer.from_pretrained(base_reference)
+        task_dir = prepare_task_dir(Path(tmp) / "tasks", eval_rows, cfg.max_gen_toks, tokenizer, pairs is not None)
+        manager, registry = resolve_tasks(tasks, task_dir, cfg.task_dirs)
+        check_tasks(manager, tasks, registry)
+        tasks_s = time.perf_counter() - started
+        scorer = ModelScorer(base_reference, tasks, manager, cfg.batch_size, cfg.limit, load, pairs)
+        base_load_s = scorer.load_base()
+        scores, timings = score_models(scorer, models, base_load_s, out_dir, raw_dir, log)
+    if "champion" in scores:
+        scores["champion"].update(id=champion_id(champion_dir), **champion_notes)
+    preference = None if pairs is None else pairs.describe()
+    tasks = tasks if pairs is None else [*tasks, PREFERENCE_TASK]
+    write_scores(out_dir / "scores.json", tasks, eval_rows, base_digest, scores, base_scored, preference)
+    report = evaluation_report(scores, timings, tasks_s, base_load_s, time.perf_counter() - started)
+    return {**report, "base_scored": base_scored, "load": placement}
+
+
+def models_to_score(adapter_dir: Path, champion_dir: Path | None, base_digest: str | None, log=print):
+    """({name: (kind, path)} of the base, the candidate and the champion when there is one to score, the notes for
+    the champion's scores entry); a FineflowError when there is no candidate."""
     candidate = find_model(adapter_dir)
     if candidate is None:
         raise FineflowError(
@@ -87,33 +123,7 @@ def evaluate_models(
     champion, champion_notes = champion_to_score(champion_dir, base_digest, log)
     if champion is not None:
         models["champion"] = champion
-    # nothing of an earlier run stays: DVC keeps the folder (a persisted output: no run cache, see dvc.yaml),
-    # and a stale champion's samples would be read as this run's
-    shutil.rmtree(out_dir, ignore_errors=True)
-    for name in ("base", "candidate", "champion"):
-        (raw_dir / f"{name}.json").unlink(missing_ok=True)
-    cfg = params.evaluate
-    pairs = pair_scorer(params, eval_rows)  # a preference eval set: read and checked before anything loads
-    load, placement, base_scored = plan_loading(params, base_reference, log)  # refuses before anything loads
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="fineflow-tasks-") as tmp:
-        from transformers import AutoTokenizer
-
-        # the prompts as training rendered them: the same tokenizer (chat template included) as the tokenize stage
-        tokenizer = AutoTokenizer.from_pretrained(base_reference)
-        task_dir = prepare_task_dir(Path(tmp) / "tasks", eval_rows, cfg.max_gen_toks, tokenizer, pairs is not None)
-        manager, registry = resolve_tasks(cfg.tasks, task_dir, cfg.task_dirs)
-        check_tasks(manager, cfg.tasks, registry)
-        tasks_s = time.perf_counter() - started
-        scorer = ModelScorer(base_reference, cfg.tasks, manager, cfg.batch_size, cfg.limit, load, pairs)
-        base_load_s = scorer.load_base()
-        scores, timings = score_models(scorer, models, base_load_s, out_dir, raw_dir, log)
-    if "champion" in scores:
-        scores["champion"].update(id=champion_id(champion_dir), **champion_notes)
-    tasks, preference = (cfg.tasks, None) if pairs is None else ([*cfg.tasks, PREFERENCE_TASK], pairs.describe())
-    write_scores(out_dir / "scores.json", tasks, eval_rows, base_digest, scores, base_scored, preference)
-    report = evaluation_report(scores, timings, tasks_s, base_load_s, time.perf_counter() - started)
-    return {**report, "base_scored": base_scored, "load": placement}
+    return models, champion_notes
 
 
 def pair_scorer(params: Params, eval_rows: Path) -> PairScorer | None:
