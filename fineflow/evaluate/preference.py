@@ -113,8 +113,9 @@ def sequence_logprobs(model, encoded: EncodedBatch, batch_size: int, seq_len: in
             attention[k, : end - start] = 1
         with torch.inference_mode():
             logits = model(input_ids=ids.to(model.device), attention_mask=attention.to(model.device)).logits
-            logps = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-            token_logps = logps.gather(-1, ids[:, 1:, None].to(logps.device)).squeeze(-1).cpu().double()
+            logits = logits[:, :-1].float()  # log p = logit - logsumexp: no second vocab-wide tensor (log_softmax's)
+            labels = ids[:, 1:, None].to(logits.device)
+            token_logps = (logits.gather(-1, labels).squeeze(-1) - torch.logsumexp(logits, dim=-1)).cpu().double()
         out[first : first + len(spans)] = (token_logps * trained[:, 1:]).sum(dim=1).numpy()
     return out
 
