@@ -133,6 +133,8 @@ def test_a_scored_pairs_logprob_equals_the_model_run_on_prompt_and_answer(built,
     from fineflow.tokenize.template import render_pair
 
     tokenizer, pairs = _tokenizer(built), read_pairs(pair_rows)
+    as_chat = [{"messages": [{"role": "user", "content": f"{p['instruction']}\n\n{p['input']}"}]} for p in pairs[:4]]
+    pairs += [{**chat, "chosen": p["chosen"], "rejected": p["rejected"]} for chat, p in zip(as_chat, pairs)]
     for model in (_model(built), _model(built, chosen_adapter)):
         batched = PairScorer(pairs, 0.5, batch_size=5, seq_len=128)(model, tokenizer)  # batches cut across pairs
         one_by_one = PairScorer(pairs, 0.5, batch_size=1, seq_len=128)(model, tokenizer)
