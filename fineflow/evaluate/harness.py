@@ -42,14 +42,15 @@ CHAMPION_RECORD = "champion.json"
 EVAL_ROWS = "eval_rows.jsonl"  # in the task dir: the eval rows with their prompts rendered as training rendered them
 
 
-def prepare_task_dir(work_dir: Path, eval_file: Path, max_gen_toks: int, tokenizer=None) -> Path:
+def prepare_task_dir(work_dir: Path, eval_file: Path, max_gen_toks: int, tokenizer=None, pairs: bool = False) -> Path:
     """Copy the bundled task YAMLs into work_dir with the eval file's absolute path substituted. With the base's
     tokenizer, the tasks read a copy of the eval rows whose prompts are rendered exactly as the tokenize stage
-    rendered the training rows (``render_eval_rows``): chat rows through the tokenizer's chat template."""
+    rendered the training rows (``render_eval_rows``): chat rows through the tokenizer's chat template. pairs:
+    the rows are preference pairs, whose chosen answer is the tasks' target (the SFT regression guard)."""
     shutil.rmtree(work_dir, ignore_errors=True)
     work_dir.mkdir(parents=True)
     if tokenizer is not None:
-        eval_file = render_eval_rows(eval_file, tokenizer, work_dir / EVAL_ROWS)
+        eval_file = render_eval_rows(eval_file, tokenizer, work_dir / EVAL_ROWS, pairs)
     for source in BUNDLED_TASKS.iterdir():
         if source.suffix == ".yaml":
             text = source.read_text(encoding="utf-8")
@@ -60,11 +61,13 @@ def prepare_task_dir(work_dir: Path, eval_file: Path, max_gen_toks: int, tokeniz
     return work_dir
 
 
-def render_eval_rows(eval_file: Path, tokenizer, out: Path) -> Path:
+def render_eval_rows(eval_file: Path, tokenizer, out: Path, pairs: bool = False) -> Path:
     """Each eval row plus ``prompt`` and ``response_prefix``: the prompt text training put before the response
     (fineflow.tokenize.template.render_pair, the function the tokenize stage uses) and what the response text
     starts with before the answer (" " after the fineflow template, nothing after a chat template's generation
-    prompt). The bundled tasks prompt with these, so a chat-trained model is evaluated in its chat format."""
+    prompt). The bundled tasks prompt with these, so a chat-trained model is evaluated in its chat format.
+    pairs: each row is a preference pair, taken with its chosen answer as the reply (its ``output``)."""
+    from fineflow.evaluate.preference import answer_row
     from fineflow.tokenize.template import RenderError, render_pair
 
     with eval_file.open(encoding="utf-8") as rows, out.open("w", encoding="utf-8") as fh:
@@ -72,6 +75,8 @@ def render_eval_rows(eval_file: Path, tokenizer, out: Path) -> Path:
             if not line.strip():
                 continue
             row = json.loads(line)
+            if pairs:
+                row = answer_row(row, row["chosen"])
             try:
                 prompt, response = render_pair(tokenizer, row)
             except RenderError as exc:
@@ -234,8 +239,13 @@ class LoadPlan:
         return out
 
 
+PAIR_LOGPS = "fineflow_pair_logps"  # in a model's results: the pair scorer's log-probs, beside lm-eval's
+
+
 class ModelScorer:
-    """One loaded base model and tokenizer, scored plain, under an adapter, or beside a whole model."""
+    """One loaded base model and tokenizer, scored plain, under an adapter, or beside a whole model. With a
+    pair_scorer (fineflow.evaluate.preference.PairScorer), each model is also scored on the eval pairs while it is
+    loaded, with the tokenizer lm-eval uses for it: its log-probs go in the results under PAIR_LOGPS."""
 
     def __init__(
         self,
@@ -245,10 +255,12 @@ class ModelScorer:
         batch_size: int,
         limit: int | None,
         load: LoadPlan | None = None,
+        pair_scorer=None,
     ):
         self.reference, self.tasks, self.manager = reference, tasks, manager
         self.batch_size, self.limit = batch_size, limit
         self.load = load or LoadPlan()
+        self.pair_scorer = pair_scorer
         self.base = self.tokenizer = None
 
     def _load(self, path: str | Path):
@@ -326,6 +338,10 @@ class ModelScorer:
     def _timed(self, model, load_s: float, tokenizer=None) -> tuple[dict, float, float]:
         tokenizer = tokenizer or self.tokenizer
         results, score_s = evaluate_model(model, tokenizer, self.tasks, self.manager, self.batch_size, self.limit)
+        if self.pair_scorer is not None:
+            started = time.perf_counter()
+            results[PAIR_LOGPS] = self.pair_scorer(model, tokenizer)
+            score_s += time.perf_counter() - started
         return results, load_s, score_s
 
     def _own_tokenizer(self, path: Path):

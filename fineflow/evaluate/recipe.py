@@ -14,6 +14,7 @@ from fineflow.core.config import Params
 from fineflow.core.errors import FineflowError
 from fineflow.core.reports import sha256_file, write_json_atomic
 from fineflow.evaluate.harness import (
+    PAIR_LOGPS,
     LoadPlan,
     ModelScorer,
     champion_id,
@@ -26,6 +27,8 @@ from fineflow.evaluate.harness import (
     summarize,
     write_samples,
 )
+from fineflow.evaluate.preference import TASK as PREFERENCE_TASK
+from fineflow.evaluate.preference import PairScorer, lm_eval_tasks, read_pairs, write_pair_samples
 from fineflow.evaluate.sizing import (
     base_scored_note,
     choose_placement,
@@ -63,7 +66,8 @@ def evaluate_models(
     base_fingerprint: Path | None = None,
     log=print,
 ) -> dict:
-    """Score the base, the candidate and (when there is one) the champion on every task; write
+    """Score the base, the candidate and (when there is one) the champion on every task (and with a preference
+    objective on every eval pair: fineflow.evaluate.preference); write
     ``<out_dir>/scores.json``, per-sample outputs and lm-eval's raw results; return the stage's report.
 
     base_dir: the base stage's output (the base when ``model.base`` is the embedded model). base_fingerprint: the
@@ -75,6 +79,41 @@ def evaluate_models(
     import torch
 
     torch.manual_seed(params.seed)
+    models, champion_notes = models_to_score(adapter_dir, champion_dir, base_digest, log)
+    # nothing of an earlier run stays: DVC keeps the folder (a persisted output: no run cache, see dvc.yaml),
+    # and a stale champion's samples would be read as this run's
+    shutil.rmtree(out_dir, ignore_errors=True)
+    for name in ("base", "candidate", "champion"):
+        (raw_dir / f"{name}.json").unlink(missing_ok=True)
+    cfg = params.evaluate
+    pairs = pair_scorer(params, eval_rows)  # a preference eval set: read and checked before anything loads
+    tasks = lm_eval_tasks(cfg.tasks, pairs is not None)
+    load, placement, base_scored = plan_loading(params, base_reference, log)  # refuses before anything loads
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="fineflow-tasks-") as tmp:
+        from transformers import AutoTokenizer
+
+        # the prompts as training rendered them: the same tokenizer (chat template included) as the tokenize stage
+        tokenizer = AutoTokenizer.from_pretrained(base_reference)
+        task_dir = prepare_task_dir(Path(tmp) / "tasks", eval_rows, cfg.max_gen_toks, tokenizer, pairs is not None)
+        manager, registry = resolve_tasks(tasks, task_dir, cfg.task_dirs)
+        check_tasks(manager, tasks, registry)
+        tasks_s = time.perf_counter() - started
+        scorer = ModelScorer(base_reference, tasks, manager, cfg.batch_size, cfg.limit, load, pairs)
+        base_load_s = scorer.load_base()
+        scores, timings = score_models(scorer, models, base_load_s, out_dir, raw_dir, log)
+    if "champion" in scores:
+        scores["champion"].update(id=champion_id(champion_dir), **champion_notes)
+    preference = None if pairs is None else pairs.describe()
+    tasks = tasks if pairs is None else [*tasks, PREFERENCE_TASK]
+    write_scores(out_dir / "scores.json", tasks, eval_rows, base_digest, scores, base_scored, preference)
+    report = evaluation_report(scores, timings, tasks_s, base_load_s, time.perf_counter() - started)
+    return {**report, "base_scored": base_scored, "load": placement}
+
+
+def models_to_score(adapter_dir: Path, champion_dir: Path | None, base_digest: str | None, log=print):
+    """({name: (kind, path)} of the base, the candidate and the champion when there is one to score, the notes for
+    the champion's scores entry); a FineflowError when there is no candidate."""
     candidate = find_model(adapter_dir)
     if candidate is None:
         raise FineflowError(
@@ -84,31 +123,17 @@ def evaluate_models(
     champion, champion_notes = champion_to_score(champion_dir, base_digest, log)
     if champion is not None:
         models["champion"] = champion
-    # nothing of an earlier run stays: DVC keeps the folder (a persisted output: no run cache, see dvc.yaml),
-    # and a stale champion's samples would be read as this run's
-    shutil.rmtree(out_dir, ignore_errors=True)
-    for name in ("base", "candidate", "champion"):
-        (raw_dir / f"{name}.json").unlink(missing_ok=True)
-    cfg = params.evaluate
-    load, placement, base_scored = plan_loading(params, base_reference, log)  # refuses before anything loads
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="fineflow-tasks-") as tmp:
-        from transformers import AutoTokenizer
+    return models, champion_notes
 
-        # the prompts as training rendered them: the same tokenizer (chat template included) as the tokenize stage
-        tokenizer = AutoTokenizer.from_pretrained(base_reference)
-        task_dir = prepare_task_dir(Path(tmp) / "tasks", eval_rows, cfg.max_gen_toks, tokenizer)
-        manager, registry = resolve_tasks(cfg.tasks, task_dir, cfg.task_dirs)
-        check_tasks(manager, cfg.tasks, registry)
-        tasks_s = time.perf_counter() - started
-        scorer = ModelScorer(base_reference, cfg.tasks, manager, cfg.batch_size, cfg.limit, load)
-        base_load_s = scorer.load_base()
-        scores, timings = score_models(scorer, models, base_load_s, out_dir, raw_dir, log)
-    if "champion" in scores:
-        scores["champion"].update(id=champion_id(champion_dir), **champion_notes)
-    write_scores(out_dir / "scores.json", cfg.tasks, eval_rows, base_digest, scores, base_scored)
-    report = evaluation_report(scores, timings, tasks_s, base_load_s, time.perf_counter() - started)
-    return {**report, "base_scored": base_scored, "load": placement}
+
+def pair_scorer(params: Params, eval_rows: Path) -> PairScorer | None:
+    """With a preference objective (train.objective dpo or simpo), the scorer of the eval pairs (each model's
+    log-probs of chosen and rejected, rewards anchored to the base with train.preference.beta); else None."""
+    if params.train.objective == "sft":
+        return None
+    pairs = read_pairs(eval_rows, params.evaluate.limit)
+    beta = params.train.preference.beta
+    return PairScorer(pairs, beta, params.evaluate.batch_size, params.tokenize.seq_len)
 
 
 def plan_loading(params: Params, base_reference: str, log=print) -> tuple[LoadPlan, dict, str]:
@@ -156,7 +181,7 @@ def score_models(scorer: ModelScorer, models: dict, base_load_s: float, out_dir:
     """({model: its scores entry}, {model: its load and scoring time}) for each of models ({name: (kind, path)}),
     writing its samples and lm-eval's raw results as it goes. A failed champion is recorded; a failed base or
     candidate raises EvaluationFailed."""
-    scores, timings = {}, {}
+    scores, timings, anchor = {}, {}, None
     for name, (kind, path) in models.items():
         try:
             results, load_s, score_s = scorer.score(kind, path)
@@ -168,22 +193,35 @@ def score_models(scorer: ModelScorer, models: dict, base_load_s: float, out_dir:
             scores[name] = {"status": "failed", "error": error}  # the gate refuses to compare with it
             continue
         metrics, samples = summarize(results)
+        pair_logps = results.pop(PAIR_LOGPS, None)
+        if pair_logps is not None:  # the base is scored first: its log-probs anchor every model's rewards
+            anchor = pair_logps if kind == "base" else anchor
+            metrics[PREFERENCE_TASK], samples[PREFERENCE_TASK] = scorer.pair_scorer.summarize(pair_logps, anchor)
         scores[name] = {"status": "ok", "metrics": metrics, "samples": samples}
         timings[name] = {
             "load_s": round(base_load_s if kind == "base" else load_s, 3),
             "score_s": round(score_s, 3),
         }
         write_samples(out_dir / "samples" / name, results)
+        if PREFERENCE_TASK in samples:  # beside lm-eval's (write_samples makes the folder anew)
+            write_pair_samples(out_dir / "samples" / name / f"{PREFERENCE_TASK}.jsonl", samples[PREFERENCE_TASK])
         write_json_atomic(raw_dir / f"{name}.json", results_file(results))
         log(f"{name}: " + ", ".join(f"{t} {m}" for t, m in metrics.items()))
     return scores, timings
 
 
 def write_scores(
-    path: Path, tasks: list[str], eval_rows: Path, base_digest: str | None, scores: dict, base_scored: str | None = None
+    path: Path,
+    tasks: list[str],
+    eval_rows: Path,
+    base_digest: str | None,
+    scores: dict,
+    base_scored: str | None = None,
+    preference: dict | None = None,
 ) -> None:
     """scores.json, what the promote stage reads: the tasks, the eval rows by content, the base by content (and
-    in which form it was scored: base_scored), and each model's scores."""
+    in which form it was scored: base_scored), and each model's scores; for a preference eval set also what its
+    rewards are (preference: beta, anchor, pairs; no key otherwise)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(
         path,
@@ -193,6 +231,7 @@ def write_scores(
             "eval_data_sha256": sha256_file(eval_rows),
             "base_digest": base_digest,
             "base_scored": base_scored,
+            **({"preference": preference} if preference else {}),
             **scores,
         },
     )

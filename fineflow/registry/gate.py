@@ -3,7 +3,8 @@
 A candidate becomes champion only if its primary metric beats the reference (the current champion, or
 the base model when there is none) by ``promote.min_delta``, a seeded paired bootstrap over the
 per-sample scores puts the lower end of the delta's confidence interval above 0 (so a lucky run on a
-small eval set is not promoted), and no other metric regresses by more than ``promote.max_regression``.
+small eval set is not promoted), and no other metric regresses by more than ``promote.max_regression`` (a
+score, higher is better; ``NOT_REGRESSION_GUARDED`` names the reported measures that are not scores of that kind).
 It is refused outright, with the reason, when an evaluation is missing or failed, the eval data differs
 from the champion's, or the candidate's lineage manifest is missing or incomplete.
 
@@ -15,6 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+
+# Reported and bootstrapped, but no veto as another metric: the preference task's reward margin is a log-prob
+# difference times train.preference.beta, unbounded and on no scale promote.max_regression (a share of docs) speaks
+# for; a candidate that ranks more pairs right with smaller margins is better, not a regression. It still decides
+# as promote.primary_metric. (The task: fineflow.evaluate.preference, not imported here: the gate reads numbers.)
+NOT_REGRESSION_GUARDED = frozenset({"fineflow_preference/reward_margin"})
 
 
 @dataclass(frozen=True)
@@ -179,7 +186,10 @@ def decide(
     regressions = {
         key: round(reference[key] - value, 6)
         for key, value in candidate.items()
-        if key != primary and key in reference and reference[key] - value > max_regression
+        if key != primary
+        and key not in NOT_REGRESSION_GUARDED
+        and key in reference
+        and reference[key] - value > max_regression
     }
     if regressions:
         return verdict(

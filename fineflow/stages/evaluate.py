@@ -10,6 +10,12 @@ task and per-doc scores, plus the eval rows' sha256. lm-eval's logged samples go
 ``<out>/samples/<model>/<task>.jsonl``, its standard results JSON of each model to ``reports/lm_eval/``,
 and ``reports/evaluate.json`` gets the metrics and the loading vs scoring time of each model.
 
+With train.objective dpo or simpo the eval rows are preference pairs (prompt, chosen, rejected): the lm-eval tasks
+take the chosen answer as their target (the SFT regression guard), and every model is also scored on each pair
+(fineflow.evaluate.preference): the task ``fineflow_preference`` (preference_accuracy, reward_margin; rewards
+anchored to the base with train.preference.beta) in scores.json, gated like any other task, and its per-pair scores
+in ``<out>/samples/<model>/fineflow_preference.jsonl``. With sft, scores.json is as before, byte for byte.
+
 Before any model loads (fineflow.evaluate.sizing): the models are loaded in the run's compute dtype (the train
 stage's resolved precision; fp32 on a CPU), one lm-eval batch is sized, and a model that does not fit one device
 is sharded across the visible ones with accelerate's device map, or the stage refuses, saying what to change. A
