@@ -348,3 +348,88 @@ def test_tokenizing_rows_of_another_objective_names_the_file_and_what_to_run(tmp
     _write(rows, [PAIR])
     with pytest.raises(FineflowError, match=r"train\.jsonl: row 1: field 'output' is missing.*train\.objective is sft"):
         tokenize_split(tokenizer, "unused", rows, tmp_path / "s", TokenizeParams(seq_len=96), "sft")
+
+
+def test_the_data_validate_and_tokenize_stages_make_preference_shards(tmp_path):
+    """train.objective dpo through the stages' entries: bundled pairs, gated with the token checks, packed."""
+    from fineflow.core.config import Params
+    from fineflow.stages import data, tokenize, validate
+    from fineflow.tokenize.shards import PackedShard
+
+    params = Params.model_validate(
+        {"train": {"objective": "dpo"}, "data": {"n_train": 80, "n_eval": 16}, "tokenize": {"seq_len": 256}}
+    )
+    _tiny_tokenizer().save_pretrained(tmp_path / "base")
+    raw, validated, shards = tmp_path / "raw", tmp_path / "validated", tmp_path / "shards"
+    data.run(params, raw / "train.jsonl", raw / "eval.jsonl")
+    report = validate.run(
+        params, raw / "train.jsonl", raw / "eval.jsonl", validated, tmp_path / "v.json", base_dir=tmp_path / "base"
+    )
+    kept = [json.loads(line) for line in (validated / "train.jsonl").read_text().splitlines()]
+    assert len(kept) == report["rows_kept"] and all(
+        set(row) == {"instruction", "input", "chosen", "rejected"} for row in kept
+    )
+    assert report["checks"]["pair_distinct(chosen, rejected)"]["failed_rows"] == 1  # the injected identical pair
+    assert "label_coverage(chosen)" in report["checks"]  # the token checks ran on the pairs
+    out = tokenize.run(params, validated, tmp_path / "base", shards)
+    assert out["train"]["pairs"] == len(kept) and out["eval"]["pairs"] == report["eval"]["rows_kept"] == 16
+    shard = PackedShard(shards / "train")
+    assert shard.meta["objective"] == "preference" and "pair_slots" in shard.batch([0])
+
+
+def test_preference_sources_are_each_validated_as_pairs_then_mixed(tmp_path):
+    """data.sources with train.objective dpo: each source mapped and gated as pairs (its own mapping of chosen
+    and rejected), the mix made of pairs; the source's cached result is keyed by the objective."""
+    from fineflow.core.config import Params
+    from fineflow.data.source_gate import source_key
+    from fineflow.data.sources import resolve_source
+    from fineflow.stages import validate
+
+    numbers = [{**PAIR, "input": f"{i} or {i + 50}", "chosen": str(i + 50), "rejected": str(i)} for i in range(20)]
+    renamed = [{"prompt": f"Say the word number {i}.", "good": f"word {i}", "bad": f"word {i + 1}"} for i in range(20)]
+    renamed[3]["bad"] = renamed[3]["good"]
+    sources = [
+        {"path": _write(tmp_path / "numbers.jsonl", numbers), "weight": 1.0},
+        {
+            "path": _write(tmp_path / "words.jsonl", renamed),
+            "weight": 1.0,
+            "mapping": {"instruction": "prompt", "input": None, "chosen": "good", "rejected": "bad"},
+        },
+    ]
+    _write(tmp_path / "eval.jsonl", [{**PAIR, "input": "1000 or 2000", "chosen": "2000", "rejected": "1000"}])
+    params = Params.model_validate({"train": {"objective": "dpo"}, "data": {"sources": sources}})
+    out = tmp_path / "validated"
+    args = (tmp_path / "unused.jsonl", tmp_path / "eval.jsonl", out, tmp_path / "v.json", None, None)
+    validate.run(params, *args, tmp_path / "cache", tmp_path / "hashes")
+    mixed = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert len(mixed) == 39 and all(set(row) == {"instruction", "input", "chosen", "rejected"} for row in mixed)
+    quarantined = [json.loads(line) for line in (out / "quarantine.jsonl").read_text().splitlines()]
+    assert [q["line"] for q in quarantined] == [4] and "pair_distinct(chosen, rejected)" in quarantined[0]["reasons"][0]
+
+    sft = Params.model_validate({"data": {"sources": sources}})
+    source = resolve_source(0, params.data.sources[0])
+    assert source_key(source, "c", params, None, "e", "code") != source_key(source, "c", sft, None, "e", "code")
+
+
+def test_the_example_chat_preference_set_passes_the_gate_and_trains_its_answers():
+    """data/examples/preference_chat*.jsonl (TRL's conversational format: answers as one assistant message)."""
+    from fineflow.data.tokens import TokenView
+    from fineflow.data.validation import clean_record
+    from fineflow.tokenize.pairs import encode_pairs
+    from tests.conftest import ROOT
+    from tests.families import build_tokenizer
+
+    paths = {
+        split: ROOT / f"data/examples/preference_chat{suffix}.jsonl"
+        for split, suffix in (("train", ""), ("eval", "_eval"))
+    }
+    texts = [line for path in paths.values() for line in path.read_text().splitlines()] * 4
+    tokenizer = build_tokenizer("qwen2.5", texts)
+    data_cfg = DataParams(mapping=FieldMapping(messages="messages"))
+    outcomes = validate_splits(paths, data_cfg, ValidateParams(), TokenView(tokenizer, 1024), pairs=True)
+    assert [o.rows_quarantined for o in outcomes.values()] == [0, 0] and outcomes["train"].rows_kept == 16
+    rows = [clean_record(row) for row in outcomes["train"].kept]
+    encoded = encode_pairs(tokenizer, rows)
+    for i, row in enumerate(rows):
+        for j, side in enumerate(("chosen", "rejected")):
+            assert tokenizer.decode(_trained(*encoded.example(2 * i + j))) == row[side] + "<|im_end|>\n"

@@ -51,6 +51,8 @@ def run(params: Params, rows_dir: Path, base_dir: Path, out_dir: Path) -> dict:
                 "reused",
             )
         }
+        if "pairs" in meta:  # a preference shard: two examples per pair
+            report[split]["pairs"] = meta["pairs"]
     train = report["train"]
     return {
         "examples": train["examples"],
