@@ -158,7 +158,7 @@ def test_the_token_checks_measure_the_pair_as_it_is_packed(tmp_path):
     assert reasons[1] == ""
     assert "failed pair_distinct_after_cut(tokens) (after the cut to 80 + 80 tokens both sides are" in reasons[2]
     assert "failed fits_seq_len(pair) (chosen " in reasons[2] and "share one row of tokenize.seq_len=160" in reasons[2]
-    assert "failed label_coverage(chosen) (no chosen token left to train on" in reasons[3]
+    assert "failed label_coverage(chosen) (no chosen token left to train on: the pair's two sides" in reasons[3]
     assert "failed label_coverage(rejected)" in reasons[3]
 
 
@@ -433,3 +433,32 @@ def test_the_example_chat_preference_set_passes_the_gate_and_trains_its_answers(
     for i, row in enumerate(rows):
         for j, side in enumerate(("chosen", "rejected")):
             assert tokenizer.decode(_trained(*encoded.example(2 * i + j))) == row[side] + "<|im_end|>\n"
+
+
+@pytest.mark.scenario
+def test_dvc_repro_with_dpo_makes_preference_shards_and_a_switch_to_sft_stales_the_data_stages_only(tmp_path):
+    """train.objective is a param of the data, validate and tokenize stages (dvc.yaml): the tiny project with dpo
+    bundles, gates and packs pairs through `dvc repro`; a switch to sft makes those three stale, not the base."""
+    import subprocess
+    import sys
+
+    from tests.conftest import copy_project, venv_env, write_params
+
+    def repro(project) -> str:
+        cmd = [sys.executable, "-m", "dvc", "repro", "tokenize"]
+        done = subprocess.run(cmd, cwd=project, env=venv_env(), capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stdout
+
+    # a pair's row holds its prompt twice: twice the tiny project's 128 tokens
+    project = copy_project(tmp_path / "project", {"train.objective": "dpo", "tokenize.seq_len": 256})
+    repro(project)
+    kept = (project / "data/validated/train.jsonl").read_text().splitlines()
+    assert all({"chosen", "rejected"} <= set(json.loads(line)) for line in kept)
+    meta = json.loads((project / "data/shards/train/meta.json").read_text())
+    assert (meta["objective"], meta["pairs"], meta["examples"]) == ("preference", len(kept), 2 * len(kept))
+    write_params(project / "params.yaml", {"train.objective": "sft", "tokenize.seq_len": 256})
+    cmd = [sys.executable, "-m", "dvc", "status", "--json", "base", "data", "validate", "tokenize"]
+    status = json.loads(subprocess.run(cmd, cwd=project, env=venv_env(), capture_output=True, text=True).stdout)
+    assert sorted(status) == ["data", "tokenize", "validate"]  # what a switch to sft re-runs: not the base
+    assert all("train.objective" in json.dumps(changes) for changes in status.values()), status

@@ -365,7 +365,11 @@ def _label_coverage(answer: str, side: int) -> Check:
         lambda col, ctx: _gxe().ExpectColumnValuesToBeBetween(column=col, min_value=1),
         derive=_trained_side(side),
         applies=pairs_with_tokens,
-        detail=lambda row: f" (no {answer} token left to train on after truncation to tokenize.seq_len)",
+        # both sides write the prompt: a pair needs about twice an SFT row's tokens
+        detail=lambda row: (
+            f" (no {answer} token left to train on: the pair's two sides, each with the prompt, share "
+            "one row of tokenize.seq_len; raise it)"
+        ),
     )
 
 

@@ -7,6 +7,7 @@ cannot be used becomes a ``Row`` without data that carries its reason (too large
 JSONL line or a CSV line alike —, an object with a duplicate key, nesting deeper than ``MAX_NESTING``, a lone
 surrogate), so the gate (fineflow.data.validation) can quarantine it with everything else. They raise ``DataError`` only
 when the whole file is unusable (unreadable, empty, wrong format) — when the stream reaches the problem.
+Preference data (``apply_mapping(..., pairs=True)``) maps to the prompt side plus ``chosen`` and ``rejected``.
 """
 
 from __future__ import annotations

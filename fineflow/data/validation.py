@@ -9,6 +9,10 @@ check has a category in ``validate.checks`` that sets its severity: ``error`` qu
 ``warn`` keeps them and reports them.
 Invariant: ``rows_in == rows_kept + rows_quarantined`` — nothing is dropped silently.
 
+Preference pairs (train.objective dpo or simpo: ``pairs``) go through the same gate: chosen and rejected take
+output's place in the schema, the pair checks (identical or empty answers, a cut that leaves the two sides the
+same tokens) join, and the text checks (length, duplicates, PII, leakage) read the prompt and both answers.
+
 The gate streams: rows are checked a chunk at a time (``CHUNK_ROWS`` rows, or fewer that hold
 ``CHUNK_BYTES``), each chunk's rows go to a sink (the stage writes them out) before the next is read, and what
 the gate keeps across chunks is compact — hashes for duplicates and leakage (fineflow.data.overlap), counts
