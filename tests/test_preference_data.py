@@ -78,6 +78,25 @@ def test_a_chat_pair_keeps_its_conversation_as_the_prompt_and_its_turns_are_chec
     assert f"failed chat_role_order(messages) ({turn})" in _reasons(outcome)[2]
 
 
+def test_trl_conversational_preference_parquet_maps_with_messages_from_its_prompt_column(tmp_path):
+    """TRL's conversational preference format: prompt, chosen and rejected as message lists (here in Parquet)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {
+            "prompt": CHAT_PROMPT,
+            "chosen": [{"role": "assistant", "content": "7."}],
+            "rejected": [{"role": "assistant", "content": "3."}],
+        }
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "trl.parquet")
+    path = str(tmp_path / "trl.parquet")
+    mapped = apply_mapping(read_rows(path), FieldMapping(messages="prompt"), path, pairs=True)
+    (row,) = validate_rows(mapped, path, CFG, pairs=True).kept
+    assert (row.data["messages"], row.data["chosen"], row.data["rejected"]) == (CHAT_PROMPT, "7.", "3.")
+
+
 def test_a_missing_answer_column_is_an_error_naming_the_file_and_the_column(tmp_path):
     with pytest.raises(DataError, match=r"pairs\.jsonl: params\.yaml data\.mapping\.rejected is 'worse'"):
         _gate(tmp_path, [PAIR], mapping=FieldMapping(rejected="worse"))
@@ -114,6 +133,8 @@ def test_each_check_catches_its_pair_with_its_reason(tmp_path):
         "empty chosen": {**PAIR, "input": "1 or 2", "chosen": " \u200b"},
         "empty rejected": {**PAIR, "input": "3 or 4", "rejected": ""},
         "pii": {**PAIR, "input": "5 or 6", "rejected": "mail me at ann@example.com"},
+        "pii chosen": {**PAIR, "input": "15 or 16", "chosen": "call +1 415 555 0199"},
+        "pii prompt": {**PAIR, "input": "paid with 4111 1111 1111 1111"},
         "control": {**PAIR, "input": "7 or 8", "chosen": "4\x000"},
         "long": {**PAIR, "input": "9 or 10", "rejected": "x" * 400},
         "good": PAIR,
@@ -125,10 +146,12 @@ def test_each_check_catches_its_pair_with_its_reason(tmp_path):
     assert "failed pair_non_empty(chosen)" in found["empty chosen"]
     assert "failed pair_non_empty(rejected)" in found["empty rejected"]
     assert "failed no_pii(text) (email)" in found["pii"]
+    assert "failed no_pii(text) (phone)" in found["pii chosen"]
+    assert "failed no_pii(text) (credit_card)" in found["pii prompt"]
     assert 'failed no_control_chars(text) (field "chosen" contains a NUL byte (U+0000))' in found["control"]
     assert "failed length_chars(text)" in found["long"]
     assert found["good"] == ""
-    assert "failed unique(row) (first seen at line 7)" in found["duplicate"]
+    assert "failed unique(row) (first seen at line 9)" in found["duplicate"]
 
 
 def test_a_train_pair_leaking_an_eval_pair_is_caught_by_its_answers_too(tmp_path):
