@@ -417,18 +417,30 @@ def test_every_reported_check_is_declared_once_in_suite_order(tmp_path):
     from fineflow.data.tokens import TokenView
 
     chat, _ = chat_to_record([{"role": "user", "content": "Say bye."}, {"role": "assistant", "content": "bye"}])
-    path = write(tmp_path / "t.jsonl", [json.dumps(GOOD), json.dumps({**GOOD, "output": "bye"}), json.dumps(chat)])
-    outcome = validate_rows(
-        read_jsonl(path),
-        str(path),
-        CFG,
-        LeakIndex(["an eval row"], n=8),
-        tokens=TokenView(_tiny_tokenizer(), seq_len=40),
-    )
-    report = outcome.report()["checks"]
+    pair_chat, _ = chat_to_record([{"role": "user", "content": "Say bye."}], pairs=True)
+    pair = {"instruction": "Say hi.", "chosen": "hi", "rejected": "bye"}
+    sft_rows = [GOOD, {**GOOD, "output": "bye"}, chat]
+    pair_rows = [pair, {**pair_chat, "chosen": "bye", "rejected": "hi"}]
+    reports = {}
+    for pairs, rows in ((False, sft_rows), (True, pair_rows)):  # SFT rows, then preference pairs (dpo, simpo)
+        path = write(tmp_path / f"{pairs}.jsonl", [json.dumps(row) for row in rows])
+        outcome = validate_rows(
+            read_jsonl(path),
+            str(path),
+            CFG,
+            LeakIndex(["an eval row"], n=8),
+            tokens=TokenView(_tiny_tokenizer(), seq_len=40),
+            pairs=pairs,
+        )
+        reports[pairs] = outcome.report()["checks"]
     names = [check.name for check in checks.CHECKS]
     assert len(names) == len(set(names))
-    assert list(report) == names  # every declaration applies: token view, leak index, pii: quarantine, a chat row
+    for report in reports.values():
+        assert list(report) == [name for name in names if name in report]  # in suite order
+    # every declaration applies to SFT rows or to pairs: token view, leak index, pii: quarantine, a chat row
+    assert set(reports[False]) | set(reports[True]) == set(names)
+    assert "non_empty(output)" not in reports[True] and "pair_distinct(chosen, rejected)" not in reports[False]
+    report = {**reports[False], **reports[True]}
     for check in checks.CHECKS:
         entry = report[check.name]
         knobs = check.knobs(CFG.checks)

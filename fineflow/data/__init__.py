@@ -1,7 +1,7 @@
 """Stages data and validate (and fingerprint's data.sources). Entries: ``fineflow.stages.data``,
 ``fineflow.stages.validate``.
 
-synth.py       the bundled synthetic instruction dataset (seeded, with injected bad rows)
+synth.py       the bundled synthetic instruction dataset (seeded, with injected bad rows), and as preference pairs
 formats.py     reading user files: JSONL, CSV or Parquet, chat ``messages``, the column mapping (``data.mapping``)
 conversations.py  chat messages and tool calls in normal form, and the checks of a conversation's turns
 checks.py      every validation check, each declared once (``CHECKS``)

@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 from fineflow.core.config import CheckParams, ValidateParams, ValidationChecks
 from fineflow.data.conversations import empty_turn, role_order_problem, unanswered_tool_call
-from fineflow.data.formats import REQUIRED, Row, example_text
+from fineflow.data.formats import ANSWERS, Row, example_text
 from fineflow.data.overlap import FirstSeen, LeakIndex, normalize, stable_hash
 from fineflow.data.pii import pii_kinds, redacted_preview
 
 if TYPE_CHECKING:  # only their types are needed here
-    from fineflow.data.tokens import Measure, TokenView
+    from fineflow.data.tokens import Measure, PairMeasure, TokenView
 
 Expectation = Any  # a great_expectations Expectation; GX is imported only when a suite is built (slow import)
 
@@ -58,6 +58,7 @@ class CheckContext:
     seen: Seen = field(default_factory=Seen)  # updated as the chunk's duplicate columns are derived
     leak_index: LeakIndex | None = None  # train rows only: n-grams of the eval split
     tokens: TokenView | None = None  # with a base model: rows as the tokenize stage will see them
+    pairs: bool = False  # preference data (train.objective dpo or simpo): each row a prompt, chosen and rejected
 
     @cached_property
     def columns_in_rows(self) -> set[str]:
@@ -72,9 +73,11 @@ class CheckContext:
         return [normalize(text) for text in self.texts]
 
     @cached_property
-    def measured(self) -> list[Measure]:
-        """TokenView.measure_many of the rows, once: the token columns come from the same measurement."""
-        return self.tokens.measure_many([row.data for row in self.rows])
+    def measured(self) -> list[Measure] | list[PairMeasure]:
+        """TokenView.measure_many (measure_pairs for pairs) of the rows, once: the token columns come from the
+        same measurement."""
+        data = [row.data for row in self.rows]
+        return self.tokens.measure_pairs(data) if self.pairs else self.tokens.measure_many(data)
 
 
 @dataclass(frozen=True, eq=False)  # never compared: it holds the whole frame
@@ -99,6 +102,22 @@ def rows_have(column: str) -> Callable[[CheckContext], bool]:
 
 def with_tokens(ctx: CheckContext) -> bool:
     return ctx.tokens is not None
+
+
+def sft_rows(ctx: CheckContext) -> bool:
+    return not ctx.pairs
+
+
+def pair_rows(ctx: CheckContext) -> bool:
+    return ctx.pairs
+
+
+def sft_with_tokens(ctx: CheckContext) -> bool:
+    return with_tokens(ctx) and not ctx.pairs
+
+
+def pairs_with_tokens(ctx: CheckContext) -> bool:
+    return with_tokens(ctx) and ctx.pairs
 
 
 def with_leak_index(ctx: CheckContext) -> bool:
@@ -182,7 +201,7 @@ def _control_chars(ctx: CheckContext) -> list[str | None]:
 
 
 def _control_char(data: dict) -> str | None:
-    for name in ("instruction", "input", "output"):
+    for name in ("instruction", "input", "output", *ANSWERS):
         value = data.get(name)
         found = CONTROL.search(value) if isinstance(value, str) else None
         if found:
@@ -218,7 +237,41 @@ VISIBLE_TEXT = re.compile(VISIBLE)
 def _conversation_problems(rule: Callable[[list[dict]], str | None]) -> Callable[[CheckContext], list[str | None]]:
     """A derived column of what `rule` (fineflow.data.conversations) finds wrong with each chat row's turns;
     None for a row without messages (instruction data in the same file is not a conversation)."""
-    return lambda ctx: [rule(row.data["messages"]) if row.data.get("messages") else None for row in ctx.rows]
+    return lambda ctx: [rule(_conversation(row.data)) if row.data.get("messages") else None for row in ctx.rows]
+
+
+def _conversation(data: dict) -> list[dict]:
+    """A chat row's whole conversation: a pair's prompt ends before the answer, so its chosen answer closes it
+    (the turn indices stay those of the row's messages)."""
+    if "chosen" not in data:
+        return data["messages"]
+    return [*data["messages"], {"role": "assistant", "content": str(data["chosen"] or "")}]
+
+
+def _identical_pairs(ctx: CheckContext) -> list[str | None]:
+    """Whether each pair's answers are the same text (up to surrounding whitespace): nothing to prefer."""
+    return [
+        "chosen and rejected are the same text"
+        if _same_text(row.data.get("chosen"), row.data.get("rejected"))
+        else None
+        for row in ctx.rows
+    ]
+
+
+def _same_text(chosen: object, rejected: object) -> bool:
+    return isinstance(chosen, str) and isinstance(rejected, str) and chosen.strip() == rejected.strip()
+
+
+def _pair_cuts(ctx: CheckContext) -> list[str | None]:
+    return [measure.cut for measure in ctx.measured]
+
+
+def _pairs_same_after_cut(ctx: CheckContext) -> list[str | None]:
+    return [measure.same_after_cut for measure in ctx.measured]
+
+
+def _trained_side(side: int) -> Callable[[CheckContext], list[int | None]]:
+    return lambda ctx: [measure.trained_sides[side] for measure in ctx.measured]
 
 
 HAVE_MESSAGES = rows_have("messages")
@@ -253,29 +306,75 @@ def _expect_null(column: str, ctx: CheckContext) -> Expectation:
     return _gxe().ExpectColumnValuesToBeNull(column=column)
 
 
+# Which rows need each required field: instruction in every row, output in SFT rows, both answers in pairs.
+FIELD_MODES: dict[str, Callable[[CheckContext], bool]] = {
+    "instruction": always,
+    "output": sft_rows,
+    **{answer: pair_rows for answer in ANSWERS},
+}
+
+
+def _both(first: Callable[[CheckContext], bool], second: Callable[[CheckContext], bool]):
+    return lambda ctx: first(ctx) and second(ctx)
+
+
 def schema_checks(columns: tuple[str, ...]) -> list[Check]:
-    """The schema of the required columns: every column exists, then per column not_null and type_str."""
+    """The schema of the required columns: every column exists, then per column not_null and type_str; each
+    where its rows need it (FIELD_MODES)."""
     exists = [
-        Check(f"column_exists({column})", SCHEMA, column, lambda col, ctx: _gxe().ExpectColumnToExist(column=col))
+        Check(
+            f"column_exists({column})",
+            SCHEMA,
+            column,
+            lambda col, ctx: _gxe().ExpectColumnToExist(column=col),
+            applies=FIELD_MODES[column],
+        )
         for column in columns
     ]
     values = []
     for column in columns:
+        present = _both(FIELD_MODES[column], rows_have(column))
         values += [
             Check(
                 f"not_null({column})",
                 "non_null",
                 column,
                 lambda col, ctx: _gxe().ExpectColumnValuesToNotBeNull(column=col),
-                applies=rows_have(column),
+                applies=present,
             ),
-            Check(f"type_str({column})", "types", column, _expect_str, applies=rows_have(column)),
+            Check(f"type_str({column})", "types", column, _expect_str, applies=present),
         ]
     return exists + values
 
 
+def _expect_visible(column: str, ctx: CheckContext) -> Expectation:
+    """A value of only whitespace or invisible characters is empty too: an answer the model learns nothing from."""
+    return _gxe().ExpectColumnValuesToMatchRegex(column=column, regex=VISIBLE)
+
+
+def _pair_non_empty(answer: str) -> Check:
+    return Check(f"pair_non_empty({answer})", "pair_empty", answer, _expect_visible, applies=rows_have(answer))
+
+
+def _label_coverage(answer: str, side: int) -> Check:
+    """A pair side whose answer the shared row's cut leaves no token of: that side would train on nothing."""
+    return Check(
+        f"label_coverage({answer})",
+        "label_coverage",
+        f"trained_{answer}",
+        lambda col, ctx: _gxe().ExpectColumnValuesToBeBetween(column=col, min_value=1),
+        derive=_trained_side(side),
+        applies=pairs_with_tokens,
+        # both sides write the prompt: a pair needs about twice an SFT row's tokens
+        detail=lambda row: (
+            f" (no {answer} token left to train on: the pair's two sides, each with the prompt, share "
+            "one row of tokenize.seq_len; raise it)"
+        ),
+    )
+
+
 CHECKS: list[Check] = [
-    *schema_checks(REQUIRED),
+    *schema_checks(("instruction", "output", *ANSWERS)),
     # conversations (data.mapping.messages) first: a conversation out of order says so before its derived output
     _chat_check("chat_role_order(messages)", "chat_roles", "role_order", _conversation_problems(role_order_problem)),
     _chat_check(
@@ -290,13 +389,16 @@ CHECKS: list[Check] = [
         "unanswered_call",
         _conversation_problems(unanswered_tool_call),
     ),
+    Check("non_empty(output)", "non_empty", "output", _expect_visible, applies=rows_have("output")),
+    *(_pair_non_empty(answer) for answer in ANSWERS),
     Check(
-        "non_empty(output)",
-        "non_empty",
-        "output",
-        # a value of only whitespace or invisible characters is empty too: a response the model learns nothing from
-        lambda col, ctx: _gxe().ExpectColumnValuesToMatchRegex(column=col, regex=VISIBLE),
-        applies=rows_have("output"),
+        "pair_distinct(chosen, rejected)",
+        "pair_identical",
+        "pair_identical",
+        _expect_null,
+        derive=_identical_pairs,
+        applies=pair_rows,
+        detail=lambda row: f" ({row['pair_identical']})",
     ),
     Check("type_str(input)", "types", "input", _expect_str),  # the frame always has input ("" where absent)
     Check(  # a string with a NUL or another control character is not text: the types knob sets its severity
@@ -347,7 +449,7 @@ CHECKS: list[Check] = [
         "n_tokens",
         lambda col, ctx: _gxe().ExpectColumnValuesToBeBetween(column=col, max_value=ctx.tokens.seq_len),
         derive=_token_counts,
-        applies=with_tokens,
+        applies=sft_with_tokens,
         detail=lambda row: f" ({_int(row['n_tokens'])} tokens, truncated to tokenize.seq_len)",
     ),
     Check(
@@ -356,8 +458,27 @@ CHECKS: list[Check] = [
         "trained_tokens",
         lambda col, ctx: _gxe().ExpectColumnValuesToBeBetween(column=col, min_value=1),
         derive=_trained_token_counts,
-        applies=with_tokens,
+        applies=sft_with_tokens,
         detail=lambda row: " (no response token left to train on after truncation)",
+    ),
+    Check(  # a pair is packed whole into one row: its two sides share tokenize.seq_len (fineflow.tokenize.pairs)
+        "fits_seq_len(pair)",
+        TRUNCATION,
+        "pair_cut",
+        _expect_null,
+        derive=_pair_cuts,
+        applies=pairs_with_tokens,
+        detail=lambda row: f" ({row['pair_cut']})",
+    ),
+    *(_label_coverage(answer, side) for side, answer in enumerate(ANSWERS)),
+    Check(
+        "pair_distinct_after_cut(tokens)",
+        "pair_truncation",
+        "pair_same_after_cut",
+        _expect_null,
+        derive=_pairs_same_after_cut,
+        applies=pairs_with_tokens,
+        detail=lambda row: f" ({row['pair_same_after_cut']})",
     ),
     Check(
         "chat_template_renders(row)",

@@ -7,6 +7,7 @@ cannot be used becomes a ``Row`` without data that carries its reason (too large
 JSONL line or a CSV line alike —, an object with a duplicate key, nesting deeper than ``MAX_NESTING``, a lone
 surrogate), so the gate (fineflow.data.validation) can quarantine it with everything else. They raise ``DataError`` only
 when the whole file is unusable (unreadable, empty, wrong format) — when the stream reaches the problem.
+Preference data (``apply_mapping(..., pairs=True)``) maps to the prompt side plus ``chosen`` and ``rejected``.
 """
 
 from __future__ import annotations
@@ -27,15 +28,25 @@ from fineflow.data.pii import PREVIEW_SOURCE_CHARS, redacted_preview
 # The record every source is mapped onto (apply_mapping); the gate checks it and the tokenizer renders it.
 REQUIRED = ("instruction", "output")
 OPTIONAL = ("input",)
+# A preference pair (train.objective dpo or simpo) has the same prompt side and two answers instead of output.
+ANSWERS = ("chosen", "rejected")
+PAIR_REQUIRED = ("instruction", *ANSWERS)
 # Instruction data nests a few levels (chat: row -> messages -> message). Deeper rows are hostile or broken,
 # and values nested near Python's recursion limit crash whatever later walks them (pickling, repr).
 MAX_NESTING = 100
 
 
+def required_fields(pairs: bool) -> tuple[str, ...]:
+    """The fields every row must have: an SFT row's, or a preference pair's (``pairs``)."""
+    return PAIR_REQUIRED if pairs else REQUIRED
+
+
 def example_text(data: dict) -> str:
-    """What the model will see (instruction, input, output joined); a missing or non-string field becomes
-    text here instead of failing inside pandas."""
-    return "\n".join(str(data.get(c) or "") for c in ("instruction", "input", "output"))
+    """What the model will see (instruction, input, output joined; a pair's prompt and both answers); a missing
+    or non-string field becomes text here instead of failing inside pandas."""
+    pair = any(answer in data for answer in ANSWERS)
+    fields = ("instruction", "input", *ANSWERS) if pair else ("instruction", "input", "output")
+    return "\n".join(str(data.get(c) or "") for c in fields)
 
 
 @dataclass
@@ -382,7 +393,7 @@ def read_rows(path: str | Path, fmt: str = "auto", max_row_bytes: int | None = N
     return READERS[fmt](path, max_row_bytes=max_row_bytes)
 
 
-def chat_to_record(messages: object, tools: object = None) -> tuple[dict | None, str | None]:
+def chat_to_record(messages: object, tools: object = None, pairs: bool = False) -> tuple[dict | None, str | None]:
     """(instruction/input/output record, None) from an OpenAI-style messages list, or (None, problem).
 
     The record keeps the conversation in normal form (fineflow.data.conversations), and the tool definitions
@@ -390,7 +401,8 @@ def chat_to_record(messages: object, tools: object = None) -> tuple[dict | None,
     are what the text checks read: the final message is the output, everything before it the instruction (a
     single (system +) user turn as is, longer conversations one "Role: text" line per turn, tool calls
     written out). Whether the turns are in order is the gate's check (fineflow.data.checks), not a reason to
-    refuse the row here.
+    refuse the row here. A preference pair's conversation (``pairs``) is all prompt: it ends before the answer
+    (its chosen and rejected), so the record has no output.
     """
     if not isinstance(messages, list) or not messages:
         return None, "messages must be a non-empty list of {role, content} objects"
@@ -402,14 +414,27 @@ def chat_to_record(messages: object, tools: object = None) -> tuple[dict | None,
         normal.append(message)
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         return None, "tools must be a list of tool definitions ({type, function: {name, parameters}} objects)"
-    prompt = normal[:-1]
+    prompt = normal if pairs else normal[:-1]
     if [m["role"] for m in prompt] in (["user"], ["system", "user"]):
         instruction = "\n".join(m["content"] for m in prompt)
     else:
         instruction = "\n".join(f"{m['role'].capitalize()}: {_turn_text(m)}" for m in prompt)
     # the conversation itself travels on: the tokenizer's chat template (when it has one) renders it
-    record = {"instruction": instruction, "input": "", "output": _turn_text(normal[-1]), "messages": normal}
+    answer = {} if pairs else {"output": _turn_text(normal[-1])}
+    record = {"instruction": instruction, "input": "", **answer, "messages": normal}
     return ({**record, "tools": tools} if tools else record), None
+
+
+def normal_answer(value: object) -> tuple[object, str | None]:
+    """A preference answer as its text: a string as is, TRL's conversational form (one assistant message,
+    ``[{"role": "assistant", "content": "..."}]``) as its content. Other structures are (None, the problem);
+    any other value (null, a number) is left for the gate's not_null and type_str checks to name."""
+    if not isinstance(value, (list, dict)):
+        return value, None
+    message = value[0] if isinstance(value, list) and len(value) == 1 else None
+    if isinstance(message, dict) and message.get("role") == "assistant" and isinstance(message.get("content"), str):
+        return message["content"], None
+    return None, 'must be a string or one assistant message [{"role": "assistant", "content": "..."}]'
 
 
 def _turn_text(message: dict) -> str:
@@ -417,9 +442,12 @@ def _turn_text(message: dict) -> str:
     return f"{message['content']} {calls}".strip() if calls else message["content"]
 
 
-def _wanted_columns(mapping) -> dict[str, str | None]:
+def _wanted_columns(mapping, pairs: bool = False) -> dict[str, str | None]:
+    answers = {answer: getattr(mapping, answer) for answer in ANSWERS} if pairs else {}
     if mapping.messages is not None:
-        return {"messages": mapping.messages}
+        return {"messages": mapping.messages, **answers}
+    if pairs:
+        return {"instruction": mapping.instruction, "input": mapping.input, **answers}
     return {"instruction": mapping.instruction, "input": mapping.input, "output": mapping.output}
 
 
@@ -431,21 +459,25 @@ def _renamed(wanted: dict[str, str | None]) -> dict[str, str]:
     }
 
 
-def apply_mapping(rows: Iterable[Row], mapping, source: str, key: str = "data.mapping") -> Iterator[Row]:
-    """Rename source columns to the internal schema (instruction, input, output), row by row.
+def apply_mapping(
+    rows: Iterable[Row], mapping, source: str, key: str = "data.mapping", pairs: bool = False
+) -> Iterator[Row]:
+    """Rename source columns to the internal schema (instruction, input, output; with ``pairs``, preference
+    data: instruction, input, chosen, rejected), row by row.
 
     A mapped column that no row has is a wrong mapping, not bad rows: when the stream ends without having
     seen it, raise naming the key (``key``: data.mapping, or a source's) and the columns the file does have.
-    A chat row whose messages are malformed is quarantined with the reason.
+    A chat row whose messages are malformed, or a pair whose answer is neither text nor one assistant
+    message, is quarantined with the reason.
     """
-    wanted = _wanted_columns(mapping)
+    wanted = _wanted_columns(mapping, pairs)
     unseen = _renamed(wanted)
     present: set[str] = set()  # only while some mapped column is unseen, and at most 1,000 names
     for row in rows:
         if row.data is not None and unseen:
             present.update(list(row.data)[: max(0, 1000 - len(present))])
             unseen = {name: column for name, column in unseen.items() if column not in row.data}
-        yield _mapped(row, mapping, wanted, source)
+        yield _mapped(row, mapping, wanted, source, pairs)
     if unseen and present:
         name, column = next(iter(unseen.items()))
         raise DataError(
@@ -454,19 +486,32 @@ def apply_mapping(rows: Iterable[Row], mapping, source: str, key: str = "data.ma
         )
 
 
-def _mapped(row: Row, mapping, wanted: dict[str, str | None], source: str) -> Row:
+def _mapped(row: Row, mapping, wanted: dict[str, str | None], source: str, pairs: bool = False) -> Row:
     if row.data is None:
         return row
-    if mapping.messages is None:
-        row.data = {
+    answers, problem = _answers(row.data, wanted) if pairs else ({}, None)
+    if problem is None and mapping.messages is None:
+        record = {
             name: row.data[column] for name, column in wanted.items() if column is not None and column in row.data
         }
-        return row
-    record, problem = chat_to_record(row.data.get(mapping.messages), row.data.get("tools"))
+    elif problem is None:
+        record, problem = chat_to_record(row.data.get(mapping.messages), row.data.get("tools"), pairs)
     if problem:
         row.raw = json.dumps(row.data, ensure_ascii=False, default=str)[:PREVIEW_SOURCE_CHARS]
         row.data = None
         row.reasons.append(f"{source}:{row.line}: {problem}")
     else:
-        row.data = record
+        row.data = {**record, **answers}
     return row
+
+
+def _answers(data: dict, wanted: dict[str, str | None]) -> tuple[dict, str | None]:
+    """A pair's chosen and rejected as text (normal_answer), or the problem naming the field and its column."""
+    answers = {}
+    for answer in ANSWERS:
+        column = wanted[answer]
+        if column in data:
+            answers[answer], problem = normal_answer(data[column])
+            if problem:
+                return {}, f'field "{answer}" (column {column!r}) {problem}'
+    return answers, None

@@ -35,6 +35,7 @@ from fineflow.data.source_gate import (
 from fineflow.data.sources import content_hash, resolve_source
 from fineflow.data.tokens import TokenView
 from fineflow.data.validation import JsonlSink, ValidationOutcome, raise_if_blocked, validate_eval
+from fineflow.tokenize.pairs import is_preference
 
 SOURCES_FILE = "sources.json"  # beside the rows: the mixture's sources, for the lineage and the model card
 
@@ -67,12 +68,17 @@ class Mixture:
 
     def _eval(self, eval_path: Path, tokens):
         data, cfg = self.params.data, self.params.validate_
-        rows = apply_mapping(read_rows(eval_path, data.format, cfg.max_row_bytes), data.mapping, str(eval_path))
+        pairs = is_preference(self.params.train.objective)
+        rows = apply_mapping(
+            read_rows(eval_path, data.format, cfg.max_row_bytes), data.mapping, str(eval_path), pairs=pairs
+        )
         docs = self.docs_dir / "eval" if self.docs_dir else None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         with ExitStack() as stack:
             files = (stack.enter_context((self.out_dir / n).open("w", encoding="utf-8")) for n in _EVAL_FILES)
-            outcome, leak_index = validate_eval(rows, str(eval_path), cfg, JsonlSink("eval", *files), docs, tokens)
+            outcome, leak_index = validate_eval(
+                rows, str(eval_path), cfg, JsonlSink("eval", *files), docs, tokens, pairs
+            )
         log(f"eval: {outcome.rows_in} rows in, {outcome.rows_kept} kept, {outcome.rows_quarantined} quarantined")
         return outcome, leak_index
 

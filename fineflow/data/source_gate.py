@@ -29,6 +29,7 @@ from fineflow.data.overlap import LeakIndex
 from fineflow.data.sources import Source, read_source
 from fineflow.data.tokens import TokenView
 from fineflow.data.validation import JsonlSink, raise_if_blocked, validate_stream
+from fineflow.tokenize.pairs import is_preference
 
 KEPT, QUARANTINE, REDACTIONS, OUTCOME = "kept.jsonl", "quarantine.jsonl", "redactions.jsonl", "outcome.json"
 _CODE = ("data", "tokenize")  # the packages whose code decides a row's verdict
@@ -71,6 +72,8 @@ def source_key(source: Source, content: str, params: Params, tokens: dict | None
         "eval": eval_sha,
         "code": code,
     }
+    if is_preference(params.train.objective):  # preference pairs: another mapping and other checks (SFT keys as before)
+        parts["objective"] = "preference"
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -120,12 +123,13 @@ def _validate_into(folder: Path, source: Source, params: Params, leak_index, tok
     cfg = params.validate_
     mapping = source.spec.mapping or params.data.mapping
     key = f"data.sources[{source.index}].mapping" if source.spec.mapping else "data.mapping"
-    rows = apply_mapping(read_source(source, cfg.max_row_bytes), mapping, source.label, key)
+    pairs = is_preference(params.train.objective)
+    rows = apply_mapping(read_source(source, cfg.max_row_bytes), mapping, source.label, key, pairs)
     with ExitStack() as stack:
         names = (KEPT, QUARANTINE, REDACTIONS)
         files = (stack.enter_context((folder / name).open("w", encoding="utf-8")) for name in names)
         sink = JsonlSink("train", *files)
-        outcome = validate_stream(rows, source.label, cfg, sink, leak_index, docs_dir, tokens, split="train")
+        outcome = validate_stream(rows, source.label, cfg, sink, leak_index, docs_dir, tokens, "train", pairs=pairs)
     try:
         raise_if_blocked(outcome, cfg)
         blocked = None

@@ -59,19 +59,82 @@ def as_row(ex: Example) -> dict[str, str]:
     return {"instruction": ex.instruction, "input": ex.input, "output": ex.output}
 
 
-def split_train_eval(n_train: int, n_eval: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """Disjoint train/eval rows: an eval row never appears (instruction+input) in train."""
+def split_examples(n_train: int, n_eval: int, seed: int) -> tuple[list[Example], list[Example]]:
+    """Disjoint train/eval examples: an eval prompt never appears (instruction+input) in train."""
     pool = generate_examples(4 * (n_train + n_eval), seed)
     seen: set[tuple[str, str]] = set()
-    unique: list[dict] = []
+    unique: list[Example] = []
     for ex in pool:
         key = (ex.instruction, ex.input)
         if key not in seen:
             seen.add(key)
-            unique.append(as_row(ex))
+            unique.append(ex)
         if len(unique) == n_train + n_eval:
             break
     return unique[:n_train], unique[n_train:]
+
+
+def split_train_eval(n_train: int, n_eval: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """Disjoint train/eval rows: an eval row never appears (instruction+input) in train."""
+    train, evaluation = split_examples(n_train, n_eval, seed)
+    return [as_row(ex) for ex in train], [as_row(ex) for ex in evaluation]
+
+
+# Preference pairs (train.objective dpo or simpo): the same prompts, the right answer as chosen and a plausible
+# wrong one of the same family as rejected: the family's answer to a perturbed input, or its typical mistake.
+
+
+def _wrong_extract(ex: Example, rng: random.Random) -> str:
+    """The asked field of another record: a real name (city, age, job), just not this record's."""
+    field = ex.instruction.split()[2]  # "Extract the <field> from the record."
+    while (other := record(rng)[field]) == ex.output:
+        pass
+    return other
+
+
+def _wrong_date(ex: Example, rng: random.Random) -> str:
+    """Month and day swapped (MM/DD/YYYY, the classic slip); a day moved when both are the same number."""
+    day, month, year = ex.output.split("/")
+    if day != month:
+        return f"{month}/{day}/{year}"
+    return f"{int(day) % 28 + 1:02d}/{month}/{year}"
+
+
+def _wrong_compare(ex: Example, rng: random.Random) -> str:
+    """The smaller number."""
+    a, b = (int(n) for n in ex.input.split(" or "))
+    return str(min(a, b))
+
+
+def _wrong_reverse(ex: Example, rng: random.Random) -> str:
+    """The words in their original order, or (rarely, when that reads the same) rotated."""
+    words = ex.input.split()
+    return " ".join(words) if words != ex.output.split() else " ".join(words[1:] + words[:1])
+
+
+WRONG_ANSWERS: dict[str, Callable[[Example, random.Random], str]] = {
+    "extract": _wrong_extract,
+    "date": _wrong_date,
+    "compare": _wrong_compare,
+    "reverse": _wrong_reverse,
+}
+
+
+def as_pair(ex: Example, rng: random.Random) -> dict[str, str]:
+    """The example as a preference pair: its answer chosen, a plausible wrong one rejected."""
+    return {
+        "instruction": ex.instruction,
+        "input": ex.input,
+        "chosen": ex.output,
+        "rejected": WRONG_ANSWERS[ex.family](ex, rng),
+    }
+
+
+def split_train_eval_pairs(n_train: int, n_eval: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """split_train_eval's prompts (the same seed gives the same prompts) as preference pairs, seeded."""
+    train, evaluation = split_examples(n_train, n_eval, seed)
+    rng = random.Random(seed + 2)  # apart from the prompts' generator: the prompts stay SFT's
+    return [as_pair(ex, rng) for ex in train], [as_pair(ex, rng) for ex in evaluation]
 
 
 BAD_KINDS = (
@@ -85,26 +148,34 @@ BAD_KINDS = (
     "near_duplicate",
     "eval_leak",
 )
+PAIR_BAD_KINDS = (*BAD_KINDS, "identical_pair")  # preference pairs: missing/empty act on the rejected answer
 
 
-def inject_bad_rows(rows: list[dict], share: float, seed: int, eval_rows: list[dict] | None = None) -> list[dict]:
+def inject_bad_rows(
+    rows: list[dict], share: float, seed: int, eval_rows: list[dict] | None = None, pairs: bool = False
+) -> list[dict]:
     """Return rows with ~share deliberately bad rows mixed in, one of each kind before repeating.
 
     Kinds (BAD_KINDS): a missing field, an empty output, an over-long input, an exact duplicate, PII (an
     e-mail address, a phone number, a Luhn-valid card number), a near-duplicate (same text up to case and
-    punctuation; a warning by default) and a row copied from the eval split (leakage).
+    punctuation; a warning by default) and a row copied from the eval split (leakage). Preference pairs
+    (``pairs``, PAIR_BAD_KINDS): the missing field and the empty answer are the rejected one, and a pair whose
+    answers are the same is added.
     """
     rng = random.Random(seed + 1)
-    kinds = [k for k in BAD_KINDS if k != "eval_leak" or eval_rows]
+    answer = "rejected" if pairs else "output"
+    kinds = [k for k in (PAIR_BAD_KINDS if pairs else BAD_KINDS) if k != "eval_leak" or eval_rows]
     n_bad = max(len(kinds), round(len(rows) * share)) if share > 0 else 0
     out = [dict(r) for r in rows]
     for i in range(n_bad):
         victim = dict(rng.choice(rows))
         kind = kinds[i % len(kinds)]
         if kind == "missing_field":
-            victim.pop("output")
+            victim.pop(answer)
         elif kind == "empty_output":
-            victim["output"] = ""
+            victim[answer] = ""
+        elif kind == "identical_pair":
+            victim["rejected"] = victim["chosen"]
         elif kind == "over_long":
             victim["input"] = " ".join(rng.choice(WORDS) for _ in range(800))
         elif kind == "email":

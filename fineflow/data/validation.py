@@ -9,6 +9,10 @@ check has a category in ``validate.checks`` that sets its severity: ``error`` qu
 ``warn`` keeps them and reports them.
 Invariant: ``rows_in == rows_kept + rows_quarantined`` — nothing is dropped silently.
 
+Preference pairs (train.objective dpo or simpo: ``pairs``) go through the same gate: chosen and rejected take
+output's place in the schema, the pair checks (identical or empty answers, a cut that leaves the two sides the
+same tokens) join, and the text checks (length, duplicates, PII, leakage) read the prompt and both answers.
+
 The gate streams: rows are checked a chunk at a time (``CHUNK_ROWS`` rows, or fewer that hold
 ``CHUNK_BYTES``), each chunk's rows go to a sink (the stage writes them out) before the next is read, and what
 the gate keeps across chunks is compact — hashes for duplicates and leakage (fineflow.data.overlap), counts
@@ -33,7 +37,16 @@ from fineflow.core.config import ValidateParams
 from fineflow.core.errors import DataError
 from fineflow.data import checks
 from fineflow.data.checks import SCHEMA, TRUNCATION, Check, CheckContext, FailedRow, Seen
-from fineflow.data.formats import OPTIONAL, REQUIRED, Row, apply_mapping, example_text, read_rows
+from fineflow.data.formats import (
+    ANSWERS,
+    OPTIONAL,
+    REQUIRED,
+    Row,
+    apply_mapping,
+    example_text,
+    read_rows,
+    required_fields,
+)
 from fineflow.data.gx_suite import GxRunner
 from fineflow.data.overlap import LeakIndex
 from fineflow.data.pii import find_pii, redact, redacted_preview
@@ -152,7 +165,7 @@ def _frame(ctx: CheckContext, suite: list[Check]):
     column that an applying check needs, computed once in suite order."""
     import pandas as pd
 
-    columns = [c for c in (*REQUIRED, *OPTIONAL) if c in ctx.columns_in_rows]
+    columns = [c for c in (*REQUIRED, *OPTIONAL, *ANSWERS) if c in ctx.columns_in_rows]
     frame = pd.DataFrame(
         [{c: row.data.get(c) for c in columns} for row in ctx.rows],
         index=[row.line for row in ctx.rows],
@@ -231,8 +244,9 @@ class SplitGate:
     """The gate over one split, fed a chunk at a time: checks each chunk, routes its rows, and keeps only
     the compact state of the split (hashes, counts, first failing lines)."""
 
-    def __init__(self, source: str, cfg: ValidateParams, leak_index=None, docs_dir=None, tokens=None):
+    def __init__(self, source: str, cfg: ValidateParams, leak_index=None, docs_dir=None, tokens=None, pairs=False):
         self.source, self.cfg, self.leak_index, self.tokens = source, cfg, leak_index, tokens
+        self.pairs, self.required = pairs, required_fields(pairs)  # preference pairs: prompt, chosen, rejected
         self.outcome = ValidationOutcome(source)
         self.results: dict[str, CheckResult] = {}
         self.seen = Seen()
@@ -250,7 +264,7 @@ class SplitGate:
         if self.cfg.pii == "redact":
             for row in parsed:
                 _redact_row(row)
-        ctx = CheckContext(parsed, self.cfg, self.seen, self.leak_index, self.tokens)
+        ctx = CheckContext(parsed, self.cfg, self.seen, self.leak_index, self.tokens, self.pairs)
         # the declarations are the suite: read at every call, nothing else lists the checks
         applying = [check for check in checks.CHECKS if check.applies(ctx)]
         frame = _frame(ctx, applying)
@@ -282,10 +296,10 @@ class SplitGate:
                     f"{self.source}:{line}: failed {check.name}{check.detail(FailedRow(frame, line))}"
                 )
         for row in parsed:
-            for col in REQUIRED:
+            for col in self.required:
                 if col not in row.data:
                     row.reasons.append(f'{self.source}:{row.line}: field "{col}" is missing')
-        self.columns |= ctx.columns_in_rows & set(REQUIRED)
+        self.columns |= ctx.columns_in_rows & set(self.required)
         self.parsed += len(parsed)
         self.first_parsed += [row.line for row in parsed[: FIRST_LINES - len(self.first_parsed)]]
 
@@ -307,7 +321,7 @@ class SplitGate:
     def finish(self, split: str = "rows") -> ValidationOutcome:
         """The split's outcome, with the file-level schema verdict; renders the Data Docs."""
         order = [check.name for check in checks.CHECKS]
-        for col in REQUIRED:
+        for col in self.required:
             result = self.results.get(f"column_exists({col})")
             if result is not None and col not in self.columns:  # absent from every chunk: from the file
                 self.outcome.schema_problems.append(
@@ -332,10 +346,11 @@ def validate_stream(
     tokens: TokenView | None = None,
     split: str = "rows",
     chunk_rows: int = CHUNK_ROWS,
+    pairs: bool = False,
 ) -> ValidationOutcome:
     """Check rows a chunk at a time, sending each to the sink (kept or quarantined) before the next chunk is
-    read; return the outcome (counts, per-check results)."""
-    gate = SplitGate(source, cfg, leak_index, docs_dir, tokens)
+    read; return the outcome (counts, per-check results). ``pairs``: the rows are preference pairs."""
+    gate = SplitGate(source, cfg, leak_index, docs_dir, tokens, pairs)
     for chunk in chunked(rows, chunk_rows):
         gate.check(chunk)
         for row in chunk:
@@ -351,10 +366,11 @@ def validate_rows(
     docs_dir: Path | None = None,
     tokens: TokenView | None = None,
     chunk_rows: int = CHUNK_ROWS,
+    pairs: bool = False,
 ) -> ValidationOutcome:
     """The gate over rows held in memory (tests, small files): the outcome keeps every row it routed."""
     sink = ListSink()
-    outcome = validate_stream(rows, source, cfg, sink, leak_index, docs_dir, tokens, chunk_rows=chunk_rows)
+    outcome = validate_stream(rows, source, cfg, sink, leak_index, docs_dir, tokens, chunk_rows=chunk_rows, pairs=pairs)
     outcome.kept, outcome.quarantined = sink.kept_rows, sink.quarantined_rows
     return outcome
 
@@ -384,12 +400,12 @@ def raise_if_blocked(outcome: ValidationOutcome, cfg: ValidateParams) -> None:
 
 
 def clean_record(row: Row) -> dict:
-    """The normalized record a kept row becomes: instruction, input (may be empty), output."""
-    record = {
-        "instruction": row.data["instruction"],
-        "input": row.data.get("input") or "",
-        "output": row.data["output"],
-    }
+    """The normalized record a kept row becomes: instruction, input (may be empty), output; a preference pair
+    has chosen and rejected instead of output."""
+    record = {"instruction": row.data["instruction"], "input": row.data.get("input") or ""}
+    for key in ("output", *ANSWERS):
+        if key in row.data:
+            record[key] = row.data[key]
     for key in ("messages", "tools"):  # a conversation and its tool definitions: the chat template renders them
         if row.data.get(key):
             record[key] = row.data[key]
@@ -422,23 +438,28 @@ def validate_splits(
     tokens: TokenView | None = None,
     docs_dir: Path | None = None,
     sinks: dict[str, RowSink] | None = None,
+    pairs: bool = False,
 ) -> dict[str, ValidationOutcome]:
     """Stream, map and validate the eval split, then the train split against it: train rows are checked for
     leakage against what evaluation will score, so a leaked eval row is caught here. Without sinks the rows
-    are kept in memory (the outcomes' kept/quarantined)."""
+    are kept in memory (the outcomes' kept/quarantined). ``pairs``: preference data (train.objective dpo or
+    simpo), leakage included: a train pair is checked against the eval pairs' prompts and answers."""
     sinks = sinks or {"eval": ListSink(), "train": ListSink()}
 
     def load(path: Path) -> Iterator[Row]:
-        return apply_mapping(read_rows(path, data_cfg.format, cfg.max_row_bytes), data_cfg.mapping, str(path))
+        rows = read_rows(path, data_cfg.format, cfg.max_row_bytes)
+        return apply_mapping(rows, data_cfg.mapping, str(path), pairs=pairs)
 
     def docs(split: str) -> Path | None:
         return docs_dir / split if docs_dir else None
 
     eval_path, train_path = Path(paths["eval"]), Path(paths["train"])
-    outcome, leak_index = validate_eval(load(eval_path), str(eval_path), cfg, sinks["eval"], docs("eval"), tokens)
+    outcome, leak_index = validate_eval(
+        load(eval_path), str(eval_path), cfg, sinks["eval"], docs("eval"), tokens, pairs
+    )
     outcomes = {"eval": outcome}
     outcomes["train"] = validate_stream(
-        load(train_path), str(train_path), cfg, sinks["train"], leak_index, docs("train"), tokens, "train"
+        load(train_path), str(train_path), cfg, sinks["train"], leak_index, docs("train"), tokens, "train", pairs=pairs
     )
     for split, outcome in outcomes.items():
         if isinstance(sinks[split], ListSink):
@@ -447,11 +468,11 @@ def validate_splits(
 
 
 def validate_eval(
-    rows: Iterable[Row], source: str, cfg: ValidateParams, sink: RowSink, docs_dir: Path | None, tokens
+    rows: Iterable[Row], source: str, cfg: ValidateParams, sink: RowSink, docs_dir: Path | None, tokens, pairs=False
 ) -> tuple[ValidationOutcome, LeakIndex]:
     """The eval split's gate, and the index of its kept rows that train rows are checked for leakage against."""
     leak_index = LeakIndex(n=cfg.leakage_ngram)
-    outcome = validate_stream(rows, source, cfg, _Tee(sink, leak_index), None, docs_dir, tokens, "eval")
+    outcome = validate_stream(rows, source, cfg, _Tee(sink, leak_index), None, docs_dir, tokens, "eval", pairs=pairs)
     return outcome, leak_index
 
 

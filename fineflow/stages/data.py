@@ -4,7 +4,9 @@
 
 The train file carries a small share of deliberately bad rows (fineflow.data.synth.BAD_KINDS) so that every
 validation check has something to catch;
-the eval split is clean and disjoint from train. Real users point ``data.train_path`` at their own file.
+the eval split is clean and disjoint from train. With ``train.objective`` dpo or simpo the rows are preference
+pairs: the same prompts, chosen = the right answer, rejected = a plausible wrong one of the same task family
+(fineflow.data.synth.WRONG_ANSWERS). Real users point ``data.train_path`` at their own file.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ from pathlib import Path
 from fineflow.core.config import Params
 from fineflow.core.entry import run_entry, stage_parser
 from fineflow.core.reports import write_jsonl
-from fineflow.data.synth import inject_bad_rows, split_train_eval
+from fineflow.data.synth import inject_bad_rows, split_train_eval, split_train_eval_pairs
 
 
 def run(params: Params, train_path: Path, eval_path: Path) -> dict:
     cfg = params.data
-    train, evaluation = split_train_eval(cfg.n_train, cfg.n_eval, params.seed)
-    train_with_bad = inject_bad_rows(train, cfg.bad_row_share, params.seed, evaluation)
+    pairs = params.train.objective != "sft"  # dpo or simpo: preference pairs (sft is the only other objective)
+    split = split_train_eval_pairs if pairs else split_train_eval
+    train, evaluation = split(cfg.n_train, cfg.n_eval, params.seed)
+    train_with_bad = inject_bad_rows(train, cfg.bad_row_share, params.seed, evaluation, pairs)
     write_jsonl(train_path, train_with_bad)
     write_jsonl(eval_path, evaluation)
     return {

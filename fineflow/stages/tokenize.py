@@ -6,7 +6,9 @@ Reads ``<rows>/train.jsonl`` and ``<rows>/eval.jsonl``, renders each with the pr
 tokenizer's chat template for chat rows: every assistant turn trained, or only the last, as
 ``tokenize.train_on`` says; fineflow.tokenize.conversation), and writes ``<out>/train`` and ``<out>/eval``
 shard directories (see fineflow.tokenize.shards for the format). A conversation is one example: packed
-whole into one row, attending only to itself.
+whole into one row, attending only to itself. With ``train.objective`` dpo or simpo the rows are preference
+pairs and each pair is packed whole into one row, prompt + chosen then prompt + rejected
+(fineflow.tokenize.pairs).
 
 Content-addressed: each shard's meta.json records a key over the rows file's bytes, the tokenizer, the
 template and the packing parameters. A split whose existing shard has the same key is left as it is (no
@@ -29,7 +31,8 @@ def run(params: Params, rows_dir: Path, base_dir: Path, out_dir: Path) -> dict:
     tokenizer = load_tokenizer(reference)
     report = {}
     for split in ("train", "eval"):
-        meta = tokenize_split(tokenizer, reference, rows_dir / f"{split}.jsonl", out_dir / split, params.tokenize)
+        rows = rows_dir / f"{split}.jsonl"
+        meta = tokenize_split(tokenizer, reference, rows, out_dir / split, params.tokenize, params.train.objective)
         log(
             f"{split}: {meta['examples']} examples -> {meta['rows']} packed rows of {meta['seq_len']}, "
             f"real-token share {meta['real_token_share']:.1%}"
@@ -48,6 +51,8 @@ def run(params: Params, rows_dir: Path, base_dir: Path, out_dir: Path) -> dict:
                 "reused",
             )
         }
+        if "pairs" in meta:  # a preference shard: two examples per pair
+            report[split]["pairs"] = meta["pairs"]
     train = report["train"]
     return {
         "examples": train["examples"],

@@ -1,6 +1,7 @@
 """Stage validate: the great-expectations gate over the raw train and eval rows.
 
-Reads JSONL, CSV or Parquet (``data.format``), renamed to instruction/input/output by ``data.mapping``. With
+Reads JSONL, CSV or Parquet (``data.format``), renamed to instruction/input/output by ``data.mapping`` (with
+``train.objective`` dpo or simpo: preference pairs, instruction/input or messages plus chosen/rejected). With
 ``data.sources`` the train split is their mix instead: each source validated on its own, its result kept by
 content in ``--source-cache`` (fineflow.data.mixture, fineflow.data.source_gate).
 
@@ -30,6 +31,7 @@ from fineflow.core.reports import write_json_atomic
 from fineflow.data.mixture import Mixture
 from fineflow.data.tokens import TokenView
 from fineflow.data.validation import JsonlSink, raise_if_blocked, validate_splits
+from fineflow.tokenize.pairs import is_preference
 
 
 class _Files:
@@ -82,7 +84,9 @@ def run(
     with ExitStack() as stack:
         files = _Files(stack, out_dir)
         sinks = {split: files.sink(split) for split in ("eval", "train")}
-        outcomes = validate_splits({"eval": eval_path, "train": train_path}, params.data, cfg, tokens, docs_dir, sinks)
+        paths = {"eval": eval_path, "train": train_path}
+        pairs = is_preference(params.train.objective)  # dpo, simpo: every row a preference pair
+        outcomes = validate_splits(paths, params.data, cfg, tokens, docs_dir, sinks, pairs)
     for split, outcome in outcomes.items():
         log(
             f"{split}: {outcome.rows_in} rows in, {outcome.rows_kept} kept, "

@@ -10,6 +10,14 @@ Layout of a shard directory (nanoGPT's flat ``train.bin`` idea, plus what fine-t
     examples.idx   n_examples x 3 int64: (row, start, length) of every example — the example boundaries
     meta.json      dtype, vocab size, seq_len, counts, tokenizer/template hashes, code version
 
+A preference shard (train.objective dpo or simpo; fineflow.tokenize.pairs) holds each pair as two examples,
+prompt + chosen then prompt + rejected, adjacent in one row, and adds::
+
+    pair_slots.bin rows x seq_len int16: for the k-th pair placed in a row, 2k on its chosen example's tokens,
+                   2k+1 on its rejected example's; -1 on padding
+    pairs.idx      n_pairs x 2 int64: the example indices (rows of examples.idx) of each pair's chosen and rejected
+    meta.json      also "objective": "preference" and "pairs": n_pairs (an SFT shard has neither key)
+
 No pickles: everything is raw arrays plus JSON.
 """
 
@@ -27,6 +35,11 @@ from fineflow.tokenize.template import EncodedBatch
 
 FORMAT_VERSION = 2  # 2: exact-fill packing, content key in meta
 SHARD_FILES = ("tokens.bin", "loss_mask.bin", "positions.bin", "examples.idx")
+PAIR_FILES = ("pair_slots.bin", "pairs.idx")  # a preference shard's, besides SHARD_FILES
+PREFERENCE = "preference"  # meta.json's objective of a preference shard
+# A row holds at most seq_len // 2 pairs (each side is at least one token), so slots stay below seq_len + 1:
+# int16 holds them for any tokenize.seq_len below 32,767 (the writer refuses a slot beyond).
+SLOT_DTYPE = np.dtype(np.int16)
 # Position ids restart per example and never exceed seq_len - 1: uint16 halves positions.bin, and params refuse
 # a tokenize.seq_len above what it holds (fineflow.core.config.MAX_SEQ_LEN).
 POSITION_DTYPE = np.dtype(np.uint16)
@@ -135,23 +148,41 @@ class PackedArrays:
     loss_mask: np.ndarray
     positions: np.ndarray
     examples: np.ndarray  # (n, 3): row, start, length
+    pair_slots: np.ndarray | None = None  # preference shards: (rows, seq_len) int16, -1 on padding
+    pairs: np.ndarray | None = None  # preference shards: (n_pairs, 2) example indices of chosen, rejected
 
 
 def pack_examples(encoded: EncodedBatch, seq_len: int, pad_id: int, dtype: np.dtype) -> tuple[PackedArrays, int]:
-    """Pack encoded examples into fixed rows; returns the arrays and how many examples were truncated.
+    """Pack encoded examples into fixed rows; returns the arrays and how many examples were truncated."""
+    kept = np.minimum(encoded.lengths, seq_len)  # an example longer than a row keeps its first seq_len tokens
+    layout = pack_rows(kept.tolist(), seq_len)
+    return place_examples(encoded, kept, layout, seq_len, pad_id, dtype), int((encoded.lengths > seq_len).sum())
+
+
+def place_examples(
+    encoded: EncodedBatch,
+    kept: np.ndarray,
+    layout: list[list[int]],
+    seq_len: int,
+    pad_id: int,
+    dtype: np.dtype,
+    slots: bool = False,
+) -> PackedArrays:
+    """Copy each example's first ``kept`` tokens into its row of ``layout`` (the example indices of each
+    row, in placement order), back to back; with ``slots``, also each example's place in its row as its
+    pair slot (a pair's layout alternates chosen and rejected, so the j-th example of a row is slot j).
 
     The copy is vectorized: every token's source offset and destination cell are computed as arrays, so
     a window of 20,000 examples costs a few numpy calls, not a Python loop over tokens.
     """
-    kept = np.minimum(encoded.lengths, seq_len)  # an example longer than a row keeps its first seq_len tokens
-    layout = pack_rows(kept.tolist(), seq_len)
     row_of = np.empty(len(kept), dtype=np.int64)
     start_of = np.empty(len(kept), dtype=np.int64)
+    slot_of = np.empty(len(kept), dtype=np.int64)
     used = np.zeros(len(layout), dtype=np.int64)
     for r, members in enumerate(layout):
         offset = 0
-        for i in members:
-            row_of[i], start_of[i] = r, offset
+        for j, i in enumerate(members):
+            row_of[i], start_of[i], slot_of[i] = r, offset, j
             offset += int(kept[i])
         used[r] = offset
     within = np.arange(int(kept.sum())) - np.repeat(np.cumsum(kept) - kept, kept)  # token index in its example
@@ -166,17 +197,25 @@ def pack_examples(encoded: EncodedBatch, seq_len: int, pad_id: int, dtype: np.dt
     mask.reshape(-1)[target] = encoded.mask[source]
     positions.reshape(-1)[target] = within
     examples = np.stack([row_of, start_of, kept], axis=1)
-    return PackedArrays(tokens, mask, positions, examples), int((encoded.lengths > seq_len).sum())
+    arrays = PackedArrays(tokens, mask, positions, examples)
+    if slots:
+        if len(slot_of) and int(slot_of.max()) > np.iinfo(SLOT_DTYPE).max:
+            raise DataError(
+                f"a packed row holds more than {np.iinfo(SLOT_DTYPE).max} pair sides; lower tokenize.seq_len"
+            )
+        arrays.pair_slots = np.full((len(layout), seq_len), -1, dtype=SLOT_DTYPE)
+        arrays.pair_slots.reshape(-1)[target] = np.repeat(slot_of, kept)
+    return arrays
 
 
 class ShardWriter:
     """Appends packed windows to a shard directory, so a dataset of any size is written in bounded memory."""
 
-    def __init__(self, out_dir: Path, seq_len: int, dtype: np.dtype):
+    def __init__(self, out_dir: Path, seq_len: int, dtype: np.dtype, pairs: bool = False):
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.out_dir, self.seq_len, self.dtype = out_dir, seq_len, np.dtype(dtype)
-        self.files = {name: (out_dir / name).open("wb") for name in SHARD_FILES}
-        self.rows = self.examples = self.real_tokens = self.trained_tokens = 0
+        self.out_dir, self.seq_len, self.dtype, self.is_pairs = out_dir, seq_len, np.dtype(dtype), pairs
+        self.files = {name: (out_dir / name).open("wb") for name in SHARD_FILES + (PAIR_FILES if pairs else ())}
+        self.rows = self.examples = self.real_tokens = self.trained_tokens = self.pairs = 0
 
     def append(self, arrays: PackedArrays) -> None:
         examples = arrays.examples.copy()
@@ -188,6 +227,10 @@ class ShardWriter:
             ("examples.idx", examples),
         ):
             array.tofile(self.files[name])
+        if self.is_pairs:
+            arrays.pair_slots.tofile(self.files["pair_slots.bin"])
+            (arrays.pairs + self.examples).astype(np.int64).tofile(self.files["pairs.idx"])  # window -> shard
+            self.pairs += len(arrays.pairs)
         self.rows += arrays.tokens.shape[0]
         self.examples += examples.shape[0]
         self.real_tokens += int(examples[:, 2].sum()) if len(examples) else 0
@@ -205,6 +248,7 @@ class ShardWriter:
             "real_tokens": self.real_tokens,
             "trained_tokens": self.trained_tokens,
             "real_token_share": round(self.real_tokens / max(1, self.rows * self.seq_len), 4),
+            **({"objective": PREFERENCE, "pairs": self.pairs} if self.is_pairs else {}),
             **meta,
         }
         (self.out_dir / "meta.json").write_text(json.dumps(full, indent=2, sort_keys=True) + "\n", encoding="utf-8")
@@ -213,12 +257,15 @@ class ShardWriter:
 
 def expected_sizes(meta: dict) -> dict[str, int]:
     cells = meta["rows"] * meta["seq_len"]
-    return {
+    sizes = {
         "tokens.bin": cells * np.dtype(meta["dtype"]).itemsize,
         "loss_mask.bin": cells,
         "positions.bin": cells * POSITION_DTYPE.itemsize,
         "examples.idx": meta["examples"] * 3 * 8,
     }
+    if meta.get("objective") == PREFERENCE:
+        sizes.update({"pair_slots.bin": cells * SLOT_DTYPE.itemsize, "pairs.idx": meta["pairs"] * 2 * 8})
+    return sizes
 
 
 def shard_key_matches(shard_dir: Path, key: str) -> dict | None:
@@ -236,7 +283,7 @@ def shard_key_matches(shard_dir: Path, key: str) -> dict | None:
 
 def write_shard(out_dir: Path, arrays: PackedArrays, meta: dict) -> dict:
     """One packed window as a whole shard (tests and small data)."""
-    writer = ShardWriter(out_dir, arrays.tokens.shape[1], arrays.tokens.dtype)
+    writer = ShardWriter(out_dir, arrays.tokens.shape[1], arrays.tokens.dtype, pairs=arrays.pairs is not None)
     writer.append(arrays)
     return writer.close(meta)
 
@@ -257,6 +304,9 @@ class PackedShard:
         self.loss_mask = np.memmap(self.dir / "loss_mask.bin", dtype=np.uint8, mode="r", shape=shape)
         self.positions = np.memmap(self.dir / "positions.bin", dtype=POSITION_DTYPE, mode="r", shape=shape)
         examples = np.fromfile(self.dir / "examples.idx", dtype=np.int64).reshape(-1, 3)
+        self.pair_slots = None
+        if self.meta.get("objective") == PREFERENCE:  # pair k of a row: slot 2k chosen, 2k+1 rejected
+            self.pair_slots = np.memmap(self.dir / "pair_slots.bin", dtype=SLOT_DTYPE, mode="r", shape=shape)
         # non-pad tokens per row, so throughput counts real tokens, not padding
         self.real_per_row = np.bincount(examples[:, 0], weights=examples[:, 2], minlength=shape[0]).astype(np.int64)
 
@@ -278,7 +328,10 @@ class PackedShard:
         positions = self.positions[index].astype(np.int64)
         labels = np.where(self.loss_mask[index] == 1, ids, -100)
         labels[positions == 0] = -100  # the first token of an example is never predicted from the previous one
-        return {"input_ids": ids, "labels": labels, "position_ids": positions}
+        batch = {"input_ids": ids, "labels": labels, "position_ids": positions}
+        if self.pair_slots is not None:
+            batch["pair_slots"] = self.pair_slots[index].astype(np.int64)
+        return batch
 
 
 class RowSampler:

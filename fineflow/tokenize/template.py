@@ -32,6 +32,11 @@ from fineflow.tokenize.conversation import RenderError, Segment, chat_segments, 
 
 __all__ = ["RenderError"]  # raised here for rows the chat template rejects; defined with the conversation rules
 
+
+class WrongObjective(RenderError):
+    """A validated row of another train.objective: an SFT row where pairs are trained, or a pair in an SFT run."""
+
+
 PROMPT_WITH_INPUT = "### Instruction: {instruction}\n### Input: {input}\n### Response:"
 PROMPT_NO_INPUT = "### Instruction: {instruction}\n### Response:"
 RESPONSE_PREFIX = " "  # lm-eval's target_delimiter; stripped from generations before exact match
@@ -202,7 +207,11 @@ def encode_batch(tokenizer, rows: list[dict], train_on: str = "all_assistant", f
     The arrays are built without per-token Python work: ids are streamed into one buffer and the mask is
     one np.repeat of 0/1 over the pieces' lengths.
     """
-    examples = _rendered(tokenizer, rows, train_on, first_row)
+    return encode_segments(tokenizer, _rendered(tokenizer, rows, train_on, first_row))
+
+
+def encode_segments(tokenizer, examples: list[list[Segment]]) -> EncodedBatch:
+    """Rendered examples (render_segments' pieces) into flat arrays, each piece tokenized on its own."""
     texts = iter(_ids(tokenizer, [s.text for segments in examples for s in segments if s.text is not None]))
     eos = (tokenizer.eos_token_id,)
     pieces = [next(texts) if s.text is not None else eos for segments in examples for s in segments]
@@ -221,4 +230,6 @@ def _rendered(tokenizer, rows: list[dict], train_on: str, first_row: int) -> lis
             examples.append(render_segments(tokenizer, row, train_on))
         except RenderError as exc:
             raise RenderError(f"row {number}: {exc}") from None
+        except KeyError as exc:  # a preference pair (no output) given to an SFT run
+            raise WrongObjective(f"row {number}: field {exc} is missing") from None
     return examples

@@ -5,7 +5,8 @@ thread per process here, TOKENIZERS_PARALLELISM=false) and come back in input or
 (``EncodedBatch``: a few numpy buffers to unpickle, not millions of Python ints), so the output is
 byte-identical whatever the worker count. Examples are packed within windows of ``pack_window``
 examples and each window's rows are appended to the shard files: memory holds one window, never the
-dataset.
+dataset. Preference pairs (train.objective dpo or simpo) go the same way, two examples per row of the rows
+file, packed a pair at a time (fineflow.tokenize.pairs).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 from fineflow import __version__
 from fineflow.core.errors import FineflowError
 from fineflow.core.reports import sha256_file
+from fineflow.tokenize.pairs import PAIR_RENDERING, encode_pairs, is_preference, pack_pairs
 from fineflow.tokenize.shards import (
     FORMAT_VERSION,
     ShardWriter,
@@ -35,6 +37,7 @@ from fineflow.tokenize.shards import (
 from fineflow.tokenize.template import (
     EncodedBatch,
     RenderError,
+    WrongObjective,
     chat_turns_rule,
     encode_batch,
     template_hash,
@@ -42,15 +45,16 @@ from fineflow.tokenize.template import (
 
 _WORKER_TOKENIZER = None
 _WORKER_TRAIN_ON = "all_assistant"
+_WORKER_PAIRS = False
 CHAT_ROW = b'"messages": ['  # how a validated chat row (json.dumps of clean_record) holds its conversation
 
 
-def _init_worker(reference: str, train_on: str) -> None:
-    global _WORKER_TOKENIZER, _WORKER_TRAIN_ON
+def _init_worker(reference: str, train_on: str, pairs: bool = False) -> None:
+    global _WORKER_TOKENIZER, _WORKER_TRAIN_ON, _WORKER_PAIRS
     from transformers import AutoTokenizer
 
     _WORKER_TOKENIZER = AutoTokenizer.from_pretrained(reference)
-    _WORKER_TRAIN_ON = train_on
+    _WORKER_TRAIN_ON, _WORKER_PAIRS = train_on, pairs
 
 
 def _parsed(chunk: list) -> list[dict]:
@@ -60,7 +64,12 @@ def _parsed(chunk: list) -> list[dict]:
 
 def _encode_chunk(numbered: tuple[int, list]) -> EncodedBatch:
     first_row, chunk = numbered
-    return encode_batch(_WORKER_TOKENIZER, _parsed(chunk), _WORKER_TRAIN_ON, first_row)
+    return _encode(_WORKER_TOKENIZER, _parsed(chunk), _WORKER_TRAIN_ON, first_row, _WORKER_PAIRS)
+
+
+def _encode(tokenizer, rows: list[dict], train_on: str, first_row: int, pairs: bool) -> EncodedBatch:
+    """A chunk's examples: one per row, or two per preference pair (chosen, rejected)."""
+    return encode_pairs(tokenizer, rows, first_row) if pairs else encode_batch(tokenizer, rows, train_on, first_row)
 
 
 def read_lines(path: Path) -> Iterator[str]:
@@ -89,16 +98,17 @@ def encode_stream(
     workers: int,
     chunk_rows: int = 2000,
     train_on: str = "all_assistant",
+    pairs: bool = False,
 ) -> Iterator[EncodedBatch]:
     """Encoded chunks of rows (dicts or raw JSON lines), in input order; workers > 1 encodes chunks in a
-    process pool."""
+    process pool. ``pairs``: each row is a preference pair, two examples."""
     numbered = ((1 + i * chunk_rows, chunk) for i, chunk in enumerate(chunks(rows, chunk_rows)))
     if workers == 1:
         for first_row, chunk in numbered:
-            yield encode_batch(tokenizer, _parsed(chunk), train_on, first_row)
+            yield _encode(tokenizer, _parsed(chunk), train_on, first_row, pairs)
         return
     context = multiprocessing.get_context("spawn")  # no fork of a parent that may hold torch threads
-    with context.Pool(workers, initializer=_init_worker, initargs=(reference, train_on)) as pool:
+    with context.Pool(workers, initializer=_init_worker, initargs=(reference, train_on, pairs)) as pool:
         yield from pool.imap(_encode_chunk, numbered)
 
 
@@ -130,15 +140,19 @@ def tokenize_to_shard(
     pack_window: int,
     meta: dict,
     train_on: str = "all_assistant",
+    pairs: bool = False,
 ) -> dict:
     """Encode, pack window by window and append to a shard directory; returns the shard's meta. Each example
-    (a whole conversation of a chat row) is packed whole into one row, where it attends only to itself."""
+    (a whole conversation of a chat row) is packed whole into one row, where it attends only to itself; each
+    preference pair (``pairs``) whole into one row, its two examples side by side."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    writer = ShardWriter(out_dir, seq_len, dtype)
+    writer = ShardWriter(out_dir, seq_len, dtype, pairs)
     truncated = 0
-    encoded = encode_stream(rows, tokenizer, reference, workers, min(2000, pack_window), train_on)
-    for window in windows(encoded, pack_window):
-        arrays, cut = pack_examples(window, seq_len, pad_id, dtype)
+    encoded = encode_stream(rows, tokenizer, reference, workers, min(2000, pack_window), train_on, pairs)
+    pack = pack_pairs if pairs else pack_examples
+    # a window of pairs holds an even count of examples: chunks hold whole pairs, so no pair is cut in two
+    for window in windows(encoded, max(2, pack_window - pack_window % 2) if pairs else pack_window):
+        arrays, cut = pack(window, seq_len, pad_id, dtype)
         writer.append(arrays)
         truncated += cut
     # the worker count is not recorded: it must not change the shard (or its DVC hash)
@@ -167,38 +181,45 @@ def has_chat_rows(rows_path: Path, block: int = 1 << 20) -> bool:
     return False
 
 
-def split_template_hash(rows_path: Path, tokenizer, cfg) -> str:
+def split_template_hash(rows_path: Path, tokenizer, cfg, objective: str = "sft") -> str:
     """The template hash of one split: with the chat-turn rule and tokenize.train_on when its rows hold
-    conversations (they decide which of their tokens are trained), without for instruction rows."""
+    conversations (they decide which of their tokens are trained), without for instruction rows; for
+    preference pairs, the pair rule (their chat rows always train the final reply only)."""
+    if is_preference(objective):
+        return template_hash(tokenizer, PAIR_RENDERING)
     rule = chat_turns_rule(tokenizer, cfg.train_on) if has_chat_rows(rows_path) else None
     return template_hash(tokenizer, rule)
 
 
-def content_key(rows_path: Path, tokenizer, cfg) -> str:
-    """What a shard is a function of: the rows, the tokenizer, the template, the packing and the format.
-    (Not the worker count: it does not change a byte.)"""
+def content_key(rows_path: Path, tokenizer, cfg, objective: str = "sft") -> str:
+    """What a shard is a function of: the rows, the tokenizer, the template, the packing and the format, and
+    for preference pairs the objective (an SFT shard is never reused for pairs, nor the reverse; an SFT key
+    is as it always was). (Not the worker count: it does not change a byte.)"""
     parts = [
         sha256_file(rows_path),
         tokenizer_hash(tokenizer),
-        split_template_hash(rows_path, tokenizer, cfg),
+        split_template_hash(rows_path, tokenizer, cfg, objective),
         str(cfg.seq_len),
         str(cfg.pack_window),
         str(FORMAT_VERSION),
     ]
+    if is_preference(objective):
+        parts.append("objective=preference")  # dpo and simpo train the same shards
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 
-def tokenize_split(tokenizer, reference: str, rows_path: Path, out_dir: Path, cfg) -> dict:
+def tokenize_split(tokenizer, reference: str, rows_path: Path, out_dir: Path, cfg, objective: str = "sft") -> dict:
     """Build one split's shard, or keep the existing one when its content key matches. Built in a temp dir
-    and swapped in, so a reader never sees a half-written shard."""
-    key = content_key(rows_path, tokenizer, cfg)
+    and swapped in, so a reader never sees a half-written shard. With a preference objective (dpo, simpo)
+    the rows are pairs and the shard a preference shard."""
+    key = content_key(rows_path, tokenizer, cfg, objective)
     existing = shard_key_matches(out_dir, key)
     if existing is not None:
         return {**existing, "reused": True}
     meta = {
         "vocab_size": len(tokenizer),
         "tokenizer_hash": tokenizer_hash(tokenizer),
-        "template_hash": split_template_hash(rows_path, tokenizer, cfg),
+        "template_hash": split_template_hash(rows_path, tokenizer, cfg, objective),
         "code_version": __version__,
         "content_key": key,
     }
@@ -216,7 +237,14 @@ def tokenize_split(tokenizer, reference: str, rows_path: Path, out_dir: Path, cf
             cfg.pack_window,
             meta,
             cfg.train_on,
+            is_preference(objective),
         )
+    except WrongObjective as exc:
+        shutil.rmtree(building, ignore_errors=True)
+        raise FineflowError(
+            f"{rows_path}: {exc}; train.objective is {objective}: run the validate stage again for it (dvc repro "
+            "validate reads train.objective), it writes preference pairs for dpo and simpo, SFT rows for sft"
+        ) from None
     except RenderError as exc:  # a row kept with validate.checks.chat_template at severity warn
         shutil.rmtree(building, ignore_errors=True)
         raise FineflowError(
