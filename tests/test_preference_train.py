@@ -1,0 +1,173 @@
+"""Preference tuning's training side (issue 34 §2): the dpo and simpo losses over packed pair shards, the
+train stage with train.objective dpo|simpo, the reference stage and the champion's identity.
+
+The pair shards are built here with numpy exactly as the shard contract says (DPO.md: each pair two adjacent
+examples of one row, prompt+chosen then prompt+rejected; pair_slots.bin 2k / 2k+1 / -1; pairs.idx; meta
+"objective": "preference"), from the tiny project's validated rows: chosen = the row's answer, rejected = another
+row's answer to a different prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fineflow.tokenize.shards import POSITION_DTYPE, PackedArrays, token_dtype, write_shard
+from fineflow.tokenize.template import encode_pair, render_prompt
+from fineflow.train.preference import PAIR_SLOTS_FILE, PairShard, logps_file, pair_loss, write_shard_logps
+
+SEQ_LEN = 256  # the tiny base's max_position_embeddings: a pair is up to ~170 tokens here
+
+
+def encoded_pairs(rows: list[dict], tokenizer) -> list[tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]]:
+    """((ids, mask) of prompt+chosen, (ids, mask) of prompt+rejected) per row: rejected is the next row's
+    answer (a plausible wrong one), skipped where the two answers are the same text."""
+    pairs = []
+    for i, row in enumerate(rows):
+        wrong = rows[(i + 1) % len(rows)]["output"]
+        if wrong == row["output"]:
+            continue
+        prompt = render_prompt(row["instruction"], row.get("input") or "")
+        pairs.append((encode_pair(tokenizer, prompt, " " + row["output"]), encode_pair(tokenizer, prompt, " " + wrong)))
+    return pairs
+
+
+def pack_pairs(pairs, seq_len: int) -> list[list[int]]:
+    """Pair indices per row, in order: a pair goes into the current row if both its examples fit, else a new one."""
+    rows, used = [[]], 0
+    for k, ((chosen, _), (rejected, _)) in enumerate(pairs):
+        need = len(chosen) + len(rejected)
+        assert need <= seq_len, "a test pair longer than a row"
+        if used + need > seq_len:
+            rows.append([])
+            used = 0
+        rows[-1].append(k)
+        used += need
+    return rows
+
+
+def write_pair_shard(out: Path, pairs, seq_len: int, pad_id: int, vocab_size: int) -> dict:
+    """A preference shard per the shard contract, the common files through the SFT shard writer."""
+    layout = pack_pairs(pairs, seq_len)
+    tokens = np.full((len(layout), seq_len), pad_id, dtype=token_dtype(vocab_size))
+    mask = np.zeros((len(layout), seq_len), dtype=np.uint8)
+    positions = np.zeros((len(layout), seq_len), dtype=POSITION_DTYPE)
+    slots = np.full((len(layout), seq_len), -1, dtype=np.int16)
+    examples, pair_index = [], []
+    for r, members in enumerate(layout):
+        offset = 0
+        for k, pair in enumerate(members):
+            pair_index.append([len(examples), len(examples) + 1])
+            for side, (ids, trained) in enumerate(pairs[pair]):
+                end = offset + len(ids)
+                tokens[r, offset:end], mask[r, offset:end] = ids, trained
+                positions[r, offset:end] = np.arange(len(ids))
+                slots[r, offset:end] = 2 * k + side
+                examples.append([r, offset, len(ids)])
+                offset = end
+        positions[r, offset:] = np.arange(seq_len - offset)  # padding: its own segment, as pack_examples writes it
+    arrays = PackedArrays(tokens, mask, positions, np.asarray(examples, dtype=np.int64))
+    key = f"pairs-{len(pairs)}-{seq_len}-{int(tokens.astype(np.int64).sum())}"
+    meta = write_shard(out, arrays, {"vocab_size": vocab_size, "content_key": key, "objective": "preference"})
+    slots.tofile(out / PAIR_SLOTS_FILE)
+    np.asarray(pair_index, dtype=np.int64).tofile(out / "pairs.idx")
+    meta["pairs"] = len(pairs)
+    (out / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return meta
+
+
+def write_pair_shards(built: Path, shards: Path, n_train: int | None = None) -> None:
+    """data/shards/{train,eval} as preference shards from the built project's validated rows."""
+    from fineflow.tokenize.tokenization import load_tokenizer
+
+    tokenizer = load_tokenizer(str(built / "models/base"))
+    for split in ("train", "eval"):
+        rows = [json.loads(line) for line in (built / f"data/validated/{split}.jsonl").read_text().splitlines()]
+        pairs = encoded_pairs(rows[:n_train] if split == "train" and n_train else rows, tokenizer)
+        write_pair_shard(shards / split, pairs, SEQ_LEN, tokenizer.pad_token_id or 0, len(tokenizer))
+
+
+# ---- the losses: packed == each sequence through the model alone ------------------------------------------------
+
+
+def _sequence_logp(model, ids: list[int], trained: list[int]) -> tuple[float, int]:
+    """Sum of log p(token t | < t) over the answer's tokens, the sequence alone in the model; and their count."""
+    with torch.no_grad():
+        ids_t = torch.tensor([ids])
+        logits = model(input_ids=ids_t, position_ids=torch.arange(len(ids))[None], use_cache=False).logits[0].double()
+    logps = torch.log_softmax(logits, dim=-1)
+    picked = [float(logps[t - 1, ids[t]]) for t in range(1, len(ids)) if trained[t]]
+    return sum(picked), len(picked)
+
+
+def _by_hand(policy, reference, pairs, beta: float, gamma: float) -> dict:
+    """dpo's and simpo's summed loss, reward accuracy and margin over the pairs, one sequence at a time."""
+    out = {"dpo": [0.0, 0, 0.0], "simpo": [0.0, 0, 0.0]}
+    for (chosen, c_mask), (rejected, r_mask) in pairs:
+        (pc, lc), (pr, lr) = _sequence_logp(policy, chosen, c_mask), _sequence_logp(policy, rejected, r_mask)
+        (rc, _), (rr, _) = _sequence_logp(reference, chosen, c_mask), _sequence_logp(reference, rejected, r_mask)
+        for objective, margin, shift in (
+            ("dpo", beta * ((pc - rc) - (pr - rr)), 0.0),
+            ("simpo", beta * (pc / lc - pr / lr), gamma),
+        ):
+            out[objective][0] += -math.log(1 / (1 + math.exp(-(margin - shift))))
+            out[objective][1] += int(margin > 0)
+            out[objective][2] += margin
+    return out
+
+
+def _load(base: Path, adapter: Path | None = None):
+    from transformers import AutoModelForCausalLM
+
+    from fineflow.train.attention import register
+
+    model = AutoModelForCausalLM.from_pretrained(base, attn_implementation=register())
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter))
+    return model.eval()
+
+
+def test_packed_pair_losses_equal_each_sequence_run_alone(built, tmp_path):
+    """dpo and simpo over packed rows (several pairs a row, rows batched, the reference's log-probs from the
+    shard-aligned file) == the formulas of DPO.md computed pair by pair on each sequence run alone, unpacked."""
+    from fineflow.core.config import PreferenceParams
+    from fineflow.tokenize.shards import PackedShard
+    from fineflow.tokenize.tokenization import load_tokenizer
+    from fineflow.train.attention import layout_kwargs, layout_of
+    from tests.conftest import random_adapter
+
+    base = built / "models/base"
+    tokenizer = load_tokenizer(str(base))
+    rows = [json.loads(line) for line in (built / "data/validated/train.jsonl").read_text().splitlines()][:12]
+    pairs = encoded_pairs(rows, tokenizer)
+    write_pair_shard(tmp_path / "train", pairs, SEQ_LEN, tokenizer.pad_token_id or 0, len(tokenizer))
+    shard = PairShard(PackedShard(tmp_path / "train"))
+    assert len(shard) < len(pairs)  # several pairs share a row: the packing is under test
+    policy = _load(base, random_adapter(base, tmp_path / "policy", seed=3))
+    reference = _load(base, random_adapter(base, tmp_path / "reference", seed=4))
+    write_shard_logps(reference, shard, tmp_path / logps_file("train"), 3, torch.device("cpu"), varlen=True)
+    shard = PairShard(PackedShard(tmp_path / "train"), tmp_path / logps_file("train"))
+    prefs = PreferenceParams(beta=0.5, simpo_gamma=0.3)
+    expected = _by_hand(policy, reference, pairs, prefs.beta, prefs.simpo_gamma)
+    for objective in ("dpo", "simpo"):
+        total, pairs_seen, correct, margin = 0.0, 0, 0.0, 0.0
+        for start in range(0, len(shard), 2):
+            arrays = shard.batch(list(range(start, min(start + 2, len(shard)))))
+            batch = {key: torch.from_numpy(value) for key, value in arrays.items()}
+            with torch.no_grad():
+                got = pair_loss(
+                    policy, batch, objective, prefs, **layout_kwargs(layout_of(arrays["position_ids"], True))
+                )
+            total, pairs_seen = total + float(got.loss_sum), pairs_seen + got.pairs
+            correct, margin = correct + got.correct, margin + got.margin_sum
+        loss, right, margin_by_hand = expected[objective]
+        assert pairs_seen == len(pairs)
+        assert total == pytest.approx(loss, rel=1e-5), objective
+        assert margin == pytest.approx(margin_by_hand, rel=1e-4, abs=1e-6) and correct == right, objective
