@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from fineflow.dag import stage_command
 from fineflow.tokenize.shards import POSITION_DTYPE, PackedArrays, token_dtype, write_shard
 from fineflow.tokenize.template import encode_pair, render_prompt
 from fineflow.train.preference import PAIR_SLOTS_FILE, PairShard, logps_file, pair_loss, write_shard_logps
+from tests.conftest import ROOT, TRAIN_OVERRIDES, finish_train, train_env, venv_env, write_params
 
 SEQ_LEN = 256  # the tiny base's max_position_embeddings: a pair is up to ~170 tokens here
 
@@ -171,3 +176,68 @@ def test_packed_pair_losses_equal_each_sequence_run_alone(built, tmp_path):
         assert pairs_seen == len(pairs)
         assert total == pytest.approx(loss, rel=1e-5), objective
         assert margin == pytest.approx(margin_by_hand, rel=1e-4, abs=1e-6) and correct == right, objective
+
+
+# ---- the train stage with a preference objective ----------------------------------------------------------------
+
+
+def run_stage(project: Path, stage: str) -> str:
+    """A stage's dvc.yaml command run in the project (asserting it succeeded); its output."""
+    done = subprocess.run(
+        stage_command(stage, ROOT, python=sys.executable), cwd=project, env=venv_env(), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout + done.stderr
+
+
+def preference_project(built: Path, path: Path, objective: str, overrides: dict | None = None) -> Path:
+    """A project with the tiny base, preference shards of the built rows and TRAIN_OVERRIDES (plus objective and
+    overrides) as its params; the fingerprint and reference stages run on it (dpo: the base's log-probs, no
+    champion yet)."""
+    shutil.copytree(built / "models/base", path / "models/base")
+    write_pair_shards(built, path / "data/shards")
+    params = {**TRAIN_OVERRIDES, "tokenize.seq_len": SEQ_LEN, "train.objective": objective, **(overrides or {})}
+    write_params(path / "params.yaml", params)
+    run_stage(path, "fingerprint")
+    run_stage(path, "reference")
+    return path
+
+
+def steps_of(project: Path) -> list[dict]:
+    return [json.loads(line) for line in (project / "reports/train_steps.jsonl").read_text().splitlines()]
+
+
+# a batch of ~12 pairs a step (4 rows x 2 micro-batches), and a step size that moves the tiny model in 16 steps
+LEARNS = {
+    "train.steps": 16,
+    "train.micro_batch_size": 4,
+    "train.grad_accum": 2,
+    "train.lr": 0.01,
+    "train.preference.beta": 0.5,
+    "checkpoint.every_steps": 4,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", ["dpo", "simpo"])
+def test_preference_training_raises_reward_accuracy_and_margin(built, tmp_path, objective):
+    """The train stage with train.objective dpo / simpo on the tiny base: the step log's reward accuracy and
+    margin (over each step's pairs) rise from the first steps to the last, and the eval pair loss falls. dpo's
+    first step scores the policy (a fresh adapter on the base) against the reference stage's log-probs of the
+    same base: every reward is 0, the loss exactly log 2, so the cached log-probs line up with the policy's."""
+    project = preference_project(built, tmp_path, objective, LEARNS)
+    finish_train(project, 1, train_env(1))
+    steps = steps_of(project)
+    first, last = steps[:4], steps[-4:]
+
+    def mean(rows, key):
+        return sum(row[key] for row in rows) / len(rows)
+
+    assert mean(last, "reward_accuracy") >= 0.75 > mean(first, "reward_accuracy") + 0.2, steps
+    assert mean(last, "reward_margin") > max(0.0, mean(first, "reward_margin")), steps
+    evals = [row["eval_loss"] for row in steps if "eval_loss" in row]
+    assert evals[-1] < evals[0], evals
+    if objective == "dpo":
+        assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-5) and steps[0]["reward_margin"] == 0
+    report = json.loads((project / "reports/train.json").read_text())
+    assert report["steps"] == LEARNS["train.steps"]
