@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -19,12 +20,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from fineflow.dag import stage_command
 from fineflow.tokenize.shards import POSITION_DTYPE, PackedArrays, token_dtype, write_shard
 from fineflow.tokenize.template import encode_pair, render_prompt
 from fineflow.train.preference import PAIR_SLOTS_FILE, PairShard, logps_file, pair_loss, write_shard_logps
-from tests.conftest import ROOT, TRAIN_OVERRIDES, finish_train, train_env, venv_env, write_params
+from tests.conftest import ROOT, TRAIN_OVERRIDES, copy_project, finish_train, train_env, venv_env, write_params
 
 SEQ_LEN = 256  # the tiny base's max_position_embeddings: a pair is up to ~170 tokens here
 
@@ -190,15 +194,20 @@ def run_stage(project: Path, stage: str) -> str:
     return done.stdout + done.stderr
 
 
-def preference_project(built: Path, path: Path, objective: str, overrides: dict | None = None) -> Path:
+def preference_project(
+    built: Path, path: Path, objective: str, overrides: dict | None = None, champion_seed: int | None = None
+) -> Path:
     """A project with the tiny base, preference shards of the built rows and TRAIN_OVERRIDES (plus objective and
-    overrides) as its params; the fingerprint and reference stages run on it (dpo: the base's log-probs, no
-    champion yet)."""
+    overrides) as its params; the fingerprint and reference stages run on it (dpo: the base's log-probs, or with
+    champion_seed a random champion adapter installed first: base + that adapter's)."""
     shutil.copytree(built / "models/base", path / "models/base")
     write_pair_shards(built, path / "data/shards")
     params = {**TRAIN_OVERRIDES, "tokenize.seq_len": SEQ_LEN, "train.objective": objective, **(overrides or {})}
     write_params(path / "params.yaml", params)
     run_stage(path, "fingerprint")
+    if champion_seed is not None:
+        install_champion(path, champion_seed)
+        run_stage(path, "fingerprint")  # the champion's identity, as a pipeline run's fingerprint stage finds it
     run_stage(path, "reference")
     return path
 
@@ -241,3 +250,99 @@ def test_preference_training_raises_reward_accuracy_and_margin(built, tmp_path, 
         assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-5) and steps[0]["reward_margin"] == 0
     report = json.loads((project / "reports/train.json").read_text())
     assert report["steps"] == LEARNS["train.steps"]
+
+
+@pytest.mark.slow
+def test_dpo_from_the_champion_starts_the_policy_at_its_adapter_and_anchors_to_it(built, tmp_path):
+    """dpo with train.preference.reference champion and a champion installed: the reference is base + the
+    champion's adapter, and the policy starts from that adapter (trainable): its first step's rewards are all 0
+    and the loss exactly log 2, which a fresh adapter (the base's log-probs, not the champion's) would not give.
+    The candidate keeps the champion's LoRA shape."""
+    project = preference_project(built, tmp_path, "dpo", {"train.steps": 4}, champion_seed=5)
+    record = json.loads((project / "models/reference/reference.json").read_text())
+    champion = json.loads((project / "models/champion/champion.json").read_text())
+    assert record["champion"] == champion["candidate_id"] and record["adapter_sha256"]
+    output = finish_train(project, 1, train_env(1))
+    assert "dpo reference: the champion" in output
+    steps = steps_of(project)
+    assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-5) and steps[0]["reward_margin"] == 0, steps[0]
+    assert steps[-1]["reward_margin"] != 0  # and it trains from there
+    shape = json.loads((project / "models/champion/adapter_config.json").read_text())["target_modules"]
+    assert json.loads((project / "models/candidate/adapter_config.json").read_text())["target_modules"] == sorted(shape)
+
+
+# ---- the reference stage: computed once, re-run only by what it depends on --------------------------------------
+
+
+def _dvc_repro(project: Path) -> list[str]:
+    """`dvc repro` in the project; the stages it ran, in order."""
+    done = subprocess.run(
+        [sys.executable, "-m", "dvc", "repro"], cwd=project, env=venv_env(), capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return re.findall(r"Running stage '(\w+)'", done.stdout)
+
+
+def reference_only_project(built: Path, path: Path, overrides: dict) -> Path:
+    """A git+DVC copy of the project whose dvc.yaml keeps the fingerprint and reference stages, with the tiny base
+    and preference shards in place (their producers left out)."""
+    project = copy_project(path, {"tokenize.seq_len": SEQ_LEN, **overrides})
+    pipeline = yaml.safe_load((project / "dvc.yaml").read_text(encoding="utf-8"))
+    pipeline["stages"] = {name: pipeline["stages"][name] for name in ("fingerprint", "reference")}
+    for key in ("metrics", "plots"):
+        pipeline.pop(key, None)
+    (project / "dvc.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False), encoding="utf-8")
+    (project / "dvc.lock").unlink(missing_ok=True)
+    shutil.copytree(built / "models/base", project / "models/base")
+    write_pair_shards(built, project / "data/shards")
+    return project
+
+
+def install_champion(project: Path, seed: int) -> str:
+    """A random adapter as models/champion (what promote installs: the adapter and champion.json); its id."""
+    from fineflow.model_ref import base_digest
+    from fineflow.registry.store import candidate_id
+    from tests.conftest import random_adapter
+
+    champion = project / "models/champion"
+    shutil.rmtree(champion, ignore_errors=True)
+    random_adapter(project / "models/base", champion, seed=seed)
+    cid = candidate_id(champion)
+    digest = base_digest(json.loads((project / "models/base_fingerprint.json").read_text()))
+    (champion / "champion.json").write_text(json.dumps({"candidate_id": cid, "base_digest": digest}))
+    return cid
+
+
+def _reference(project: Path) -> tuple[dict, bytes]:
+    out = project / "models/reference"
+    return json.loads((out / "reference.json").read_text()), (out / logps_file("train")).read_bytes()
+
+
+@pytest.mark.nightly  # six `dvc repro`s, four of them scoring the shards (~50 s); CI keeps the champion start
+@pytest.mark.slow
+def test_reference_logps_are_recomputed_for_the_data_base_or_champion_never_for_train_lr(built, tmp_path):
+    """`dvc repro` of fingerprint + reference (dpo, reference champion): train.lr never re-runs the reference;
+    a promotion (the champion's identity, through the fingerprint stage), new shards and new base weights do.
+    With a champion the reference is base + its adapter (copied into models/reference/adapter)."""
+    project = reference_only_project(built, tmp_path / "project", {"train.objective": "dpo"})
+    assert _dvc_repro(project) == ["fingerprint", "reference"]
+    record, logps = _reference(project)
+    assert record["champion"] is None and record["adapter_sha256"] is None and len(logps) > 0
+    write_params(project / "params.yaml", {"tokenize.seq_len": SEQ_LEN, "train.objective": "dpo", "train.lr": 1e-4})
+    assert _dvc_repro(project) == ["fingerprint"]  # always runs; its files are unchanged: nothing after it
+    cid = install_champion(project, seed=5)
+    assert _dvc_repro(project) == ["fingerprint", "reference"]
+    with_champion, champion_logps = _reference(project)
+    assert with_champion["champion"] == cid and (project / "models/reference/adapter/adapter_config.json").is_file()
+    assert champion_logps != logps and with_champion["key"] != record["key"]
+    assert _dvc_repro(project) == ["fingerprint"]
+    write_pair_shards(built, project / "data/shards", n_train=40)  # other training pairs
+    assert _dvc_repro(project) == ["fingerprint", "reference"]
+    assert _reference(project)[0]["shards"]["train"] != with_champion["shards"]["train"]
+    weights = project / "models/base/model.safetensors"  # new base weights of the same shape, at the same path
+    with safe_open(weights, "pt") as fh:
+        metadata = fh.metadata()
+    save_file({k: v * 1.01 for k, v in load_file(weights).items()}, weights, metadata=metadata)
+    assert _dvc_repro(project) == ["fingerprint", "reference"]
+    # the champion was trained on the old base: the reference falls back to the new base, and says so
+    assert _reference(project)[0]["champion"] is None and "another base" in _reference(project)[0]["note"]
