@@ -28,7 +28,19 @@ from fineflow.dag import stage_command
 from fineflow.tokenize.shards import POSITION_DTYPE, PackedArrays, token_dtype, write_shard
 from fineflow.tokenize.template import encode_pair, render_prompt
 from fineflow.train.preference import PAIR_SLOTS_FILE, PairShard, logps_file, pair_loss, write_shard_logps
-from tests.conftest import ROOT, TRAIN_OVERRIDES, copy_project, finish_train, train_env, venv_env, write_params
+from tests.conftest import (
+    ROOT,
+    TRAIN_OVERRIDES,
+    copy_project,
+    finish_train,
+    kill_when,
+    last_logged_step,
+    start_train,
+    train_env,
+    venv_env,
+    write_params,
+)
+from tests.faults import fault_env
 
 SEQ_LEN = 256  # the tiny base's max_position_embeddings: a pair is up to ~170 tokens here
 
@@ -346,3 +358,44 @@ def test_reference_logps_are_recomputed_for_the_data_base_or_champion_never_for_
     assert _dvc_repro(project) == ["fingerprint", "reference"]
     # the champion was trained on the old base: the reference falls back to the new base, and says so
     assert _reference(project)[0]["champion"] is None and "another base" in _reference(project)[0]["note"]
+
+
+# ---- exact resume: SIGKILL mid-run, then resume, bit-exact for dpo -----------------------------------------------
+
+
+def _adapter(project: Path) -> dict:
+    return load_file(project / "models/candidate/adapter_model.safetensors")
+
+
+def _writing(project: Path) -> bool:
+    return any(project.glob("checkpoints/*/.tmp-step-*"))
+
+
+DPO_KILL_POINTS = [
+    lambda p: last_logged_step(p) >= 1,  # before any checkpoint
+    _writing,  # during a checkpoint write
+    lambda p: last_logged_step(p) >= 5,  # between checkpoints
+    lambda p: last_logged_step(p) >= 9,
+]
+
+
+@pytest.mark.scenario
+@pytest.mark.slow
+def test_dpo_sigkilled_at_several_points_then_resumed_is_bit_exact(built, tmp_path):
+    """test_resume's kill sweep for train.objective dpo: SIGKILLs before any checkpoint, mid-write and between
+    checkpoints, then a run to the end: the same rows, losses, rewards and gradient norms at every step as an
+    uninterrupted run, and adapter tensors torch.equal to its."""
+    reference = preference_project(built, tmp_path / "reference", "dpo")
+    resumed = tmp_path / "resumed"
+    shutil.copytree(reference, resumed)  # the same shards and reference log-probs, before either trains
+    env = fault_env(train_env(1), write_delay_s=0.03)  # slowed checkpoint writes: kills land mid-write
+    finish_train(reference, 1, env)
+    kills = sum(kill_when(lambda port: start_train(resumed, 1, env), resumed, when) for when in DPO_KILL_POINTS)
+    output = finish_train(resumed, 1, env)
+    assert kills >= 3 and "resuming from" in output, (kills, output[-2000:])
+    keys = ("step", "rows", "loss", "grad_norm", "reward_accuracy", "reward_margin", "eval_loss")
+    assert [[s.get(k) for k in keys] for s in steps_of(resumed)] == [
+        [s.get(k) for k in keys] for s in steps_of(reference)
+    ]
+    a, b = _adapter(resumed), _adapter(reference)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
