@@ -35,6 +35,7 @@ from tests.conftest import (
     finish_train,
     kill_when,
     last_logged_step,
+    ranks_overrides,
     start_train,
     train_env,
     venv_env,
@@ -399,3 +400,28 @@ def test_dpo_sigkilled_at_several_points_then_resumed_is_bit_exact(built, tmp_pa
     ]
     a, b = _adapter(resumed), _adapter(reference)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---- DDP: 2 ranks == 1 process for dpo --------------------------------------------------------------------------
+
+
+@pytest.mark.nightly  # a 2-rank accelerate launch beside a 1-process run (~45 s); CI keeps SFT's 2 ranks vs 1
+@pytest.mark.slow
+def test_dpo_on_two_ddp_ranks_matches_one_process_with_the_same_global_batch(built, tmp_path):
+    """test_ddp's check for train.objective dpo: the same global batch (4 rows a step) on 1 process and on 2
+    accelerate ranks (2 rows each, pair counts summed over the ranks): every step's loss, gradient norm, reward
+    accuracy and margin agree to 1e-4 (the ranks' gradient all-reduce sums in another order than one process)."""
+    one = preference_project(built, tmp_path / "one", "dpo", ranks_overrides(1))
+    two = tmp_path / "two"
+    shutil.copytree(one, two)  # the same shards and reference log-probs
+    write_params(
+        two / "params.yaml",
+        {**TRAIN_OVERRIDES, "tokenize.seq_len": SEQ_LEN, "train.objective": "dpo", **ranks_overrides(2)},
+    )
+    finish_train(one, 1, train_env(1))
+    finish_train(two, 2, train_env(2))
+    one_steps, two_steps = steps_of(one), steps_of(two)
+    assert json.loads((two / "reports/train.json").read_text())["world_size"] == 2
+    assert [s["rows"] for s in one_steps] != [] and len(two_steps) == len(one_steps)
+    for key in ("loss", "grad_norm", "reward_accuracy", "reward_margin"):
+        assert [s[key] for s in two_steps] == pytest.approx([s[key] for s in one_steps], rel=1e-4, abs=1e-6), key
