@@ -95,19 +95,27 @@ def load_reference_model(params: Params, base_ref: str, adapter: Path | None):
     has_gpu = torch.cuda.is_available()
     profile = load_profile(cfg.accelerate_profile)
     mixed = precision.choose_precision(cfg.precision, profile, has_gpu).mixed_precision
-    loaded = precision.base_dtype("lora", mixed, "none")  # no sharding, no 4-bit: a plain forward, no gradients
+    # a LoRA base's dtype without sharding (a plain forward, no gradients); QLoRA: the same 4-bit base as the policy's
+    loaded = precision.base_dtype("qlora" if cfg.method == "qlora" else "lora", mixed, "none")
+    kwargs = {"dtype": getattr(torch, loaded)}
+    if cfg.method == "qlora":  # bitsandbytes places the quantized weights on the GPU itself
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(**precision.quantization_kwargs(mixed))
     device = torch.device("cuda" if has_gpu else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(base_ref, attn_implementation=attention_of(cfg), dtype=loaded)
+    model = AutoModelForCausalLM.from_pretrained(base_ref, attn_implementation=attention_of(cfg), **kwargs)
     if adapter is not None:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, str(adapter))
-    model.to(device).eval()
+    if cfg.method != "qlora":
+        model.to(device)
+    model.eval()
     autocast = None
     if mixed in ("bf16", "fp16"):
         dtype = torch.bfloat16 if mixed == "bf16" else torch.float16
         autocast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731 - a fresh context per forward
-    return model, device, f"{loaded}/{mixed}", autocast
+    return model, device, f"{loaded}/{mixed}" + ("/4-bit" if cfg.method == "qlora" else ""), autocast
 
 
 def main(argv: list[str] | None = None) -> int:
