@@ -425,3 +425,24 @@ def test_dpo_on_two_ddp_ranks_matches_one_process_with_the_same_global_batch(bui
     assert [s["rows"] for s in one_steps] != [] and len(two_steps) == len(one_steps)
     for key in ("loss", "grad_norm", "reward_accuracy", "reward_margin"):
         assert [s[key] for s in two_steps] == pytest.approx([s[key] for s in one_steps], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_a_preference_objective_on_sft_shards_or_without_its_reference_is_one_clear_error(built, tmp_path):
+    """simpo on SFT shards (no pair slots): exit 2 naming the shard's meta.json and the fix, no traceback. dpo
+    whose reference stage has not run: exit 2 naming the stage to run."""
+    from tests.conftest import train_project
+
+    sft_shards = train_project(built, tmp_path / "sft", {"train.objective": "simpo"})
+    proc = start_train(sft_shards, 1, train_env(1))
+    output = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 2 and "Traceback" not in output, output[-3000:]
+    assert "data/shards/train/meta.json: not a preference shard" in output and "re-run the tokenize stage" in output
+    no_reference = tmp_path / "dpo"
+    shutil.copytree(built / "models/base", no_reference / "models/base")
+    write_pair_shards(built, no_reference / "data/shards")
+    write_params(no_reference / "params.yaml", {**TRAIN_OVERRIDES, "train.objective": "dpo"})
+    proc = start_train(no_reference, 1, train_env(1))
+    output = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 2 and "Traceback" not in output, output[-3000:]
+    assert "models/reference/reference.json: cannot read it" in output and "dvc repro reference" in output
