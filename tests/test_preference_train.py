@@ -262,7 +262,11 @@ def test_preference_training_raises_reward_accuracy_and_margin(built, tmp_path, 
     if objective == "dpo":
         assert steps[0]["loss"] == pytest.approx(math.log(2), abs=1e-5) and steps[0]["reward_margin"] == 0
     report = json.loads((project / "reports/train.json").read_text())
-    assert report["steps"] == LEARNS["train.steps"]
+    assert report["steps"] == LEARNS["train.steps"] and report["objective"] == objective
+    assert (report["final_reward_accuracy"], report["final_reward_margin"]) == (
+        steps[-1]["reward_accuracy"],
+        steps[-1]["reward_margin"],
+    )
 
 
 @pytest.mark.slow

@@ -86,6 +86,7 @@ class FitResult:
     timer: StepTimer
     peak_mem_mb: float = 0.0
     resumed_from: int = 0  # the step this attempt started after (0: a fresh start)
+    rewards: tuple[float, float] | None = None  # a preference objective: the last step's reward accuracy and margin
 
 
 def evaluate_loss(
@@ -149,7 +150,7 @@ def fit(
 
     model.train()
     started = time.perf_counter()
-    loss_value, eval_loss = float("nan"), None
+    loss_value, eval_loss, rewards = float("nan"), None, None
     check_accumulation(accelerator, cfg.grad_accum)
     for step in range(start_step + 1, cfg.steps + 1):
         timer.start_step(redo=step <= redo_through)
@@ -204,7 +205,15 @@ def fit(
             stop(accelerator, saver, step, preempt)
     wall_s = time.perf_counter() - started
     return FitResult(
-        cfg.steps, loss_value, eval_loss, tokens_seen, wall_s, timer, peak_memory_mb(accelerator.device), start_step
+        cfg.steps,
+        loss_value,
+        eval_loss,
+        tokens_seen,
+        wall_s,
+        timer,
+        peak_memory_mb(accelerator.device),
+        start_step,
+        rewards,
     )
 
 
