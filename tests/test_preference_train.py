@@ -143,12 +143,14 @@ def _by_hand(policy, reference, pairs, beta: float, gamma: float) -> dict:
     return out
 
 
-def _load(base: Path, adapter: Path | None = None):
+def _load(base: Path, adapter: Path | None = None, attention: str = "varlen"):
     from transformers import AutoModelForCausalLM
 
     from fineflow.train.attention import register
 
-    model = AutoModelForCausalLM.from_pretrained(base, attn_implementation=register())
+    model = AutoModelForCausalLM.from_pretrained(
+        base, attn_implementation=register() if attention == "varlen" else attention
+    )
     if adapter is not None:
         from peft import PeftModel
 
@@ -156,9 +158,11 @@ def _load(base: Path, adapter: Path | None = None):
     return model.eval()
 
 
-def test_packed_pair_losses_equal_each_sequence_run_alone(built, tmp_path):
+@pytest.mark.parametrize("attention", ["varlen", "sdpa"])
+def test_packed_pair_losses_equal_each_sequence_run_alone(built, tmp_path, attention):
     """dpo and simpo over packed rows (several pairs a row, rows batched, the reference's log-probs from the
-    shard-aligned file) == the formulas of DPO.md computed pair by pair on each sequence run alone, unpacked."""
+    shard-aligned file) == the formulas of DPO.md computed pair by pair on each sequence run alone, unpacked.
+    varlen: fineflow's per-example attention; sdpa: transformers' block-diagonal mask from the position ids."""
     from fineflow.core.config import PreferenceParams
     from fineflow.tokenize.shards import PackedShard
     from fineflow.tokenize.tokenization import load_tokenizer
@@ -172,9 +176,10 @@ def test_packed_pair_losses_equal_each_sequence_run_alone(built, tmp_path):
     write_pair_shard(tmp_path / "train", pairs, SEQ_LEN, tokenizer.pad_token_id or 0, len(tokenizer))
     shard = PairShard(PackedShard(tmp_path / "train"))
     assert len(shard) < len(pairs)  # several pairs share a row: the packing is under test
-    policy = _load(base, random_adapter(base, tmp_path / "policy", seed=3))
-    reference = _load(base, random_adapter(base, tmp_path / "reference", seed=4))
-    write_shard_logps(reference, shard, tmp_path / logps_file("train"), 3, torch.device("cpu"), varlen=True)
+    varlen = attention == "varlen"
+    policy = _load(base, random_adapter(base, tmp_path / "policy", seed=3), attention)
+    reference = _load(base, random_adapter(base, tmp_path / "reference", seed=4), attention)
+    write_shard_logps(reference, shard, tmp_path / logps_file("train"), 3, torch.device("cpu"), varlen=varlen)
     shard = PairShard(PackedShard(tmp_path / "train"), tmp_path / logps_file("train"))
     prefs = PreferenceParams(beta=0.5, simpo_gamma=0.3)
     expected = _by_hand(policy, reference, pairs, prefs.beta, prefs.simpo_gamma)
@@ -185,7 +190,7 @@ def test_packed_pair_losses_equal_each_sequence_run_alone(built, tmp_path):
             batch = {key: torch.from_numpy(value) for key, value in arrays.items()}
             with torch.no_grad():
                 got = pair_loss(
-                    policy, batch, objective, prefs, **layout_kwargs(layout_of(arrays["position_ids"], True))
+                    policy, batch, objective, prefs, **layout_kwargs(layout_of(arrays["position_ids"], varlen))
                 )
             total, pairs_seen = total + float(got.loss_sum), pairs_seen + got.pairs
             correct, margin = correct + got.correct, margin + got.margin_sum
