@@ -172,16 +172,7 @@ def fit(
         step_eval = None
         if eval_shard is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
             with timer.span("train_eval_s"):
-                step_eval = eval_loss = evaluate_loss(
-                    model,
-                    eval_shard,
-                    cfg.micro_batch_size,
-                    accelerator,
-                    varlen=cfg.attention == "varlen",
-                    loss_chunk_tokens=cfg.loss_chunk_tokens,
-                    objective=cfg.objective,
-                    prefs=cfg.preference,
-                )
+                step_eval = eval_loss = train_eval(model, eval_shard, accelerator, cfg)
         if stopping or saver.due(step, cfg.steps, accelerator):  # stopping: the same on every rank
             with timer.span("checkpoint_s"):  # the stall: async saves block only for the copy to host memory
                 state = {
@@ -204,16 +195,21 @@ def fit(
         if stopping:
             stop(accelerator, saver, step, preempt)
     wall_s = time.perf_counter() - started
-    return FitResult(
-        cfg.steps,
-        loss_value,
-        eval_loss,
-        tokens_seen,
-        wall_s,
-        timer,
-        peak_memory_mb(accelerator.device),
-        start_step,
-        rewards,
+    peak = peak_memory_mb(accelerator.device)
+    return FitResult(cfg.steps, loss_value, eval_loss, tokens_seen, wall_s, timer, peak, start_step, rewards)
+
+
+def train_eval(model, eval_shard, accelerator, cfg: TrainParams) -> float:
+    """The loop's eval loss (train.eval_every) under the run's objective and attention."""
+    return evaluate_loss(
+        model,
+        eval_shard,
+        cfg.micro_batch_size,
+        accelerator,
+        varlen=cfg.attention == "varlen",
+        loss_chunk_tokens=cfg.loss_chunk_tokens,
+        objective=cfg.objective,
+        prefs=cfg.preference,
     )
 
 

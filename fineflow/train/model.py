@@ -59,6 +59,17 @@ def build_model(
                 "train.preference.reference champion): set train.preference.reference: base, or train.method lora"
             )
         return model
+    model = add_adapters(model, cfg, start_adapter)
+    if fuse_lora:
+        from fineflow.train.fused_lora import fuse_lora_layers
+
+        model.fineflow_fused_layers = fuse_lora_layers(model)
+    return model
+
+
+def add_adapters(model, cfg, start_adapter: Path | None = None):
+    """LoRA adapters on the loaded base (cfg: train params; QLoRA: the 4-bit base prepared for training first):
+    fresh ones of train.lora's shape, or start_adapter's, trainable."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if cfg.method == "qlora":
@@ -66,6 +77,8 @@ def build_model(
 
         # upcasts norms, embeddings and lm_head to fp32 and re-enables checkpointing (non-reentrant here)
         model = prepare_model_for_kbit_training(model, **precision.kbit_preparation_kwargs(cfg.gradient_checkpointing))
+    if start_adapter is not None:  # its own config; the adapter weights loaded in fp32 as get_peft_model's
+        return PeftModel.from_pretrained(model, str(start_adapter), is_trainable=True)
     from fineflow.train.architecture import lora_targets
 
     lora = cfg.lora
@@ -76,15 +89,7 @@ def build_model(
         target_modules=lora_targets(model, lora.target_modules),  # in this family's names (Phi-3: qkv_proj, ...)
         task_type="CAUSAL_LM",
     )
-    if start_adapter is not None:  # its own config; the adapter weights loaded in fp32 as get_peft_model's
-        model = PeftModel.from_pretrained(model, str(start_adapter), is_trainable=True)
-    else:
-        model = get_peft_model(model, config)  # autocast_adapter_dtype: adapters in fp32 on a 16-bit base
-    if fuse_lora:
-        from fineflow.train.fused_lora import fuse_lora_layers
-
-        model.fineflow_fused_layers = fuse_lora_layers(model)
-    return model
+    return get_peft_model(model, config)  # autocast_adapter_dtype: adapters in fp32 on a 16-bit base
 
 
 def save_model(accelerator, model, out_dir: Path, method: str) -> None:
