@@ -678,7 +678,17 @@ def test_dvc_repro_writes_the_ledger_and_after_a_sigkill_the_next_run_counts_the
     assert_adds_up(first)
     assert first["buckets"]["restart_loss"] == 0.0 and first["trained"]
     stages = [a["stage"] for a in first["attempts"]]
-    assert stages == ["base", "fingerprint", "data", "validate", "tokenize", "train", "evaluate", "promote"], stages
+    assert stages == [
+        "base",
+        "fingerprint",
+        "data",
+        "validate",
+        "tokenize",
+        "reference",
+        "train",
+        "evaluate",
+        "promote",
+    ], stages
     for bucket in ("base_pretrain", "validation", "tokenization", "compute", "evaluation", "promotion", "startup"):
         assert first["buckets"][bucket] > 0, bucket
     assert len(first["runs"]) == 1 and first["runs"][0].startswith("dvc-")

@@ -141,14 +141,14 @@ def test_a_local_base_whose_files_change_at_the_same_path_reruns_what_depends_on
     base = tmp_path / "my-base"
     shutil.copytree(built / "models/base", base)
     project = copy_project(tmp_path / "project", {"model.base": str(base), "train.steps": 2})
-    assert _dvc_repro(project, "train") == ["base", "fingerprint", "data", "validate", "tokenize", "train"]
+    assert _dvc_repro(project, "train") == ["base", "fingerprint", "data", "validate", "tokenize", "reference", "train"]
     assert _dvc_repro(project, "train") == ["fingerprint"]  # unchanged: the same hashes, nothing after it runs
     first = _adapter(project)
     weights = base / "model.safetensors"
     with safe_open(weights, "pt") as fh:
         metadata = fh.metadata()
     save_file({k: v * 1.01 for k, v in load_file(weights).items()}, weights, metadata=metadata)
-    assert _dvc_repro(project, "train") == ["fingerprint", "validate", "tokenize", "train"]
+    assert _dvc_repro(project, "train") == ["fingerprint", "validate", "tokenize", "reference", "train"]
     assert json.loads((project / "reports/train.json").read_text())["resumed_from_step"] == 0
     second = _adapter(project)
     assert any(not torch.equal(first[k], second[k]) for k in first)  # trained on the new weights

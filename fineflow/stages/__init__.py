@@ -12,6 +12,7 @@ fingerprint.py  the base model every later stage uses, by content (always run)
 data.py         generate the bundled synthetic dataset
 validate.py     the great-expectations gate over the raw train and eval rows
 tokenize.py     validated rows -> packed, memory-mapped shards
+reference.py    DPO's reference log-probabilities, computed once per data, base and champion
 train.py        fine-tuning under accelerate (the launcher, then each rank)
 evaluate.py     lm-eval for the base, the candidate and the champion
 promote.py      the gate between a candidate and the champion

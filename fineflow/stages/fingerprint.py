@@ -1,7 +1,8 @@
 """Stage fingerprint: record which base model every later stage uses, by content (and the data sources).
 
 python -m fineflow.stages.fingerprint --base-dir models/base --out models/base_fingerprint.json \
-    --hash-cache .cache/fineflow --sources-out data/sources.json
+    --hash-cache .cache/fineflow --sources-out data/sources.json \
+    --champion models/champion --champion-out models/champion_fingerprint.json
 
 DVC tracks what is inside the project; a real base that ``model.base`` names (a local directory, or a hub id
 resolved from the local cache) is outside it, and a new checkpoint written at the same path would change
@@ -10,7 +11,10 @@ path, size and mtime, so an unchanged base is not read again) and writes the has
 re-runs every stage that depends on the file; when they don't, the file's bytes are the same and nothing
 downstream runs. ``data.sources`` (fineflow.data.sources) are inputs outside the project too: with
 ``--sources-out`` each one's content hash goes to that file, which the validate stage depends on (without
-sources it is an empty list, the same bytes on every run).
+sources it is an empty list, the same bytes on every run). The champion is another: promote writes it after
+train, so no stage declares it; with ``--champion-out`` its identity goes to that file when DPO anchors to it
+(train.objective dpo, train.preference.reference champion: the reference stage depends on the file), else the
+constant ``{"champion": null}`` (fineflow.train.reference.champion_fingerprint).
 """
 
 from __future__ import annotations
@@ -23,7 +27,21 @@ from fineflow.core.reports import write_json_atomic
 from fineflow.model_ref import base_identity, resolve_base_model
 
 
-def run(params: Params, base_dir: Path, out: Path, hash_cache: Path, sources_out: Path | None = None) -> dict:
+def run(
+    params: Params,
+    base_dir: Path,
+    out: Path,
+    hash_cache: Path,
+    sources_out: Path | None = None,
+    champion: tuple[Path, Path] | None = None,
+) -> dict:
+    """champion: (the champion directory, the JSON of its identity to write)."""
+    if champion is not None:
+        from fineflow.train.reference import champion_fingerprint
+
+        champion_dir, champion_out = champion
+        champion_out.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(champion_out, champion_fingerprint(params.train, champion_dir))
     if sources_out is not None:
         from fineflow.data.sources import fingerprint_sources
 
@@ -44,9 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="the fingerprint JSON to write")
     parser.add_argument("--hash-cache", type=Path, required=True, help="directory for the file hash cache")
     parser.add_argument("--sources-out", type=Path, default=None, help="the JSON of data.sources' content hashes")
+    parser.add_argument("--champion", type=Path, default=None, help="the champion directory (models/champion)")
+    parser.add_argument("--champion-out", type=Path, default=None, help="the JSON of the champion's identity")
     args = parser.parse_args(argv)
+    champion = (args.champion, args.champion_out) if args.champion and args.champion_out else None
     return run_entry(
-        "fingerprint", args, lambda params: run(params, args.base_dir, args.out, args.hash_cache, args.sources_out)
+        "fingerprint",
+        args,
+        lambda params: run(params, args.base_dir, args.out, args.hash_cache, args.sources_out, champion),
     )
 
 

@@ -1,7 +1,8 @@
 """Stage train: fine-tuning (LoRA, QLoRA or full) of the base model on the packed shards, under accelerate.
 
     python -m fineflow.stages.train --shards data/shards --base-dir models/base \
-        --checkpoints checkpoints --out models/candidate --steps-log reports/train_steps.jsonl
+        --checkpoints checkpoints --out models/candidate --steps-log reports/train_steps.jsonl \
+        --reference models/reference
 
 Run plainly, this process is the launcher: it sizes the run with the memory planner and re-executes this
 module under ``accelerate launch`` with ``train.accelerate_profile`` / ``train.num_processes`` ranks. Each
@@ -60,6 +61,9 @@ def parse_args(argv: list[str]):
     )
     # not under --checkpoints: a DVC output, whose hash must not depend on this checkout's paths and mtimes
     parser.add_argument("--hash-cache", type=Path, default=None, help="cache of the base weights' content hashes")
+    parser.add_argument(
+        "--reference", type=Path, default=None, help="the reference stage's output (train.objective dpo reads it)"
+    )
     parser.add_argument("--machine-rank", type=int, default=None, help="this machine's rank (num_machines > 1)")
     parser.add_argument("--main-process-ip", default=None, help="machine 0's address (num_machines > 1)")
     parser.add_argument("--main-process-port", type=int, default=None)
@@ -235,6 +239,7 @@ def train_worker(args) -> int:
             args.logs_dir,
             log=log,
             hash_cache=args.hash_cache,
+            reference=args.reference,
         )
 
     try:

@@ -12,6 +12,8 @@ architecture.py  what the loaded model is: its decoder-layer class, its linears,
 schedule.py      the learning-rate schedule
 loop.py          ``fit()``: the loop, one optimizer step at a time; token_loss_sum, evaluate_loss
 loss.py          the loss's vocabulary projection, chunked so the logits never exist whole
+preference.py    train.objective dpo / simpo: pair shards, per-pair log-probs, the losses and reward statistics
+reference.py     what DPO's reference is: the champion's identity, reference.json, what train reads of it
 steps.py         what the loop reports through: StepTimer (a span per phase), StepLog, Progress
 checkpointing.py the loop's state saved (TrainStateSaver) and restored (restore), by the profile's engine
 resume.py        the run fingerprint, whether to resume, and the checkpoint every rank loads

@@ -209,6 +209,12 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out.view(batch, seq_len, heads, dim), None
 
 
+def attention_of(cfg) -> str:
+    """The attn_implementation to load a model with for train.attention (cfg: TrainParams), registering fineflow's
+    varlen one when chosen (the train stage's model, and the reference stage's)."""
+    return register() if cfg.attention == "varlen" else cfg.attention
+
+
 def register() -> str:
     """Make ``attn_implementation=VARLEN`` known to transformers (idempotent); returns the name.
 

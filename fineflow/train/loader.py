@@ -17,13 +17,14 @@ import numpy as np
 
 from fineflow.tokenize.shards import PackedShard, RowSampler
 from fineflow.train.attention import FlashLayout, PackedLayout, layout_of
+from fineflow.train.preference import pair_count
 
 
 @dataclass
 class StepBatch:
     micro: list[dict]  # one dict of CPU tensors (input_ids, labels, position_ids) per micro-batch
     rows: list[list[int]]  # the shard rows of each micro-batch
-    targets: int  # tokens trained on (labels != -100) in this rank's micro-batches
+    targets: int  # tokens trained on (labels != -100) in this rank's micro-batches; a preference shard: its pairs
     real_tokens: int  # non-pad tokens in them
     sampler_state: dict  # the sampler's state once these rows were drawn
     # per micro-batch, where its examples sit: varlen's groups, or flash-attn's cu_seqlens (attention.layout_of)
@@ -36,6 +37,14 @@ def as_tensors(arrays: dict, pin_memory: bool = False) -> dict:
 
     batch = {key: torch.from_numpy(value) for key, value in arrays.items()}
     return {key: value.pin_memory() for key, value in batch.items()} if pin_memory else batch
+
+
+def count_targets(arrays: dict) -> int:
+    """What a batch's loss is averaged over: its trained tokens, or for a preference shard (fineflow.train.preference
+    .PairShard: the batch carries pair_slots) its pairs."""
+    if "pair_slots" in arrays:
+        return pair_count(arrays["pair_slots"])
+    return int(np.count_nonzero(arrays["labels"][:, 1:] != -100))
 
 
 def collate(shard: PackedShard, indices: list[int], pin_memory: bool = False) -> dict:
@@ -57,7 +66,7 @@ def prepare_step(
     spin-wait against each other (a 10x slowdown on 2 cores)."""
     rows = [sampler.next_indices(micro_batch_size) for _ in range(grad_accum)]
     arrays = [shard.batch(r) for r in rows]
-    targets = sum(int(np.count_nonzero(a["labels"][:, 1:] != -100)) for a in arrays)
+    targets = sum(count_targets(a) for a in arrays)
     layouts = [layout_of(a["position_ids"], varlen) for a in arrays]
     micro = [as_tensors(a, pin_memory) for a in arrays]
     return StepBatch(micro, rows, targets, sum(shard.real_tokens(r) for r in rows), sampler.state_dict(), layouts)

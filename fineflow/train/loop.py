@@ -8,7 +8,8 @@ accelerate's trackers (TensorBoard by default) through ``accelerator.log``. The 
 
 Loss is token-weighted across micro-batches and data-parallel ranks: each optimizer step divides the summed
 cross-entropy by the number of trained tokens in the whole global batch, so 1 process and N processes with
-the same global batch take the same step.
+the same global batch take the same step. A preference objective (train.objective dpo, simpo:
+fineflow.train.preference) is pair-weighted the same way: its summed pair loss over the global batch's pairs.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from fineflow.tokenize.shards import PackedShard
 from fineflow.train.attention import layout_kwargs, layout_of
 from fineflow.train.checkpointing import TrainStateSaver
 from fineflow.train.loader import BatchLoader, as_tensors
+from fineflow.train.preference import pair_loss
 from fineflow.train.steps import Progress, StepLog, StepTimer, peak_memory_mb
 
 
@@ -61,6 +63,19 @@ def token_loss_sum(model, batch: dict, loss_chunk_tokens: int = 0, **forward_kwa
     return (out if head is not None else chunked.plain_cross_entropy(out, trained)), count
 
 
+def objective_loss(
+    model, batch: dict, objective: str = "sft", prefs=None, loss_chunk_tokens: int = 0, **forward_kwargs
+):
+    """(this batch's summed loss, its targets: trained tokens or pairs, reward statistics or None) under
+    train.objective: sft's token loss, or a preference loss (dpo, simpo; prefs: train.preference) with the
+    batch's summed reward accuracy and margin."""
+    if objective == "sft":
+        loss_sum, count = token_loss_sum(model, batch, loss_chunk_tokens=loss_chunk_tokens, **forward_kwargs)
+        return loss_sum, count, None
+    pairs = pair_loss(model, batch, objective, prefs, **forward_kwargs)
+    return pairs.loss_sum, pairs.pairs, (pairs.correct, pairs.margin_sum)
+
+
 @dataclass
 class FitResult:
     steps: int
@@ -71,12 +86,21 @@ class FitResult:
     timer: StepTimer
     peak_mem_mb: float = 0.0
     resumed_from: int = 0  # the step this attempt started after (0: a fresh start)
+    rewards: tuple[float, float] | None = None  # a preference objective: the last step's reward accuracy and margin
 
 
 def evaluate_loss(
-    model, shard: PackedShard, batch_size: int, accelerator, varlen: bool = False, loss_chunk_tokens: int = 0
+    model,
+    shard: PackedShard,
+    batch_size: int,
+    accelerator,
+    varlen: bool = False,
+    loss_chunk_tokens: int = 0,
+    objective: str = "sft",
+    prefs=None,
 ) -> float:
-    """Mean token loss over an eval shard, this rank's share of rows, reduced across ranks.
+    """Mean token loss over an eval shard (a preference objective: the mean pair loss over a PairShard), this
+    rank's share of rows, reduced across ranks.
 
     Every rank runs the same number of forwards: under FSDP/ZeRO-3 each forward is a collective (weights are
     gathered layer by layer), so a rank with one batch fewer would leave the others waiting forever. A rank
@@ -93,7 +117,7 @@ def evaluate_loss(
             arrays = shard.batch(rows[i : i + batch_size] or [0])
             batch = {k: v.to(accelerator.device) for k, v in as_tensors(arrays).items()}
             extra = layout_kwargs(layout_of(arrays["position_ids"], varlen), accelerator.device)
-            loss_sum, n = token_loss_sum(model, batch, loss_chunk_tokens=loss_chunk_tokens, **extra)
+            loss_sum, n, _ = objective_loss(model, batch, objective, prefs, loss_chunk_tokens, **extra)
             total += weight * torch.tensor([loss_sum.item(), n], dtype=torch.float64, device=accelerator.device)
     total = accelerator.reduce(total, reduction="sum")
     model.train()
@@ -126,19 +150,21 @@ def fit(
 
     model.train()
     started = time.perf_counter()
-    loss_value, eval_loss = float("nan"), None
+    loss_value, eval_loss, rewards = float("nan"), None, None
     check_accumulation(accelerator, cfg.grad_accum)
     for step in range(start_step + 1, cfg.steps + 1):
         timer.start_step(redo=step <= redo_through)
         step_start = time.perf_counter()
         with timer.span("data_wait_s"):
             prepared = next(batches)  # blocks only if the loader thread has fallen behind
-        targets, step_tokens, step_loss = forward_backward(model, accelerator, prepared, cfg, timer)
+        targets, step_tokens, step_loss, step_rewards = forward_backward(model, accelerator, prepared, cfg, timer)
         with timer.span("optimizer_s"):
             grad_norm = optimizer_step(model, optimizer, scheduler, accelerator, cfg.max_grad_norm)
         save_failed = saver.writer_failed()  # rank 0's background save: on the loss all-reduce, to every rank
         with timer.span("loss_sync_s"):
-            loss_value, stopping, save_failed = global_loss(accelerator, step_loss, targets, save_failed)
+            loss_value, stopping, save_failed, rewards = global_loss(
+                accelerator, step_loss, targets, save_failed, step_rewards
+            )
         if save_failed:  # a full disk stops training here (within a step of the failed write), not at the next save
             saver.stop_on_failed_save(accelerator, step - 1)
         check_finite(loss_value, step, cfg)
@@ -146,14 +172,7 @@ def fit(
         step_eval = None
         if eval_shard is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
             with timer.span("train_eval_s"):
-                step_eval = eval_loss = evaluate_loss(
-                    model,
-                    eval_shard,
-                    cfg.micro_batch_size,
-                    accelerator,
-                    varlen=cfg.attention == "varlen",
-                    loss_chunk_tokens=cfg.loss_chunk_tokens,
-                )
+                step_eval = eval_loss = train_eval(model, eval_shard, accelerator, cfg)
         if stopping or saver.due(step, cfg.steps, accelerator):  # stopping: the same on every rank
             with timer.span("checkpoint_s"):  # the stall: async saves block only for the copy to host memory
                 state = {
@@ -168,14 +187,29 @@ def fit(
             lr = scheduler.get_last_lr()[0]
             record = step_record(step, step_start, loss_value, lr, grad_norm, prepared.rows, step_tokens, timer)
             record["peak_mem_mb"] = round(peak_memory_mb(accelerator.device), 1)
+            if rewards is not None:  # a preference objective: the global batch's reward accuracy and mean margin
+                record["reward_accuracy"], record["reward_margin"] = round(rewards[0], 5), round(rewards[1], 5)
             if step_eval is not None:
                 record["eval_loss"] = round(step_eval, 5)
             log_step(accelerator, step_log, progress, record)
         if stopping:
             stop(accelerator, saver, step, preempt)
     wall_s = time.perf_counter() - started
-    return FitResult(
-        cfg.steps, loss_value, eval_loss, tokens_seen, wall_s, timer, peak_memory_mb(accelerator.device), start_step
+    peak = peak_memory_mb(accelerator.device)
+    return FitResult(cfg.steps, loss_value, eval_loss, tokens_seen, wall_s, timer, peak, start_step, rewards)
+
+
+def train_eval(model, eval_shard, accelerator, cfg: TrainParams) -> float:
+    """The loop's eval loss (train.eval_every) under the run's objective and attention."""
+    return evaluate_loss(
+        model,
+        eval_shard,
+        cfg.micro_batch_size,
+        accelerator,
+        varlen=cfg.attention == "varlen",
+        loss_chunk_tokens=cfg.loss_chunk_tokens,
+        objective=cfg.objective,
+        prefs=cfg.preference,
     )
 
 
@@ -189,9 +223,10 @@ def check_accumulation(accelerator, accum: int) -> None:
         )
 
 
-def forward_backward(model, accelerator, prepared, cfg: TrainParams, timer: StepTimer) -> tuple[int, int, float]:
-    """One optimizer step's micro-batches through forward and backward: (trained tokens of the global batch,
-    real tokens of the global batch, this rank's summed loss). Spans: compute (the copy to the device and the
+def forward_backward(model, accelerator, prepared, cfg: TrainParams, timer: StepTimer):
+    """One optimizer step's micro-batches through forward and backward: (trained tokens of the global batch (a
+    preference objective: its pairs), real tokens of the global batch, this rank's summed loss, this rank's
+    summed reward accuracy and margin: None for sft). Spans: compute (the copy to the device and the
     passes), loss_sync (the step's token counts, summed over ranks) and grad_sync (DDP's all-reduce)."""
     import torch
 
@@ -208,7 +243,7 @@ def forward_backward(model, accelerator, prepared, cfg: TrainParams, timer: Step
             torch.tensor([prepared.targets, prepared.real_tokens], device=device), reduction="sum"
         )
         targets, real_tokens = int(counts[0]), int(counts[1])
-    step_loss = 0.0
+    step_loss, step_rewards = 0.0, None
     sync_before = gradsync.seconds()
     with timer.span("compute_s"):
         for batch, extra in zip(micro, extras):
@@ -219,13 +254,17 @@ def forward_backward(model, accelerator, prepared, cfg: TrainParams, timer: Step
             # DeepSpeed average gradients over ranks; x accum, since accelerate (DDP, FSDP, one process) and
             # DeepSpeed's engine (inside its backward) both divide the loss by the accumulation steps.
             with accelerator.accumulate(model):
-                loss_sum, _ = token_loss_sum(model, batch, loss_chunk_tokens=cfg.loss_chunk_tokens, **extra)
+                loss_sum, _, rewards = objective_loss(
+                    model, batch, cfg.objective, cfg.preference, cfg.loss_chunk_tokens, **extra
+                )
                 accelerator.backward(loss_sum * (world * accum) / max(1, targets))
             step_loss += loss_sum.item()
+            if rewards is not None:
+                step_rewards = [a + b for a, b in zip(step_rewards or (0.0, 0.0), rewards)]
         gradsync.settle()
     # the gradient all-reduce runs inside backward (DDP's comm hook timed it: fineflow.train.gradsync)
     timer.move("compute_s", "grad_sync_s", gradsync.seconds() - sync_before)
-    return targets, real_tokens, step_loss
+    return targets, real_tokens, step_loss, step_rewards
 
 
 def optimizer_step(model, optimizer, scheduler, accelerator, max_grad_norm: float):
@@ -238,20 +277,20 @@ def optimizer_step(model, optimizer, scheduler, accelerator, max_grad_norm: floa
     return grad_norm
 
 
-def global_loss(accelerator, step_loss: float, targets: int, save_failed: bool = False) -> tuple[float, bool, bool]:
+def global_loss(accelerator, step_loss: float, targets: int, save_failed: bool = False, rewards=None):
     """(the step's loss over the global batch, whether any rank got a stop signal, whether any rank's background
-    checkpoint save failed). The flags ride on the loss all-reduce: every rank learns of them at the same step,
-    without a collective of their own, whichever rank (or how many) raised them."""
+    checkpoint save failed, the global batch's (reward accuracy, mean margin) or None). The flags and the reward
+    sums ride on the loss all-reduce: every rank learns of them at the same step, without a collective of their
+    own, whichever rank (or how many) raised them."""
     import torch
 
     from fineflow.train import preempt
 
     signalled = float(preempt.stop_signal() is not None)
-    reduced = accelerator.reduce(
-        torch.tensor([step_loss, signalled, float(save_failed)], dtype=torch.float64, device=accelerator.device),
-        reduction="sum",
-    )
-    return float(reduced[0]) / max(1, targets), float(reduced[1]) > 0, float(reduced[2]) > 0
+    values = [step_loss, signalled, float(save_failed), *(rewards or ())]
+    reduced = accelerator.reduce(torch.tensor(values, dtype=torch.float64, device=accelerator.device), reduction="sum")
+    per_pair = None if rewards is None else (float(reduced[3]) / max(1, targets), float(reduced[4]) / max(1, targets))
+    return float(reduced[0]) / max(1, targets), float(reduced[1]) > 0, float(reduced[2]) > 0, per_pair
 
 
 def check_finite(loss_value: float, step: int, cfg: TrainParams) -> None:

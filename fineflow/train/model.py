@@ -5,24 +5,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fineflow.core.config import Params, TrainParams
+from fineflow.core.config import Params
 from fineflow.core.errors import FineflowError
 from fineflow.train import precision
+from fineflow.train.attention import attention_of
 from fineflow.train.profile import Profile
 
 
-def attention_of(cfg: TrainParams) -> str:
-    """The attn_implementation to load the model with (registering fineflow's varlen one when chosen)."""
-    if cfg.attention == "varlen":
-        from fineflow.train.attention import register
-
-        return register()
-    return cfg.attention
-
-
-def build_model(base_reference: str, params: Params, profile: Profile, fuse_lora: bool = False):
+def build_model(
+    base_reference: str, params: Params, profile: Profile, fuse_lora: bool = False, start_adapter: Path | None = None
+):
     """The model to train: LoRA / QLoRA adapters on a frozen base, or the whole base (full). fuse_lora:
     route plain LoRA linears through fineflow.train.fused_lora (same maths, fewer memory passes).
+    start_adapter: an adapter to go on training (dpo from the champion: fineflow.train.reference), trainable,
+    with its own LoRA shape instead of train.lora's.
 
     params: as fit_plan returns them (RunPlan.params: params.train.precision resolved from "auto"); profile:
     the run's (its sharding decides the base's dtype). The weights are loaded in
@@ -57,14 +53,32 @@ def build_model(base_reference: str, params: Params, profile: Profile, fuse_lora
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.method == "full":
+        if start_adapter is not None:
+            raise FineflowError(
+                "train.method full cannot start from the champion's adapter (train.objective dpo with "
+                "train.preference.reference champion): set train.preference.reference: base, or train.method lora"
+            )
         return model
-    from peft import LoraConfig, get_peft_model
+    model = add_adapters(model, cfg, start_adapter)
+    if fuse_lora:
+        from fineflow.train.fused_lora import fuse_lora_layers
+
+        model.fineflow_fused_layers = fuse_lora_layers(model)
+    return model
+
+
+def add_adapters(model, cfg, start_adapter: Path | None = None):
+    """LoRA adapters on the loaded base (cfg: train params; QLoRA: the 4-bit base prepared for training first):
+    fresh ones of train.lora's shape, or start_adapter's, trainable."""
+    from peft import LoraConfig, PeftModel, get_peft_model
 
     if cfg.method == "qlora":
         from peft import prepare_model_for_kbit_training
 
         # upcasts norms, embeddings and lm_head to fp32 and re-enables checkpointing (non-reentrant here)
         model = prepare_model_for_kbit_training(model, **precision.kbit_preparation_kwargs(cfg.gradient_checkpointing))
+    if start_adapter is not None:  # its own config; the adapter weights loaded in fp32 as get_peft_model's
+        return PeftModel.from_pretrained(model, str(start_adapter), is_trainable=True)
     from fineflow.train.architecture import lora_targets
 
     lora = cfg.lora
@@ -75,12 +89,7 @@ def build_model(base_reference: str, params: Params, profile: Profile, fuse_lora
         target_modules=lora_targets(model, lora.target_modules),  # in this family's names (Phi-3: qkv_proj, ...)
         task_type="CAUSAL_LM",
     )
-    model = get_peft_model(model, config)  # autocast_adapter_dtype: adapters in fp32 on a 16-bit base
-    if fuse_lora:
-        from fineflow.train.fused_lora import fuse_lora_layers
-
-        model.fineflow_fused_layers = fuse_lora_layers(model)
-    return model
+    return get_peft_model(model, config)  # autocast_adapter_dtype: adapters in fp32 on a 16-bit base
 
 
 def save_model(accelerator, model, out_dir: Path, method: str) -> None:

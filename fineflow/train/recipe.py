@@ -109,7 +109,8 @@ def run_cluster_job(run: RunPlan, profile, has_gpu: bool, module: str, argv: lis
 @dataclass(frozen=True)
 class RankPaths:
     """Where a rank reads and writes: the shards and base model in; checkpoints, the model, the step log and the
-    tracker's logs out. hash_cache: where the base weights' content hashes are cached (None: hashed every run)."""
+    tracker's logs out. hash_cache: where the base weights' content hashes are cached (None: hashed every run);
+    reference: the reference stage's output (train.objective dpo reads it)."""
 
     shards: Path
     base_dir: Path
@@ -118,6 +119,7 @@ class RankPaths:
     steps_log: Path
     logs_dir: Path | None = None
     hash_cache: Path | None = None
+    reference: Path | None = None
 
 
 def train_rank(
@@ -130,11 +132,11 @@ def train_rank(
     logs_dir: Path | None = None,
     log=print,
     hash_cache: Path | None = None,
+    reference: Path | None = None,
 ) -> dict | None:
     """One rank of training; returns the report on rank 0 and None elsewhere."""
-    recipe = TrainRecipe(
-        params, RankPaths(shards, base_dir, checkpoints, out_dir, steps_log, logs_dir, hash_cache), log
-    )
+    paths = RankPaths(shards, base_dir, checkpoints, out_dir, steps_log, logs_dir, hash_cache, reference)
+    recipe = TrainRecipe(params, paths, log)
     recipe.setup()
     result = recipe.train()
     recipe.cleanup()
@@ -168,6 +170,7 @@ class TrainRecipe:
         self.entered = time.time()
         self._setup_plan()
         self._setup_accelerator()
+        self._setup_reference()
         self._setup_model()
         self._setup_data()
         self._setup_resume()
@@ -208,6 +211,15 @@ class TrainRecipe:
         set_seed(self.params.seed)
         self.main = self.accelerator.is_main_process
 
+    def _setup_reference(self) -> None:
+        """train.objective dpo: the reference stage's record (what the reference is; the adapter the policy starts
+        from, if any) and its per-token log-probs beside it. None for sft and simpo."""
+        from fineflow.train.reference import load_reference
+
+        self.preference_reference = load_reference(self.cfg, self.paths.reference)
+        if self.preference_reference is not None and self.main:
+            self.log(f"dpo reference: {self.preference_reference.record['note']}")
+
     def _setup_model(self) -> None:
         """The model (its load timed), the optimizer and the LR schedule, prepared by accelerate."""
         import peft  # noqa: F401 - imported here, not inside the model-load timer: imports are start-up
@@ -219,8 +231,13 @@ class TrainRecipe:
         cfg, profile = self.cfg, self.run.profile
         loading = time.perf_counter()
         # ZeRO-3 gathers each module's parameters in that module's own forward hook: leave peft's forward there
+        start = self.preference_reference.adapter if self.preference_reference is not None else None
         model = build_model(
-            self.reference, self.params, profile, fuse_lora=cfg.fused_lora and profile.sharding != "zero3"
+            self.reference,
+            self.params,
+            profile,
+            fuse_lora=cfg.fused_lora and profile.sharding != "zero3",
+            start_adapter=start,
         )
         self.phases["model_load_s"] = time.perf_counter() - loading
         self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -249,6 +266,19 @@ class TrainRecipe:
             PackedShard(self.paths.shards / "train"),
             PackedShard(self.paths.shards / "eval"),
         )
+        if self.cfg.objective != "sft":  # pairs: the shards with their pair slots (dpo: the reference's log-probs)
+            from fineflow.train.preference import PairShard
+            from fineflow.train.reference import check_reference_shards
+
+            logps = {}
+            if self.preference_reference is not None:
+                shards = {"train": self.train_shard, "eval": self.eval_shard}
+                check_reference_shards(
+                    self.preference_reference, {k: s.meta.get("content_key") for k, s in shards.items()}
+                )
+                logps = self.preference_reference.logps
+            self.train_shard = PairShard(self.train_shard, logps.get("train"))
+            self.eval_shard = PairShard(self.eval_shard, logps.get("eval"))
         self.sampler = RowSampler(
             len(self.train_shard),
             self.params.seed,
@@ -288,6 +318,8 @@ class TrainRecipe:
         if self.main:  # the base weights' hashes are cached in hash_cache
             n = accelerator.num_processes
             fingerprint = [run_fingerprint(self.params, self.reference, self.train_shard.meta, n, paths.hash_cache)]
+            if self.preference_reference is not None:  # dpo: another reference (or start) is another run
+                fingerprint[0]["reference"] = self.preference_reference.record["key"]
         if accelerator.num_processes > 1:
             from accelerate.utils import broadcast_object_list
 

@@ -93,6 +93,19 @@ def run_flops(reference: str, cfg: TrainParams, shard, report: dict, accelerator
     }
 
 
+def preference_figures(result, cfg: TrainParams) -> dict:
+    """train.objective dpo / simpo: the objective and the last step's reward accuracy and margin over its pairs
+    (final_loss and eval_loss are then mean pair losses); nothing for sft."""
+    if cfg.objective == "sft":
+        return {}
+    accuracy, margin = result.rewards if result.rewards is not None else (None, None)
+    return {
+        "objective": cfg.objective,
+        "final_reward_accuracy": round(accuracy, 5) if accuracy is not None else None,
+        "final_reward_margin": round(margin, 5) if margin is not None else None,
+    }
+
+
 def train_report(
     result,
     cfg: TrainParams,
@@ -118,6 +131,7 @@ def train_report(
         "fused_lora_layers": fused_layers,
         "final_loss": round(result.final_loss, 5),
         "eval_loss": round(result.eval_loss, 5) if result.eval_loss is not None else None,
+        **preference_figures(result, cfg),
         "tokens": result.tokens,
         "tokens_this_attempt": result.tokens - tokens_before,
         "tokens_per_s": (round((result.tokens - tokens_before) / max(result.wall_s, 1e-9), 1) if trained_now else None),

@@ -1,0 +1,141 @@
+"""What DPO's reference model is, by content: the champion's identity (for the fingerprint stage) and the
+reference stage's ``reference.json``.
+
+train.objective dpo scores every pair once with a frozen reference; train.preference.reference says which:
+``champion`` (the registry's champion adapter on the base: the SFT model once an SFT run was promoted; the base
+while there is none) or ``base``. The policy starts from the same adapter. The champion lives in
+models/champion, which promote writes after train, so no stage can declare it as a dependency (a cycle): the
+fingerprint stage, which always runs, writes its identity to models/champion_fingerprint.json, and the reference
+stage depends on that file. Only a dpo run that anchors to the champion records one; every other configuration
+writes the constant ``{"champion": null}``, so a promotion re-runs nothing in an SFT or SimPO pipeline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from fineflow.core.config import TrainParams
+from fineflow.core.errors import FineflowError
+from fineflow.core.reports import read_json, sha256_file
+
+NO_CHAMPION = {"champion": None}
+REFERENCE_FILE = "reference.json"
+ADAPTER_DIR = "adapter"  # in models/reference: the champion's adapter the reference and the policy start from
+CHAMPION_RECORD = "champion.json"  # in models/champion (fineflow.registry.champion.champion_json)
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def anchors_to_champion(cfg: TrainParams) -> bool:
+    return cfg.objective == "dpo" and cfg.preference.reference == "champion"
+
+
+def champion_adapter(champion_dir: Path) -> Path | None:
+    """The champion's PEFT adapter folder (at the top of models/champion, or in its adapter/), None when there is
+    no champion or it is a fully fine-tuned model (no adapter to start a policy from)."""
+    for folder in (Path(champion_dir), Path(champion_dir) / ADAPTER_DIR):
+        if all((folder / name).is_file() for name in ADAPTER_FILES):
+            return folder
+    return None
+
+
+def adapter_sha256(adapter: Path) -> str:
+    """One sha256 over the adapter's config and weights (what the reference's log-probs are a function of)."""
+    digest = hashlib.sha256()
+    for name in ADAPTER_FILES:
+        digest.update(name.encode() + b"\0" + bytes.fromhex(sha256_file(adapter / name)))
+    return digest.hexdigest()
+
+
+def champion_identity(champion_dir: Path) -> dict | None:
+    """{"champion": id, "base_digest": the base it was trained on, "adapter_sha256": ...}; None without one."""
+    adapter = champion_adapter(champion_dir)
+    if adapter is None:
+        return None
+    try:
+        record = read_json(Path(champion_dir) / CHAMPION_RECORD)
+    except (OSError, ValueError):
+        record = {}
+    return {
+        "champion": record.get("candidate_id"),
+        "base_digest": record.get("base_digest"),
+        "adapter_sha256": adapter_sha256(adapter),
+    }
+
+
+def champion_fingerprint(cfg: TrainParams, champion_dir: Path) -> dict:
+    """The fingerprint stage's models/champion_fingerprint.json: the champion's identity when this run anchors
+    to it (dpo, reference champion), else NO_CHAMPION (also while nothing was promoted yet)."""
+    if not anchors_to_champion(cfg):
+        return dict(NO_CHAMPION)
+    return champion_identity(champion_dir) or dict(NO_CHAMPION)
+
+
+def reference_record(
+    cfg: TrainParams, base: str | None, adapter: dict | None, shard_keys: dict, compute: str, note: str
+) -> dict:
+    """reference.json: what the reference is, and its key (a function of everything its log-probs depend on).
+    sft and simpo need none: a constant record, so their pipelines never re-run train over it."""
+    if cfg.objective != "dpo":
+        return {"objective": cfg.objective, "needed": False}
+    record = {
+        "objective": "dpo",
+        "needed": True,
+        "reference": cfg.preference.reference,
+        "base_digest": base,
+        "champion": adapter.get("champion") if adapter else None,
+        "adapter_sha256": adapter.get("adapter_sha256") if adapter else None,
+        "shards": shard_keys,
+        "compute": compute,  # the dtype the log-probs were computed in
+        "note": note,
+    }
+    record["key"] = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:32]
+    return record
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The reference stage's output as the train stage reads it (dpo)."""
+
+    record: dict  # reference.json
+    adapter: Path | None  # the adapter the policy starts from (the reference's); None: a fresh one on the base
+    logps: dict  # split -> the per-token log-probs file
+
+
+def load_reference(cfg: TrainParams, reference_dir: Path | None) -> Reference | None:
+    """train.objective dpo: models/reference as the reference stage wrote it, checked against params (the
+    stage ran for this configuration); None for sft and simpo, which need no reference."""
+    from fineflow.train.preference import logps_file
+
+    if cfg.objective != "dpo":
+        return None
+    rerun = "run the reference stage (dvc repro reference) before train"
+    if reference_dir is None:
+        raise FineflowError(f"train.objective dpo needs the reference stage's output (--reference): {rerun}")
+    try:
+        record = read_json(Path(reference_dir) / REFERENCE_FILE)
+    except (OSError, ValueError) as exc:
+        raise FineflowError(f"{reference_dir}/{REFERENCE_FILE}: cannot read it ({exc}): {rerun}") from None
+    if not record.get("needed") or record.get("reference") != cfg.preference.reference:
+        said = record.get("reference") or f"none (objective {record.get('objective')})"
+        raise FineflowError(
+            f"{reference_dir}/{REFERENCE_FILE}: the reference was computed for reference {said}, but params say "
+            f"train.objective dpo, train.preference.reference {cfg.preference.reference}: {rerun}"
+        )
+    adapter = Path(reference_dir) / ADAPTER_DIR if record.get("adapter_sha256") else None
+    logps = {split: Path(reference_dir) / logps_file(split) for split in ("train", "eval")}
+    return Reference(record, adapter, logps)
+
+
+def check_reference_shards(reference: Reference, shard_keys: dict) -> None:
+    """The reference's log-probs are aligned with these very shards (their content keys), else refused."""
+    computed = reference.record.get("shards") or {}
+    stale = [split for split, key in shard_keys.items() if computed.get(split) != key]
+    if stale:
+        raise FineflowError(
+            f"the reference log-probs were computed on other {'/'.join(stale)} shards (content key "
+            f"{computed.get(stale[0])}, the shard's is {shard_keys[stale[0]]}): run the reference stage again "
+            f"(dvc repro reference) after tokenize"
+        )
