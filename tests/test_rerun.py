@@ -199,7 +199,7 @@ def test_evaluate_scores_the_current_champion_when_its_other_inputs_return_to_an
     second = _install_champion(project, 12, tiny_params)  # the champion now
 
     def repro_with_limit(limit: int) -> list[str]:
-        write_params(project / "params.yaml", {"evaluate": {"limit": limit}})
+        write_params(project / "params.yaml", {"evaluate.limit": limit})
         return _dvc_repro(project)
 
     assert "evaluate" in repro_with_limit(4) and _scored_champion(project) == second
