@@ -144,6 +144,7 @@ def run_fineflow(params, project: Path, tmp: Path, threads: int) -> dict:
     shard = PackedShard(shards / "train")
     drawn = rows_drawn(params, shard, shards / "train")  # (examples, real tokens): a pair is two examples
     adapter = tmp / "adapter"
+    cpu = cpu_timed_fit()
     report = train_rank(
         params,
         shards,
@@ -169,6 +170,7 @@ def run_fineflow(params, project: Path, tmp: Path, threads: int) -> dict:
         "tokens": int(report["tokens"]),
         "cells": steps * cfg.micro_batch_size * cfg.grad_accum * shard.meta["seq_len"],
         "loop_s": float(report["loop_s"]) - eval_save_s,
+        "loop_cpu_s": cpu["end"] - cpu["start"],
         "ref_s": ref_s,
         "ref_in_loop": False,
         "threads": torch.get_num_threads(),
@@ -180,6 +182,25 @@ def run_fineflow(params, project: Path, tmp: Path, threads: int) -> dict:
             f"split's {'is byte-identical to' if same else 'DIFFERS from'} the cache"
         ),
     }
+
+
+def cpu_timed_fit() -> dict:
+    """The process CPU seconds around fineflow.train.loop.fit (all threads; the recipe imports fit when it trains,
+    so wrapping the module's attribute reaches it): {"start", "end"} once it has run. On a shared machine a
+    process's CPU time moves much less than its wall time with the other jobs' load."""
+    from fineflow.train import loop
+
+    fit, cpu = loop.fit, {}
+
+    def timed(*args, **kwargs):
+        cpu["start"] = time.process_time()
+        try:
+            return fit(*args, **kwargs)
+        finally:
+            cpu["end"] = time.process_time()
+
+    loop.fit = timed
+    return cpu
 
 
 def reference_cost(params, project: Path, tmp: Path) -> tuple[float, bool]:
@@ -279,13 +300,13 @@ def build_trl(params, base_dir: Path, rows: list[dict], out_dir: Path, precomput
     )
 
     class Clock(TrainerCallback):
-        start = end = None
+        start = end = cpu_start = cpu_end = None
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
+            self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.end = time.perf_counter()
+            self.end, self.cpu_end = time.perf_counter(), time.process_time()
 
     class CountingDPOTrainer(DPOTrainer):
         """DPOTrainer that tallies what each micro-batch holds and times its reference precomputation."""
@@ -375,6 +396,7 @@ def run_trl(params, project: Path, tmp: Path, threads: int, precompute: bool, ba
         "tokens": t["tokens"],
         "cells": t["cells"],
         "loop_s": clock.end - clock.start,
+        "loop_cpu_s": clock.cpu_end - clock.cpu_start,
         "ref_s": trainer.precompute_s if precompute else None,
         "ref_in_loop": not precompute,
         "threads": t["threads"],
@@ -537,35 +559,50 @@ def print_setup(args, project, how, params, shard, batch, load_before, trl_versi
 def print_table(rounds: list[list[dict]], scores: dict) -> None:
     header = (
         f"{'method':40} {'steps':>5} {'pairs/st':>8} {'real tokens':>11} {'pad share':>9} {'loop s':>7} "
-        f"{'tok/s':>7} {'fineflow/x':>10} {'ref s':>12} {'loop+ref s':>10} {'pref acc':>8} {'margin':>8}"
+        f"{'tok/s':>7} {'fineflow/x':>10} {'cpu s':>7} {'tok/cpu-s':>9} {'fineflow/x':>10} "
+        f"{'ref s':>12} {'loop+ref s':>10} {'pref acc':>8} {'margin':>8}"
     )
     print(header)
     print("-" * len(header))
     last = len(rounds) - 1
-    results = [{**r, "loop_s": median([rnd[i]["loop_s"] for rnd in rounds])} for i, r in enumerate(rounds[-1])]
+    results = [
+        {**r, **{key: median([rnd[i][key] for rnd in rounds]) for key in ("loop_s", "loop_cpu_s")}}
+        for i, r in enumerate(rounds[-1])
+    ]
     for i, r in enumerate(results):
         ref = [rnd[i]["ref_s"] for rnd in rounds if rnd[i]["ref_s"] is not None]
         r["ref_med"] = median(ref) if ref else None
     ff = next((r for r in results if r["mode"] == "fineflow"), None)
     ff_rate = ff["tokens"] / ff["loop_s"] if ff else None
+    ff_cpu_rate = ff["tokens"] / ff["loop_cpu_s"] if ff else None
     for r in results:
         rate = r["tokens"] / r["loop_s"]
         ratio = f"{ff_rate / rate:9.2f}x" if ff_rate else f"{'-':>10}"
+        cpu_rate = r["tokens"] / r["loop_cpu_s"]
+        cpu_ratio = f"{ff_cpu_rate / cpu_rate:9.2f}x" if ff_cpu_rate else f"{'-':>10}"
         pairs = f"{r['pairs_per_step']:8.2f}" if r["pairs_exact"] else f"~{r['pairs_per_step']:7.2f}"
         ref = "in the loop" if r["ref_in_loop"] else f"{r['ref_med']:.2f}"
         total = r["loop_s"] + (r["ref_med"] or 0.0)
         score = scores[(last, r["mode"])]
         print(
             f"{r['name']:40} {r['steps']:5d} {pairs} {r['tokens']:11,d} {1 - r['tokens'] / r['cells']:9.1%} "
-            f"{r['loop_s']:7.2f} {rate:7.0f} {ratio} {ref:>12} {total:10.2f} "
+            f"{r['loop_s']:7.2f} {rate:7.0f} {ratio} {r['loop_cpu_s']:7.2f} {cpu_rate:9.0f} {cpu_ratio} "
+            f"{ref:>12} {total:10.2f} "
             f"{score['preference_accuracy']:8.3f} {score['reward_margin']:8.4f}"
         )
-    print(f"(loop s, ref s = medians of {len(rounds)} interleaved rounds; pref acc, margin: the last round's adapters)")
+    print(
+        f"(loop s, cpu s, ref s = medians of {len(rounds)} interleaved rounds; pref acc, margin: the last round's "
+        "adapters)"
+    )
     for i, r in enumerate(results):
         per_round = [r2["tokens"] / r2["loop_s"] for r2 in (rnd[i] for rnd in rounds)]
+        per_cpu = [r2["tokens"] / r2["loop_cpu_s"] for r2 in (rnd[i] for rnd in rounds)]
         accuracies = [scores[(k, r["mode"])]["preference_accuracy"] for k in range(len(rounds))]
         same = "the same every round" if len(set(accuracies)) == 1 else f"per round {accuracies}"
-        line = f"  {r['name']}: tok/s per round {', '.join(f'{x:.0f}' for x in per_round)}; pref acc {same}"
+        line = (
+            f"  {r['name']}: tok/s per round {', '.join(f'{x:.0f}' for x in per_round)}; tok/cpu-s "
+            f"{', '.join(f'{x:.0f}' for x in per_cpu)}; pref acc {same}"
+        )
         if ff is not None and r is not ff:
             k = results.index(ff)
             ratios = [(rnd[k]["tokens"] / rnd[k]["loop_s"]) / (rnd[i]["tokens"] / rnd[i]["loop_s"]) for rnd in rounds]
@@ -576,7 +613,9 @@ def print_table(rounds: list[list[dict]], scores: dict) -> None:
         print(f"{r['name']}: {r['note']}")
     print(
         "tok/s = real (non-pad) tokens of the trained batches / loop seconds (a pair's prompt counted in both of its "
-        "sequences, the reference forward's tokens not counted). pad share = padded share of the positions the "
+        "sequences, the reference forward's tokens not counted); cpu s = the process's CPU seconds over the same loop "
+        "(all threads; fineflow's includes the final eval+save), tok/cpu-s = tokens / cpu s. "
+        "pad share = padded share of the positions the "
         "policy computed on (fineflow: packed rows; TRL: 2 x batch sequences padded to the longest). ref s = "
         "computing the train pairs' reference log-probs outside the loop (fineflow: the reference stage's work; TRL: "
         "precompute_ref_log_probs). pref acc / margin = fineflow_preference's preference_accuracy / reward_margin "
