@@ -8,7 +8,7 @@ side's adapter on the same held-out pairs, scored by one function for both.
 Inputs come from the real stages: a fresh copy of this project (bench/chat_quality.copy_project) with BENCH_PARAMS
 over params.yaml (the embedded ~1M-parameter Llama briefly pretrained, ~500 bundled train pairs and 100 eval pairs,
 rows of 256, train.objective dpo with train.preference.reference base) and `dvc repro reference` in it (base, data,
-validate, tokenize, fingerprint, reference: ~1.5 min on 2 cores). --project DIR builds it there and keeps it, or
+validate, tokenize, fingerprint, reference: ~2 min on 2 busy cores). --project DIR builds it there and keeps it, or
 reuses it when DIR already holds models/reference/reference.json. Both sides train on data/validated/train.jsonl's
 pairs: fineflow from the tokenize stage's pair shards of them, TRL from the same rows as text.
 
@@ -42,8 +42,10 @@ AdamW with fineflow's lr and weight decay, fineflow's schedule (fineflow.train.s
 max_grad_norm, no gradient checkpointing (DPOConfig defaults it on), fp32 (DPOConfig defaults bf16 on), no eval, no
 saving, no logging, dataloader_num_workers 0, seed = params.seed. TRL's loop time runs from on_train_begin to
 the last on_step_end (batches fetched and collated inside it, as fineflow's loop includes its data wait); its
-real tokens are the attention-mask tokens of the batches it trained on. Both sides count a pair's prompt twice
-(it is in both sequences) and the reference forward's tokens not at all.
+real tokens are the attention-mask tokens of the batches it trained on. "cpu s" beside each loop time is the
+process's CPU seconds over the same loop (all threads): a second view on a shared machine, not a substitute for a
+quiet one (under load it inflates too). Both sides count a pair's prompt twice (it is in both sequences) and
+the reference forward's tokens not at all.
 
 Final preference accuracy: each side's final adapter scored by preference_scores() below, the evaluate stage's
 own scorer (fineflow.evaluate.recipe.pair_scorer over data/validated/eval.jsonl: every eval pair's chosen and
