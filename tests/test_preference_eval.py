@@ -367,3 +367,32 @@ def test_an_sft_objective_writes_the_scores_main_writes(built, tmp_path):
     assert "preference" not in scores and scores["tasks"] == ["fineflow_synth", "fineflow_synth_mc"]
     assert all("fineflow_preference" not in scores[n]["metrics"] for n in ("base", "candidate"))
     assert not list((tmp_path / "eval/samples").rglob("fineflow_preference.jsonl"))
+
+
+def test_a_dpo_candidates_rewards_are_measured_from_its_reference_when_that_is_the_champion(tmp_path):
+    """DPO's reference is the champion (train.preference.reference champion, named in reference.json): the rewards
+    are the candidate's own implicit rewards, so the champion it started from ties on every pair (0.5) and a pair
+    counts for the candidate when it moved toward chosen past the champion. Any other reference: the base."""
+    from fineflow.evaluate.preference import PairScorer
+    from fineflow.evaluate.recipe import preference_anchor
+
+    champion = tmp_path / "champion"
+    champion.mkdir()
+    (champion / "champion.json").write_text(json.dumps({"candidate_id": "c0ffee"}))
+    reference = tmp_path / "reference.json"
+    for record, expected in (
+        ({"objective": "dpo", "champion": "c0ffee"}, "champion"),
+        ({"objective": "dpo", "champion": "another"}, "base"),  # the champion changed since the reference
+        ({"objective": "dpo", "champion": None}, "base"),  # reference: base, or no champion then
+        ({"objective": "simpo", "needed": False}, "base"),
+    ):
+        reference.write_text(json.dumps(record))
+        assert preference_anchor(reference, champion) == expected, record
+    assert preference_anchor(None, champion) == preference_anchor(reference, None) == "base"
+    scorer = PairScorer([{"chosen": "a", "rejected": "b"}] * 3, beta=0.1, batch_size=2, seq_len=64)
+    champion_logps = {"chosen": [-1.0, -2.0, -3.0], "rejected": [-2.0, -1.0, -3.0]}
+    candidate_logps = {"chosen": [-0.5, -1.5, -3.5], "rejected": [-2.0, -1.2, -3.0]}
+    assert scorer.summarize(champion_logps, champion_logps)[0]["preference_accuracy"] == 0.5
+    metrics, samples = scorer.summarize(candidate_logps, champion_logps)
+    assert [s["preference_accuracy"] for s in samples] == [1.0, 1.0, 0.0]  # moved toward chosen, or away
+    assert metrics["reward_margin"] == pytest.approx(0.1 * (0.5 + 0.7 - 0.5) / 3, abs=1e-6)

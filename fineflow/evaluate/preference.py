@@ -4,14 +4,19 @@ by a model, as the task ``fineflow_preference`` in scores.json beside the lm-eva
 For each pair and model M, logp_M(y) is the sum of the log-probs of the answer's tokens given the prompt: the
 tokens the tokenize stage trains for that answer (fineflow.tokenize.template.encode_batch on the pair's prompt
 side with y as its reply: the same rendering, the same EOS rule, cut at tokenize.seq_len as packing cuts it). The
-implicit reward is anchored to the run's base, the same anchor for every model scored (base, candidate, champion):
+implicit reward is anchored to one model A, the same for every model scored (base, candidate, champion):
 
-    r_M(y) = beta * (logp_M(y) - logp_base(y))          beta = train.preference.beta
+    r_M(y) = beta * (logp_M(y) - logp_A(y))          beta = train.preference.beta
 
-and per pair ``preference_accuracy`` is 1 when r_M(chosen) > r_M(rejected), 0 when below, 0.5 on an exact tie,
+A is DPO's reference when the champion is it (train.preference.reference champion: the candidate's own implicit
+reward, the issue's definition; the model it started from scores 0.5), else the base. Anchored to the base, an SFT
+champion already ranks most pairs right (0.885 of the embedded default's eval pairs) and a DPO candidate that moved
+further toward the chosen answers (0.775 of the pairs, anchored to the SFT model it started from) showed no gain
+(0.890): the base's own taste for copying an answer out of the prompt hides the move.
+Per pair ``preference_accuracy`` is 1 when r_M(chosen) > r_M(rejected), 0 when below, 0.5 on an exact tie,
 ``reward_margin`` r_M(chosen) - r_M(rejected). A tie is half right because a model that cannot tell the answers
-apart is at chance: the base ties on every pair by construction (its rewards are 0), so it scores 0.5, the level a
-first candidate (judged against the base) must beat significantly; counted 0, any candidate would beat it.
+apart is at chance: the anchor ties on every pair by construction (its rewards are 0), so it scores 0.5, the level
+a candidate judged against it must beat significantly; counted 0, any candidate would beat it.
 
 Per-pair samples carry ``doc_id`` and each metric, like the lm-eval tasks' entries, so the promotion gate's paired
 bootstrap works unchanged on ``promote.primary_metric: fineflow_preference/preference_accuracy``. Scoring is batched
@@ -132,9 +137,9 @@ class PairScorer:
         logps = sequence_logprobs(model, encode_answers(tokenizer, self.pairs), self.batch_size, self.seq_len)
         return {"chosen": logps[0::2].tolist(), "rejected": logps[1::2].tolist()}
 
-    def summarize(self, logps: dict, base_logps: dict) -> tuple[dict[str, float], list[dict]]:
-        """(metrics, per-pair samples) of a model's log-probs, its rewards anchored to the base's log-probs."""
-        reward = {side: self.beta * (np.asarray(logps[side]) - np.asarray(base_logps[side])) for side in SIDES}
+    def summarize(self, logps: dict, anchor_logps: dict) -> tuple[dict[str, float], list[dict]]:
+        """(metrics, per-pair samples) of a model's log-probs, its rewards anchored to the anchor's log-probs."""
+        reward = {side: self.beta * (np.asarray(logps[side]) - np.asarray(anchor_logps[side])) for side in SIDES}
         margin = reward["chosen"] - reward["rejected"]
         right = np.where(margin > 0, 1.0, np.where(margin == 0, 0.5, 0.0))
         samples = [
@@ -152,9 +157,10 @@ class PairScorer:
         metrics = {"preference_accuracy": float(right.mean()), "reward_margin": round(float(margin.mean()), 6)}
         return metrics, samples
 
-    def describe(self) -> dict:
+    def describe(self, anchor: str = "base", anchor_id: str | None = None) -> dict:
         """What scores.json records of the task: the reward's beta and anchor, and how many pairs were scored."""
-        return {"task": TASK, "beta": self.beta, "anchor": "base", "pairs": len(self.pairs)}
+        described = {"task": TASK, "beta": self.beta, "anchor": anchor, "pairs": len(self.pairs)}
+        return {**described, "anchor_id": anchor_id} if anchor_id else described
 
 
 def write_pair_samples(path: Path, samples: list[dict]) -> None:

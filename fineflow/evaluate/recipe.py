@@ -5,6 +5,7 @@ the champion's; record each model's metrics, per-sample scores and timings. lm-e
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import time
@@ -65,6 +66,7 @@ def evaluate_models(
     champion_dir: Path | None = None,
     base_fingerprint: Path | None = None,
     log=print,
+    reference: Path | None = None,
 ) -> dict:
     """Score the base, the candidate and (when there is one) the champion on every task (and with a preference
     objective on every eval pair: fineflow.evaluate.preference); write
@@ -101,14 +103,27 @@ def evaluate_models(
         tasks_s = time.perf_counter() - started
         scorer = ModelScorer(base_reference, tasks, manager, cfg.batch_size, cfg.limit, load, pairs)
         base_load_s = scorer.load_base()
-        scores, timings = score_models(scorer, models, base_load_s, out_dir, raw_dir, log)
+        anchor = preference_anchor(reference, champion_dir) if pairs is not None and "champion" in models else "base"
+        scores, timings, anchor = score_models(scorer, models, base_load_s, out_dir, raw_dir, anchor, log)
     if "champion" in scores:
         scores["champion"].update(id=champion_id(champion_dir), **champion_notes)
-    preference = None if pairs is None else pairs.describe()
+    preference = None if pairs is None else pairs.describe(anchor, scores.get(anchor, {}).get("id"))
     tasks = tasks if pairs is None else [*tasks, PREFERENCE_TASK]
     write_scores(out_dir / "scores.json", tasks, eval_rows, base_digest, scores, base_scored, preference)
     report = evaluation_report(scores, timings, tasks_s, base_load_s, time.perf_counter() - started)
     return {**report, "base_scored": base_scored, "load": placement}
+
+
+def preference_anchor(reference: Path | None, champion_dir: Path | None) -> str:
+    """The model a preference run's rewards are measured from: the champion when it is the reference the DPO
+    candidate was trained against (the reference stage's reference.json names it), so the reward is the policy's
+    own implicit reward (its reference scores 0.5, a tie on every pair) and the gate asks whether the candidate
+    moved toward the chosen answers past the model it started from; otherwise the base."""
+    if reference is None or not reference.is_file() or champion_dir is None:
+        return "base"
+    record = json.loads(reference.read_text(encoding="utf-8"))
+    named = record.get("objective") == "dpo" and record.get("champion")
+    return "champion" if named and named == champion_id(champion_dir) else "base"
 
 
 def models_to_score(adapter_dir: Path, champion_dir: Path | None, base_digest: str | None, log=print):
@@ -177,11 +192,14 @@ def plan_loading(params: Params, base_reference: str, log=print) -> tuple[LoadPl
     return LoadPlan(dtype, "cuda", device_map, max_memory), {**placement, "device_map": device_map}, note
 
 
-def score_models(scorer: ModelScorer, models: dict, base_load_s: float, out_dir: Path, raw_dir: Path, log=print):
-    """({model: its scores entry}, {model: its load and scoring time}) for each of models ({name: (kind, path)}),
-    writing its samples and lm-eval's raw results as it goes. A failed champion is recorded; a failed base or
-    candidate raises EvaluationFailed."""
-    scores, timings, anchor = {}, {}, None
+def score_models(
+    scorer: ModelScorer, models: dict, base_load_s: float, out_dir: Path, raw_dir: Path, anchor="base", log=print
+):
+    """({model: its scores entry}, {model: its load and scoring time}, the anchor of the pair rewards) for each of
+    models ({name: (kind, path)}), writing its samples and lm-eval's raw results as it goes. A failed champion is
+    recorded; a failed base or candidate raises EvaluationFailed. anchor: the model the preference rewards are
+    measured from (preference_anchor)."""
+    scores, timings, pair_logps = {}, {}, {}
     for name, (kind, path) in models.items():
         try:
             results, load_s, score_s = scorer.score(kind, path)
@@ -193,21 +211,30 @@ def score_models(scorer: ModelScorer, models: dict, base_load_s: float, out_dir:
             scores[name] = {"status": "failed", "error": error}  # the gate refuses to compare with it
             continue
         metrics, samples = summarize(results)
-        pair_logps = results.pop(PAIR_LOGPS, None)
-        if pair_logps is not None:  # the base is scored first: its log-probs anchor every model's rewards
-            anchor = pair_logps if kind == "base" else anchor
-            metrics[PREFERENCE_TASK], samples[PREFERENCE_TASK] = scorer.pair_scorer.summarize(pair_logps, anchor)
+        if PAIR_LOGPS in results:
+            pair_logps[name] = results.pop(PAIR_LOGPS)
         scores[name] = {"status": "ok", "metrics": metrics, "samples": samples}
         timings[name] = {
             "load_s": round(base_load_s if kind == "base" else load_s, 3),
             "score_s": round(score_s, 3),
         }
         write_samples(out_dir / "samples" / name, results)
-        if PREFERENCE_TASK in samples:  # beside lm-eval's (write_samples makes the folder anew)
-            write_pair_samples(out_dir / "samples" / name / f"{PREFERENCE_TASK}.jsonl", samples[PREFERENCE_TASK])
         write_json_atomic(raw_dir / f"{name}.json", results_file(results))
         log(f"{name}: " + ", ".join(f"{t} {m}" for t, m in metrics.items()))
-    return scores, timings
+    if pair_logps:
+        anchor = anchor if anchor in pair_logps else "base"  # a failed champion evaluation: the base
+        summarize_pairs(scorer.pair_scorer, scores, pair_logps, anchor, out_dir, log)
+    return scores, timings, anchor
+
+
+def summarize_pairs(pair_scorer, scores: dict, pair_logps: dict, anchor: str, out_dir: Path, log=print) -> None:
+    """Each model's fineflow_preference metrics and per-pair samples, its rewards anchored to the anchor model's
+    log-probs (fineflow.evaluate.preference), into its scores entry and beside its lm-eval samples."""
+    for name, logps in pair_logps.items():
+        metrics, samples = pair_scorer.summarize(logps, pair_logps[anchor])
+        scores[name]["metrics"][PREFERENCE_TASK], scores[name]["samples"][PREFERENCE_TASK] = metrics, samples
+        write_pair_samples(out_dir / "samples" / name / f"{PREFERENCE_TASK}.jsonl", samples)
+        log(f"{name}: {PREFERENCE_TASK} {metrics} (rewards anchored to the {anchor})")
 
 
 def write_scores(

@@ -79,6 +79,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the folder dvc.yaml declares as the stage's dependency for task YAMLs: every evaluate.task_dirs "
         "entry must lie under it (DVC sees no other folder change)",
     )
+    parser.add_argument(
+        "--reference",
+        type=Path,
+        default=None,
+        help="the reference stage's reference.json: a DPO candidate's rewards are measured from its reference "
+        "when that is the champion",
+    )
     args = parser.parse_args(argv)
 
     def body(params: Params) -> dict:
@@ -93,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             args.champion,
             args.base_fingerprint,
             log=log,
+            reference=args.reference,
         )
 
     return run_entry("evaluate", args, body)
