@@ -459,6 +459,8 @@ def test_the_example_chat_preference_set_passes_the_gate_and_trains_its_answers(
 
 
 @pytest.mark.scenario
+@pytest.mark.nightly  # CI runs dpo through every stage (test_preference_pipeline); this adds the switch to sft
+@pytest.mark.slow
 def test_dvc_repro_with_dpo_makes_preference_shards_and_a_switch_to_sft_stales_the_data_stages_only(tmp_path):
     """train.objective is a param of the data, validate and tokenize stages (dvc.yaml): the tiny project with dpo
     bundles, gates and packs pairs through `dvc repro`; a switch to sft makes those three stale, not the base."""
