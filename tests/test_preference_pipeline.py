@@ -88,7 +88,7 @@ def _default_params(project, dotted: dict) -> None:
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
-@pytest.mark.nightly  # two whole runs of the embedded default: SFT (~10 min on 2 cores), then DPO
+@pytest.mark.nightly  # two whole runs of the embedded default: SFT, then DPO (8 min on 2 cores)
 @pytest.mark.slow
 def test_sft_then_dpo_on_the_embedded_default_raises_preference_accuracy_over_the_sft_champion(tmp_path):
     """Issue 34's acceptance: on the bundled task families, SFT is trained and promoted; then the same prompts as
