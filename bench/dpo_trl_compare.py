@@ -75,7 +75,7 @@ sys.path.insert(0, str(ROOT))
 
 # importing trl_compare keeps accelerate (fineflow's and TRL's) on the CPU and the hubs offline, as it does there
 from bench.chat_quality import OFFLINE, copy_project, dvc  # noqa: E402
-from bench.trl_compare import median, rows_drawn, with_steps  # noqa: E402
+from bench.trl_compare import median, rows_drawn, trainer_config, with_steps  # noqa: E402
 
 MODES = ("fineflow", "trl", "trl-precomputed")
 
@@ -268,37 +268,10 @@ def build_trl(params, base_dir: Path, rows: list[dict], out_dir: Path, precomput
         task_type="CAUSAL_LM",
     )
     args = DPOConfig(
-        output_dir=str(out_dir),
-        max_steps=cfg.steps,
-        per_device_train_batch_size=batch_size,
-        gradient_accumulation_steps=cfg.grad_accum,
-        learning_rate=cfg.lr,
-        weight_decay=cfg.weight_decay,
-        warmup_steps=cfg.warmup_steps,
-        max_grad_norm=cfg.max_grad_norm,
-        max_length=params.tokenize.seq_len,
+        **trainer_config(DPOConfig, params, out_dir, batch_size),
         beta=cfg.preference.beta,
         loss_type=["sigmoid"],
         precompute_ref_log_probs=precompute,
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
-        report_to="none",
-        logging_strategy="no",
-        save_strategy="no",
-        eval_strategy="no",
-        dataloader_num_workers=0,
-        dataloader_pin_memory=False,
-        disable_tqdm=True,
-        seed=params.seed,
-        # on by default in TRL's configs (transformers 5.23's name: activation_checkpointing); fineflow's loop: off
-        **{
-            (
-                "activation_checkpointing"
-                if "activation_checkpointing" in DPOConfig.__dataclass_fields__
-                else "gradient_checkpointing"
-            ): bool(cfg.gradient_checkpointing)
-        },
     )
 
     class Clock(TrainerCallback):

@@ -261,6 +261,43 @@ def trl_rows(rows_path: Path, eos: str) -> list[dict]:
     return out
 
 
+def trainer_config(config_cls, params, out_dir: Path, batch_size: int) -> dict:
+    """What every TRL config of these benches shares (SFTConfig, DPOConfig): fineflow's steps, batch, optimizer
+    settings and sequence length; fp32 on the CPU; no logging, saving, evaluation, workers or progress bar."""
+    cfg = params.train
+    return dict(
+        output_dir=str(out_dir),
+        max_steps=cfg.steps,
+        per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=cfg.grad_accum,
+        learning_rate=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        warmup_steps=cfg.warmup_steps,
+        max_grad_norm=cfg.max_grad_norm,
+        max_length=params.tokenize.seq_len,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        report_to="none",
+        logging_strategy="no",
+        save_strategy="no",
+        eval_strategy="no",
+        dataloader_num_workers=0,
+        dataloader_pin_memory=False,
+        disable_tqdm=True,
+        seed=params.seed,
+        # TRL's configs default gradient checkpointing to ON; transformers 5.23 renamed it activation_checkpointing
+        # (the old name is a deprecated alias). fineflow's loop does not checkpoint activations: off here too.
+        **{
+            (
+                "activation_checkpointing"
+                if "activation_checkpointing" in config_cls.__dataclass_fields__
+                else "gradient_checkpointing"
+            ): bool(getattr(cfg, "gradient_checkpointing", False))
+        },
+    )
+
+
 def build_trl(params, base_dir: Path, rows_dir: Path, out_dir: Path, packing: bool, batch_size: int):
     import torch
     from datasets import Dataset
@@ -298,38 +335,10 @@ def build_trl(params, base_dir: Path, rows_dir: Path, out_dir: Path, packing: bo
     )
 
     args = SFTConfig(
-        output_dir=str(out_dir),
-        max_steps=cfg.steps,
-        per_device_train_batch_size=batch_size,
-        gradient_accumulation_steps=cfg.grad_accum,
-        learning_rate=cfg.lr,
-        weight_decay=cfg.weight_decay,
-        warmup_steps=cfg.warmup_steps,
-        max_grad_norm=cfg.max_grad_norm,
-        max_length=params.tokenize.seq_len,
+        **trainer_config(SFTConfig, params, out_dir, batch_size),
         packing=packing,
         padding_free=False,
         completion_only_loss=True,
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
-        report_to="none",
-        logging_strategy="no",
-        save_strategy="no",
-        eval_strategy="no",
-        dataloader_num_workers=0,
-        dataloader_pin_memory=False,
-        disable_tqdm=True,
-        seed=params.seed,
-        # TRL's configs default gradient checkpointing to ON; transformers 5.23 renamed it activation_checkpointing
-        # (the old name is a deprecated alias). fineflow's loop does not checkpoint activations: off here too.
-        **{
-            (
-                "activation_checkpointing"
-                if "activation_checkpointing" in SFTConfig.__dataclass_fields__
-                else "gradient_checkpointing"
-            ): bool(getattr(cfg, "gradient_checkpointing", False))
-        },
     )
 
     class Clock(TrainerCallback):
