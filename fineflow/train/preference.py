@@ -31,7 +31,6 @@ import numpy as np
 from fineflow.core.errors import DataError, FineflowError
 
 PAIR_SLOTS_FILE = "pair_slots.bin"
-PAIR_SLOT_DTYPE = np.dtype(np.int16)
 PREFERENCE = "preference"  # a preference shard's meta.json "objective"
 LOGPS_DTYPE = np.dtype(np.float32)
 
@@ -57,7 +56,6 @@ class PairShard:
                 f"train.objective is a preference one: re-run the tokenize stage on preference rows (chosen/rejected)"
             )
         self.shard, self.meta, self.dir, self.real_per_row = shard, shard.meta, shard.dir, shard.real_per_row
-        self.pair_slots = _rows_map(shard.dir / PAIR_SLOTS_FILE, PAIR_SLOT_DTYPE, shard.meta, "re-run tokenize")
         self.ref_logps = None
         if reference_logps is not None:
             self.ref_logps = _rows_map(reference_logps, LOGPS_DTYPE, shard.meta, "re-run the reference stage")
@@ -69,11 +67,9 @@ class PairShard:
         return self.shard.real_tokens(rows)
 
     def batch(self, rows: list[int]) -> dict[str, np.ndarray]:
-        index = np.asarray(rows, dtype=np.int64)
-        arrays = self.shard.batch(rows)
-        arrays["pair_slots"] = self.pair_slots[index].astype(np.int64)
+        arrays = self.shard.batch(rows)  # a preference shard's carry its pair_slots (fineflow.tokenize.shards)
         if self.ref_logps is not None:
-            arrays["ref_logps"] = np.array(self.ref_logps[index], dtype=np.float32)
+            arrays["ref_logps"] = np.array(self.ref_logps[np.asarray(rows, dtype=np.int64)], dtype=np.float32)
         return arrays
 
 
