@@ -5,7 +5,8 @@ stage (``dvc repro``, its logs, stops and retries) is ``tasks/stages.py``'s.
 
 Artifact keys (the run page and tests/test_runs.py read them): ``fineflow-<stage>`` (a report's table),
 ``fineflow-<stage>-<section>`` (a section of records, one row each: ``fineflow-validate-checks``),
-``fineflow-promotion``, ``fineflow-train-charts``, ``fineflow-train-progress``, ``fineflow-goodput-ledger``,
+``fineflow-promotion`` (again after the export stage, with the champion's exports), ``fineflow-train-charts``,
+``fineflow-train-progress``, ``fineflow-goodput-ledger``,
 ``fineflow-goodput-doctor``, ``fineflow-<stage>-failed``.
 """
 
@@ -24,7 +25,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from fineflow.core.reports import gate_evidence_table
+from fineflow.core.reports import gate_evidence_table, read_json
 from fineflow.train.plots import TRAIN_CHARTS
 from tasks import render
 from tasks.render import failure_markdown
@@ -61,6 +62,13 @@ def publish_report(stage: str, project: Path, report: dict, ran: bool) -> None:
     if stage == "promote" and report.get("decision"):
         create_markdown_artifact(
             key="fineflow-promotion", markdown=promotion_markdown(report, project), description="the promotion gate"
+        )
+    if stage == "export" and ran and report.get("champion"):  # the promotion's page entry, now with its exports
+        promotion = _json_or_empty(project / "reports" / "promote.json")
+        create_markdown_artifact(
+            key="fineflow-promotion",
+            markdown=promotion_markdown(promotion, project) + "\n\n" + exports_markdown(project),
+            description="the promotion gate and the champion's exports",
         )
     if stage == "train" and ran:  # only then: the charts are read and base64-encoded, once per training
         charts = charts_markdown(project / "reports" / "plots")
@@ -148,6 +156,36 @@ def promotion_markdown(report: dict, project: Path) -> str:
         if evaluation:  # what matters of the card, on the page: every metric against the base, with its CI
             lines += ["", "#### The new champion's evaluation (from its model card)", *evaluation]
     return "\n".join(lines)
+
+
+EXPORTS = "models/export"  # the export stage's output, relative to the project
+
+
+def exports_markdown(project: Path) -> str:
+    """The champion's exports for the promotion artifact: each GGUF, shippable or why not, with its parity figures
+    (models/export/export.json), or why nothing was exported."""
+    report = _json_or_empty(project / EXPORTS / "export.json")
+    exports = report.get("exports") or {}
+    if not exports:
+        return f"#### Exports\n\nNothing exported: {render.escape(str(report.get('skipped', 'no export report')))}"
+    lines = ["#### Exports", "", "| file | shippable | exact match (llama.cpp) | vs transformers (CI) | why not |"]
+    lines.append("|---|---|---|---|---|")
+    for export in exports.values():
+        scores = export["checks"]["scores"]["figures"]
+        ci = scores["ci"]
+        lines.append(
+            f"| {export['file']} | {'yes' if export['shippable'] else '**no**'} | {scores['exact_match']:.3f} | "
+            f"{scores['delta']:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}] | {render.escape('; '.join(export['reasons']))} |"
+        )
+    lines += ["", f"| exports' card | {EXPORTS}/README.md |", f"| served by default | {report.get('serve')} |"]
+    return "\n".join(lines)
+
+
+def _json_or_empty(path: Path) -> dict:
+    try:
+        return read_json(path)
+    except (OSError, ValueError):
+        return {}
 
 
 def card_section(card: str, title: str) -> list[str]:

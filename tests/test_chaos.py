@@ -105,6 +105,7 @@ KILL_POINTS = [
     KillPoint("evaluate", "seeded", (1.0, 7.0)),
     KillPoint("promote", "seeded", (0.3, 2.0)),
     KillPoint("promote", "its command done (registry written), DVC committing", (0.0, 0.3), command_done),
+    KillPoint("export", "seeded", (0.05, 0.4)),  # tiny params: export.enabled false, its report alone
     KillPoint("goodput", "seeded", (0.2, 2.0)),  # the ledger: the next run's counts the killed attempts
 ]
 

@@ -131,7 +131,7 @@ COMMANDS = {
         "tests/test_soak.py::test_a_short_soak_of_events_and_faults_leaves_every_invariant_true"
     ),
     "make export-tools": "tests/test_export.py::test_the_embedded_champion_exports_to_gguf_and_passes_parity",
-    "python -m fineflow.export.stage --champion models/champion --eval-rows data/validated/eval.jsonl --out "
+    "python -m fineflow.stages.export --champion models/champion --eval-rows data/validated/eval.jsonl --out "
     "models/export": "tests/test_export.py::test_the_embedded_champion_exports_to_gguf_and_passes_parity",
     "make run": "tests/test_flow.py::test_flow_then_dvc_repro",  # make run = python -m flows.pipeline
     "make test": "tests/test_tiers.py::test_ci_runs_the_readmes_test_command_then_the_ci_scenarios",

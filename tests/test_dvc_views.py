@@ -180,7 +180,8 @@ def test_after_a_promote_only_dvc_repro_metrics_diff_shows_no_goodput_drop(repro
 
     project = copy_reproduced(reproduced, tmp_path / "p", {"promote": {"min_delta": 0.0, "confidence": 0.9}})
     ran = re.findall(r"Running stage '([^']+)'", dvc(project, "repro"))
-    assert ran == ["fingerprint", "promote", "goodput"], ran  # fingerprint: always_changed
+    # fingerprint: always_changed; export: its parity bootstrap is the gate's (promote.confidence)
+    assert ran == ["fingerprint", "promote", "export", "goodput"], ran
     changed = json.loads(dvc(project, "metrics", "diff", "--json", "HEAD"))["reports/metrics/summary.json"]
     assert "goodput" not in changed and "run_usd" in changed, changed
     assert json.loads((project / "reports/goodput.json").read_text())["carried_forward"]["metrics"]["goodput"] > 0

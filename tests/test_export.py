@@ -143,7 +143,7 @@ def _tiny_params(**export):
     from tests.conftest import TINY_PARAMS
 
     raw = yaml.safe_load(yaml.safe_dump(TINY_PARAMS))
-    raw["export"] = {**raw.get("export", {}), **export}
+    raw["export"] = {**raw.get("export", {}), "enabled": True, **export}
     raw["promote"] = {**raw["promote"], "bootstrap_samples": 500}
     return parse_params(raw)
 
@@ -156,11 +156,12 @@ def _champion(built: Path, folder: Path) -> Path:
 
 
 def test_the_export_stage_with_no_champion_exports_nothing_and_says_so(built, tmp_path):
-    from fineflow.export.stage import REPORT_FILE, run
+    from fineflow.stages.export import REPORT_FILE, run
 
     out = tmp_path / "models/export"
     report = run(_tiny_params(), tmp_path / "models/champion", built / "data/validated/eval.jsonl", out)
-    assert report == {"champion": None, "shippable": [], "not_shippable": {}}
+    skipped = f"no champion in {tmp_path / 'models/champion'} (nothing promoted yet)"
+    assert report == {"champion": None, "shippable": [], "not_shippable": {}, "skipped": skipped}
     assert sorted(p.name for p in out.iterdir()) == [REPORT_FILE]
 
 
@@ -188,17 +189,22 @@ def test_an_adapter_only_champion_is_merged_onto_its_base_for_the_export_and_no_
 def test_the_embedded_champion_exports_to_gguf_and_passes_parity(built, tmp_path):
     from gguf import GGUFReader
 
-    from fineflow.export.stage import REPORT_FILE, run
+    from fineflow.stages.export import CARD_FILE, REPORT_FILE, run
 
     champion = _champion(built, tmp_path / "models/champion")
     out = tmp_path / "models/export"
     params = _tiny_params(quantized=["q8_0", "q4_0"])
     summary = run(params, champion, built / "data/validated/eval.jsonl", out)
-    assert summary == {"champion": "c-test", "shippable": ["f16", "q4_0", "q8_0"], "not_shippable": {}}
+    assert {key: summary[key] for key in ("champion", "shippable", "not_shippable", "serve")} == {
+        "champion": "c-test",
+        "shippable": ["f16", "q4_0", "q8_0"],
+        "not_shippable": {},
+        "serve": "q8_0",  # the smallest gated one: q4_0 is reported, not gated, so served only when named
+    }
     report = json.loads((out / REPORT_FILE).read_text(encoding="utf-8"))
     exports = report["exports"]
     assert report["source"] == "merged" and sorted(exports) == ["f16", "q4_0", "q8_0"]
-    assert sorted(p.name for p in out.iterdir()) == sorted([REPORT_FILE, *(e["file"] for e in exports.values())])
+    assert {REPORT_FILE, CARD_FILE, *(e["file"] for e in exports.values())} <= {p.name for p in out.iterdir()}
     for export in exports.values():
         assert export["checks"]["token_ids"]["figures"]["equal"] == 2 * report["eval_docs"]
     assert exports["q4_0"]["checks"]["scores"]["figures"]["gated"] is False  # 4-bit: reported

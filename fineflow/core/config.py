@@ -655,6 +655,17 @@ EXPORT_QUANT_TYPES = Literal["q8_0", "q6_k", "q5_k_m", "q5_0", "q4_k_m", "q4_k_s
 class ExportParams(_Section):
     """The export stage: the champion's merged model as GGUF files for llama.cpp, each checked for parity."""
 
+    # auto: export when llama.cpp's tools are installed (`make export-tools`: a ~15 min source build, so neither
+    # the quickstart nor CI needs it), else the report says why nothing was exported; true: their absence fails
+    # the stage; false: never export
+    enabled: bool | Literal["auto"] = Field(
+        "auto", description="auto: export when llama.cpp's tools are installed; true: require them; false: never"
+    )
+    # a failed parity check marks the export not shippable and the champion stays champion; with this, promote
+    # checks the parity of the float type and every gated type before installing, and refuses the candidate
+    block_promotion: bool = Field(
+        False, description="a failed parity check (float or a gated type) refuses the promotion itself"
+    )
     # what llama.cpp's converter (convert_hf_to_gguf.py --outtype) writes from the merged model; the quantized
     # types are made from this file
     float_type: Literal["f16", "bf16"] = Field(

@@ -6,7 +6,7 @@ each one (tokenizer ids, chat template, stop tokens, scores on the eval docs).
     gguf.py           the float GGUF by llama.cpp's converter, the quantized ones by its quantizer
     parity.py         the checks: the GGUF through llama.cpp against the training tokenizer and the merged model
     champion.py       the champion's merged model found or built, exported and checked: the stage's report
-    stage.py          the entry (python -m fineflow.export.stage): becomes stage export once dvc.yaml runs it
+    card.py           the exports' model card (models/export/README.md): each file, its parity, how to serve it
 
-Needs the ``export`` extra (``make export-tools``). Entry: ``fineflow.export.stage``.
+Needs the ``export`` extra (``make export-tools``). Entry: ``fineflow.stages.export`` (stage export in dvc.yaml).
 """

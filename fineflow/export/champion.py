@@ -111,14 +111,64 @@ def export_champion(
     champion_dir: Path, eval_rows: Path, out_dir: Path, work_dir: Path, params: Params, log=print
 ) -> dict:
     """The champion's GGUF exports with their parity verdicts (the export stage's library call)."""
+    from fineflow.export.tooling import toolchain
     from fineflow.registry.install import read_champion
 
     model_dir = champion_model_dir(champion_dir, work_dir, log)
     report = export_model(model_dir, eval_rows, out_dir, work_dir, params, log)
     # which of the champion's forms was exported, by name (a path into the scratch folder would change every run)
     source = model_dir.relative_to(champion_dir).as_posix() if model_dir.is_relative_to(champion_dir) else None
+    tools = toolchain()
     return {
         "champion": (read_champion(champion_dir) or {}).get("candidate_id"),
         "source": source or "the adapter merged onto its base (fineflow.registry.merge)",
+        "tools": {key: tools[key] for key in ("llama_cpp_python", "converter_sha256")},
         **report,
+        "serve": serving_choice(report["exports"]),
     }
+
+
+def serving_choice(exports: dict) -> str | None:
+    """The GGUF served by default: the smallest shippable one whose scores were gated (held within a tolerance);
+    an ungated type (4-bit: reported only) is served only when asked for by name. None: nothing qualifies."""
+    gated = [
+        kind
+        for kind, export in exports.items()
+        if export["shippable"] and export["checks"]["scores"]["figures"].get("gated")
+    ]
+    return min(gated, key=lambda kind: exports[kind]["bytes"], default=None)
+
+
+def parity_before_promotion(
+    staging: Path, base_ref: str, eval_rows: Path, params: Params, log: Callable[[str], None] = print
+) -> dict:
+    """export.block_promotion: the staged champion (promote's assembly, before anything is logged or installed)
+    exported to its float type and every quantized type with a tolerance, into scratch beside it, and parity-checked
+    as the export stage checks; {"passed", "reasons", "exports": per type its verdict and score figures}. The files
+    are dropped: the export stage writes the champion's exports once it is champion."""
+    import tempfile
+
+    from fineflow.registry.merge import build_merged
+
+    cfg = params.export
+    gated = [kind for kind in cfg.quantized if kind in cfg.tolerance]
+    checked = params.model_copy(update={"export": cfg.model_copy(update={"quantized": gated})})
+    with tempfile.TemporaryDirectory(prefix=".parity-", dir=staging.parent) as scratch:
+        work = Path(scratch)
+        model_dir = staging / "merged"
+        if not (model_dir / "config.json").is_file():  # an adapter-only champion, or a full model at its root
+            model_dir = staging
+            if (staging / "adapter_config.json").is_file():
+                build_merged(staging, work / "merged", base=base_ref)
+                model_dir = work / "merged"
+        report = export_model(model_dir, eval_rows, work / "gguf", work, checked, log)
+    exports = {
+        kind: {
+            "shippable": export["shippable"],
+            "reasons": export["reasons"],
+            **{key: export["checks"]["scores"]["figures"][key] for key in ("exact_match", "delta", "ci", "gated")},
+        }
+        for kind, export in report["exports"].items()
+    }
+    reasons = [f"{kind}: {reason}" for kind, export in exports.items() for reason in export["reasons"]]
+    return {"passed": not reasons, "reasons": reasons, "exports": exports}

@@ -74,6 +74,38 @@ def require_llama_cpp():
     return llama_cpp
 
 
+def toolchain() -> dict:
+    """Which llama.cpp the export would run, without loading it: llama-cpp-python's installed version and the
+    converter's source (its sdist's sha256), or why the export cannot run here (``missing``). The fingerprint stage
+    writes this to a file the export stage depends on: another llama.cpp writes other bytes, and tools installed
+    after a run that could not export re-run the export."""
+    try:
+        runtime = importlib.metadata.version("llama_cpp_python")
+    except importlib.metadata.PackageNotFoundError:
+        runtime = None
+    try:
+        folder = converter_dir()
+    except FineflowError:
+        source = None
+    else:  # fetched: its sdist's sha256; a converter of the user's own (FINEFLOW_LLAMA_CPP_CONVERTER): the script's
+        record = folder / SOURCE_RECORD
+        source = (
+            json.loads(record.read_text("utf-8"))["sha256"]
+            if record.is_file()
+            else sha256_of(folder / CONVERTER_SCRIPT)
+        )
+    missing = None
+    if runtime != LLAMA_CPP_PYTHON:
+        missing = f"llama-cpp-python=={LLAMA_CPP_PYTHON} is not installed (found: {runtime})"
+    elif source is None:
+        missing = "llama.cpp's converter has not been fetched"
+    return {
+        "llama_cpp_python": runtime,
+        "converter_sha256": source,
+        "missing": missing and f"{missing}: {INSTALL_HINT}",
+    }
+
+
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:

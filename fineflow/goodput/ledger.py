@@ -48,6 +48,7 @@ BUCKETS = (
     "logging",
     "evaluation",
     "promotion",
+    "export",
     "restart_loss",
 )
 PRODUCTIVE = "compute"
@@ -68,6 +69,7 @@ DESCRIPTIONS = {
     "logging": "the step log, tracker, progress lines and charts",
     "evaluation": "the evaluation stage (lm-eval)",
     "promotion": "the promotion gate and registry (stage promote)",
+    "export": "the champion's GGUF files written and parity-checked (stage export)",
     "restart_loss": "failed and killed attempts (less the steps a resume kept), waits before retries, resume loads",
 }
 STAGE_BODY = {
@@ -79,6 +81,7 @@ STAGE_BODY = {
     "reference": "reference",
     "evaluate": "evaluation",
     "promote": "promotion",
+    "export": "export",
     "goodput": "orchestration",
 }
 # the train launcher's spans (fineflow.stages.train.rank_spans) and every stage's generic ones

@@ -80,6 +80,7 @@ def promote(
     root: Path = Path("."),
     log=print,
     approval: Approval | None = None,
+    eval_rows: Path | None = None,
 ) -> dict:
     """Judge the candidate at adapter_dir against the champion (or the base) on the evaluate stage's scores,
     record the decision in the registry, install the candidate as champion if it passed; the stage's report.
@@ -87,7 +88,9 @@ def promote(
     fineflow.registry.approval); without one, ApprovalNeeded is raised before anything is written.
 
     root is the checkout the lineage's git state and dvc.lock are read from; the full manifest (with git,
-    times, user, host) goes to ``<lineage_dir>/<candidate id>.json``, outside DVC's outputs."""
+    times, user, host) goes to ``<lineage_dir>/<candidate id>.json``, outside DVC's outputs. With
+    export.block_promotion, the assembled champion's GGUF exports are parity-checked on eval_rows before anything
+    is logged (parity_gate): a failure refuses the candidate."""
     scores, unreadable = read_scores(scores_path)
     eval_hash = scores.get("eval_data_sha256")
     cid = candidate_id(adapter_dir)
@@ -124,10 +127,47 @@ def promote(
             staging = build_champion(
                 staging_dir(champion_dir), stored, record["base_model"], record, train_figures(train_report, log)
             )
+            if params.export.block_promotion:
+                decision, record = parity_gate(decision, record, staging, eval_rows, params, log)
+                store_candidate(registry_dir, adapter_dir, cid, record)  # its record says what parity decided
+                if not decision.promote:
+                    shutil.rmtree(staging)
+                    staging = None
         entry = log_decision(registry_dir, log_entry(params, record, decision, champion), staging, record)
         if staging is not None:
             install_built(staging, champion_dir, registry_dir, cid, record, entry["seq"])
     return _finish(decision, cid, entry["seq"], lineage_dir, manifest, log)
+
+
+def parity_gate(
+    decision: Decision, record: dict, staging: Path, eval_rows: Path | None, params: Params, log
+) -> tuple[Decision, dict]:
+    """export.block_promotion: the staged champion's float and gated GGUF exports must pass parity
+    (fineflow.export.champion.parity_before_promotion), or the promotion is refused with every failed check's
+    reason. The figures go into the record (and so the log entry) either way, and into the staged card."""
+    from fineflow.export.champion import parity_before_promotion
+
+    if eval_rows is None:
+        raise FineflowError("export.block_promotion: the parity check needs the eval rows; pass --eval-rows")
+    parity = parity_before_promotion(staging, record["base_model"], eval_rows, params, log)
+    record = {**record, "export_parity": parity}
+    if parity["passed"]:
+        with open(staging / "README.md", "a", encoding="utf-8") as card:
+            card.write(parity_card_section(parity))
+        return decision, record
+    reason = "export parity failed (export.block_promotion): " + "; ".join(parity["reasons"])
+    decision = dataclasses.replace(decision, promote=False, reason=reason)
+    return decision, {**record, "decision": verdict(decision), "reason": reason}
+
+
+def parity_card_section(parity: dict) -> str:
+    """The champion card's record of the parity its promotion waited for (the export stage's card has the rest)."""
+    rows = [
+        f"| {kind} | {e['exact_match']:.3f} | {e['delta']:+.3f} [{e['ci'][0]:+.3f}, {e['ci'][1]:+.3f}] |"
+        for kind, e in parity["exports"].items()
+    ]
+    header = "| GGUF type | exact match (llama.cpp) | difference from transformers (CI) |\n|---|---|---|"
+    return "\n## Export parity (checked before promotion)\n\n" + header + "\n" + "\n".join(rows) + "\n"
 
 
 def _finish(decision: Decision, cid: str, seq: int, lineage_dir: Path | None, manifest: dict, log) -> dict:
@@ -465,6 +505,7 @@ def log_entry(params: Params, record: dict, decision: Decision, champion: dict |
         "lineage_sha256": json_digest(record["lineage"]),
         "champion_before": champion["id"] if champion else None,
         "params": params.model_dump(mode="json", by_alias=True),
+        **({"export_parity": record["export_parity"]} if "export_parity" in record else {}),
     }
 
 

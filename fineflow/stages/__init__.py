@@ -16,5 +16,6 @@ reference.py    DPO's reference log-probabilities, computed once per data, base 
 train.py        fine-tuning under accelerate (the launcher, then each rank)
 evaluate.py     lm-eval for the base, the candidate and the champion
 promote.py      the gate between a candidate and the champion
+export.py       the champion as parity-checked GGUF files, an Ollama Modelfile and vLLM's adapter layout
 goodput.py      the run's ledger: where its wall time and money went
 """

@@ -14,7 +14,9 @@ downstream runs. ``data.sources`` (fineflow.data.sources) are inputs outside the
 sources it is an empty list, the same bytes on every run). The champion is another: promote writes it after
 train, so no stage declares it; with ``--champion-out`` its identity goes to that file when DPO anchors to it
 (train.objective dpo, train.preference.reference champion: the reference stage depends on the file), else the
-constant ``{"champion": null}`` (fineflow.train.reference.champion_fingerprint).
+constant ``{"champion": null}`` (fineflow.train.reference.champion_fingerprint). llama.cpp's tools are a third:
+with ``--export-tools-out`` the installed llama-cpp-python and converter (fineflow.export.tooling.toolchain) go to
+that file, which the export stage depends on.
 """
 
 from __future__ import annotations
@@ -34,8 +36,14 @@ def run(
     hash_cache: Path,
     sources_out: Path | None = None,
     champion: tuple[Path, Path] | None = None,
+    export_tools_out: Path | None = None,
 ) -> dict:
     """champion: (the champion directory, the JSON of its identity to write)."""
+    if export_tools_out is not None:
+        from fineflow.export.tooling import toolchain
+
+        export_tools_out.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(export_tools_out, toolchain())
     if champion is not None:
         from fineflow.train.reference import champion_fingerprint
 
@@ -64,12 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sources-out", type=Path, default=None, help="the JSON of data.sources' content hashes")
     parser.add_argument("--champion", type=Path, default=None, help="the champion directory (models/champion)")
     parser.add_argument("--champion-out", type=Path, default=None, help="the JSON of the champion's identity")
+    parser.add_argument("--export-tools-out", type=Path, default=None, help="the JSON of llama.cpp's tools")
     args = parser.parse_args(argv)
     champion = (args.champion, args.champion_out) if args.champion and args.champion_out else None
     return run_entry(
         "fingerprint",
         args,
-        lambda params: run(params, args.base_dir, args.out, args.hash_cache, args.sources_out, champion),
+        lambda params: run(
+            params, args.base_dir, args.out, args.hash_cache, args.sources_out, champion, args.export_tools_out
+        ),
     )
 
 

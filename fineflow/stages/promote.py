@@ -10,7 +10,8 @@ candidate in the registry by id, appends the decision and its evidence to ``<reg
 success installs the champion atomically: the PEFT adapter, the merged model (``merged/``; ``promote.merged``:
 auto merges only a base of at most ``merged_auto_max_gb``, else the champion is the adapter + its base's identity
 and ``python -m fineflow.registry.merge`` builds the merged model shard by shard when asked), the tokenizer,
-a model card (``README.md``) and the deterministic lineage (``lineage.json``). The full manifest (with git,
+a model card (``README.md``) and the deterministic lineage (``lineage.json``). With ``export.block_promotion``, the
+assembled champion's GGUF exports must pass the parity check first (on ``--eval-rows``). The full manifest (with git,
 times, user, host) goes to ``<lineage>/<candidate id>.json``, outside DVC's outputs. The procedure is
 ``fineflow.registry.champion.promote``.
 
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         help="shards dir: tokenizer/template hashes for the lineage (default: data/shards)",
     )
     parser.add_argument("--train-report", type=Path, help="reports/train.json: wall time and tokens/s for the card")
+    parser.add_argument("--eval-rows", type=Path, help="the eval rows export.block_promotion's parity check answers")
     parser.add_argument(
         "--lineage",
         type=Path,
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             args.shards,
             log=log,
             approval=approval_from_env(),  # a person's answer (promote.require_approval), given by the flow
+            eval_rows=args.eval_rows,
         )
 
     return run_entry("promote", args, promote_in_this_workspace)

@@ -1,0 +1,116 @@
+"""The exports' model card (``models/export/README.md``): every file the export stage wrote, with its parity figures
+and the command that serves it, the way a GGUF repository's card on the Hugging Face Hub reads.
+
+Written from the stage's report alone (and the champion's record), so the card and export.json never disagree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+LLAMA_SERVER_PORT = 8080  # llama.cpp's llama-server default
+FINEFLOW_SERVE_PORT = 8000  # fineflow serve's default
+
+
+def export_card(report: dict, champion: dict, out_dir: Path) -> str:
+    """The card's markdown: front matter, the files with their parity, how to serve each runtime, the checks."""
+    exports = report["exports"]
+    lines = [
+        "---",
+        f"base_model: {champion.get('base_model') or 'unknown'}",
+        "library_name: gguf",
+        "tags: [gguf, llama.cpp, fineflow]",
+        "---",
+        "",
+        f"# Champion {report['champion']}: exports",
+        "",
+        f"The champion installed by promotion log entry {champion.get('promotion_seq')}, exported by llama.cpp "
+        f"(llama-cpp-python {report['tools']['llama_cpp_python']}, converter sha256 "
+        f"{str(report['tools']['converter_sha256'])[:12]}) from {report['source']}, and checked against the model the "
+        f"gate evaluated on {report['eval_docs']} eval docs: the same token ids, the same chat template rendering, "
+        "the same stop tokens, and exact match within the type's tolerance (paired bootstrap; a type without one "
+        "is reported, not gated).",
+        "",
+        "| file | type | size | shippable | exact match (llama.cpp) | transformers | difference (CI) | same answer "
+        "| tolerance |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *(_export_row(export) for export in exports.values()),
+        "",
+        *_refusals(exports),
+        *_serving(report, out_dir),
+        *_check_figures(exports),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _export_row(export: dict) -> str:
+    scores = export["checks"]["scores"]["figures"]
+    ci = scores["ci"]
+    tolerance = f"±{scores['tolerance']}" if scores.get("gated") else "reported, not gated"
+    return (
+        f"| {export['file']} | {export['type']} | {export['bytes'] / 1e6:,.1f} MB | "
+        f"{'yes' if export['shippable'] else '**no**'} | {scores['exact_match']:.3f} | "
+        f"{scores['reference_exact_match']:.3f} | {scores['delta']:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}] | "
+        f"{scores['same_answer']:.3f} | {tolerance} |"
+    )
+
+
+def _refusals(exports: dict) -> list[str]:
+    """Each file that is not shippable, with every reason (the first thing a reader must see)."""
+    lines = []
+    for export in exports.values():
+        if not export["shippable"]:
+            lines += [f"**{export['file']} is not shippable:**", *(f"- {reason}" for reason in export["reasons"]), ""]
+    return lines
+
+
+def _serving(report: dict, out_dir: Path) -> list[str]:
+    """The commands that serve the export: fineflow's own, llama.cpp's, Ollama's and vLLM's where written."""
+    served = report.get("serve")
+    lines = ["## Serve it", ""]
+    if served is None:
+        return [*lines, "No shippable export whose scores were gated: `fineflow serve` refuses by default.", ""]
+    gguf = report["exports"][served]["file"]
+    lines += [
+        f"OpenAI-compatible, on http://127.0.0.1:{FINEFLOW_SERVE_PORT}/v1 (llama-cpp-python's server, {served}):",
+        "",
+        "```bash",
+        f"fineflow serve --export-dir {out_dir} --type {served}",
+        "```",
+        "",
+        "llama.cpp's own server (the chat template from the file: `--jinja`):",
+        "",
+        "```bash",
+        f"llama-server -m {out_dir / gguf} --jinja --host 127.0.0.1 --port {LLAMA_SERVER_PORT}",
+        "```",
+        "",
+    ]
+    ollama = report.get("ollama")
+    if ollama:
+        lines += ["Ollama (the Modelfile beside this card):", "", "```bash", f"cd {out_dir} && {ollama['command']}"]
+        lines += ["```", ""]
+    vllm = report.get("vllm") or {}
+    for form, command in (vllm.get("commands") or {}).items():
+        lines += [f"vLLM ({form}):", "", "```bash", command, "```", ""]
+    for problem in vllm.get("problems") or []:
+        lines.append(f"- vLLM would refuse the adapter: {problem}")
+    return lines
+
+
+def _check_figures(exports: dict) -> list[str]:
+    """The three checks that need no weights, per file."""
+    lines = [
+        "## Parity checks",
+        "",
+        "| file | token ids equal | chat template renderings equal | EOS (training, file) |",
+        "|---|---|---|---|",
+    ]
+    for export in exports.values():
+        checks = export["checks"]
+        tokens, template, stop = (checks[name]["figures"] for name in ("token_ids", "chat_template", "stop_tokens"))
+        conversations = template.get("conversations", 0)
+        lines.append(
+            f"| {export['file']} | {tokens.get('equal')}/{tokens.get('texts')} | "
+            f"{template.get('equal', 0)}/{2 * conversations} | {stop.get('training_eos')}, {stop.get('gguf_eos')} |"
+        )
+    return lines
