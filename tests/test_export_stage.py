@@ -18,6 +18,7 @@ import yaml
 from fineflow.core.errors import FineflowError
 from fineflow.export import tooling
 from fineflow.export.parity import Check, verdict
+from fineflow.registry.card import card_digest
 from tests.conftest import _git_commit, gate_only_project, venv_env
 from tests.test_export import _champion, _tiny_params, needs_llama_cpp
 
@@ -33,6 +34,8 @@ def test_the_export_stage_exports_nothing_and_says_why_or_refuses_when_told_to_e
     from fineflow.stages.export import REPORT_FILE, run
 
     champion = _champion(built, tmp_path / "models/champion")
+    promoted_card = "# c-test\n\n## Evaluation\n\n| metric | value |\n"
+    (champion / "README.md").write_text(promoted_card, encoding="utf-8")
     rows, out = built / "data/validated/eval.jsonl", tmp_path / "models/export"
     missing = _tools_file(tmp_path / "tools.json", MISSING_TOOLS)
     cases = {
@@ -44,6 +47,9 @@ def test_the_export_stage_exports_nothing_and_says_why_or_refuses_when_told_to_e
         assert summary == {"champion": "c-test", "shippable": [], "not_shippable": {}, "skipped": why}
         assert json.loads((out / REPORT_FILE).read_text(encoding="utf-8"))["skipped"] == why
         assert [p.name for p in out.iterdir()] == [REPORT_FILE]  # no card, no file that could be taken for an export
+        card = (champion / "README.md").read_text(encoding="utf-8")  # the champion's card says so, once
+        assert card == promoted_card + f"\n## Exports\n\nNothing exported: {why}.\n"
+        assert card_digest(card) == card_digest(promoted_card)  # what the promotion log binds: unchanged
     with pytest.raises(FineflowError, match="export.enabled is true but llama-cpp-python is not installed"):
         run(_tiny_params(enabled=True), champion, rows, out, missing)
     with pytest.raises(FineflowError, match="cannot read llama.cpp's tools' record .* run the fingerprint stage"):
@@ -270,6 +276,11 @@ def test_dvc_repro_exports_a_shippable_champion_and_block_promotion_promotes_onl
     card = (export / "README.md").read_text(encoding="utf-8")
     assert all(f"| model-{kind}.gguf | {kind} |" in card for kind in ("f16", "q8_0", "q4_k_m"))
     assert "fineflow serve --export-dir models/export --type q8_0" in card
+    champion_card = (project / "models/champion/README.md").read_text(encoding="utf-8")
+    assert champion_card.count("\n## Exports\n") == 1 and "| model-q8_0.gguf | q8_0 |" in champion_card
+    verify = [sys.executable, "-m", "fineflow.cli", "registry", "verify"]  # the card's new section is not tampering
+    done = subprocess.run(verify, cwd=project, env=venv_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
     assert _repro(project) == []
 
     blocked = _promote_and_export_project(built, tmp_path / "blocked", {**overrides, "export.block_promotion": True})

@@ -1,12 +1,15 @@
 """The exports' model card (``models/export/README.md``): every file the export stage wrote, with its parity figures
 and the command that serves it, the way a GGUF repository's card on the Hugging Face Hub reads.
 
-Written from the stage's report alone (and the champion's record), so the card and export.json never disagree.
+Written from the stage's report alone (and the champion's record), so the card and export.json never disagree. The
+same section goes last into the champion's own card (``champion_card_with_exports``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from fineflow.registry.card import EXPORTS_HEADING, without_exports
 
 LLAMA_SERVER_PORT = 8080  # llama.cpp's llama-server default
 FINEFLOW_SERVE_PORT = 8000  # fineflow serve's default
@@ -14,16 +17,27 @@ FINEFLOW_SERVE_PORT = 8000  # fineflow serve's default
 
 def export_card(report: dict, champion: dict, out_dir: Path) -> str:
     """The card's markdown: front matter, the files with their parity, how to serve each runtime, the checks."""
+    front = ["---", f"base_model: {champion.get('base_model') or 'unknown'}", "library_name: gguf"]
+    front += ["tags: [gguf, llama.cpp, fineflow]", "---", "", f"# Champion {report['champion']}: exports", ""]
+    return "\n".join(front + exports_section(report, champion, out_dir)) + "\n"
+
+
+def champion_card_with_exports(card: str, report: dict, champion: dict, out_dir: Path) -> str:
+    """The champion's own card (models/champion/README.md) with its exports as the last section, replacing the
+    one an earlier export wrote (fineflow.registry.card.EXPORTS_HEADING: outside what the promotion log binds)."""
+    section = [EXPORTS_HEADING, ""]
+    if not report["exports"]:
+        section.append(f"Nothing exported: {report.get('skipped')}.")
+    else:
+        section += [f"Files in `{out_dir}` (its README.md is their card).", ""]
+        section += exports_section(report, champion, out_dir)
+    return without_exports(card).rstrip("\n") + "\n\n" + "\n".join(section).replace("\n## ", "\n### ") + "\n"
+
+
+def exports_section(report: dict, champion: dict, out_dir: Path) -> list[str]:
+    """The exports, their parity and how to serve them: the body of both cards."""
     exports = report["exports"]
-    lines = [
-        "---",
-        f"base_model: {champion.get('base_model') or 'unknown'}",
-        "library_name: gguf",
-        "tags: [gguf, llama.cpp, fineflow]",
-        "---",
-        "",
-        f"# Champion {report['champion']}: exports",
-        "",
+    return [
         f"The champion installed by promotion log entry {champion.get('promotion_seq')}, exported by llama.cpp "
         f"(llama-cpp-python {report['tools']['llama_cpp_python']}, converter sha256 "
         f"{str(report['tools']['converter_sha256'])[:12]}) from {report['source']}, and checked against the model the "
@@ -40,7 +54,6 @@ def export_card(report: dict, champion: dict, out_dir: Path) -> str:
         *_serving(report, out_dir),
         *_check_figures(exports),
     ]
-    return "\n".join(lines) + "\n"
 
 
 def _export_row(export: dict) -> str:

@@ -34,10 +34,17 @@ NO_RUN_FIGURES = "Training run figures (wall time, tokens/s): not given to the p
 _FIGURE = re.compile(rf"({'|'.join(TRAIN_FIGURES)}) (-?[0-9.]+(e[-+]?[0-9]+)?|None|nan|-?inf)")
 
 
+# The export stage's section, last in the card (fineflow.export.card): written after the promotion, so the log
+# entry that installed the champion cannot bind it; the exports are bound by their own sha256s in export.json.
+EXPORTS_HEADING = "## Exports"
+
+
 def card_digest(text: str) -> str:
     """The card's sha256 as the log entry that installs the champion records it: of every line but the run
     figures (wall time, tokens/s, ...), which differ between two runs of the same inputs (the registry, a DVC
-    output, must not). Only a line of figures as _training writes them is left out: any other text in it counts."""
+    output, must not), and but the export stage's section (EXPORTS_HEADING to the end). Only a line of figures as
+    _training writes them is left out: any other text in it counts."""
+    text = without_exports(text)
 
     def bound(line: str) -> str:
         figures = line.removeprefix(RUN_FIGURES).split(", ")
@@ -45,6 +52,12 @@ def card_digest(text: str) -> str:
         return "<run figures>" if is_figures or line == NO_RUN_FIGURES else line
 
     return hashlib.sha256("\n".join(bound(line) for line in text.split("\n")).encode("utf-8")).hexdigest()
+
+
+def without_exports(text: str) -> str:
+    """The card as promote wrote it: the export stage's section cut off."""
+    lines = text.split("\n")
+    return "\n".join(lines[: lines.index(EXPORTS_HEADING)]) if EXPORTS_HEADING in lines else text
 
 
 def train_figures(train_report: Path | None, log=print) -> dict | None:

@@ -5,7 +5,8 @@ each GGUF parity-checked before it is shippable.
         --tools models/export_tools.json --out models/export
 
 Writes ``<out>/model-<type>.gguf`` for ``export.float_type`` and each of ``export.quantized``, the serving layouts,
-``<out>/README.md`` (the exports' model card: each file with its parity figures and the command that serves it)
+``<out>/README.md`` (the exports' model card: each file with its parity figures and the command that serves it;
+the same section goes last into the champion's own card, models/champion/README.md)
 and ``<out>/export.json``: per file its size, sha256, whether it is shippable and, when not, each failed check's
 reason, with the parity figures (fineflow.export.parity), and ``serve``: the file ``fineflow serve`` serves. A failed
 check marks that file not shippable; the stage still succeeds and the champion stays champion
@@ -27,7 +28,7 @@ from pathlib import Path
 from fineflow.core.config import Params
 from fineflow.core.entry import log, run_entry, stage_parser
 from fineflow.core.errors import FineflowError
-from fineflow.core.reports import write_json_atomic
+from fineflow.core.reports import write_json_atomic, write_text_atomic
 from fineflow.registry.install import read_champion
 
 REPORT_FILE = "export.json"
@@ -36,7 +37,7 @@ CARD_FILE = "README.md"
 
 def run(params: Params, champion_dir: Path, eval_rows: Path, out_dir: Path, tools: Path | None = None) -> dict:
     """Export the champion at champion_dir into out_dir (replaced whole); the stage's report."""
-    from fineflow.export.card import export_card
+    from fineflow.export.card import champion_card_with_exports, export_card
 
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
@@ -54,6 +55,10 @@ def run(params: Params, champion_dir: Path, eval_rows: Path, out_dir: Path, tool
             report = export_champion(champion_dir, eval_rows, out_dir, Path(work), params, log)
         (out_dir / CARD_FILE).write_text(export_card(report, champion, out_dir), encoding="utf-8")
     write_json_atomic(out_dir / REPORT_FILE, report)
+    card = champion_dir / CARD_FILE  # outside DVC's hash of the champion (.dvcignore) and the log's (card_digest)
+    if champion is not None and card.is_file():
+        text = champion_card_with_exports(card.read_text(encoding="utf-8"), report, champion, out_dir)
+        write_text_atomic(card, text)
     return summary(report)
 
 
