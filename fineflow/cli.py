@@ -630,7 +630,12 @@ def _serve_parser(sub) -> None:
         "the file's own chat template and context length, greedy at temperature 0. Runs in the foreground.",
         epilog="Exit codes: 2 when there is nothing shippable to serve (export.json names why); else the server's.",
     )
-    p.add_argument("--export-dir", type=Path, default=Path("models/export"), help="the export stage's output")
+    p.add_argument(
+        "--export-dir",
+        type=Path,
+        default=Path("models/export"),
+        help="the export stage's output (default: models/export)",
+    )
     p.add_argument("--type", help='which GGUF (f16, q8_0, ...; default: export.json\'s "serve")')
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1, this machine)")
     p.add_argument("--port", type=int, default=8000, help="default: 8000")
@@ -645,11 +650,13 @@ def _serve_parser(sub) -> None:
 def _run_serve(args) -> int:
     import os
 
-    from fineflow.export.serve import base_url, model_name, serve_command
+    from fineflow.export.serve import chosen_gguf, require_server, serve_command, serving_banner
 
+    kind, _ = chosen_gguf(args.export_dir, args.type, args.allow_unshippable)
+    require_server()
     command = serve_command(
         args.export_dir,
-        args.type,
+        kind,
         args.host,
         args.port,
         args.threads,
@@ -657,10 +664,7 @@ def _run_serve(args) -> int:
         allow_unshippable=args.allow_unshippable,
         python=sys.executable,
     )
-    print(
-        f"serving {command[command.index('--model') + 1]} at {base_url(args.host, args.port)} as model "
-        f"{model_name(args.export_dir)!r} (OpenAI chat completions; Ctrl-C stops it)"
-    )
+    print(serving_banner(args.export_dir, kind, args.host, args.port))
     print(" ".join(command), flush=True)
     os.execv(sys.executable, command)  # the server in this process: its signals and exit status are the command's
     return 0  # not reached

@@ -8,6 +8,7 @@ packages, the converter: tests/test_export.py's needs_llama_cpp) and the `openai
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -18,7 +19,14 @@ from pathlib import Path
 import pytest
 
 from fineflow.core.errors import FineflowError
-from fineflow.export.serve import CHAT_FORMAT, REPORT_FILE, chosen_gguf, default_kind, serve_command
+from fineflow.export.serve import (
+    CHAT_FORMAT,
+    REPORT_FILE,
+    chosen_gguf,
+    default_kind,
+    serve_command,
+    serving_banner,
+)
 from tests.conftest import free_port, stop_by_pid, venv_env
 from tests.test_export import _realmodel_missing, _tiny_params, needs_llama_cpp
 
@@ -89,6 +97,7 @@ def test_an_export_the_parity_check_refused_is_served_only_when_allowed(tmp_path
     assert "export.json: the f16 export is not shippable" in str(info.value) and reason in str(info.value)
     assert "--allow-unshippable" in str(info.value)
     assert chosen_gguf(folder, "f16", allow_unshippable=True) == ("f16", folder / "model-f16.gguf")
+    assert f"(f16, NOT shippable: {reason})" in serving_banner(folder, "f16", "127.0.0.1", 8000)
     with pytest.raises(FineflowError, match=r"no 'q8_0' export \(exported: \['f16'\]\)"):
         chosen_gguf(folder, "q8_0", allow_unshippable=True)
 
@@ -123,7 +132,25 @@ def test_fineflow_serve_refuses_with_exit_2_and_one_line_naming_export_json(tmp_
     assert len(error.splitlines()) == 1
 
 
+def test_without_the_servers_packages_fineflow_serve_says_how_to_install_them(tmp_path, monkeypatch, capsys):
+    import importlib.util as util
+
+    from fineflow.cli import main
+
+    find_spec = util.find_spec
+    monkeypatch.setattr(util, "find_spec", lambda name, *a: None if name == "sse_starlette" else find_spec(name, *a))
+    folder = _export_dir(tmp_path / "export", {"f16": _export("f16", 30)})
+    assert main(["serve", "--export-dir", str(folder)]) == 2
+    error = capsys.readouterr().err  # without llama-cpp-python (the CI venv) it names that instead
+    assert "make export-tools" in error and ("sse_starlette" in error or "llama-cpp-python==" in error), error
+
+
 # ---------------------------------------------------------------- served answers (the export extra, nightly)
+
+needs_server = pytest.mark.skipif(
+    any(importlib.util.find_spec(name) is None for name in ("sse_starlette", "starlette_context", "openai")),
+    reason="llama-cpp-python's server packages or the openai client are missing (pip install -e '.[export]')",
+)
 
 
 def _wait_ready(server: subprocess.Popen, url: str, log: Path, timeout: float = 180) -> bool:
@@ -253,6 +280,7 @@ def _assert_served_like_torch(export_dir: Path, model_dir: Path, docs, max_gen_t
 
 @pytest.mark.nightly  # llama.cpp's converter, the parity check and a server: ~1 min on 2 cores; the export extra
 @needs_llama_cpp
+@needs_server
 def test_the_served_embedded_champion_answers_an_openai_client_as_pytorch_does(built, tmp_path):
     from transformers import AutoTokenizer
 
@@ -289,6 +317,7 @@ def _split_digits_first(tokenizer_json: Path) -> None:
 
 @pytest.mark.nightly  # SmolLM2-135M converted (GGUF -> HF -> GGUF), parity-checked and served: ~3 min
 @needs_llama_cpp
+@needs_server
 @pytest.mark.skipif(_realmodel_missing() is not None, reason=str(_realmodel_missing()))
 def test_served_smollm2_answers_an_openai_client_as_pytorch_does(built, tmp_path):
     from transformers import AutoTokenizer

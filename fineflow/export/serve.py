@@ -37,6 +37,8 @@ from fineflow.core.errors import FineflowError
 REPORT_FILE = "export.json"  # the export stage's report (fineflow.export.stage writes it)
 CHAT_FORMAT = "chat_template.default"  # llama-cpp-python's name for the handler of the file's own template
 SERVER_MODULE = "fineflow.export.serve"  # llama_cpp.server's main with OpenAI's sampling defaults
+# what llama-cpp-python[server] requires, as modules (pyproject.toml's export extra pins them)
+SERVER_PACKAGES = ("uvicorn", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings", "yaml")
 
 
 def read_report(export_dir: Path) -> dict:
@@ -136,6 +138,28 @@ def _has_chat_template(export: dict) -> bool:
 def base_url(host: str, port: int) -> str:
     shown = f"[{host}]" if ":" in host else host
     return f"http://{shown}:{port}/v1"
+
+
+def require_server() -> None:
+    """llama-cpp-python of the pinned version and its server's packages, or a FineflowError saying how to get them."""
+    import importlib.util
+
+    from fineflow.export.tooling import INSTALL_HINT, require_llama_cpp
+
+    require_llama_cpp()
+    missing = [name for name in SERVER_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise FineflowError(f"llama-cpp-python's server needs {', '.join(missing)} (the export extra): {INSTALL_HINT}")
+
+
+def serving_banner(export_dir: Path, kind: str, host: str, port: int) -> str:
+    """What `fineflow serve` prints first: which file, where, under which name, and its parity verdict."""
+    export = read_report(export_dir)["exports"][kind]
+    verdict = "shippable" if export.get("shippable") else "NOT shippable: " + "; ".join(export.get("reasons") or [])
+    return (
+        f"serving {export_dir / export['file']} ({kind}, {verdict}) at {base_url(host, port)} as model "
+        f"{model_name(export_dir)!r}: OpenAI chat completions, temperature 0 is greedy; Ctrl-C stops it"
+    )
 
 
 def use_openai_sampling_defaults() -> None:
