@@ -113,6 +113,10 @@ def test_a_missing_or_unreadable_report_and_a_gguf_of_another_size_are_refused(t
     (broken / REPORT_FILE).write_text(json.dumps({"champion": None, "exports": {}}), encoding="utf-8")
     with pytest.raises(FineflowError, match=r"no GGUF exported \(champion: None\)"):
         chosen_gguf(broken)
+    skipped = {"champion": "c-1", "exports": {}, "skipped": "export.enabled is false"}
+    (broken / REPORT_FILE).write_text(json.dumps(skipped), encoding="utf-8")
+    with pytest.raises(FineflowError, match=r"no GGUF exported \(export.enabled is false\): nothing to serve"):
+        chosen_gguf(broken)
     folder = _export_dir(tmp_path / "export", {"f16": _export("f16", 30)})
     (folder / "model-f16.gguf").write_bytes(b"g" * 29)  # cut short after the check
     with pytest.raises(FineflowError, match=r"model-f16.gguf: 29 bytes, but .*export.json recorded 30 bytes"):

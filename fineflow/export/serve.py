@@ -54,7 +54,8 @@ def read_report(export_dir: Path) -> dict:
     if not isinstance(report, dict) or not isinstance(report.get("exports"), dict):
         raise FineflowError(f'{path}: not an export report (no "exports" mapping): re-run the export stage')
     if not report["exports"]:
-        raise FineflowError(f"{path}: no GGUF exported (champion: {report.get('champion')}): nothing to serve")
+        why = report.get("skipped") or f"champion: {report.get('champion')}"
+        raise FineflowError(f"{path}: no GGUF exported ({why}): nothing to serve")
     return report
 
 
