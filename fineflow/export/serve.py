@@ -34,7 +34,7 @@ from pathlib import Path
 
 from fineflow.core.errors import FineflowError
 
-REPORT_FILE = "export.json"  # the export stage's report (fineflow.export.stage writes it)
+REPORT_FILE = "export.json"  # the export stage's report (its own REPORT_FILE; not imported: the CLI stays light)
 CHAT_FORMAT = "chat_template.default"  # llama-cpp-python's name for the handler of the file's own template
 SERVER_MODULE = "fineflow.export.serve"  # llama_cpp.server's main with OpenAI's sampling defaults
 # what llama-cpp-python[server] requires, as modules (pyproject.toml's export extra pins them)
