@@ -5,7 +5,8 @@
 # Also: make test-scenarios and make test-nightly (the other two test tiers: tests/README.md), make test-all
 # (all three; CI, .ci/run, runs make test then make test-scenarios), make repro (plain `dvc repro`, no Prefect),
 # make docs (the documentation site, docs/, built strictly into site/), make export-tools (llama.cpp for the GGUF
-# export: fineflow/export), make ci (the CI retraining job: fineflow ci), make serve (the scheduled deployment,
+# export: fineflow/export), make serve-model (the champion's shippable GGUF behind an OpenAI-compatible API on
+# HOST:PORT: fineflow serve), make ci (the CI retraining job: fineflow ci), make serve (the scheduled deployment,
 # served from this process), make deploy + make worker (prefect.yaml on a work pool), make clean.
 
 PYTHON ?= python3
@@ -25,7 +26,8 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export TOKENIZERS_PARALLELISM := false
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: run docs lint test test-scenarios test-nightly test-all repro ci serve deploy worker venv clean export-tools
+.PHONY: run docs lint test test-scenarios test-nightly test-all repro ci serve deploy worker venv clean export-tools \
+	serve-model
 
 venv: $(STAMP)
 
@@ -89,6 +91,16 @@ export-tools: $(STAMP)
 	ls .cache/wheels/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1 || CMAKE_ARGS="-DGGML_NATIVE=OFF" \
 		$(BIN)/pip wheel --no-deps --wheel-dir .cache/wheels $(LLAMA_CPP_SDIST)
 	$(BIN)/pip install --quiet --find-links .cache/wheels -e '.[export]'
+
+# The champion's GGUF export (models/export, written by the export stage) served by llama-cpp-python's OpenAI-compatible
+# server, in the foreground: the type export.json names as "serve" unless TYPE is set; only a shippable one
+# (fineflow serve --help). make serve-model HOST=0.0.0.0 PORT=8080 TYPE=f16 THREADS=8
+HOST ?= 127.0.0.1
+PORT ?= 8000
+TYPE ?=
+THREADS ?=
+serve-model: $(STAMP)
+	$(BIN)/fineflow serve --host $(HOST) --port $(PORT) $(if $(TYPE),--type $(TYPE)) $(if $(THREADS),--threads $(THREADS))
 
 # The CI retraining job (fineflow/ci.py): pull, dvc repro with its gate, push, a summary; what
 # .github/workflows/retrain.yml runs. make ci CI_ARGS="--fail-on-refusal --commit"

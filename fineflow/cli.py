@@ -2,8 +2,8 @@
 list|show|apply`` (model-family recipes written into params.yaml after the planner's check: fineflow.recipes),
 ``registry verify|rollback|repair|list`` (the model registry: fineflow.registry.verify, rollback and repair in
 fineflow.registry.champion), ``lineage`` (fineflow.registry.lineage) and ``data add`` (new training data for the
-on-new-data deployment), ``doctor`` (fineflow.goodput.doctor) and ``params-doc`` (the params reference:
-fineflow.params_doc).
+on-new-data deployment), ``doctor`` (fineflow.goodput.doctor), ``params-doc`` (the params reference:
+fineflow.params_doc) and ``serve`` (the champion's GGUF export, OpenAI-compatible: fineflow.export.serve).
 
     fineflow plan --model 7B --method lora --precision bf16 --micro-batch 4 --seq-len 2048
     fineflow plan --model 8B --micro-batch 2 --seq-len 4096 --attention flash --device-gib 80
@@ -21,6 +21,7 @@ fineflow.params_doc).
     fineflow data add data/mine/train.jsonl   # dvc add it, then tell Prefect (the on-new-data deployment runs)
     fineflow doctor [reports/goodput.json] [--json] [--fail-on severe|warn|never]   # a run's bottlenecks
     fineflow params-doc --out docs/reference/params.md [--check]   # the params reference, from config.py
+    fineflow serve [--export-dir models/export] [--type q8_0] [--host 127.0.0.1] [--port 8000] [--threads 4]
     python -m fineflow.cli plan ...     # the same, without the installed script
 
 Exit status of plan: 0 when the plan fits (or no --device-gib was given), 1 when it does not; of registry
@@ -621,6 +622,54 @@ def _run_params_doc(args) -> int:
     return 0
 
 
+def _serve_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve the champion's GGUF export: an OpenAI-compatible API (llama-cpp-python's server)",
+        description="Serve a GGUF the export stage wrote and the parity check passed (fineflow/export/serve.py): "
+        "the file's own chat template and context length, greedy at temperature 0. Runs in the foreground.",
+        epilog="Exit codes: 2 when there is nothing shippable to serve (export.json names why); else the server's.",
+    )
+    p.add_argument(
+        "--export-dir",
+        type=Path,
+        default=Path("models/export"),
+        help="the export stage's output (default: models/export)",
+    )
+    p.add_argument("--type", help='which GGUF (f16, q8_0, ...; default: export.json\'s "serve")')
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1, this machine)")
+    p.add_argument("--port", type=int, default=8000, help="default: 8000")
+    p.add_argument("--threads", type=int, help="llama.cpp's CPU threads (default: llama-cpp-python's, half the CPUs)")
+    p.add_argument(
+        "--n-ctx", type=int, default=0, help="context length in tokens (default 0: the model's, as the check ran it)"
+    )
+    p.add_argument("--allow-unshippable", action="store_true", help="serve an export the parity check refused")
+    p.set_defaults(run=_run_serve)
+
+
+def _run_serve(args) -> int:
+    import os
+
+    from fineflow.export.serve import chosen_gguf, require_server, serve_command, serving_banner
+
+    kind, _ = chosen_gguf(args.export_dir, args.type, args.allow_unshippable)
+    require_server()
+    command = serve_command(
+        args.export_dir,
+        kind,
+        args.host,
+        args.port,
+        args.threads,
+        n_ctx=args.n_ctx,
+        allow_unshippable=args.allow_unshippable,
+        python=sys.executable,
+    )
+    print(serving_banner(args.export_dir, kind, args.host, args.port))
+    print(" ".join(command), flush=True)
+    os.execv(sys.executable, command)  # the server in this process: its signals and exit status are the command's
+    return 0  # not reached
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fineflow", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command")
@@ -632,6 +681,7 @@ def build_parser() -> argparse.ArgumentParser:
     _ci_parser(sub)
     _doctor_parser(sub)
     _params_doc_parser(sub)
+    _serve_parser(sub)
     return parser
 
 

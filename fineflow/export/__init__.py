@@ -7,6 +7,7 @@ each one (tokenizer ids, chat template, stop tokens, scores on the eval docs).
     parity.py         the checks: the GGUF through llama.cpp against the training tokenizer and the merged model
     champion.py       the champion's merged model found or built, exported and checked: the stage's report
     card.py           the exports' model card (models/export/README.md): each file, its parity, how to serve it
+    serve.py          `fineflow serve`: the shippable GGUF export.json names, by llama-cpp-python's OpenAI server
 
 Needs the ``export`` extra (``make export-tools``). Entry: ``fineflow.stages.export`` (stage export in dvc.yaml).
 """
