@@ -205,8 +205,10 @@ def test_the_embedded_champion_exports_to_gguf_and_passes_parity(built, tmp_path
     exports = report["exports"]
     assert report["source"] == "merged" and sorted(exports) == ["f16", "q4_0", "q8_0"]
     assert {REPORT_FILE, CARD_FILE, *(e["file"] for e in exports.values())} <= {p.name for p in out.iterdir()}
-    for export in exports.values():
-        assert export["checks"]["token_ids"]["figures"]["equal"] == 2 * report["eval_docs"]
+    for export in exports.values():  # every eval prompt, prompt + answer, and chat-rendered conversation
+        figures = export["checks"]["token_ids"]["figures"]
+        assert figures["equal"] == figures["texts"] == 2 * report["eval_docs"] + figures["chat_texts"]
+        assert figures["chat_texts"] == report["eval_docs"]
     assert exports["q4_0"]["checks"]["scores"]["figures"]["gated"] is False  # 4-bit: reported
     assert exports["f16"]["checks"]["scores"]["figures"]["same_answer"] == 1.0
     fields = GGUFReader(out / exports["f16"]["file"]).fields

@@ -74,6 +74,9 @@ def test_smollm2_from_its_package_keeps_its_chat_template_through_tokenize_and_t
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     assert tokenizer.chat_template == gguf_template
     assert tokenizer.eos_token == "<|im_end|>" and len(tokenizer) == 49152
+    # every digit on its own, then GPT-2's byte-level rule: llama.cpp's "smollm" pre-tokenizer, how it was trained
+    # (transformers' GGUF reader rebuilds the byte-level rule alone: "\n\n1979" became one "\n\n1" token)
+    assert tokenizer("a.\n\n1979")["input_ids"] == [81, 30, 1116, 33, 41, 39, 41]
 
     # the tokenize stage's own function renders the chat row with that template, trains on the answer only
     rows = tmp_path / "train.jsonl"

@@ -67,10 +67,39 @@ def load_gguf(gguf_path: Path):
     return model, tokenizer
 
 
+# llama.cpp's pre-tokenizers (the file's tokenizer.ggml.pre) that split every digit on its own before GPT-2's
+# byte-level rule (llama-vocab.cpp: "\\p{N}", then GPT-2's regex). transformers' GGUF reader rebuilds the byte-level
+# rule alone, so "a\n\n1979" would tokenize otherwise than the model was trained (SmolLM2: "smollm").
+DIGITS_FIRST = ("smollm", "codeshell", "exaone", "minerva-7b")
+
+
+def pre_tokenizer_name(gguf_path: Path) -> str | None:
+    """The file's tokenizer.ggml.pre: llama.cpp's name for how text is split before BPE."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf_path)).fields.get("tokenizer.ggml.pre")
+    return bytes(field.parts[-1]).decode("utf-8") if field is not None else None
+
+
+def split_as_llama_cpp(tokenizer, pre_name: str | None) -> None:
+    """Give the rebuilt tokenizer the pre-tokenizer llama.cpp runs for pre_name, where transformers drops it."""
+    if pre_name not in DIGITS_FIRST:
+        return
+    from tokenizers import pre_tokenizers
+
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
+
+
 def model_dir_from_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Write a Hugging Face model directory (config, safetensors, tokenizer with its chat template) for a GGUF
     file. Returns out_dir."""
     model, tokenizer = load_gguf(gguf_path)
+    split_as_llama_cpp(tokenizer, pre_tokenizer_name(gguf_path))
     if not tokenizer.chat_template:
         raise FineflowError(f"{gguf_path}: the file carries no tokenizer.chat_template; chat data needs one")
     out_dir = Path(out_dir)

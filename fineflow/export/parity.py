@@ -5,7 +5,8 @@ Four checks, each failing with its own reason (``Check.reason``):
 
 - ``token_ids``: the GGUF's tokenizer (llama.cpp, the file loaded vocab-only) gives the training tokenizer's ids
   for every eval prompt and every full training text (prompt + response), each encoded as its runtime encodes a
-  prompt (the training tokenizer's own special-token policy; llama.cpp's ``add_bos`` from the file);
+  prompt (the training tokenizer's own special-token policy; llama.cpp's ``add_bos`` from the file), and for every
+  eval conversation rendered by the chat template (what a served chat completion tokenizes);
 - ``chat_template``: the template stored in the GGUF, rendered by llama-cpp-python's own renderer (the
   ``Jinja2ChatFormatter`` its chat completions use, with the file's BOS/EOS texts), gives the training
   tokenizer's ``apply_chat_template`` text for a set of conversations (each eval row's, plus a multi-turn one with
@@ -95,21 +96,37 @@ def runtime_ids(runtime, text: str) -> list[int]:
     return runtime.tokenize(text.encode("utf-8"), add_bos=True, special=True)
 
 
+def chat_texts(tokenizer, docs: list[EvalDoc]) -> list[str]:
+    """Each eval conversation as the chat template renders it: what a chat completion feeds the model (the served
+    path: `fineflow serve`, Ollama), where the eval prompts above are the evaluate stage's plain rendering."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    return [tokenizer.apply_chat_template(doc.conversation, tokenize=False) for doc in docs if doc.conversation]
+
+
 def check_token_ids(runtime, tokenizer, docs: list[EvalDoc]) -> Check:
-    texts = [text for doc in docs for text in (doc.prompt, doc.prompt + doc.response)]
-    for i, text in enumerate(texts):
-        trained, served = tokenizer(text)["input_ids"], runtime_ids(runtime, text)
+    prompts = [
+        (f"eval text {i}", text, True) for i, doc in enumerate(docs) for text in (doc.prompt, doc.prompt + doc.response)
+    ]
+    # a rendered conversation carries its own special tokens (BOS too, where the template writes it): none added
+    chats = [(f"chat-rendered conversation {i}", text, False) for i, text in enumerate(chat_texts(tokenizer, docs))]
+    texts = prompts + chats
+    for i, (name, text, add_special) in enumerate(texts):
+        trained = tokenizer(text, add_special_tokens=add_special)["input_ids"]
+        served = (
+            runtime_ids(runtime, text) if add_special else runtime.tokenize(text.encode(), add_bos=False, special=True)
+        )
         if trained != served:
             at = next((k for k, (a, b) in enumerate(zip(trained, served)) if a != b), min(len(trained), len(served)))
             return Check(
                 "token_ids",
                 False,
-                f"the GGUF's tokenizer differs from the training tokenizer on eval text {i // 2} ({text[:40]!r}...): "
+                f"the GGUF's tokenizer differs from the training tokenizer on {name} ({text[:40]!r}...): "
                 f"from token {at}, training {trained[at : at + 5]} vs llama.cpp {served[at : at + 5]} "
                 f"({len(trained)} vs {len(served)} tokens)",
-                {"texts": len(texts), "equal": i},
+                {"texts": len(texts), "chat_texts": len(chats), "equal": i},
             )
-    return Check("token_ids", True, figures={"texts": len(texts), "equal": len(texts)})
+    return Check("token_ids", True, figures={"texts": len(texts), "chat_texts": len(chats), "equal": len(texts)})
 
 
 def _runtime_formatter(runtime, add_generation_prompt: bool):
