@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -94,6 +95,19 @@ def test_a_derivation_that_does_not_reproduce_training_is_caught_and_leaves_the_
     assert "TEMPLATE" not in modelfile and 'PARAMETER stop "</s>"' in modelfile
 
 
+def test_text_ollamas_parser_or_go_would_misread_is_written_as_an_escaped_go_string():
+    from fineflow.export.ollama import Pieces, go_template
+
+    awkward = 'say "hi"\u00a0{{ x }}\U0001f600'  # a quote, a no-break space (the parser drops it), braces, an emoji
+    pieces = Pieces("", "", None, {"user": (awkward, "\n"), "assistant": ("A: ", "\n")}, "A: ")
+    template = go_template(pieces)
+    literal = template.split('{{ if eq $m.Role "user" }}{{ "', 1)[1].split('" }}', 1)[0]
+    assert '"' not in literal and "\u00a0" not in literal  # nothing the Modelfile's quotes or parser would eat
+    go_read = re.sub(r"\\u([0-9a-f]{4})|\\U([0-9a-f]{8})", lambda m: chr(int(m[1] or m[2], 16)), literal)
+    assert go_read == awkward  # Go's string literal reads \uXXXX and \UXXXXXXXX back to the characters
+    assert "A: {{ $m.Content }}\n" in template  # plain text stays as it is
+
+
 # what each family's real template derives to, or why not (tests/families/templates: the texts the models ship)
 FAMILY_OUTCOMES = {
     "llama3": (True, ["trims message contents", "tool calls", "after the first turn renders differently"]),
@@ -148,6 +162,83 @@ def test_smollm2s_chatml_template_and_im_end_make_its_modelfile(tmp_path):
     assert record["template"].startswith('{{ range $i, $m := .Messages }}{{ if and (eq $i 0) (ne $m.Role "system") }}')
     assert "<|im_start|>system\nYou are a helpful AI assistant named SmolLM" in record["template"]
     assert '{{ if eq $m.Role "system" }}<|im_start|>system\n{{ $m.Content }}<|im_end|>\n' in record["template"]
+
+
+# Go's text/template run as Ollama runs a .Messages template (template/template.go Execute: missingkey=zero, its
+# "json" function, the messages as structs with Role and Content): the written template's own rendering
+GO_RENDERER = """package main
+
+import (
+	"encoding/json"
+	"os"
+	"strings"
+	"text/template"
+)
+
+type Message struct{ Role, Content string }
+
+func main() {
+	var in struct {
+		Template      string
+		Conversations [][]*Message
+	}
+	if err := json.NewDecoder(os.Stdin).Decode(&in); err != nil {
+		panic(err)
+	}
+	funcs := template.FuncMap{"json": func(v any) string { b, _ := json.Marshal(v); return string(b) }}
+	tmpl := template.Must(template.New("").Option("missingkey=zero").Funcs(funcs).Parse(in.Template))
+	var out []string
+	for _, messages := range in.Conversations {
+		var b strings.Builder
+		values := map[string]any{"System": "", "Messages": messages, "Tools": nil, "Response": ""}
+		if err := tmpl.Execute(&b, values); err != nil {
+			panic(err)
+		}
+		out = append(out, b.String())
+	}
+	json.NewEncoder(os.Stdout).Encode(out)
+}
+"""
+
+
+def go_render(template: str, conversations: list[list[dict]], work: Path) -> list[str]:
+    import subprocess
+
+    (work / "render.go").write_text(GO_RENDERER, encoding="utf-8")
+    payload = json.dumps({"Template": template, "Conversations": conversations})
+    done = subprocess.run(
+        ["go", "run", "render.go"], cwd=work, input=payload, capture_output=True, text=True, timeout=300, check=True
+    )
+    return json.loads(done.stdout)
+
+
+@pytest.mark.skipif(shutil.which("go") is None, reason="Go is not installed (apt-get install golang-go)")
+def test_go_renders_each_derived_template_as_training_renders_the_conversation(built, tmp_path):
+    from transformers import AutoTokenizer
+
+    from fineflow.export.ollama import _forms
+    from fineflow.export.parity import SYSTEM_CONVERSATION
+
+    embedded = AutoTokenizer.from_pretrained(built / "models/base")
+    conversations = eval_conversations(built, embedded, tmp_path / "work")[:4]
+    conversations.append([*SYSTEM_CONVERSATION, {"role": "assistant", "content": "Green."}])
+    texts = ["What is two plus two? Four. Name a colour. Blue. You answer in one short line."] * 20
+    families = ("llama3", "qwen2.5", "gemma2", "phi3")
+    tokenizers = {"embedded": embedded, **{family: build_tokenizer(family, texts) for family in families}}
+    for name, tokenizer in tokenizers.items():
+        record = write_modelfile(tmp_path / name, "m.gguf", tokenizer, [tokenizer.eos_token_id], conversations)
+        forms = [form for conversation in conversations for form in _forms(conversation)]
+        rendered = go_render(record["template"], [messages for messages, _ in forms], tmp_path)
+        bos = tokenizer.bos_token if record["checks"]["bos"] else ""  # the runtime's, not the template's
+        compared = 0
+        for (messages, generation), text in zip(forms, rendered):
+            try:
+                trained = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+            except Exception:  # noqa: BLE001 - training refuses it (Gemma's system turn): nothing to match
+                continue
+            assert bos + text == trained, (name, messages)
+            compared += 1
+        assert compared >= len(forms) - 2, name
 
 
 # ---------------------------------------------------------------- vLLM

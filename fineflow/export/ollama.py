@@ -6,7 +6,7 @@ probe conversations whose contents are sentinels; the text around each sentinel 
 and after a message's content, the text before the first message (a BOS, a default system turn), and the
 generation prompt. From those pieces a Go text/template over Ollama's ``.Messages`` (``.Role``, ``.Content``) is
 built: a range over the messages with one branch per role, the default system turn when the first message is not a
-system one, and the generation prompt after the last message unless it is the assistant's (Ollama's prefill).
+system one, and the generation prompt after the last message unless it is the assistant's.
 
 What is verified here: the SAME pieces, assembled in Python exactly as the Go template assembles them, reproduce
 ``apply_chat_template``'s text for every given conversation (the eval docs') and a multi-turn one with a system
@@ -14,9 +14,12 @@ message, both as a prompt (the generation prompt after the last user turn) and a
 the assistant's turn, no generation prompt). A template the pieces cannot reproduce (tool-call logic, a system
 message moved into the last user turn, content-dependent branches) gets no TEMPLATE: the record says why, and Ollama
 falls back to the template it picks for the GGUF's own ``tokenizer.chat_template`` (its nearest built-in one,
-unverified by fineflow). What is NOT verified here: Go's rendering of the written template (Go and Ollama are not
-installed where the tests run), and Ollama's own steps before it: it merges consecutive messages of one role
+unverified by fineflow). Go's own rendering of the written template is checked where Go is installed
+(tests/test_export_layouts.py runs Go's text/template as Ollama's Execute does; skipped without Go). Ollama itself
+is not run: not checked are its steps before the template: it merges consecutive messages of one role
 (``"\\n\\n"``-joined) and tokenizes with the GGUF's ``add_bos_token`` (so a BOS the template writes is left to it).
+A conversation ending with the assistant's turn is written closed, as training renders it (not left open for
+Ollama's prefill).
 
 Limits found while deriving are recorded, not hidden (``checks.limits``): a template that trims message contents
 (Go templates in Ollama have no trim), roles the training template refuses or drops, tool messages (not derived).
@@ -318,8 +321,8 @@ def write_modelfile(out_dir: Path, gguf_name: str, tokenizer, stop_ids: list[int
     except NotDerivable as exc:
         pieces = None
         checks["reason"] = (
-            f"{exc}: the Modelfile has no TEMPLATE (Ollama then uses its own pick for the GGUF's chat template, "
-            "unverified)"
+            f"{exc}: the Modelfile has no TEMPLATE (Ollama then picks one for the GGUF's tokenizer.chat_template, "
+            "if any: unverified)"
         )
     template = go_template(pieces) if pieces is not None else None
     stops = stop_texts(tokenizer, stop_ids, pieces)

