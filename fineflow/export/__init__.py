@@ -1,5 +1,6 @@
-"""Stage export's library: the promoted champion as GGUF files for llama.cpp, and the parity check that can refuse
-each one (tokenizer ids, chat template, stop tokens, scores on the eval docs).
+"""Stage export's library: the promoted champion as GGUF files for llama.cpp (with an Ollama Modelfile) and laid
+out for vLLM, and the parity check that can refuse each GGUF (tokenizer ids, chat template, stop tokens, scores on
+the eval docs).
 
     tooling.py        llama.cpp's converter (out of llama-cpp-python's sdist, sha256-checked) and its runtime, pinned
     run_converter.py  convert_hf_to_gguf.py run unchanged, naming GPT-2's byte-level pre-tokenizer where it refuses
@@ -8,6 +9,8 @@ each one (tokenizer ids, chat template, stop tokens, scores on the eval docs).
     champion.py       the champion's merged model found or built, exported and checked: the stage's report
     card.py           the exports' model card (models/export/README.md): each file, its parity, how to serve it
     serve.py          `fineflow serve`: the shippable GGUF export.json names, by llama-cpp-python's OpenAI server
+    ollama.py         the Ollama Modelfile: TEMPLATE derived from the training chat template (verified), stops
+    vllm.py           the adapter laid out as vLLM's LoRA loader reads it, its refusals, the `vllm serve` commands
 
 Needs the ``export`` extra (``make export-tools``). Entry: ``fineflow.stages.export`` (stage export in dvc.yaml).
 """
