@@ -24,6 +24,7 @@ from fineflow.export.parity import (
     verdict,
     vocabulary_checks,
 )
+from fineflow.export.vllm import write_vllm_layout
 
 
 def champion_model_dir(champion_dir: Path, work_dir: Path, log: Callable[[str], None] = print) -> Path:
@@ -119,13 +120,32 @@ def export_champion(
     # which of the champion's forms was exported, by name (a path into the scratch folder would change every run)
     source = model_dir.relative_to(champion_dir).as_posix() if model_dir.is_relative_to(champion_dir) else None
     tools = toolchain()
+    served = serving_choice(report["exports"])
     return {
         "champion": (read_champion(champion_dir) or {}).get("candidate_id"),
         "source": source or "the adapter merged onto its base (fineflow.registry.merge)",
         "tools": {key: tools[key] for key in ("llama_cpp_python", "converter_sha256")},
         **report,
-        "serve": serving_choice(report["exports"]),
+        "serve": served,
+        "ollama": ollama_modelfile(model_dir, eval_rows, out_dir, work_dir, params, report["exports"], served),
+        "vllm": write_vllm_layout(champion_dir, out_dir),
     }
+
+
+def ollama_modelfile(
+    model_dir: Path, eval_rows: Path, out_dir: Path, work_dir: Path, params: Params, exports: dict, served: str | None
+) -> dict:
+    """out_dir/Modelfile for the served GGUF (else the float one): its template derived from the training template
+    and checked on the eval conversations, its stops the ids the model was trained to stop on."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from fineflow.export.ollama import write_modelfile
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    docs = rendered_eval_docs(eval_rows, tokenizer, work_dir, params.export.parity_docs)
+    stop_ids = trained_stop_ids(tokenizer, _generation_eos(model_dir, GenerationConfig))
+    gguf = exports[served or params.export.float_type]["file"]
+    return write_modelfile(out_dir, gguf, tokenizer, stop_ids, [doc.conversation for doc in docs])
 
 
 def serving_choice(exports: dict) -> str | None:
