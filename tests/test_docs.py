@@ -133,6 +133,9 @@ COMMANDS = {
     "make export-tools": "tests/test_export.py::test_the_embedded_champion_exports_to_gguf_and_passes_parity",
     "python -m fineflow.stages.export --champion models/champion --eval-rows data/validated/eval.jsonl --out "
     "models/export": "tests/test_export.py::test_the_embedded_champion_exports_to_gguf_and_passes_parity",
+    "fineflow serve --export-dir models/export --port 8000": (
+        "tests/test_serve.py::test_the_served_embedded_champion_answers_an_openai_client_as_pytorch_does"
+    ),
     "make run": "tests/test_flow.py::test_flow_then_dvc_repro",  # make run = python -m flows.pipeline
     "make test": "tests/test_tiers.py::test_ci_runs_the_readmes_test_command_then_the_ci_scenarios",
     "fineflow ci [--commit] [--fail-on-refusal] [--base-ref REF] [--summary FILE]": (
