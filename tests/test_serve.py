@@ -308,17 +308,6 @@ def test_the_served_embedded_champion_answers_an_openai_client_as_pytorch_does(b
     print(json.dumps(figures))
 
 
-def _split_digits_first(tokenizer_json: Path) -> None:
-    """SmolLM2's pre-tokenizer as the model has it (llama.cpp's "smollm": each digit split off first, then GPT-2's
-    byte-level rule). transformers' GGUF -> Hugging Face conversion (fineflow.base.gguf) keeps only the byte-level
-    rule, so "\\n\\n1979" is [198, 198, ...] for it and [1116, ...] ("\\n\\n") for llama.cpp and SmolLM2: the eval
-    conversations' "instruction\\n\\ninput" would reach the two runtimes as different ids."""
-    spec = json.loads(tokenizer_json.read_text(encoding="utf-8"))
-    digits = {"type": "Digits", "individual_digits": True}
-    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [digits, spec["pre_tokenizer"]]}
-    tokenizer_json.write_text(json.dumps(spec), encoding="utf-8")
-
-
 @pytest.mark.nightly  # SmolLM2-135M converted (GGUF -> HF -> GGUF), parity-checked and served: ~3 min
 @needs_llama_cpp
 @needs_server
@@ -330,8 +319,7 @@ def test_served_smollm2_answers_an_openai_client_as_pytorch_does(built, tmp_path
     from fineflow.core.reports import write_json_atomic
     from fineflow.export.champion import export_model, rendered_eval_docs
 
-    model_dir = model_dir_from_gguf(packaged_gguf(), tmp_path / "smollm2")
-    _split_digits_first(model_dir / "tokenizer.json")
+    model_dir = model_dir_from_gguf(packaged_gguf(), tmp_path / "smollm2")  # its digit split kept (smollm)
     params = _tiny_params(quantized=[], parity_docs=4)
     out = tmp_path / "export"
     report = export_model(model_dir, built / "data/validated/eval.jsonl", out, tmp_path / "work", params)
