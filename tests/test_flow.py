@@ -261,7 +261,8 @@ def test_lineage_times_the_run_from_every_stage_before_promote():
     from fineflow.registry.lineage import report_stages
 
     assert report_stages(ROOT / "reports") == STAGES[: STAGES.index("promote")]
-    assert STAGES[-2:] == ["promote", "goodput"]  # the ledger runs after the candidate's lineage is written
+    # the champion's export after its promotion; the ledger last, after the candidate's lineage is written
+    assert STAGES[-3:] == ["promote", "export", "goodput"]
 
 
 def _count_attempts(stages, monkeypatch) -> list[str]:
