@@ -290,3 +290,28 @@ def test_dvc_repro_exports_a_shippable_champion_and_block_promotion_promotes_onl
     assert sorted(entry["export_parity"]["exports"]) == ["f16", "q8_0"]  # the float and the gated types
     assert "## Export parity (checked before promotion)" in (blocked / "models/champion/README.md").read_text()
     print(json.dumps({k: e["checks"]["scores"]["figures"] for k, e in report["exports"].items()}))
+
+
+def test_after_the_export_stage_the_promotion_artifact_is_published_again_with_the_exports(tmp_path, monkeypatch):
+    import tasks.artifacts as artifacts
+
+    published = {}
+    monkeypatch.setattr(artifacts, "create_table_artifact", lambda **kwargs: None)
+    monkeypatch.setattr(
+        artifacts, "create_markdown_artifact", lambda key, markdown, **_: published.update({key: markdown})
+    )
+    (tmp_path / "reports").mkdir()
+    promote = {"decision": "promoted", "reason": "beats the base", "candidate_id": "c-9"}
+    (tmp_path / "reports/promote.json").write_text(json.dumps(promote), encoding="utf-8")
+    (tmp_path / "models/export").mkdir(parents=True)
+    exports = {"f16": _export("f16", 4, 0.0, True)}
+    (tmp_path / "models/export/export.json").write_text(json.dumps(_report(exports)), encoding="utf-8")
+    artifacts.publish_report("export", tmp_path, {"champion": "c-9", "shippable": ["f16"]}, ran=True)
+    assert published["fineflow-promotion"].startswith("### Promotion: **promoted**")
+    assert (
+        "#### Exports" in published["fineflow-promotion"]
+        and "| model-f16.gguf | yes |" in published["fineflow-promotion"]
+    )
+    published.clear()
+    artifacts.publish_report("export", tmp_path, {"champion": "c-9"}, ran=False)  # skipped by DVC: nothing new
+    assert published == {}
