@@ -308,3 +308,26 @@ def test_smollm2_exports_with_its_chatml_template_and_im_end_and_passes_parity(b
     assert f16["stop_tokens"]["figures"] == {"training_eos": 2, "gguf_eos": 2}  # <|im_end|>
     assert f16["chat_template"]["figures"]["equal"] == 2 * f16["chat_template"]["figures"]["conversations"]
     print(json.dumps({k: {"bytes": v["bytes"], **v["checks"]["scores"]["figures"]} for k, v in exports.items()}))
+
+
+@pytest.mark.nightly  # two tiny family models through llama.cpp's converter and scoring: ~2 min on 2 cores
+@needs_llama_cpp
+@pytest.mark.parametrize("family", ["llama3", "qwen2.5"])
+def test_a_real_family_template_with_tool_calls_renders_identically_in_llama_cpp(family, built, tmp_path):
+    """Llama 3.1's and Qwen2.5's real chat templates (with tools) on tiny models of their architectures: llama.cpp's
+    renderer gives training's text for every conversation, a tool call with its result and definition included."""
+    from fineflow.export.champion import export_model
+    from tests.families import save_family
+
+    rows = [json.loads(line) for line in (built / "data/validated/train.jsonl").read_text().splitlines()[:400]]
+    model_dir = save_family(family, [f"{row['instruction']} {row['output']}" for row in rows], tmp_path / "model")
+    params = _tiny_params(quantized=[], parity_docs=6)
+    report = export_model(model_dir, built / "data/validated/eval.jsonl", tmp_path / "gguf", tmp_path / "work", params)
+    checks = report["exports"]["f16"]["checks"]
+    template = checks["chat_template"]
+    assert template["passed"], template["reason"]
+    assert template["figures"] == {"conversations": 8, "equal": 16, "tool_calls": True}  # 6 docs, system, tools
+    assert checks["stop_tokens"]["passed"], checks["stop_tokens"]["reason"]
+    if family == "llama3":  # its whole export: the ids of 18 texts, chat-rendered ones included, and the scores
+        assert report["exports"]["f16"]["shippable"], report["exports"]["f16"]["reasons"]
+        assert checks["token_ids"]["figures"] == {"texts": 18, "chat_texts": 6, "equal": 18}

@@ -9,8 +9,9 @@ Four checks, each failing with its own reason (``Check.reason``):
   eval conversation rendered by the chat template (what a served chat completion tokenizes);
 - ``chat_template``: the template stored in the GGUF, rendered by llama-cpp-python's own renderer (the
   ``Jinja2ChatFormatter`` its chat completions use, with the file's BOS/EOS texts), gives the training
-  tokenizer's ``apply_chat_template`` text for a set of conversations (each eval row's, plus a multi-turn one with
-  a system message), with and without the generation prompt;
+  tokenizer's ``apply_chat_template`` text for a set of conversations (each eval row's, a multi-turn one with a
+  system message and, when the template renders tool calls, a tool call and its result with the tool's definition),
+  with and without the generation prompt;
 - ``stop_tokens``: the GGUF's EOS is the training tokenizer's, and every end-of-turn id the model was trained to
   stop on (the tokenizer's EOS, generation_config's ``eos_token_id``) ends generation in llama.cpp;
 - ``scores``: the GGUF run by llama.cpp on CPU and the merged model run by transformers answer the eval docs
@@ -40,6 +41,34 @@ SYSTEM_CONVERSATION = [
     {"role": "assistant", "content": "Blue."},
     {"role": "user", "content": "And another one?"},
 ]
+
+# a tool call and its result, rendered with the tool's definition, for a template that supports tools: what a
+# served chat completion with `tools` sends (the arguments as a mapping, as the Hugging Face templates expect)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+    },
+    {"role": "tool", "name": "get_weather", "content": "18 C, clear"},
+    {"role": "assistant", "content": "It is 18 C and clear in Paris."},
+]
+
+
+def supports_tools(template: str | None) -> bool:
+    """Whether the chat template renders tool calls (it reads a message's tool_calls)."""
+    return bool(template) and "tool_calls" in template
 
 
 @dataclass
@@ -96,6 +125,11 @@ def runtime_ids(runtime, text: str) -> list[int]:
     return runtime.tokenize(text.encode("utf-8"), add_bos=True, special=True)
 
 
+def first_difference(trained, served) -> int:
+    """Where two sequences (ids, text) first differ; the shorter one's length when one is the other's prefix."""
+    return next((k for k, (a, b) in enumerate(zip(trained, served)) if a != b), min(len(trained), len(served)))
+
+
 def chat_texts(tokenizer, docs: list[EvalDoc]) -> list[str]:
     """Each eval conversation as the chat template renders it: what a chat completion feeds the model (the served
     path: `fineflow serve`, Ollama), where the eval prompts above are the evaluate stage's plain rendering."""
@@ -117,7 +151,7 @@ def check_token_ids(runtime, tokenizer, docs: list[EvalDoc]) -> Check:
             runtime_ids(runtime, text) if add_special else runtime.tokenize(text.encode(), add_bos=False, special=True)
         )
         if trained != served:
-            at = next((k for k, (a, b) in enumerate(zip(trained, served)) if a != b), min(len(trained), len(served)))
+            at = first_difference(trained, served)
             return Check(
                 "token_ids",
                 False,
@@ -151,24 +185,33 @@ def check_chat_template(runtime, tokenizer, docs: list[EvalDoc]) -> Check:
         return Check("chat_template", True, figures={"conversations": 0, "note": "the model has no chat template"})
     if not stored:
         return Check("chat_template", False, "the GGUF carries no chat template (tokenizer.chat_template)")
-    conversations = [doc.conversation for doc in docs] + [SYSTEM_CONVERSATION]
+    conversations = [(doc.conversation, None) for doc in docs] + [(SYSTEM_CONVERSATION, None)]
+    if supports_tools(trained_template):
+        conversations.append((TOOL_CONVERSATION, TOOLS))
     rendered = 0
     for generation_prompt in (True, False):
         formatter = _runtime_formatter(runtime, generation_prompt)
-        for i, messages in enumerate(conversations):
+        for i, (messages, tools) in enumerate(conversations):
             turns = messages[:-1] if generation_prompt and messages[-1]["role"] == "assistant" else messages
-            trained = tokenizer.apply_chat_template(turns, add_generation_prompt=generation_prompt, tokenize=False)
-            served = formatter(messages=turns).prompt
+            trained = tokenizer.apply_chat_template(
+                turns, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
+            )
+            served = formatter(messages=turns, tools=tools).prompt
             if trained != served:
+                at = next(
+                    (k for k, (a, b) in enumerate(zip(trained, served)) if a != b), min(len(trained), len(served))
+                )
                 return Check(
                     "chat_template",
                     False,
-                    f"the GGUF's chat template renders conversation {i} (generation prompt: {generation_prompt}) "
-                    f"differently from training: {served[:80]!r} vs training {trained[:80]!r}",
-                    {"conversations": len(conversations), "equal": rendered},
+                    f"the GGUF's chat template renders conversation {i}{' (tool call)' if tools else ''} (generation "
+                    f"prompt: {generation_prompt}) differently from training, from character {at}: "
+                    f"{served[at : at + 60]!r} vs training {trained[at : at + 60]!r}",
+                    {"conversations": len(conversations), "equal": rendered, "tool_calls": tools is not None},
                 )
             rendered += 1
-    return Check("chat_template", True, figures={"conversations": len(conversations), "equal": rendered})
+    figures = {"conversations": len(conversations), "equal": rendered, "tool_calls": bool(conversations[-1][1])}
+    return Check("chat_template", True, figures=figures)
 
 
 def trained_stop_ids(tokenizer, generation_eos: int | list[int] | None) -> list[int]:
