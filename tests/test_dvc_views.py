@@ -178,7 +178,7 @@ def test_after_a_promote_only_dvc_repro_metrics_diff_shows_no_goodput_drop(repro
     run's own cost but no goodput change; the freshly written headline fits a terminal."""
     from tests.conftest import copy_reproduced
 
-    project = copy_reproduced(reproduced, tmp_path / "p", {"promote": {"min_delta": 0.0, "confidence": 0.9}})
+    project = copy_reproduced(reproduced, tmp_path / "p", {"promote.min_delta": 0.0, "promote.confidence": 0.9})
     ran = re.findall(r"Running stage '([^']+)'", dvc(project, "repro"))
     # fingerprint: always_changed; export: its parity bootstrap is the gate's (promote.confidence)
     assert ran == ["fingerprint", "promote", "export", "goodput"], ran
