@@ -157,18 +157,28 @@ def run_flow(project: Path) -> int:
             raise  # a crash: its traceback, exit 1
         report_user_error(str(exc))
         return USER_ERROR_EXIT
+    print_summary(results)
+    return 0
+
+
+def print_summary(results: dict) -> None:
+    """What ran, the scores, the decision, the exports and the ledger's one line: what `make run` ends with."""
     ran = [stage for stage, r in results.items() if r["ran"]]
     # a project's dvc.yaml may leave stages out
     evaluate, promote = (results.get(stage, {}).get("report", {}) for stage in ("evaluate", "promote"))
     print(f"stages run: {', '.join(ran) or 'none (everything up to date)'}")
     print(f"base {evaluate.get('base')} -> candidate {evaluate.get('candidate')}")
     print(f"promote: {promote.get('decision')} ({promote.get('reason')})")
+    export = results.get("export", {}).get("report", {})
+    if export.get("skipped"):
+        print(f"export: nothing exported ({export['skipped']})")
+    elif export:  # which GGUF files ship, and the one `fineflow serve` serves
+        print(f"export: shippable {', '.join(export.get('shippable') or []) or 'none'}; served: {export.get('serve')}")
     ledger = results.get("goodput", {}).get("report", {})
     if ledger.get("buckets"):  # the last line: goodput, cost, the biggest badput (fineflow doctor for the rest)
         from fineflow.goodput.doctor import one_line
 
         print(one_line(ledger))
-    return 0
 
 
 if __name__ == "__main__":

@@ -315,3 +315,13 @@ def test_after_the_export_stage_the_promotion_artifact_is_published_again_with_t
     published.clear()
     artifacts.publish_report("export", tmp_path, {"champion": "c-9"}, ran=False)  # skipped by DVC: nothing new
     assert published == {}
+
+
+def test_make_run_ends_by_saying_what_was_exported_or_why_nothing_was(capsys):
+    from flows.pipeline import print_summary
+
+    shipped = {"champion": "c-9", "shippable": ["f16", "q4_k_m", "q8_0"], "serve": "q8_0"}
+    print_summary({"export": {"ran": True, "report": shipped}})
+    assert "export: shippable f16, q4_k_m, q8_0; served: q8_0" in capsys.readouterr().out
+    print_summary({"export": {"ran": True, "report": {"skipped": "export.enabled is false", "shippable": []}}})
+    assert "export: nothing exported (export.enabled is false)" in capsys.readouterr().out
