@@ -42,6 +42,8 @@ def main(argv: list[str]) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "probe.json").write_text(json.dumps(record, sort_keys=True) + "\n", encoding="utf-8")
     state.wait_for_everyone()
+    if torch.distributed.is_initialized():  # left to interpreter exit, gloo's teardown can abort a rank whose peer
+        torch.distributed.destroy_process_group()  # already left ("terminate called without an active exception")
     return 0
 
 
