@@ -6,8 +6,8 @@
 # (all three; CI, .ci/run, runs make test then make test-scenarios), make repro (plain `dvc repro`, no Prefect),
 # make docs (the documentation site, docs/, built strictly into site/), make export-tools (llama.cpp for the GGUF
 # export: fineflow/export), make serve-model (the champion's shippable GGUF behind an OpenAI-compatible API on
-# HOST:PORT: fineflow serve), make ci (the CI retraining job: fineflow ci), make serve (the scheduled deployment,
-# served from this process), make deploy + make worker (prefect.yaml on a work pool), make clean.
+# SERVE_HOST:SERVE_PORT: fineflow serve), make ci (the CI retraining job: fineflow ci), make serve (the scheduled
+# deployment, served from this process), make deploy + make worker (prefect.yaml on a work pool), make clean.
 
 PYTHON ?= python3
 VENV := .venv
@@ -94,13 +94,15 @@ export-tools: $(STAMP)
 
 # The champion's GGUF export (models/export, written by the export stage) served by llama-cpp-python's OpenAI-compatible
 # server, in the foreground: the type export.json names as "serve" unless TYPE is set; only a shippable one
-# (fineflow serve --help). make serve-model HOST=0.0.0.0 PORT=8080 TYPE=f16 THREADS=8
-HOST ?= 127.0.0.1
-PORT ?= 8000
-TYPE ?=
-THREADS ?=
+# (fineflow serve --help). make serve-model SERVE_PORT=8080 SERVE_TYPE=f16 SERVE_THREADS=8 (prefixed: a shell's own
+# HOST or PORT must not move the server off 127.0.0.1)
+SERVE_HOST ?= 127.0.0.1
+SERVE_PORT ?= 8000
+SERVE_TYPE ?=
+SERVE_THREADS ?=
 serve-model: $(STAMP)
-	$(BIN)/fineflow serve --host $(HOST) --port $(PORT) $(if $(TYPE),--type $(TYPE)) $(if $(THREADS),--threads $(THREADS))
+	$(BIN)/fineflow serve --host $(SERVE_HOST) --port $(SERVE_PORT) $(if $(SERVE_TYPE),--type $(SERVE_TYPE)) \
+		$(if $(SERVE_THREADS),--threads $(SERVE_THREADS))
 
 # The CI retraining job (fineflow/ci.py): pull, dvc repro with its gate, push, a summary; what
 # .github/workflows/retrain.yml runs. make ci CI_ARGS="--fail-on-refusal --commit"

@@ -332,3 +332,13 @@ def test_served_smollm2_answers_an_openai_client_as_pytorch_does(built, tmp_path
     figures = _assert_served_like_torch(out, model_dir, docs, max_gen_toks, tmp_path / "serve.log")
     assert figures["model"] == "fineflow-smollm2"
     print(json.dumps(figures))
+
+
+def test_make_serve_model_runs_fineflow_serve_on_loopback_whatever_the_shells_host_and_port(tmp_path):
+    import os
+
+    env = {**os.environ, "HOST": "example.com", "PORT": "1"}  # a shell's own: never where the model is served
+    make = ["make", "-n", "serve-model", "SERVE_TYPE=q8_0", "SERVE_THREADS=2"]
+    dry = subprocess.run(make, cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True)
+    assert dry.returncode == 0, dry.stderr
+    assert "fineflow serve --host 127.0.0.1 --port 8000 --type q8_0" in dry.stdout and "--threads 2" in dry.stdout
