@@ -65,21 +65,10 @@ def torch_answers(base: str, champion: Path, prompts: list[list[int]], max_token
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from fineflow.export.parity import greedy_ids
+
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), str(champion))
-    answers = []
-    with torch.no_grad():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            out = model.generate(
-                x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=max_tokens,
-                do_sample=False,
-                eos_token_id=eos,
-                pad_token_id=eos[0],
-            )
-            answers.append(out[0, len(ids) :].tolist())
-    return answers
+    return greedy_ids(model.eval(), prompts, max_tokens, eos, eos[0])
 
 
 def vllm_answers(python: str, job: dict) -> list[list[int]]:

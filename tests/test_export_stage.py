@@ -82,7 +82,7 @@ def _export(kind: str, nbytes: int, delta: float, gated: bool, failed: str | Non
 
 
 def _report(exports: dict) -> dict:
-    from fineflow.export.champion import serving_choice
+    from fineflow.export.serve import serving_choice
 
     tools = {"llama_cpp_python": "0.3.36", "converter_sha256": "832db0699007f1be"}
     return {"champion": "c-9", "source": "merged", "tools": tools, "eval_docs": 200, "exports": exports} | {

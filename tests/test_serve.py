@@ -206,26 +206,15 @@ def torch_answers(model_dir: Path, conversations: list[list[dict]], max_new_toke
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from fineflow.export.champion import _generation_eos
-    from fineflow.export.parity import trained_stop_ids
+    from fineflow.export.parity import greedy_ids, trained_stop_ids
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     stop_ids = trained_stop_ids(tokenizer, _generation_eos(model_dir, GenerationConfig))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    answers = []
-    with torch.no_grad():
-        for messages in conversations:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                eos_token_id=stop_ids,
-                pad_token_id=stop_ids[0],
-            )
-            answers.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
-    return answers
+    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in conversations]
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    answers = greedy_ids(model, prompts, max_new_tokens, stop_ids, stop_ids[0])
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in answers]
 
 
 def served_answers(url: str, conversations: list[list[dict]], max_tokens: int, stop=None) -> tuple[list[str], dict]:

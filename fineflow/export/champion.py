@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from fineflow.core.config import Params
@@ -60,18 +61,45 @@ def rendered_eval_docs(eval_rows: Path, tokenizer, work_dir: Path, limit: int | 
     return docs
 
 
-def export_model(
-    model_dir: Path, eval_rows: Path, out_dir: Path, work_dir: Path, params: Params, log: Callable[[str], None] = print
-) -> dict:
-    """GGUF files of model_dir in out_dir, each with its parity verdict; the export's report."""
+@dataclass(frozen=True)
+class Trained:
+    """What the exports are held to: the training tokenizer, the eval docs as the evaluate stage renders them, and
+    the ids the model was trained to stop on (its EOS, generation_config's eos_token_id)."""
+
+    tokenizer: object
+    docs: list[EvalDoc]
+    generation_eos: int | list[int] | None
+    stop_ids: list[int]
+
+
+def trained_side(model_dir: Path, eval_rows: Path, work_dir: Path, parity_docs: int | None) -> Trained:
     from transformers import AutoTokenizer, GenerationConfig
 
-    cfg = params.export
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    docs = rendered_eval_docs(eval_rows, tokenizer, work_dir, cfg.parity_docs)
-    files = export_gguf(model_dir, out_dir, cfg.float_type, list(cfg.quantized), cfg.threads, log)
+    docs = rendered_eval_docs(eval_rows, tokenizer, work_dir, parity_docs)
     generation_eos = _generation_eos(model_dir, GenerationConfig)
-    stop_ids = trained_stop_ids(tokenizer, generation_eos)
+    return Trained(tokenizer, docs, generation_eos, trained_stop_ids(tokenizer, generation_eos))
+
+
+def export_model(
+    model_dir: Path,
+    eval_rows: Path,
+    out_dir: Path,
+    work_dir: Path,
+    params: Params,
+    log: Callable[[str], None] = print,
+    trained: Trained | None = None,
+) -> dict:
+    """GGUF files of model_dir in out_dir, each with its parity verdict; the export's report."""
+    cfg = params.export
+    trained = trained or trained_side(model_dir, eval_rows, work_dir, cfg.parity_docs)
+    tokenizer, docs, generation_eos, stop_ids = (
+        trained.tokenizer,
+        trained.docs,
+        trained.generation_eos,
+        trained.stop_ids,
+    )
+    files = export_gguf(model_dir, out_dir, cfg.float_type, list(cfg.quantized), cfg.threads, log)
     max_gen_toks = params.evaluate.max_gen_toks
     log(f"export: the merged model answers {len(docs)} eval docs (transformers, the reference)")
     reference = reference_answers(model_dir, tokenizer, docs, max_gen_toks, stop_ids)
@@ -112,11 +140,13 @@ def export_champion(
     champion_dir: Path, eval_rows: Path, out_dir: Path, work_dir: Path, params: Params, log=print
 ) -> dict:
     """The champion's GGUF exports with their parity verdicts (the export stage's library call)."""
+    from fineflow.export.serve import serving_choice
     from fineflow.export.tooling import toolchain
     from fineflow.registry.install import read_champion
 
     model_dir = champion_model_dir(champion_dir, work_dir, log)
-    report = export_model(model_dir, eval_rows, out_dir, work_dir, params, log)
+    trained = trained_side(model_dir, eval_rows, work_dir, params.export.parity_docs)
+    report = export_model(model_dir, eval_rows, out_dir, work_dir, params, log, trained)
     # which of the champion's forms was exported, by name (a path into the scratch folder would change every run)
     source = model_dir.relative_to(champion_dir).as_posix() if model_dir.is_relative_to(champion_dir) else None
     tools = toolchain()
@@ -127,36 +157,18 @@ def export_champion(
         "tools": {key: tools[key] for key in ("llama_cpp_python", "converter_sha256")},
         **report,
         "serve": served,
-        "ollama": ollama_modelfile(model_dir, eval_rows, out_dir, work_dir, params, report["exports"], served),
+        "ollama": ollama_modelfile(trained, out_dir, report["exports"][served or params.export.float_type]["file"]),
         "vllm": write_vllm_layout(champion_dir, out_dir),
     }
 
 
-def ollama_modelfile(
-    model_dir: Path, eval_rows: Path, out_dir: Path, work_dir: Path, params: Params, exports: dict, served: str | None
-) -> dict:
-    """out_dir/Modelfile for the served GGUF (else the float one): its template derived from the training template
-    and checked on the eval conversations, its stops the ids the model was trained to stop on."""
-    from transformers import AutoTokenizer, GenerationConfig
-
+def ollama_modelfile(trained: Trained, out_dir: Path, gguf: str) -> dict:
+    """out_dir/Modelfile for the GGUF named (the served one, else the float one): its template derived from the
+    training template and checked on the eval conversations, its stops the ids the model was trained to stop on."""
     from fineflow.export.ollama import write_modelfile
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    docs = rendered_eval_docs(eval_rows, tokenizer, work_dir, params.export.parity_docs)
-    stop_ids = trained_stop_ids(tokenizer, _generation_eos(model_dir, GenerationConfig))
-    gguf = exports[served or params.export.float_type]["file"]
-    return write_modelfile(out_dir, gguf, tokenizer, stop_ids, [doc.conversation for doc in docs])
-
-
-def serving_choice(exports: dict) -> str | None:
-    """The GGUF served by default: the smallest shippable one whose scores were gated (held within a tolerance);
-    an ungated type (4-bit: reported only) is served only when asked for by name. None: nothing qualifies."""
-    gated = [
-        kind
-        for kind, export in exports.items()
-        if export["shippable"] and export["checks"]["scores"]["figures"].get("gated")
-    ]
-    return min(gated, key=lambda kind: exports[kind]["bytes"], default=None)
+    conversations = [doc.conversation for doc in trained.docs]
+    return write_modelfile(out_dir, gguf, trained.tokenizer, trained.stop_ids, conversations)
 
 
 def parity_before_promotion(

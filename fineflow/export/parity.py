@@ -270,26 +270,37 @@ def cut_answer(text: str) -> str:
     return text.lstrip()
 
 
+def greedy_ids(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int], pad_id: int):
+    """transformers' greedy continuation of each prompt (token ids in), stopped at a stop id or max_new_tokens: the
+    new ids of each. The one generation every PyTorch reference here uses (parity, the serve test, vLLM's bench)."""
+    import torch
+
+    answers = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=stop_ids,
+                pad_token_id=pad_id,
+            )
+            answers.append(out[0, ids.shape[1] :].tolist())
+    return answers
+
+
 def reference_answers(model_dir: Path, tokenizer, docs: list[EvalDoc], max_gen_toks: int, stop_ids: list[int]):
     """The merged model's greedy answers (transformers, float32 on CPU): what the evaluate stage generated."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    answers = []
-    with torch.no_grad():
-        for doc in docs:
-            ids = torch.tensor([tokenizer(doc.prompt)["input_ids"]])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_gen_toks,
-                do_sample=False,
-                eos_token_id=stop_ids,
-                pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0],
-            )
-            answers.append(cut_answer(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)))
-    return answers
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    prompts = [tokenizer(doc.prompt)["input_ids"] for doc in docs]
+    answers = greedy_ids(model, prompts, max_gen_toks, stop_ids, pad)
+    return [cut_answer(tokenizer.decode(ids, skip_special_tokens=True)) for ids in answers]
 
 
 def runtime_answer(runtime, prompt: str, max_gen_toks: int) -> str:

@@ -59,16 +59,21 @@ def read_report(export_dir: Path) -> dict:
     return report
 
 
-def default_kind(report: dict) -> str | None:
-    """The report's "serve", else the smallest shippable export whose score check was gated (None: no such one)."""
-    if report.get("serve"):
-        return report["serve"]
+def serving_choice(exports: dict) -> str | None:
+    """The GGUF served by default: the smallest shippable one whose scores were gated (held within a tolerance);
+    an ungated type (4-bit: reported only) is served only when asked for by name. None: nothing qualifies. The
+    export stage writes it into export.json as "serve"."""
     gated = [
         (export.get("bytes", 0), kind)
-        for kind, export in report["exports"].items()
+        for kind, export in exports.items()
         if export.get("shippable") and export.get("checks", {}).get("scores", {}).get("figures", {}).get("gated")
     ]
     return min(gated)[1] if gated else None
+
+
+def default_kind(report: dict) -> str | None:
+    """The report's "serve", else serving_choice's (a report written before the stage named one)."""
+    return report.get("serve") or serving_choice(report["exports"])
 
 
 def chosen_gguf(export_dir: Path, kind: str | None = None, allow_unshippable: bool = False) -> tuple[str, Path]:
