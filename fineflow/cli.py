@@ -622,6 +622,38 @@ def _run_params_doc(args) -> int:
     return 0
 
 
+def _dvc_deps_parser(sub) -> None:
+    p = sub.add_parser(
+        "dvc-deps",
+        help="each stage's code deps in dvc.yaml, from what its entry imports (fineflow/code_deps.py)",
+        description="Compare each dvc.yaml stage's code dependencies with the fineflow modules its entry imports "
+        "(function-level imports included), or rewrite them (--write); data deps, params and outs are kept.",
+        epilog="Exit codes: 0 up to date (or written); 1 a stage's code deps differ from its imports.",
+    )
+    p.add_argument("--dvc-file", type=Path, default=Path("dvc.yaml"), help="the pipeline file (default dvc.yaml)")
+    p.add_argument("--write", action="store_true", help="rewrite the code deps in the file")
+    p.set_defaults(run=_run_dvc_deps)
+
+
+def _run_dvc_deps(args) -> int:
+    import yaml
+
+    from fineflow.code_deps import rewrite, stage_code_deps
+
+    root = args.dvc_file.resolve().parent
+    text = args.dvc_file.read_text(encoding="utf-8")
+    updated = rewrite(text, root, stage_code_deps(root, yaml.safe_load(text)["stages"]))
+    if updated == text:
+        print(f"{args.dvc_file}: every stage's code deps are what its entry imports")
+        return 0
+    if args.write:
+        args.dvc_file.write_text(updated, encoding="utf-8")
+        print(f"wrote {args.dvc_file}")
+        return 0
+    print(f"{args.dvc_file}: code deps differ from the imports: run `fineflow dvc-deps --write`", file=sys.stderr)
+    return 1
+
+
 def _serve_parser(sub) -> None:
     p = sub.add_parser(
         "serve",
@@ -681,6 +713,7 @@ def build_parser() -> argparse.ArgumentParser:
     _ci_parser(sub)
     _doctor_parser(sub)
     _params_doc_parser(sub)
+    _dvc_deps_parser(sub)
     _serve_parser(sub)
     return parser
 

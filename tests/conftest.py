@@ -43,6 +43,8 @@ os.environ.update(
         "PREFECT_LOGGING_LEVEL": "WARNING",
     }
 )
+# The processes the tests start cache the bytecode they compile (the Makefile says why: ~7 CPU-s per start).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 def pytest_unconfigure(config):

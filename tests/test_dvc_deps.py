@@ -11,9 +11,7 @@ Two views of "the code a stage runs", and each stage's deps must cover both:
 
 from __future__ import annotations
 
-import ast
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,22 +19,20 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fineflow import code_deps
+
 ROOT = Path(__file__).resolve().parent.parent
 DVC_STAGES = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
 
 
 def entry_module(stage: dict) -> str:
-    match = re.search(r"python -m (fineflow\.stages\.\w+)", stage["cmd"])
-    assert match, f"stage command {stage['cmd']!r} does not run a fineflow.stages entry"
-    return match.group(1)
+    entry = code_deps.entry_module(stage["cmd"])
+    assert entry, f"stage command {stage['cmd']!r} does not run a fineflow.stages entry"
+    return entry
 
 
 def module_file(name: str) -> Path | None:
-    base = ROOT / Path(*name.split("."))
-    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-        if candidate.is_file():
-            return candidate
-    return None
+    return code_deps.module_file(ROOT, name)
 
 
 def modules_on_import(module: str) -> set[str]:
@@ -46,36 +42,71 @@ def modules_on_import(module: str) -> set[str]:
     return set(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def _imported_names(path: Path) -> set[str]:
-    """fineflow modules named by every import statement in the file, function bodies included."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names |= {f"{node.module}.{alias.name}" for alias in node.names}  # `from pkg import module`
-    return {n for n in names if n.split(".")[0] == "fineflow" and module_file(n) is not None}
-
-
-def with_parents(name: str) -> set[str]:
-    parts = name.split(".")
-    return {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
-
-
 def modules_reachable(module: str) -> set[str]:
-    seen, todo = set(), [module]
-    while todo:
-        name = todo.pop()
-        for found in with_parents(name) - seen:
-            seen.add(found)
-            todo += sorted(_imported_names(module_file(found)))
-    return seen
+    return code_deps.reachable_modules(ROOT, module)
+
+
+def _imported_names(path: Path) -> set[str]:
+    return code_deps.imported_modules(ROOT, path)
 
 
 def covered(path: Path, deps: list[str]) -> bool:
     rel = path.relative_to(ROOT).as_posix()
     return any(rel == dep or rel.startswith(dep.rstrip("/") + "/") for dep in deps)
+
+
+def test_dvc_yaml_code_deps_are_what_each_entry_imports():
+    """The code deps are generated (fineflow dvc-deps --write): neither a module less (a stale model) nor a folder
+    more (an edit re-running stages that never import it)."""
+    text = (ROOT / "dvc.yaml").read_text()
+    generated = code_deps.stage_code_deps(ROOT, DVC_STAGES)
+    assert code_deps.rewrite(text, ROOT, generated) == text, "run `fineflow dvc-deps --write`"
+    for stage, files in generated.items():
+        deps = [d if isinstance(d, str) else next(iter(d)) for d in DVC_STAGES[stage]["deps"]]
+        assert [d for d in deps if code_deps.is_code_dep(ROOT, d)] == files
+    assert "fineflow/train/loop.py" not in generated["base"] and "fineflow/data/checks.py" in generated["validate"]
+
+
+@pytest.mark.slow
+def test_an_edit_makes_dvc_see_only_the_stages_that_import_the_file_changed(tmp_path):
+    """DVC itself, on this checkout's code and dvc.yaml's code deps (the commands replaced by a no-op, outputs and
+    params left out, so the whole pipeline "runs" in seconds): after one line added to a file, `dvc status` names
+    exactly the stages whose entries import it: a validate-only check re-runs validate, never base pretraining;
+    the tokenizer code re-runs tokenize and validate (which counts tokens with it); the config, every stage."""
+    import shutil
+
+    from tests.conftest import venv_env
+
+    project = tmp_path / "p"
+    shutil.copytree(ROOT / "fineflow", project / "fineflow", ignore=shutil.ignore_patterns("__pycache__"))
+    stages = {
+        name: {
+            "cmd": "true",
+            "deps": [d for d in spec["deps"] if isinstance(d, str) and code_deps.is_code_dep(ROOT, d)],
+        }
+        for name, spec in DVC_STAGES.items()
+    }
+    (project / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
+
+    def dvc(*args):
+        done = subprocess.run(
+            [sys.executable, "-m", "dvc", *args], cwd=project, env=venv_env(), capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    subprocess.run(["git", "init", "-q"], cwd=project, check=True)
+    dvc("init", "-q")
+    dvc("repro", "-q")
+    generated = code_deps.stage_code_deps(ROOT, DVC_STAGES)
+    for edited in ("fineflow/data/checks.py", "fineflow/tokenize/tokenization.py", "fineflow/core/config.py"):
+        with (project / edited).open("a", encoding="utf-8") as f:
+            f.write("# one line\n")
+        stale = set(json.loads(dvc("status", "--json")))
+        assert stale == {name for name, files in generated.items() if edited in files}, edited
+        assert stale and ("base" in stale) == (edited == "fineflow/core/config.py"), (edited, stale)
+        dvc("repro", "-q")
+    assert json.loads(dvc("status", "--json")) == {}
 
 
 @pytest.mark.parametrize("stage", sorted(DVC_STAGES))
@@ -98,8 +129,8 @@ def test_static_view_sees_lazy_imports():
 
 
 def test_a_missing_dependency_is_reported(tmp_path):
-    """The check itself can fail: drop the tokenize package from train's deps and it names the shard code."""
-    deps = [d for d in DVC_STAGES["train"]["deps"] if d != "fineflow/tokenize"]
+    """The check itself can fail: drop the shard code from train's deps and it names it."""
+    deps = [d for d in DVC_STAGES["train"]["deps"] if d != "fineflow/tokenize/shards.py"]
     reachable = modules_reachable("fineflow.stages.train")
     missing = {module_file(m).relative_to(ROOT).as_posix() for m in reachable if not covered(module_file(m), deps)}
     assert "fineflow/tokenize/shards.py" in missing

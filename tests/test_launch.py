@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -484,65 +483,6 @@ def test_the_gpu_packages_have_an_install_that_works():
     flash_installs = re.findall(r"pip install flash-attn[^`]*", readme)
     assert flash_installs and all("--no-build-isolation" in line for line in flash_installs), flash_installs
     assert "(CPU build)" not in readme and "download.pytorch.org/whl/cpu" in readme
-
-
-# --- threads per rank --------------------------------------------------------------------------------------------
-
-
-def launched_env(params, monkeypatch) -> tuple[dict, list[str]]:
-    """The environment fineflow.train.recipe.launch_ranks hands the ranks, and its log (the planner and the launch
-    itself replaced: only the command and environment it builds are real)."""
-    import types
-
-    from fineflow.train import recipe
-
-    plan = types.SimpleNamespace(
-        train=params.train,
-        params=params,
-        memory={
-            "gib": dict.fromkeys(("weights", "gradients", "optimizer_states", "activations", "overhead", "total"), 0.1),
-            "device_bytes": 2**30,
-        },
-        changes=[],
-        warnings=[],
-    )
-    seen = {}
-    monkeypatch.setattr(recipe, "resolve_base_model", lambda model, base_dir: None)
-    monkeypatch.setattr(recipe, "fit_plan", lambda *args: plan)
-    monkeypatch.setattr(recipe, "run_ranks", lambda command, env, grace, log: seen.update(env) or 0)
-    lines: list[str] = []
-    placement = {"base_dir": "b", "main_process_port": None, "machine_rank": None, "main_process_ip": None}
-    assert recipe.launch_ranks(params, "m", [], placement, log=lines.append) == 0
-    return seen, lines
-
-
-def test_the_launcher_gives_each_local_rank_its_share_of_the_cores(tiny_params, monkeypatch):
-    """As torchrun does (it sets OMP_NUM_THREADS=1 for several ranks), but each rank gets cores // ranks; on main
-    the ranks were given no thread count at all."""
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
-    two = tiny_params.model_copy(update={"train": tiny_params.train.model_copy(update={"num_processes": 2})})
-    env, lines = launched_env(two, monkeypatch)
-    share = str(max(1, len(os.sched_getaffinity(0)) // 2))
-    assert env["OMP_NUM_THREADS"] == share and env["MKL_NUM_THREADS"] == share
-    assert any(line.startswith("launching:") and f"OMP_NUM_THREADS={share} per rank" in line for line in lines), lines
-    from fineflow.train.launch import rank_threads
-
-    assert rank_threads(2, {}, cores=16)[0] == {"OMP_NUM_THREADS": "8", "MKL_NUM_THREADS": "8"}
-    assert rank_threads(4, {}, cores=2)[0] == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    assert rank_threads(1, {}, cores=16) == ({}, "")  # one rank: torch's default, every core
-
-
-def test_a_thread_count_the_user_set_is_kept_and_said(tiny_params, monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
-    two = tiny_params.model_copy(update={"train": tiny_params.train.model_copy(update={"num_processes": 2})})
-    env, lines = launched_env(two, monkeypatch)
-    assert env["OMP_NUM_THREADS"] == "3" and "MKL_NUM_THREADS" not in env  # MKL follows OMP's 3 when unset
-    assert any("OMP_NUM_THREADS=3 as set" in line for line in lines), lines
-    from fineflow.train.launch import rank_threads
-
-    assert rank_threads(2, {"OMP_NUM_THREADS": "3"}, cores=16)[0] == {}
 
 
 def test_an_unplaced_multi_machine_local_launch_says_what_to_do():

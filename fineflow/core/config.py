@@ -472,6 +472,11 @@ class TrainParams(_Section):
     num_machines: int = Field(
         1, gt=0, description=">1: launch the stage on every machine with --machine-rank/--main-process-ip"
     )
+    # null: the CPUs each rank may really use (affinity and cgroup quota) shared among the ranks of its machine
+    # (fineflow.core.threads); OMP_NUM_THREADS, when set, is the next choice
+    threads: int | None = Field(
+        None, gt=0, description="intra-op threads per rank; null: the usable CPUs / the ranks on the machine"
+    )
     # who places the ranks: local (accelerate launch on this machine, or one launch per machine by hand), or a
     # cluster engine the stage hands the job to and waits for (fineflow.train.engines)
     launcher: Literal["local", "ray", "slurm"] = Field(

@@ -16,6 +16,7 @@ from fineflow.core.metrics import write_metrics
 from fineflow.core.preflight import DVC_FILE, check_input_paths
 from fineflow.core.reports import clear_error_record, write_approval_request, write_error_record, write_json_atomic
 from fineflow.core.runtime import apply_offline_environment, is_train_worker
+from fineflow.core.threads import ThreadPlan, apply_threads, process_plan
 from fineflow.core.workspace import held_for, queued_experiment
 
 
@@ -81,22 +82,37 @@ def check_pipeline_inputs(params: Params) -> None:
         check_input_paths(params, project)
 
 
-def run_entry(stage: str, args: argparse.Namespace, body: Callable[[Params], dict]) -> int:
+ThreadDecision = Callable[[Params], ThreadPlan]
+
+
+def one_process(params: Params) -> ThreadPlan:
+    """A stage that computes in its own process only: it has every usable CPU (or what OMP_NUM_THREADS says)."""
+    return process_plan(1)
+
+
+def run_entry(
+    stage: str, args: argparse.Namespace, body: Callable[[Params], dict], threads: ThreadDecision = one_process
+) -> int:
     """Run body(params) holding the workspace, write its report with the wall time, and turn user errors into
     one clean line, an error record and exit 2 (a candidate waiting for approval: its record and exit 3). The
-    process's start, end and timed spans go to the run's journal (the goodput ledger reads them)."""
+    process's start, end and timed spans go to the run's journal (the goodput ledger reads them).
+
+    threads(params): the stage's thread plan (fineflow.core.threads: its processes' share of the usable CPUs),
+    applied before body imports torch and recorded in the report."""
     attempt = journal_attempt(stage, args.report)
     spans: dict[str, float] = {}
     code = 1  # an exception that escapes is a crash
     try:
-        code = _run_entry(stage, args, body, spans)
+        code = _run_entry(stage, args, body, spans, threads)
         return code
     finally:
         if attempt is not None:
             attempt.end_quietly(code, spans)
 
 
-def _run_entry(stage: str, args: argparse.Namespace, body: Callable[[Params], dict], spans: dict) -> int:
+def _run_entry(
+    stage: str, args: argparse.Namespace, body: Callable[[Params], dict], spans: dict, decide: ThreadDecision
+) -> int:
     started = time.perf_counter()
     try:
         with workspace_turn(stage):
@@ -106,6 +122,8 @@ def _run_entry(stage: str, args: argparse.Namespace, body: Callable[[Params], di
             params = load_params(args.params)
             check_pipeline_inputs(params)
             apply_offline_environment(model_base=params.model.base)  # before any HF library is imported
+            threads = decide(params)
+            apply_threads(threads)
             body_started = time.perf_counter()
             try:
                 report = body(params)
@@ -125,7 +143,8 @@ def _run_entry(stage: str, args: argparse.Namespace, body: Callable[[Params], di
         return USER_ERROR_EXIT
     written = time.perf_counter()
     if report is not None:
-        report = {"stage": stage, **report, "wall_s": round(time.perf_counter() - started, 3)}
+        wall_s = round(time.perf_counter() - started, 3)
+        report = {"stage": stage, **report, "threads": threads.as_record(), "wall_s": wall_s}
         write_json_atomic(args.report, report)
         write_metrics(args.report, stage, report)  # the few figures `dvc metrics diff` shows (fineflow.core.metrics)
         log(f"{stage}: report written to {args.report}")

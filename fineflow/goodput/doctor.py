@@ -18,10 +18,11 @@ unless said otherwise):
 - precision: fp32 on a device whose bf16 matmuls run at >= 1.5x fp32's rate (measured on a CPU, the datasheets' ratio
   on a GPU); fix ``train.precision: bf16``. A CPU probe whose interleaved rounds disagree (their interquartile range
   over 25% of the median ratio: a busy machine) is only an info finding, "inconclusive: machine busy".
-- cpu_oversubscription: more threads than cores (the ranks on the machine x each one's torch threads) or a load
-  average at least twice the cores during the run (fineflow.train.report.cpu_facts); fix ``OMP_NUM_THREADS`` (each
-  rank its share of the cores) or fewer ranks. At torch's default thread count per process a busy 2-core machine
-  trained 10-75x slower.
+- cpu_oversubscription: more threads than usable CPUs (the ranks on the machine x each one's torch threads) or,
+  sampled during the loop, at least twice as many runnable threads on the machine as it has CPUs (other jobs
+  included: fineflow.train.report.cpu_facts); fix ``train.threads`` (each rank its share of the CPUs, the default:
+  fineflow.core.threads) or fewer ranks. At torch's default thread count per process a busy 2-core machine trained
+  10-75x slower. An oversubscribed CPU run's precision is not judged (its time measured the contention).
 
 Findings are ordered by severity, then by their share of the run. Exit 1 when a finding reaches ``--fail-on``
 (default severe), so CI can fail a run that wasted its devices; 2 on an unreadable ledger.
@@ -50,7 +51,9 @@ MEMORY_SHARE = (0.85, 0.95)  # the larger of measured peak and plan / device mem
 # one whose load came and went during the probe: > 1)
 MAX_PROBE_SPREAD = 0.25
 THREADS_PER_CORE = (1.0, 2.0)  # the ranks' threads / cores above which (warn, severe)
-LOAD_PER_CORE = 2.0  # the load average / cores at or above which the machine was shared (warn: others' load)
+# the machine's runnable threads during the loop / its CPUs at or above which (warn, severe): a run alone on the
+# machine keeps about 1x (its threads, a loader thread now and then)
+RUNNABLE_PER_CPU = (2.0, 3.0)
 
 
 def _severity(share: float, thresholds: tuple[float, float]) -> str | None:
@@ -311,21 +314,32 @@ def _inconclusive_precision(ledger: dict, device: dict) -> dict:
 
 
 def _cpu_findings(ledger: dict, train: dict) -> list[dict]:
-    """More runnable threads than cores: the ranks' own thread pools (each at torch's default, every core) or
-    other processes' load. The fix gives each rank at most its share of the cores."""
+    """More runnable threads than CPUs: the ranks' own thread pools (ranks x threads over the usable CPUs) or,
+    sampled during the loop, the whole machine's runnable threads over its CPUs (other jobs included). The fix
+    gives each rank at most its share of the CPUs (fineflow.core.threads)."""
     cpu = (train.get("device") or {}).get("cpu") or {}
     cores = int(cpu.get("cores") or 0)
     if not cores:
         return []
     ranks, threads = int(cpu.get("local_ranks") or 1), int(cpu.get("threads_per_rank") or 1)
     load = float(cpu.get("load_1m") or 0.0)
-    own, shared = ranks * threads / cores, load / cores
+    during = cpu.get("runnable_during") or {}
+    machine_cpus = int(during.get("machine_cpus") or cores)
+    runnable = float(during["mean"]) if during.get("mean") is not None else None
+    own = ranks * threads / cores
+    shared = runnable / machine_cpus if runnable is not None else load / cores
     severity = _severity(own, THREADS_PER_CORE) if own > THREADS_PER_CORE[0] else None
-    if severity is None and shared >= LOAD_PER_CORE:
-        severity = "warn"  # others' load: the run can only take less of the machine
+    if severity is None and shared >= RUNNABLE_PER_CPU[0]:
+        severity = _severity(shared, RUNNABLE_PER_CPU)
     if severity is None:
         return []
     loop_s = float(train.get("loop_s") or 0.0)
+    machine = (
+        f"{runnable:.1f} runnable threads on average during the loop on {machine_cpus} CPUs ({shared:.1f}x, at most "
+        f"{during.get('max')})"
+        if runnable is not None
+        else f"load average {load:.1f} over the run's last minute, {shared:.1f}x the cores"
+    )
     return [
         _finding(
             "cpu_oversubscription",
@@ -333,16 +347,29 @@ def _cpu_findings(ledger: dict, train: dict) -> list[dict]:
             # the loop's time lost to waiting for a core, conservatively: at most half of it
             loop_s * (1 - 1 / min(max(own, shared), 2.0)),
             ledger,
-            f"{ranks} rank(s) x {threads} torch threads = {ranks * threads} threads on {cores} cores; load average "
-            f"{load:.1f} over the run's last minute, {shared:.1f}x the cores ({cpu.get('runnable')} runnable at its "
-            "end)",
-            "OMP_NUM_THREADS",
+            f"{ranks} rank(s) x {threads} torch threads = {ranks * threads} threads on {cores} usable CPUs; {machine}",
+            "train.threads",
             min(threads, max(1, cores // ranks)),
-            "each rank at most its share of the cores (fineflow's launcher sets it for several ranks when unset; "
-            "torch.set_num_threads in your own code), or fewer ranks (train.num_processes), or a machine not "
-            "shared with other jobs",
+            "each rank at most its share of the usable CPUs (fineflow's default when neither train.threads nor "
+            "OMP_NUM_THREADS is set), fewer ranks (train.num_processes), or a machine not shared with other jobs",
         )
     ]
+
+
+def _not_judged_precision(ledger: dict, device: dict) -> dict:
+    """fp32 on a CPU of an oversubscribed run: the bf16 probe timed a machine it shared, and the time went to
+    waiting for a core, not to fp32's matmuls: said at info, so nobody changes the precision for it."""
+    return _finding(
+        "precision",
+        "info",
+        0.0,
+        ledger,
+        f"not judged: the run was oversubscribed (cpu_oversubscription), so its compute time and the bf16 probe "
+        f"({device.get('bf16_speedup')}x fp32's rate) measured the contention, not the precision",
+        "train.precision",
+        None,
+        "fix the oversubscription first, then measure again",
+    )
 
 
 def diagnose(ledger: dict) -> list[dict]:
@@ -350,8 +377,12 @@ def diagnose(ledger: dict) -> list[dict]:
     findings = _run_findings(ledger) if ledger.get("trained") else []
     train = ledger.get("train") or {}
     if train:
-        findings += _loop_findings(ledger, train) + _memory_findings(ledger, train) + _precision_findings(ledger, train)
-        findings += _cpu_findings(ledger, train)
+        cpu = _cpu_findings(ledger, train)
+        precision = _precision_findings(ledger, train)
+        device = train.get("device") or {}
+        if cpu and device.get("type") == "cpu" and any(f["severity"] != "info" for f in precision):
+            precision = [_not_judged_precision(ledger, device)]  # the contention, not fp32, cost that time
+        findings += _loop_findings(ledger, train) + _memory_findings(ledger, train) + precision + cpu
     return sorted(findings, key=lambda f: (-SEVERITY_RANK[f["severity"]], -f["share_of_run"]))
 
 

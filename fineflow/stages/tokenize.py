@@ -22,6 +22,7 @@ from pathlib import Path
 
 from fineflow.core.config import Params
 from fineflow.core.entry import log, run_entry, stage_parser
+from fineflow.core.threads import process_plan
 from fineflow.model_ref import resolve_base_model
 from fineflow.tokenize.tokenization import load_tokenizer, tokenize_split
 
@@ -68,7 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base-dir", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    return run_entry("tokenize", args, lambda p: run(p, args.rows, args.base_dir, args.out))
+    return run_entry("tokenize", args, lambda p: run(p, args.rows, args.base_dir, args.out), threads=tokenizer_threads)
+
+
+def tokenizer_threads(params: Params):
+    """Each of the tokenize.workers processes its share of the usable CPUs (fineflow.core.threads)."""
+    return process_plan(params.tokenize.workers)
 
 
 if __name__ == "__main__":

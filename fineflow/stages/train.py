@@ -39,6 +39,7 @@ from fineflow.core.entry import (
 from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError, WorkspaceBusy
 from fineflow.core.reports import clear_error_record, read_error_record, read_json
 from fineflow.core.runtime import apply_offline_environment, is_train_worker
+from fineflow.core.threads import ThreadPlan, process_plan
 from fineflow.train import preempt
 from fineflow.train.launch import check_checkpoint_storage
 from fineflow.train.plots import write_run_plots
@@ -243,7 +244,7 @@ def train_worker(args) -> int:
         )
 
     try:
-        code = run_entry("train", args, body)
+        code = run_entry("train", args, body, threads=rank_threads)
     except preempt.Preempted as stopped:
         if os.environ.get("RANK", "0") == "0":  # one record, written after rank 0's checkpoint is published
             preempt.write_preempted_record(args.report, "train", stopped.step, stopped.signum)
@@ -254,6 +255,12 @@ def train_worker(args) -> int:
         sys.stderr.flush()
         os._exit(PREEMPTED_EXIT)
     return exit_without_teardown(code)
+
+
+def rank_threads(params) -> ThreadPlan:
+    """A rank's threads: its launcher's plan (fineflow.core.threads), or, placed by a cluster engine, its share of
+    its node's CPUs among that node's ranks."""
+    return process_plan(int(os.environ.get("LOCAL_WORLD_SIZE") or 1), params.train.threads)
 
 
 def exit_without_teardown(code: int) -> int:

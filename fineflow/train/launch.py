@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,28 +42,6 @@ WORKER_ENV = TRAIN_WORKER_ENV  # set for the ranks: they train instead of launch
 # distributed types that need one accelerator per rank; on a machine without one, accelerate would start
 # N independent world-size-1 jobs (MULTI_GPU) or fail deep inside FSDP/DeepSpeed
 _GPU_TYPES = {"MULTI_GPU", "FSDP", "DEEPSPEED", "MEGATRON_LM"}
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity: a container's or a Slurm job's cpuset, not the host's)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
-
-
-def rank_threads(local_ranks: int, environ: Mapping[str, str], cores: int | None = None) -> tuple[dict[str, str], str]:
-    """(environment, what the launch log says) giving each of local_ranks ranks on this machine its share of the
-    cores. Nothing for one rank (torch's default is every core) or when the user set OMP_NUM_THREADS (kept; MKL
-    follows it when its own is unset)."""
-    if local_ranks <= 1:
-        return {}, ""
-    if "OMP_NUM_THREADS" in environ:
-        return {}, f"OMP_NUM_THREADS={environ['OMP_NUM_THREADS']} as set, for each of {local_ranks} ranks"
-    cores = cores or usable_cores()
-    share = str(max(1, cores // local_ranks))
-    env = {"OMP_NUM_THREADS": share} | ({} if "MKL_NUM_THREADS" in environ else {"MKL_NUM_THREADS": share})
-    return env, f"OMP_NUM_THREADS={share} per rank ({cores} cores / {local_ranks} ranks on this machine)"
 
 
 def _placement_flags(machine_rank: int | None, main_process_ip: str | None, main_process_port: int | None) -> list[str]:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from fineflow.core.config import Params
 from fineflow.core.journal import process_started
+from fineflow.core.threads import RunnableSampler, plan_threads
 from fineflow.model_ref import resolve_base_model
 from fineflow.train import gradsync
 from fineflow.train.fsdp import prepare_model_for_fsdp
@@ -26,7 +27,6 @@ from fineflow.train.launch import (
     accelerate_command,
     check_deepspeed_profile,
     configure_deepspeed,
-    rank_threads,
     require_engine,
     require_enough_gpus,
     require_gpu,
@@ -80,10 +80,12 @@ def launch_ranks(
         machine_rank=placement["machine_rank"],
         main_process_ip=placement["main_process_ip"],
     )
-    threads, said = rank_threads(cfg.num_processes // max(1, cfg.num_machines), os.environ)
-    log(f"launching: {' '.join(command[2:])}" + (f"; threads: {said}" if said else ""))
+    # decided here, once, for every rank of this machine (fineflow.core.threads); each rank follows and records it
+    threads = plan_threads(cfg.num_processes // max(1, cfg.num_machines), cfg.threads)
+    log(f"launching: {' '.join(command[2:])}; threads: {threads.describe()}")
     # its own process group: a stop signal reaches the ranks once, forwarded (fineflow.train.preempt)
-    return run_ranks(command, {**os.environ, **env, **threads}, run.params.checkpoint.preempt_grace_s, log)
+    environ = {**os.environ, **env, **threads.child_environment()}
+    return run_ranks(command, environ, run.params.checkpoint.preempt_grace_s, log)
 
 
 def run_cluster_job(run: RunPlan, profile, has_gpu: bool, module: str, argv: list[str], log=print, spans=None) -> int:
@@ -418,22 +420,23 @@ class TrainRecipe:
             self.manager, ck.every_steps, ck.every_minutes, self.fingerprint, engine=self.run.profile.engine
         )
         try:
-            result = fit(
-                self.model,
-                self.optimizer,
-                self.scheduler,
-                self.accelerator,
-                self.batches,
-                cfg,
-                StepTimer(),
-                step_log,
-                saver,
-                self.eval_shard,
-                progress,
-                start_step=self.start_step,
-                tokens_seen=self.tokens_seen,
-                redo_through=step_log.dropped_through if main else 0,
-            )
+            with RunnableSampler() as self.runnable:  # the machine's load during the loop: the doctor's evidence
+                result = fit(
+                    self.model,
+                    self.optimizer,
+                    self.scheduler,
+                    self.accelerator,
+                    self.batches,
+                    cfg,
+                    StepTimer(),
+                    step_log,
+                    saver,
+                    self.eval_shard,
+                    progress,
+                    start_step=self.start_step,
+                    tokens_seen=self.tokens_seen,
+                    redo_through=step_log.dropped_through if main else 0,
+                )
             if self.manager is not None:
                 self.manager.close()  # the last save is complete and verified before the stage reports success
         finally:
@@ -468,7 +471,7 @@ class TrainRecipe:
         )
         probe_started = time.time()
         try:  # the ledger's facts: a finished training never fails on them
-            report["device"] = device_facts(accelerator, cfg)
+            report["device"] = device_facts(accelerator, cfg, self.runnable.summary())
             report["flops"] = run_flops(self.reference, cfg, self.train_shard, report, accelerator)
         except Exception as exc:  # noqa: BLE001
             report.setdefault("device", {"type": accelerator.device.type, "count": n})

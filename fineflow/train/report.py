@@ -7,7 +7,7 @@ from fineflow.core.config import TrainParams
 from fineflow.train import flops
 
 
-def device_facts(accelerator, cfg: TrainParams) -> dict:
+def device_facts(accelerator, cfg: TrainParams, runnable: dict | None = None) -> dict:
     """What the doctor and the cost need to know of the device: its type and name, how many trained, whether it
     does bf16 fast and by how much (fineflow.train.flops.bf16_facts; the speed-up measured only for a run in
     fp32, the one the doctor judges), the precision it trained in."""
@@ -23,29 +23,28 @@ def device_facts(accelerator, cfg: TrainParams) -> dict:
         "count": accelerator.num_processes,
         **flops.bf16_facts(device.type, name, measure=cfg.precision == "no"),
         "precision": cfg.precision,
-        "cpu": cpu_facts(accelerator.num_processes),
+        "cpu": cpu_facts(accelerator.num_processes, runnable),
     }
 
 
-def cpu_facts(ranks: int) -> dict:
-    """The doctor's oversubscription evidence, read as training ends: the cores, this machine's ranks x their torch
-    threads, the 1-minute load average (the run's last minute) and the runnable threads now (/proc/loadavg)."""
+def cpu_facts(ranks: int, runnable: dict | None = None) -> dict:
+    """The doctor's oversubscription evidence: the usable CPUs, this machine's ranks x their torch threads, the
+    1-minute load average as training ends, the runnable threads then and, sampled during the loop, the
+    machine's runnable threads (fineflow.core.threads.RunnableSampler)."""
     import os
 
     import torch
 
-    from fineflow.train.launch import usable_cores
+    from fineflow.core.threads import runnable_threads, usable_cpus
 
-    try:
-        runnable = int(open("/proc/loadavg", encoding="utf-8").read().split()[3].split("/")[0])
-    except (OSError, IndexError, ValueError):  # not Linux
-        runnable = None
+    runnable_now = runnable_threads()
     return {
-        "cores": usable_cores(),
+        "cores": usable_cpus(),
         "local_ranks": int(os.environ.get("LOCAL_WORLD_SIZE") or ranks),  # torchrun's, under accelerate launch
         "threads_per_rank": torch.get_num_threads(),
         "load_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-        "runnable": runnable,
+        "runnable": runnable_now,
+        "runnable_during": runnable,
     }
 
 
