@@ -17,7 +17,7 @@ the flow starts (fineflow.core.preflight), and again by the flow before its firs
 overrides applied and the remote pulled).
 
 Ctrl-C and SIGTERM: ``python -m flows.pipeline`` is a small supervisor that runs the flow in a process of its
-own session and forwards it the first SIGINT/SIGTERM (fineflow.train.preempt.supervise). A terminal's Ctrl-C
+own session and forwards it the first SIGINT/SIGTERM (fineflow.process.preempt.supervise). A terminal's Ctrl-C
 would otherwise also reach Prefect's temporary server, which then dies before the run is marked, and leaves the
 client retrying into nothing for minutes. The flow stops its stage (the train stage saves its step), Prefect
 marks the run Crashed, the server stops; the supervisor then kills anything left and exits 130 / 143.
@@ -25,6 +25,7 @@ marks the run Crashed, the server stops; the supervisor then kills anything left
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -39,15 +40,15 @@ from fineflow.core import journal
 from fineflow.core.errors import USER_ERROR_EXIT
 from fineflow.core.preflight import preflight
 from fineflow.dag import stage_names, upstream_stages
-from fineflow.train import preempt
+from fineflow.process import preempt
 from tasks import runs
 from tasks.approval import answered_task_name, ask_for_approval
-from tasks.stages import is_user_error, log_user_errors_without_tracebacks, preempt_grace_s, run_stage
+from tasks.stages import is_stop, is_user_error, log_user_errors_without_tracebacks, preempt_grace_s, run_stage
 
 FLOW_PROCESS_ENV = runs.SUPERVISED_ENV  # the supervisor's pid, in the flow process it starts
-# where the flow process leaves a user error's message for its supervisor, which prints it last (after Prefect's
-# temporary server has logged its stop at the flow process's exit)
-USER_ERROR_FILE_ENV = "FINEFLOW_FLOW_USER_ERROR"
+# where the flow process leaves its last word (a user error's message, what a stop saved) for its supervisor, which
+# prints it last (after Prefect's temporary server has logged its stop at the flow process's exit)
+LAST_LINE_FILE_ENV = "FINEFLOW_FLOW_LAST_LINE"
 
 RETRIES = {"train": 2}  # a crashed train stage resumes from its last valid checkpoint
 
@@ -112,24 +113,28 @@ def supervise_flow(project: Path) -> int:
     """Run this module again as the flow process, in a session of its own (see the module docstring); its exit
     code, and a user error's message as the last line of stderr."""
     with tempfile.TemporaryDirectory(prefix="fineflow-flow-") as scratch:
-        user_error = Path(scratch) / "user-error.txt"
-        env = {**os.environ, FLOW_PROCESS_ENV: str(os.getpid()), USER_ERROR_FILE_ENV: str(user_error)}
+        last_line = Path(scratch) / "last-line.txt"
+        env = {**os.environ, FLOW_PROCESS_ENV: str(os.getpid()), LAST_LINE_FILE_ENV: str(last_line)}
         # a Prefect API call to a dead server fails within seconds (2 + 4) instead of retrying 5 times for a minute
         env.setdefault("PREFECT_CLIENT_MAX_RETRIES", "2")
         budget = preempt.budget_s(preempt_grace_s(project), "flow")
         code = preempt.supervise([sys.executable, "-m", "flows.pipeline", *sys.argv[1:]], env, budget)
-        if code == USER_ERROR_EXIT and user_error.is_file():
-            print(f"fineflow run: error: {user_error.read_text(encoding='utf-8')}", file=sys.stderr, flush=True)
+        if code and last_line.is_file():
+            print(last_line.read_text(encoding="utf-8"), file=sys.stderr, flush=True)
     return code
 
 
-def report_user_error(message: str) -> None:
-    """For the supervisor to print last (USER_ERROR_FILE_ENV); on stderr when no supervisor asked for it."""
-    target = os.environ.get(USER_ERROR_FILE_ENV)
+def say_last(line: str) -> None:
+    """For the supervisor to print last (LAST_LINE_FILE_ENV); on stderr when no supervisor asked for it."""
+    target = os.environ.get(LAST_LINE_FILE_ENV)
     if target:
-        Path(target).write_text(message, encoding="utf-8")
+        Path(target).write_text(line, encoding="utf-8")
     else:
-        print(f"fineflow run: error: {message}", file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)
+
+
+def report_user_error(message: str) -> None:
+    say_last(f"fineflow run: error: {message}")
 
 
 def _interrupted(signum, frame):
@@ -149,16 +154,43 @@ def run_flow(project: Path) -> int:
     signal.signal(signal.SIGINT, _interrupted)
     # a SIGKILLed supervisor (OOM killer, kill -9) stops the flow too, in order
     preempt.die_with_parent(signal.SIGTERM, parent=int(os.environ[FLOW_PROCESS_ENV]))
+    started = time.time()
+    log_user_errors_without_tracebacks()  # from here: Prefect's own logs of a stop carry no traceback either
     try:
         preflight(project)  # a params mistake or a missing input: refused before a server starts or a stage runs
         results = fineflow_pipeline(str(project))
-    except Exception as exc:
+    except BaseException as exc:
+        if is_stop(exc):  # Ctrl-C or SIGTERM: one line, what was saved and how to go on, and 130 / 143
+            signum = getattr(exc, "signal", None) or _signal_of(exc)
+            say_last(stopped_line(project, started, signum))
+            return 128 + signum
         if not is_user_error(exc):
             raise  # a crash: its traceback, exit 1
         report_user_error(str(exc))
         return USER_ERROR_EXIT
     print_summary(results)
     return 0
+
+
+def _signal_of(exc: BaseException) -> int:
+    """The signal a KeyboardInterrupt stands for (_interrupted names it; a plain one is Ctrl-C's)."""
+    return signal.SIGTERM if "SIGTERM" in str(exc) else signal.SIGINT
+
+
+def stopped_line(project: Path, since: float, signum: int) -> str:
+    """`fineflow run: stopped by SIGTERM: <stage> saved ...; run again to resume`, from the stage records a stopped
+    stage left (reports/<stage>.error.json, kind preempted) during this run."""
+    name = signal.Signals(signum).name
+    saved = []
+    for record_path in sorted((project / "reports").glob("*.error.json")):
+        try:
+            record = json.loads(record_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if record.get("kind") == "preempted" and record_path.stat().st_mtime >= since:
+            saved.append(f"{record.get('stage')} saved step {record.get('step')}")
+    what = "; ".join(saved) if saved else "no stage was mid-work (the finished stages are recorded in dvc.lock)"
+    return f"fineflow run: stopped by {name}: {what}; run `make run` (or `dvc repro`) again to go on from there"
 
 
 def print_summary(results: dict) -> None:

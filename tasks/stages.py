@@ -35,9 +35,9 @@ from fineflow.core.config import CheckpointSettings, load_params
 from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
 from fineflow.core.reports import read_approval_request, read_error_record
 from fineflow.dvc_rwlock import busy_error, repair_rwlock
+from fineflow.process import preempt
 from fineflow.registry.approval import APPROVAL_ENV
 from fineflow.remote import dvc_environment
-from fineflow.train import preempt
 from tasks.artifacts import TrainingProgress, publish_failure, publish_report
 from tasks.runs import exit_once_the_api_is_gone
 
@@ -211,13 +211,20 @@ def _retry_unless_user_error(task, task_run, state) -> bool:
     return False
 
 
+def is_stop(exc: BaseException | None) -> bool:
+    """Ctrl-C or SIGTERM (KeyboardInterrupt; Prefect's TerminationSignal, which carries the signal): a stop asked
+    for, not a crash."""
+    return isinstance(exc, KeyboardInterrupt) or hasattr(exc, "signal")
+
+
 class _WithoutUserErrorTracebacks(logging.Filter):
     """Prefect logs a failed task or flow run with the exception's traceback. A user error's traceback shows
-    only fineflow's own plumbing (the stage ran in another process, and its message is the whole story), so it
-    is logged without one, on the console and in the UI alike; a crash keeps its traceback."""
+    only fineflow's own plumbing (the stage ran in another process, and its message is the whole story), and a
+    stop's (Ctrl-C, SIGTERM) is the signal's way up the stack: both are logged without one, on the console and in
+    the UI alike; a crash keeps its traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and is_user_error(record.exc_info[1]):
+        if record.exc_info and (is_user_error(record.exc_info[1]) or is_stop(record.exc_info[1])):
             record.exc_info, record.exc_text = None, None
         return True
 

@@ -70,7 +70,7 @@ def test_a_rank_stuck_after_a_stop_signal_exits_75_when_the_grace_runs_out():
     (here SIGTERM is blocked in the main thread, so no Python handler runs: as in a hung collective)."""
     code = (
         "import os, signal, threading, time\n"
-        "from fineflow.train import preempt\n"
+        "from fineflow.process import preempt\n"
         "preempt.install(1.0)\n"
         "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})\n"
         "threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
@@ -111,7 +111,8 @@ def test_fit_finishes_the_step_saves_it_and_stops_and_the_resume_is_bit_exact(bu
     due: every_steps 100) and fit() raises Preempted; the next run resumes from step 3 and ends with the adapter
     of an uninterrupted run, bit for bit."""
     from fineflow.checkpoint import load_checkpoint
-    from fineflow.train import loop, preempt
+    from fineflow.process import preempt
+    from fineflow.train import loop
 
     params = _params(
         train={"steps": 6, "eval_every": 6, "tracker": "none", "log_every": 1}, checkpoint={"every_steps": 100}
@@ -168,7 +169,7 @@ sys.exit(255 if stage.wait() else 0)
 """
 STAGE = """
 import os, signal, subprocess, sys, time
-from fineflow.train import preempt
+from fineflow.process import preempt
 helper = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN)"
                            "; time.sleep(300)"], start_new_session=True)
 with open("pids.txt", "w") as fh:
@@ -252,7 +253,7 @@ def test_a_ctrl_c_whose_exception_is_swallowed_above_the_task_still_stops_the_st
 
 def test_a_stage_that_ignores_the_stop_is_killed_with_everything_under_it_after_the_budget(tmp_path, monkeypatch):
     """Even the helper in a session of its own, which no process group signal reaches, is gone."""
-    from fineflow.train.preempt import budget_s
+    from fineflow.process.preempt import budget_s
 
     stages = _fake_dvc(tmp_path, monkeypatch, "stuck", grace_s=0.5)
     seen = {}
@@ -266,7 +267,7 @@ def test_a_stage_that_ignores_the_stop_is_killed_with_everything_under_it_after_
 def test_a_stage_stopped_on_its_own_after_saving_is_retried(tmp_path, monkeypatch):
     """The stage alone was stopped (its node preempted), the flow was not: exit 75 through `dvc repro`'s 255,
     read from the record, and the task's retry condition says retry (it resumes from the saved step)."""
-    from fineflow.train import preempt
+    from fineflow.process import preempt
 
     stages = _fake_dvc(tmp_path, monkeypatch, "stopping", grace_s=GRACE_S)
 
@@ -526,7 +527,7 @@ def test_a_dead_prefect_server_does_not_hang_the_stop(flow_project):
 # --- the launcher's output on a user error ---------------------------------------------------------------
 
 DRIVER = (  # run_ranks on the argv it is given, as the train launcher calls it
-    "import os, sys; from fineflow.train.preempt import run_ranks; sys.exit(run_ranks(sys.argv[1:], {**os.environ}, 5))"
+    "import os, sys; from fineflow.process.preempt import run_ranks; sys.exit(run_ranks(sys.argv[1:], {**os.environ}, 5))"
 )
 USER_ERROR_RANK = """import sys
 print("fineflow train: error: params.yaml: train.lr must be > 0 (got -1)", file=sys.stderr, flush=True)

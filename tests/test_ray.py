@@ -415,7 +415,7 @@ def test_sigterm_to_the_ray_driver_saves_the_step_exits_75_and_the_rerun_is_bit_
 STUB_RANK = """
 import os, signal, sys, time
 from pathlib import Path
-from fineflow.train.preempt import die_with_parent
+from fineflow.process.preempt import die_with_parent
 
 die_with_parent()  # as the train stage's rank does: a torn-down Ray worker takes its rank along
 rank = int(os.environ["RANK"])

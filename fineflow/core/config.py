@@ -557,7 +557,7 @@ class CheckpointSettings(_Section):
     )
     retries: int = Field(3, ge=0, description="write attempts after the first, with on_write_error: retry")
     # SIGTERM (preemption) or Ctrl-C: each rank finishes its step, saves it and exits 75 within this budget
-    # (fineflow.train.preempt); the layers above wait a few seconds more, then kill what is left
+    # (fineflow.process.preempt); the layers above wait a few seconds more, then kill what is left
     preempt_grace_s: float = Field(
         15, gt=0, description="on SIGTERM or Ctrl-C: seconds to finish the step, save it and exit 75 (resumable)"
     )

@@ -10,11 +10,25 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fineflow.core.config import Params, load_params
-from fineflow.core.errors import APPROVAL_NEEDED_EXIT, USER_ERROR_EXIT, ApprovalNeeded, FineflowError, WorkspaceBusy
+from fineflow.core.errors import (
+    APPROVAL_NEEDED_EXIT,
+    PREEMPTED_EXIT,
+    USER_ERROR_EXIT,
+    ApprovalNeeded,
+    FineflowError,
+    StoppedAndSaved,
+    WorkspaceBusy,
+)
 from fineflow.core.journal import Attempt, ledger_dir
 from fineflow.core.metrics import write_metrics
 from fineflow.core.preflight import DVC_FILE, check_input_paths
-from fineflow.core.reports import clear_error_record, write_approval_request, write_error_record, write_json_atomic
+from fineflow.core.reports import (
+    clear_error_record,
+    write_approval_request,
+    write_error_record,
+    write_json_atomic,
+    write_preempted_record,
+)
 from fineflow.core.runtime import apply_offline_environment, is_train_worker
 from fineflow.core.threads import ThreadPlan, apply_threads, process_plan
 from fineflow.core.workspace import held_for, queued_experiment
@@ -141,6 +155,10 @@ def _run_entry(
     except FineflowError as exc:
         user_error(stage, args.report, exc)
         return USER_ERROR_EXIT
+    except StoppedAndSaved as stopped:  # a signal, the work saved: one line, the record a re-run resumes from
+        write_preempted_record(args.report, stage, stopped.step, stopped.signum)
+        log(f"{stage}: {stopped}; run again to resume (exit {PREEMPTED_EXIT})")
+        return PREEMPTED_EXIT
     written = time.perf_counter()
     if report is not None:
         wall_s = round(time.perf_counter() - started, 3)

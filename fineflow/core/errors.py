@@ -13,7 +13,7 @@ USER_ERROR_EXIT = 2
 
 # The exit code of a run stopped on request (SIGTERM: preemption, eviction; SIGINT: Ctrl-C) after it saved the
 # step it was on (EX_TEMPFAIL: try again later). Retried like a crash; the retry resumes from that step. The
-# stage's record (kind "preempted", fineflow.train.preempt) carries it through the layers that rewrite codes.
+# stage's record (kind "preempted", fineflow.process.preempt) carries it through the layers that rewrite codes.
 PREEMPTED_EXIT = 75
 
 # The exit code of a promote stage whose candidate passed the gate and waits for a person's approval
@@ -50,3 +50,12 @@ class ApprovalNeeded(FineflowError):
     def __init__(self, message: str, evidence: dict):
         super().__init__(message)
         self.evidence = evidence
+
+
+class StoppedAndSaved(Exception):
+    """A stage stopped on a signal (SIGTERM, Ctrl-C) after saving `step` of its work: its entry writes the record
+    a re-run resumes from and exits PREEMPTED_EXIT. Not a FineflowError: nothing for the user to fix."""
+
+    def __init__(self, message: str, step: int, signum: int | None):
+        super().__init__(message)
+        self.step, self.signum = step, signum

@@ -82,6 +82,23 @@ def read_error_record(report: str | Path) -> dict | None:
     return read_record(report, "user_error")
 
 
+def write_preempted_record(report: str | Path, stage: str, step: int, signum: int | None) -> None:
+    """The stage's record (reports/<stage>.error.json, kind "preempted"): the layers above, whose exit codes
+    accelerate and DVC rewrite, read it to tell a resumable stop from a crash."""
+    import signal
+
+    name = signal.Signals(signum).name if signum is not None else "a stop signal to another rank"
+    message = f"stopped by {name} after step {step}, which is saved: a re-run resumes from it"
+    write_json_atomic(
+        error_record_path(report),
+        {"stage": stage, "kind": "preempted", "step": step, "signal": name, "message": message},
+    )
+
+
+def read_preempted_record(report: str | Path) -> dict | None:
+    return read_record(report, "preempted")
+
+
 def write_approval_request(report: str | Path, stage: str, message: str, evidence: dict) -> None:
     """The record of a candidate that passed the gate and waits for a person (fineflow.registry.approval)."""
     record = {"stage": stage, "kind": "approval_needed", "message": message, "evidence": evidence}

@@ -14,7 +14,7 @@ checkpoints must be on storage every machine sees (a shared directory or ``check
 rank starts (``fineflow.train.launch.check_checkpoint_storage``).
 
 SIGTERM or Ctrl-C: the ranks save the step they are on and the stage exits 75 (PREEMPTED_EXIT) within
-checkpoint.preempt_grace_s; run again, it resumes from that step (``fineflow.train.preempt``).
+checkpoint.preempt_grace_s; run again, it resumes from that step (``fineflow.process.preempt``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError,
 from fineflow.core.reports import clear_error_record, read_error_record, read_json
 from fineflow.core.runtime import apply_offline_environment, is_train_worker
 from fineflow.core.threads import ThreadPlan, process_plan
-from fineflow.train import preempt
+from fineflow.process import preempt
 from fineflow.train.launch import check_checkpoint_storage
 from fineflow.train.plots import write_run_plots
 from fineflow.train.recipe import launch_ranks, train_rank

@@ -27,6 +27,5 @@ fsdp.py          what FSDP needs beyond accelerate's defaults for LoRA (wrapping
 zero.py          what DeepSpeed ZeRO-2/3 needs (its state in checkpoints, an adapter-only final save)
 gradsync.py      DDP's gradient all-reduce, timed apart from backward
 flops.py         model FLOPs per token, the device's peak FLOP/s, MFU/HFU
-preempt.py       stopping on a signal: the step saved, the ranks stopped, resumable
 plots.py         the step log as DVC plot data and PNG charts
 """

@@ -144,9 +144,9 @@ def fit(
     the loader's sampler, the weights and the optimizer were restored to start_step); returns the report's
     figures.
 
-    A stop signal (SIGTERM: preemption; SIGINT: Ctrl-C; noted by fineflow.train.preempt) lets the step in
+    A stop signal (SIGTERM: preemption; SIGINT: Ctrl-C; noted by fineflow.process.preempt) lets the step in
     progress finish, saves that step, waits for the write and raises preempt.Preempted: a retry resumes there."""
-    from fineflow.train import preempt
+    from fineflow.process import preempt
 
     model.train()
     started = time.perf_counter()
@@ -284,7 +284,7 @@ def global_loss(accelerator, step_loss: float, targets: int, save_failed: bool =
     own, whichever rank (or how many) raised them."""
     import torch
 
-    from fineflow.train import preempt
+    from fineflow.process import preempt
 
     signalled = float(preempt.stop_signal() is not None)
     values = [step_loss, signalled, float(save_failed), *(rewards or ())]

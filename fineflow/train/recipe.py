@@ -20,6 +20,7 @@ from fineflow.core.config import Params
 from fineflow.core.journal import process_started
 from fineflow.core.threads import RunnableSampler, plan_threads
 from fineflow.model_ref import resolve_base_model
+from fineflow.process.preempt import run_ranks
 from fineflow.train import gradsync
 from fineflow.train.fsdp import prepare_model_for_fsdp
 from fineflow.train.launch import (
@@ -34,7 +35,6 @@ from fineflow.train.launch import (
     with_profile_processes,
 )
 from fineflow.train.model import build_model, save_model
-from fineflow.train.preempt import run_ranks
 from fineflow.train.profile import load_profile
 from fineflow.train.report import device_facts, run_flops, train_report
 from fineflow.train.sizing import GiB, RunPlan, check_hardware, fit_plan, world_size
@@ -83,7 +83,7 @@ def launch_ranks(
     # decided here, once, for every rank of this machine (fineflow.core.threads); each rank follows and records it
     threads = plan_threads(cfg.num_processes // max(1, cfg.num_machines), cfg.threads)
     log(f"launching: {' '.join(command[2:])}; threads: {threads.describe()}")
-    # its own process group: a stop signal reaches the ranks once, forwarded (fineflow.train.preempt)
+    # its own process group: a stop signal reaches the ranks once, forwarded (fineflow.process.preempt)
     environ = {**os.environ, **env, **threads.child_environment()}
     return run_ranks(command, environ, run.params.checkpoint.preempt_grace_s, log)
 

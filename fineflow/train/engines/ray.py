@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
-from fineflow.train.preempt import StopNote, budget_s
+from fineflow.process.preempt import StopNote, budget_s
 
 INSTALL_HINT = "pip install 'fineflow[cluster]'"
 STORAGE_DIR = Path(".cache/ray")  # Ray Train's run state, under the project the driver runs in

@@ -13,7 +13,7 @@ Run the stage where Slurm's client commands work (a login node: ``dvc repro`` th
 
 Preemption and requeue: the job is submitted ``--requeue`` and ``--signal=TERM@<s>``; Slurm's SIGTERM (a time
 limit coming, a preemption with GraceTime, ``scontrol requeue``) reaches every rank, which saves the step it is on
-and exits 75 (fineflow.train.preempt). A requeued job (Restarts=N) runs the same script again on its next
+and exits 75 (fineflow.process.preempt). A requeued job (Restarts=N) runs the same script again on its next
 allocation, and train.resume: auto resumes it from the newest checkpoint (so checkpoints/ must be on a file system
 every node sees); the driver keeps waiting, and cancels the job after more than train.max_restarts requeues.
 A SIGTERM/SIGINT to the driver becomes ``scancel --signal=TERM``: the ranks save, and the driver returns 75.
@@ -36,8 +36,8 @@ from pathlib import Path
 from string import Template
 
 from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
+from fineflow.process.preempt import StopNote, budget_s
 from fineflow.train.launch import accelerate_command
-from fineflow.train.preempt import StopNote, budget_s
 
 OUTPUT_DIR = Path("logs/slurm")
 POLL_S = 2.0

@@ -36,10 +36,11 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT
-from fineflow.core.reports import error_record_path, read_record, write_json_atomic
+
+# the stage record of a saved stop lives with the other records (fineflow.core.reports); named here for the layers
+from fineflow.core.reports import read_preempted_record, write_preempted_record  # noqa: F401
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # Seconds each layer waits, after the signal, beyond the ranks' grace before it kills the layer below.
@@ -150,21 +151,6 @@ def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> Non
     parent = parent or os.getppid()
     if _prctl(_PR_SET_PDEATHSIG, int(sig)) and os.getppid() != parent:
         os.kill(os.getpid(), sig)  # the parent died before the request took effect
-
-
-def write_preempted_record(report: str | Path, stage: str, step: int, signum: int | None) -> None:
-    """The stage's record (reports/<stage>.error.json, kind "preempted"): the layers above, whose exit codes
-    accelerate and DVC rewrite, read it to tell a resumable stop from a crash."""
-    name = signal_name(signum)
-    message = f"stopped by {name} after step {step}, which is saved: a re-run resumes from it"
-    write_json_atomic(
-        error_record_path(report),
-        {"stage": stage, "kind": "preempted", "step": step, "signal": name, "message": message},
-    )
-
-
-def read_preempted_record(report: str | Path) -> dict | None:
-    return read_record(report, "preempted")
 
 
 # --- the layers above the ranks --------------------------------------------------------------------------

@@ -1,0 +1,2 @@
+"""Process supervision, not training: how every layer of a run (the flow, `dvc repro`, a stage, its launcher, the
+ranks) stops on a signal promptly and resumably, and leaves no orphan (``preempt``)."""
