@@ -527,7 +527,8 @@ def test_a_dead_prefect_server_does_not_hang_the_stop(flow_project):
 # --- the launcher's output on a user error ---------------------------------------------------------------
 
 DRIVER = (  # run_ranks on the argv it is given, as the train launcher calls it
-    "import os, sys; from fineflow.process.preempt import run_ranks; sys.exit(run_ranks(sys.argv[1:], {**os.environ}, 5))"
+    "import os, sys; from fineflow.process.preempt import run_ranks; "
+    "sys.exit(run_ranks(sys.argv[1:], {**os.environ}, 5))"
 )
 USER_ERROR_RANK = """import sys
 print("fineflow train: error: params.yaml: train.lr must be > 0 (got -1)", file=sys.stderr, flush=True)
