@@ -36,7 +36,7 @@ from pathlib import Path
 
 import yaml
 
-from fineflow.dag import stage_command
+from fineflow.core.dvc_project import stage_command
 
 ROOT = Path(__file__).resolve().parent.parent
 # the stages' command lines as dvc.yaml writes them

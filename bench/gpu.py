@@ -8,7 +8,7 @@ What runs. The project is copied to a temporary folder (git ls-files, as bench/c
 .git, the files .gitignore does not ignore) and its own stages run there, nothing reimplemented: `dvc repro
 tokenize` (base, fingerprint, data, validate, tokenize), then per configuration `dvc repro train` (the launcher,
 the memory planner, `accelerate launch`, the ranks, fused LoRA, checkpoints; DVC re-runs only train, whose params
-changed) and the goodput stage's command (from dvc.yaml, fineflow.dag.stage_command) for that configuration's
+changed) and the goodput stage's command (from dvc.yaml: fineflow.core.dvc_project) for that configuration's
 ledger. Where dvc does not import (an image with torch but not the whole stack), or with --no-dvc, each stage
 runs by its command from dvc.yaml in dvc.yaml's order instead: the same processes, without DVC's bookkeeping.
 
@@ -82,7 +82,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from chat_quality import OFFLINE  # noqa: E402  (bench/ is no package: the script beside this one)
 
-from fineflow.dag import stage_command, stage_names  # noqa: E402
+from fineflow.core.dvc_project import stage_command, stage_names  # noqa: E402
 
 # Llama-3.2-1B's config.json shape (as fineflow.train.planner's known shapes); --tiny: seconds on a CPU
 SHAPES = {
@@ -348,7 +348,7 @@ def tail(log: Path, chars: int = 3000) -> str:
 
 def reproduce(target: str, project: Path, env: dict, budget: Budget, log: Path, use_dvc: bool) -> int:
     """`dvc repro <target>`: DVC runs what changed up to target. Without DVC (not installed, or --no-dvc), the
-    stages up to target that have not run yet, each by its command from dvc.yaml (fineflow.dag.stage_command):
+    stages up to target that have not run yet, each by its command from dvc.yaml (dvc_project.stage_command):
     the same processes, in dvc.yaml's order, with no cache, lock or change detection."""
     if use_dvc:
         return run([sys.executable, "-m", "dvc", "repro", target], project, env, budget, log)

@@ -18,12 +18,11 @@ goodput/       stage goodput: the ledger, cost, the charts, the doctor
 process/       process supervision: stop signals through every layer, resumably, with no orphans
 model_ref.py   which base model the stages load (the embedded one, a path or a hub id)
 corpus.py      the bundled text of the synthetic data and the embedded base's pretraining
-dag.py         the pipeline's stages and edges, read from dvc.yaml
 code_deps.py   ``fineflow dvc-deps``: each stage's code deps in dvc.yaml, from what its entry imports
 overrides.py   param overrides with dotted keys, applied as ``dvc exp run -S`` applies them
 recipes.py     ``fineflow recipe``: model-family recipes planned for their device, written into params.yaml
 params_doc.py  ``fineflow params-doc``: the params reference (docs/reference/params.md) from the typed config
-remote.py      DVC from fineflow's own code: the command and the project's default remote
+remote.py      the project's default DVC remote: pull at a run's start, push at its end
 dvc_rwlock.py  DVC's read/write lock after a SIGKILL: a half-written file, entries of dead dvcs (PID reused)
 ci.py          ``fineflow ci``: the CI retraining job as one command
 cli.py         the ``fineflow`` command and its subcommands

@@ -28,7 +28,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from pathlib import Path
 import yaml
 
 from fineflow import remote
-from fineflow.core import journal
+from fineflow.core import dvc_project, journal
 from fineflow.core.errors import (
     APPROVAL_NEEDED_EXIT,
     PREEMPTED_EXIT,
@@ -117,18 +116,11 @@ def run_repro(project: Path, log: Callable[[str], None], pull: bool = False) -> 
     pull, DVC fetches what a stage lacks from the remote first, its run cache included: a stage an earlier,
     failed job finished (its push carried the run cache, no commit names its outputs) is restored, not redone."""
     repro = Repro()
-    with subprocess.Popen(
-        [sys.executable, "-m", "dvc", "repro", *(["--pull"] if pull else [])],
-        cwd=project,
-        env=remote.dvc_environment(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        bufsize=1,
-    ) as proc:
+    with dvc_project.popen_dvc(project, "repro", *(["--pull"] if pull else [])) as proc:
         for line in proc.stdout:
             line = line.rstrip()
-            log(line)
+            if not dvc_project.is_hint(line):  # DVC's git/remote advice: this job commits and pushes itself
+                log(line)
             repro.see(line)
     repro.returncode = proc.returncode
     return repro
@@ -403,17 +395,13 @@ def missing_after_pull(project: Path) -> list[str]:
     lock_path = project / "dvc.lock"
     if not lock_path.exists():
         return []
-    stages = (yaml.safe_load((project / "dvc.yaml").read_text(encoding="utf-8")) or {}).get("stages", {})
     locked = (yaml.safe_load(lock_path.read_text(encoding="utf-8")) or {}).get("stages", {})
-    missing = []
-    for name, stage in stages.items():
-        named = {out["path"] for out in (locked.get(name) or {}).get("outs", [])}
-        for out in stage.get("outs", []):
-            if isinstance(out, dict):
-                [(path, settings)] = out.items()
-                if (settings or {}).get("persist") and path in named and not (project / path).exists():
-                    missing.append(path)
-    return missing
+    return [
+        path
+        for name, paths in dvc_project.persistent_outputs(project).items()
+        for path in paths
+        if path in {out["path"] for out in (locked.get(name) or {}).get("outs", [])} and not (project / path).exists()
+    ]
 
 
 def _pull_repro_push(project: Path, options: Options, notes: dict[str, str], log) -> tuple[Outcome, Repro | None]:

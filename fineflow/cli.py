@@ -416,15 +416,16 @@ def _data_parser(sub) -> None:
 
 def _run_data_add(args) -> int:
     import os
-    import subprocess
     from pathlib import Path
 
     import yaml
 
+    from fineflow.core.dvc_project import run_dvc
+
     path = Path(args.file)
     if not path.is_file():
         raise FineflowError(f"{path}: no such file")
-    done = subprocess.run([sys.executable, "-m", "dvc", "add", str(path)], capture_output=True, text=True)
+    done = run_dvc(".", "add", str(path), env=dict(os.environ))
     if done.returncode != 0:  # e.g. the file is a stage's output (the embedded data stage's): DVC says so
         raise FineflowError(f"dvc add {path} failed: {(done.stdout + done.stderr).strip()[-1500:]}")
     [out] = yaml.safe_load(Path(f"{path}.dvc").read_text(encoding="utf-8"))["outs"]

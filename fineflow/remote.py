@@ -7,16 +7,9 @@ both are skipped (the embedded default keeps its state in the workspace).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-
-def dvc_environment() -> dict[str, str]:
-    """The venv's bin first on PATH, so dvc.yaml's ``python`` is this interpreter."""
-    bin_dir = str(Path(sys.executable).parent)
-    return {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "PYTHONUNBUFFERED": "1"}
+from fineflow.core import dvc_project
 
 
 def default_remote(project_dir: str | Path) -> str | None:
@@ -29,9 +22,7 @@ def default_remote(project_dir: str | Path) -> str | None:
 
 def run_dvc(project_dir: str | Path, *args: str) -> str:
     """``dvc <args>`` in the project; its output, or RuntimeError with the command and the output's tail."""
-    done = subprocess.run(
-        [sys.executable, "-m", "dvc", *args], cwd=project_dir, env=dvc_environment(), capture_output=True, text=True
-    )
+    done = dvc_project.run_dvc(project_dir, *args)
     output = (done.stdout + done.stderr).strip()
     if done.returncode != 0:
         raise RuntimeError(f"dvc {' '.join(args)} failed (exit {done.returncode}):\n{output[-3000:]}")

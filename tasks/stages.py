@@ -23,7 +23,6 @@ import logging
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -31,13 +30,14 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 
+from fineflow.core import dvc_project
 from fineflow.core.config import CheckpointSettings, load_params
+from fineflow.core.dvc_project import dvc_environment
 from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
 from fineflow.core.reports import read_approval_request, read_error_record
 from fineflow.dvc_rwlock import busy_error, repair_rwlock
 from fineflow.process import preempt
 from fineflow.registry.approval import APPROVAL_ENV
-from fineflow.remote import dvc_environment
 from tasks.artifacts import TrainingProgress, publish_failure, publish_report
 from tasks.runs import exit_once_the_api_is_gone
 
@@ -123,21 +123,18 @@ def repro_single(stage: str, project_dir: Path, log, extra_env: dict[str, str] |
     """Run the stage through DVC, streaming every output line to log; raise StageFailed on failure.
 
     Returns whether the stage's command ran (False when DVC found it unchanged and skipped it)."""
-    command = [sys.executable, "-m", "dvc", "repro", "--single-item", stage]
     repaired = repair_rwlock(project_dir)  # a dvc process killed mid-write would fail every stage from now on
     if repaired:
         log(f"fineflow: {repaired}")
     tail: deque[str] = deque(maxlen=60)
     ran = False  # seen DVC's "Running stage" line (a chatty stage pushes it out of the tail)
     with (
-        subprocess.Popen(
-            command,
-            cwd=project_dir,
-            env={**dvc_environment(), **(extra_env or {})},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
+        dvc_project.popen_dvc(
+            project_dir,
+            "repro",
+            "--single-item",
+            stage,
+            env=dvc_environment(extra_env),
             start_new_session=True,  # a terminal's Ctrl-C reaches it only through StopStage, once
         ) as proc,
         preempt.StopStage(proc.pid) as stop,
@@ -149,7 +146,7 @@ def repro_single(stage: str, project_dir: Path, log, extra_env: dict[str, str] |
                     raise KeyboardInterrupt(f"stopped by {preempt.signal_name(stop.signum)}")
                 line = line.rstrip()
                 heartbeat.seen()
-                if line and not is_progress_redraw(line):
+                if line and not is_progress_redraw(line) and not dvc_project.is_hint(line):
                     tail.append(line)
                     ran = ran or line.startswith(f"Running stage '{stage}'")
                     log(line)

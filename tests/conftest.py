@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fineflow.dag import stage_command
+from fineflow.core.dvc_project import stage_command
 
 ROOT = Path(__file__).resolve().parent.parent
 # pytest imports this file as `conftest`, and the tests import it again as `tests.conftest` (tests/ is no

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from fineflow.core.dvc_project import dvc_environment
 from fineflow.dvc_rwlock import GUARD, RWLOCK, repair_rwlock
-from fineflow.remote import dvc_environment
 from tasks.stages import is_user_error, repro_single
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from fineflow.core import journal
+from fineflow.core.dvc_project import stage_command
 from fineflow.core.errors import APPROVAL_NEEDED_EXIT
-from fineflow.dag import stage_command
 from fineflow.goodput import cost, doctor, ledger
 from fineflow.train import flops
 from tests.conftest import (

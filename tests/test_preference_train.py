@@ -24,7 +24,7 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fineflow.dag import stage_command
+from fineflow.core.dvc_project import stage_command
 from fineflow.tokenize.shards import POSITION_DTYPE, PackedArrays, token_dtype, write_shard
 from fineflow.tokenize.template import encode_pair, render_prompt
 from fineflow.train.preference import PAIR_SLOTS_FILE, PairShard, logps_file, pair_loss, write_shard_logps

@@ -20,8 +20,8 @@ import urllib.request
 import pytest
 import yaml
 
+from fineflow.core.dvc_project import upstream_stages
 from fineflow.core.workspace import WorkspaceLock, describe
-from fineflow.dag import upstream_stages
 from tasks.artifacts import promotion_markdown, report_table
 from tasks.runs import commit_label
 from tasks.stages import StageFailed, is_progress_redraw

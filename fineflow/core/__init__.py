@@ -1,4 +1,4 @@
-"""What every stage runs, whatever it does: one folder, so each stage in ``dvc.yaml`` depends on it once.
+"""What every stage runs, whatever it does (each stage's code deps in ``dvc.yaml`` list these files).
 
 config.py      params.yaml validated into typed models (all errors at once)
 preflight.py   before the first stage: valid params, and every input path they name there
@@ -9,4 +9,6 @@ runtime.py     the offline/telemetry environment every stage and the flow set
 metrics.py     the curated metrics files ``dvc metrics`` compares
 workspace.py   one run at a time in a project (the workspace lock)
 journal.py     each stage process's start, end, spans and heartbeat for the goodput ledger
+threads.py     the threads each process computes with: its share of the CPUs it may really use
+dvc_project.py dvc.yaml read in one place (stages, commands, edges, outputs) and ``dvc`` run in one place
 """

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fineflow.core.config import Params, load_params
+from fineflow.core.dvc_project import DVC_FILE
 from fineflow.core.errors import (
     APPROVAL_NEEDED_EXIT,
     PREEMPTED_EXIT,
@@ -21,7 +22,7 @@ from fineflow.core.errors import (
 )
 from fineflow.core.journal import Attempt, ledger_dir
 from fineflow.core.metrics import write_metrics
-from fineflow.core.preflight import DVC_FILE, check_input_paths
+from fineflow.core.preflight import check_input_paths
 from fineflow.core.reports import (
     clear_error_record,
     write_approval_request,

@@ -19,13 +19,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import NamedTuple
 
-import yaml
-
 from fineflow.core.config import Params, load_params
+from fineflow.core.dvc_project import output_paths, pipeline_stages
 from fineflow.core.errors import ConfigError
 
 PARAMS_FILE = "params.yaml"
-DVC_FILE = "dvc.yaml"
 # where train.accelerate_profile's names live: the folder fineflow.train.profile resolves them in (beside the package)
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "accelerate"
 
@@ -72,7 +70,7 @@ def check_input_paths(params: Params, project: Path) -> None:
     inputs of the stages project's dvc.yaml has are checked (all of them without a dvc.yaml), and a path one
     of its stages writes counts as there."""
     stages = pipeline_stages(project)
-    produced = stage_outputs(stages or {})
+    produced = [out for spec in (stages or {}).values() if isinstance(spec, dict) for out in output_paths(spec)]
     wanted = [entry for entry in input_paths(params) if stages is None or entry.reader in (None, *stages)]
     missing = [entry for entry in wanted if not _available(entry, project, produced)]
     if missing:
@@ -88,25 +86,6 @@ def _available(entry: InputPath, project: Path, produced: list[str]) -> bool:
     path = project / Path(entry.path).expanduser()
     there = path.is_dir() if entry.kind == "folder" else path.is_file()
     return there or _under_any(entry.path, produced) or _tracked_by_dvc(path, project)
-
-
-def pipeline_stages(project: Path) -> dict | None:
-    """The `stages:` of project's dvc.yaml ({} when it has none); None without a dvc.yaml."""
-    path = project / DVC_FILE
-    if not path.is_file():
-        return None
-    try:
-        pipeline = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
-    stages = pipeline.get("stages") if isinstance(pipeline, dict) else None
-    return stages if isinstance(stages, dict) else {}  # no stages: DVC says so when it runs
-
-
-def stage_outputs(stages: dict) -> list[str]:
-    """The outputs the stages declare, as written in dvc.yaml."""
-    outs = [out for stage in stages.values() if isinstance(stage, dict) for out in stage.get("outs") or []]
-    return [next(iter(out)) if isinstance(out, dict) else str(out) for out in outs]
 
 
 def _under_any(path: str, folders: list[str]) -> bool:

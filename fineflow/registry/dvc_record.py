@@ -14,37 +14,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-import yaml
-
+from fineflow.core.dvc_project import dvc_environment, owning_stage, project_root, run_dvc
 from fineflow.core.runtime import offline_environment
 
 
-def project_root(path: Path) -> Path | None:
-    """The DVC project (a dvc.yaml beside a .dvc directory) that path is inside, or None."""
-    for folder in [path.resolve(), *path.resolve().parents]:
-        if (folder / "dvc.yaml").is_file() and (folder / ".dvc").is_dir():
-            return folder
-    return None
-
-
-def owning_stage(root: Path, paths: list[Path]) -> str | None:
-    """The dvc.yaml stage whose outputs include every one of paths, or None."""
-    wanted = {p.resolve().relative_to(root).as_posix() for p in paths}
-    stages = (yaml.safe_load((root / "dvc.yaml").read_text(encoding="utf-8")) or {}).get("stages") or {}
-    for name, stage in stages.items():
-        outs = {next(iter(o)) if isinstance(o, dict) else o for o in (stage or {}).get("outs") or []}
-        if wanted <= {str(o).rstrip("/") for o in outs}:
-            return name
-    return None
-
-
-def _dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**offline_environment(root), **os.environ}  # the caller's settings win
-    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, env=env, capture_output=True, text=True)
+def _dvc(root: Path, *args: str):
+    return run_dvc(root, *args, env=dvc_environment(offline_environment(root) | dict(os.environ)))  # caller's win
 
 
 def record_outputs(registry_dir: Path, champion_dir: Path) -> str:

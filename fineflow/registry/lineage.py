@@ -31,8 +31,8 @@ from pathlib import Path
 
 import yaml
 
+from fineflow.core.dvc_project import DVC_FILE, stage_names
 from fineflow.core.reports import sha256_file
-from fineflow.dag import DVC_FILE, stage_names
 
 FORMAT = 1
 PACKAGES = (

@@ -5,7 +5,7 @@ parses the paths and hands ``fineflow.core.entry.run_entry`` the body to run on 
 calls the library: directly where one library function is the stage (promote:
 ``fineflow.registry.champion.promote``, evaluate: ``fineflow.evaluate.recipe.evaluate_models``), else through
 the module's own ``run(params, ...) -> report``, which wires a few library calls. Tests call those same
-functions. Which stages exist, and their order, is ``dvc.yaml``'s to say (``fineflow.dag.stage_names``).
+functions. Which stages exist, and their order, is ``dvc.yaml``'s to say (``fineflow.core.dvc_project.stage_names``).
 
 base.py         build the embedded default base model, or record the real one params.yaml names
 fingerprint.py  the base model every later stage uses, by content (always run)

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from fineflow.core.config import CheckpointSettings, load_params
+from fineflow.core.dvc_project import output_paths, read_stages, run_dvc
 from fineflow.core.entry import (
     journal_attempt,
     log,
@@ -162,9 +162,7 @@ def record_manual_run(out: Path, project: Path | None = None) -> bool:
     project = Path.cwd() if project is None else project
     if not _is_the_train_stage(project, out):
         return False
-    done = subprocess.run(
-        [sys.executable, "-m", "dvc", "commit", "--force", "train"], cwd=project, capture_output=True, text=True
-    )
+    done = run_dvc(project, "commit", "--force", "train", env=dict(os.environ))
     if done.returncode == 0:
         log(f"train: launched outside `dvc repro`: the run is recorded in dvc.lock ({RECORD_COMMAND})")
         return True
@@ -179,14 +177,11 @@ def record_manual_run(out: Path, project: Path | None = None) -> bool:
 
 def _is_the_train_stage(project: Path, out: Path) -> bool:
     """Whether project's dvc.yaml has a train stage with out among its outputs (this launch is that stage's)."""
-    import yaml
-
     try:
-        stage = (yaml.safe_load((project / "dvc.yaml").read_text(encoding="utf-8")) or {})["stages"]["train"]
-    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        stage = read_stages(project).get("train")
+    except FineflowError:
         return False
-    outs = [next(iter(entry)) if isinstance(entry, dict) else entry for entry in stage.get("outs", [])]
-    return Path(out) in {Path(path) for path in outs}
+    return isinstance(stage, dict) and Path(out) in {Path(path) for path in output_paths(stage)}
 
 
 def rank_spans(report_path: Path | str, launched: float, returned: float) -> dict:

@@ -1,4 +1,4 @@
-"""fineflow.dag.stage_command: a stage's command line read from dvc.yaml, as DVC would run it."""
+"""fineflow.core.dvc_project.stage_command: a stage's command line read from dvc.yaml, as DVC would run it."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 import pytest
 import yaml
 
+from fineflow.core.dvc_project import stage_command, stage_names
 from fineflow.core.errors import FineflowError
-from fineflow.dag import stage_command, stage_names
 from tests.conftest import ROOT
 
 
