@@ -143,6 +143,7 @@ def _parity_report(passed: bool):
 
 def _promote(project: Path, params, eval_rows: Path | None) -> dict:
     """The promote stage's library call on a gate_only_project, as the stage makes it."""
+    from fineflow.export.champion import parity_before_promotion
     from fineflow.registry.champion import promote
 
     return promote(
@@ -156,6 +157,7 @@ def _promote(project: Path, params, eval_rows: Path | None) -> dict:
         root=project,
         log=lambda line: None,
         eval_rows=eval_rows,
+        parity_check=parity_before_promotion,
     )
 
 

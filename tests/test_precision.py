@@ -20,12 +20,11 @@ from fineflow.train.precision import (
     check_qlora_sharding,
     choose_precision,
     kbit_preparation_kwargs,
-    profile_mixed_precision,
     quantization_kwargs,
     resolve_precision,
     weight_storage,
 )
-from fineflow.train.profile import load_profile
+from fineflow.train.profile import load_profile, profile_mixed_precision
 from tests.conftest import TINY_PARAMS, _merge
 
 PROFILE = Path("configs/accelerate/multi_gpu_ddp.yaml")

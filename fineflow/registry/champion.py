@@ -81,6 +81,7 @@ def promote(
     log=print,
     approval: Approval | None = None,
     eval_rows: Path | None = None,
+    parity_check: ParityCheck | None = None,
 ) -> dict:
     """Judge the candidate at adapter_dir against the champion (or the base) on the evaluate stage's scores,
     record the decision in the registry, install the candidate as champion if it passed; the stage's report.
@@ -90,7 +91,8 @@ def promote(
     root is the checkout the lineage's git state and dvc.lock are read from; the full manifest (with git,
     times, user, host) goes to ``<lineage_dir>/<candidate id>.json``, outside DVC's outputs. With
     export.block_promotion, the assembled champion's GGUF exports are parity-checked on eval_rows before anything
-    is logged (parity_gate): a failure refuses the candidate."""
+    is logged (parity_gate, by parity_check: the export's check, which the stage hands in: the registry does not
+    know the export formats): a failure refuses the candidate."""
     scores, unreadable = read_scores(scores_path)
     eval_hash = scores.get("eval_data_sha256")
     cid = candidate_id(adapter_dir)
@@ -128,7 +130,7 @@ def promote(
                 staging_dir(champion_dir), stored, record["base_model"], record, train_figures(train_report, log)
             )
             if params.export.block_promotion:
-                decision, record = parity_gate(decision, record, staging, eval_rows, params, log)
+                decision, record = parity_gate(decision, record, staging, eval_rows, params, log, parity_check)
                 store_candidate(registry_dir, adapter_dir, cid, record)  # its record says what parity decided
                 if not decision.promote:
                     shutil.rmtree(staging)
@@ -139,17 +141,26 @@ def promote(
     return _finish(decision, cid, entry["seq"], lineage_dir, manifest, log)
 
 
-def parity_gate(
-    decision: Decision, record: dict, staging: Path, eval_rows: Path | None, params: Params, log
-) -> tuple[Decision, dict]:
-    """export.block_promotion: the staged champion's float and gated GGUF exports must pass parity
-    (fineflow.export.champion.parity_before_promotion), or the promotion is refused with every failed check's
-    reason. The figures go into the record (and so the log entry) either way, and into the staged card."""
-    from fineflow.export.champion import parity_before_promotion
+# (staged champion, base model reference, eval rows, params, log) -> {"passed", "reasons", "exports"}
+ParityCheck = Callable[[Path, str, Path, Params, Callable[[str], None]], dict]
 
-    if eval_rows is None:
+
+def parity_gate(
+    decision: Decision,
+    record: dict,
+    staging: Path,
+    eval_rows: Path | None,
+    params: Params,
+    log,
+    parity_check: ParityCheck | None,
+) -> tuple[Decision, dict]:
+    """export.block_promotion: the staged champion's float and gated GGUF exports must pass parity_check
+    (the promote stage hands in fineflow.export.champion.parity_before_promotion), or the promotion is refused with
+    every failed check's reason. The figures go into the record (and so the log entry) either way, and into the
+    staged card."""
+    if eval_rows is None or parity_check is None:
         raise FineflowError("export.block_promotion: the parity check needs the eval rows; pass --eval-rows")
-    parity = parity_before_promotion(staging, record["base_model"], eval_rows, params, log)
+    parity = parity_check(staging, record["base_model"], eval_rows, params, log)
     record = {**record, "export_parity": parity}
     if parity["passed"]:
         with open(staging / "README.md", "a", encoding="utf-8") as card:

@@ -33,6 +33,7 @@ from fineflow.core.config import Params
 from fineflow.core.entry import log, run_entry, stage_parser, user_error
 from fineflow.core.errors import USER_ERROR_EXIT, FineflowError
 from fineflow.core.workspace import queued_experiment
+from fineflow.export.champion import parity_before_promotion
 from fineflow.registry.approval import approval_from_env
 from fineflow.registry.champion import promote
 
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             log=log,
             approval=approval_from_env(),  # a person's answer (promote.require_approval), given by the flow
             eval_rows=args.eval_rows,
+            parity_check=parity_before_promotion,  # export.block_promotion: the export's own parity check
         )
 
     return run_entry("promote", args, promote_in_this_workspace)

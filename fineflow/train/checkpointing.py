@@ -10,6 +10,7 @@ import time
 
 from fineflow.core.errors import FineflowError
 from fineflow.train import fsdp
+from fineflow.train.profile import SHARDED_ENGINES
 
 
 class TrainStateSaver:
@@ -122,7 +123,6 @@ def layout(accelerator) -> dict:
 
 
 ENGINE_NAMES = {"ddp": "an unsharded (one process or DDP)", "fsdp": "an FSDP", "deepspeed": "a DeepSpeed"}
-SHARDED_ENGINES = ("fsdp", "deepspeed")  # each rank holds (and writes) its own part of the state
 
 
 def shard_writer(engine: str, model, optimizer):

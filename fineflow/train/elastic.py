@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fineflow.core.errors import FineflowError
-from fineflow.train.checkpointing import SHARDED_ENGINES
+from fineflow.train.profile import SHARDED_ENGINES
 
 # what an elastic run may change between attempts: the split of the global batch, not the batch
 SPLIT_KEYS = ("num_processes", "grad_accum")

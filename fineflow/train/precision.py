@@ -29,15 +29,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from fineflow.core.errors import FineflowError
-
-if TYPE_CHECKING:
-    from fineflow.train.profile import Profile
+from fineflow.train.profile import MIXED_PRECISIONS, Profile
 
 AUTO = "auto"
-MIXED_PRECISIONS = ("no", "bf16", "fp16")  # accelerate's names, what Accelerator(mixed_precision=) takes
 TORCH_DTYPE_OF = {"no": "float32", "bf16": "bfloat16", "fp16": "float16"}
 PLANNER_PRECISION_OF = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
@@ -52,25 +48,6 @@ class PrecisionChoice:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def profile_mixed_precision(profile: dict, path: Path | str) -> str | None:
-    """The ``mixed_precision`` an accelerate profile asks for, or None when it sets none.
-
-    YAML reads a bare ``no`` as False: that is "no" too. fp8 and other modes fineflow does not train in are
-    refused with the file named."""
-    value = profile.get("mixed_precision")
-    if value is None:
-        return None
-    if value is False:
-        return "no"
-    value = str(value).lower()
-    if value not in MIXED_PRECISIONS:
-        raise FineflowError(
-            f"accelerate profile {path}: mixed_precision {value!r} is not supported by fineflow; use one of "
-            f"{', '.join(MIXED_PRECISIONS)} (quote 'no': bare no is a YAML boolean)"
-        )
-    return value
 
 
 def resolve_precision(

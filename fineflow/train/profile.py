@@ -18,7 +18,6 @@ from pathlib import Path
 from types import MappingProxyType
 
 from fineflow.core.errors import FineflowError
-from fineflow.train.precision import profile_mixed_precision
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "accelerate"
 AUTO = "auto"
@@ -26,6 +25,29 @@ AUTO = "auto"
 # who holds the training state: "ddp" every rank all of it (one process or DDP), "fsdp" and "deepspeed" each
 # rank its shards (fineflow.train.checkpointing saves and restores it accordingly)
 ENGINE_OF = {"FSDP": "fsdp", "DEEPSPEED": "deepspeed"}
+
+
+MIXED_PRECISIONS = ("no", "bf16", "fp16")  # accelerate's names, what Accelerator(mixed_precision=) takes
+SHARDED_ENGINES = ("fsdp", "deepspeed")  # each rank holds (and writes) its own part of the state
+
+
+def profile_mixed_precision(profile: dict, path: Path | str) -> str | None:
+    """The ``mixed_precision`` an accelerate profile asks for, or None when it sets none.
+
+    YAML reads a bare ``no`` as False: that is "no" too. fp8 and other modes fineflow does not train in are
+    refused with the file named."""
+    value = profile.get("mixed_precision")
+    if value is None:
+        return None
+    if value is False:
+        return "no"
+    value = str(value).lower()
+    if value not in MIXED_PRECISIONS:
+        raise FineflowError(
+            f"accelerate profile {path}: mixed_precision {value!r} is not supported by fineflow; use one of "
+            f"{', '.join(MIXED_PRECISIONS)} (quote 'no': bare no is a YAML boolean)"
+        )
+    return value
 
 
 @dataclass(frozen=True)
