@@ -73,7 +73,15 @@ def test_the_docs_site_builds_strictly(tmp_path):
     results = (tmp_path / "site/results/index.html").read_text(encoding="utf-8")
     assert "Packing: real-token share" in results  # bench/RESULTS.md, included, not copied
     layout = (tmp_path / "site/layout/index.html").read_text(encoding="utf-8")
-    assert "ledger.py" in layout and "--8" not in layout  # the package maps, included from the code
+    assert "fineflow/goodput/__init__.py" in layout and "--8" not in layout  # where each package's map is
+
+
+def test_the_layout_page_reads_on_github_too_and_names_every_packages_map():
+    """docs/layout.md includes no snippet (GitHub shows `--8<--` markers raw) and names the map of every package."""
+    page = (ROOT / "docs/layout.md").read_text(encoding="utf-8")
+    assert "--8<--" not in page
+    packages = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "fineflow").rglob("__init__.py"))
+    assert [p for p in packages if f"`{p}`" not in page] == []
 
 
 def _copy_of_the_docs(tmp_path: Path) -> Path:

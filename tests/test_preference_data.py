@@ -1,5 +1,5 @@
 """Preference data (train.objective dpo or simpo, issue 34 §2): pairs read and normalised, the gate's checks on
-them, the bundled pairs, and their tokens and shards (fineflow.tokenize.pairs, the shard contract of DPO.md)."""
+them, the bundled pairs, and their tokens and shards (fineflow.tokenize.pairs and its shard contract)."""
 
 from __future__ import annotations
 

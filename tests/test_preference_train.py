@@ -1,8 +1,8 @@
 """Preference tuning's training side (issue 34 §2): the dpo and simpo losses over packed pair shards, the
 train stage with train.objective dpo|simpo, the reference stage and the champion's identity.
 
-The pair shards are built here with numpy exactly as the shard contract says (DPO.md: each pair two adjacent
-examples of one row, prompt+chosen then prompt+rejected; pair_slots.bin 2k / 2k+1 / -1; pairs.idx; meta
+The pair shards are built here with numpy exactly as the shard contract says (fineflow.tokenize.pairs: each pair
+two adjacent examples of one row, prompt+chosen then prompt+rejected; pair_slots.bin 2k / 2k+1 / -1; pairs.idx; meta
 "objective": "preference"), from the tiny project's validated rows: chosen = the row's answer, rejected = another
 row's answer to a different prompt.
 """
@@ -161,7 +161,8 @@ def _load(base: Path, adapter: Path | None = None, attention: str = "varlen"):
 @pytest.mark.parametrize("attention", ["varlen", "sdpa"])
 def test_packed_pair_losses_equal_each_sequence_run_alone(built, tmp_path, attention):
     """dpo and simpo over packed rows (several pairs a row, rows batched, the reference's log-probs from the
-    shard-aligned file) == the formulas of DPO.md computed pair by pair on each sequence run alone, unpacked.
+    shard-aligned file) == the DPO and SimPO formulas (fineflow.train.preference)
+    computed pair by pair on each sequence run alone, unpacked.
     varlen: fineflow's per-example attention; sdpa: transformers' block-diagonal mask from the position ids."""
     from fineflow.core.config import PreferenceParams
     from fineflow.tokenize.shards import PackedShard

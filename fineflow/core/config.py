@@ -535,6 +535,15 @@ class TrainParams(_Section):
     preference: PreferenceParams = Field(PreferenceParams(), description="train.objective dpo or simpo")
 
 
+PREFERENCE_OBJECTIVES = ("dpo", "simpo")
+
+
+def is_preference(objective: str) -> bool:
+    """Whether train.objective trains on preference pairs (dpo, simpo) rather than single examples (sft): the one
+    place this is asked (data, validate, tokenize, train, evaluate)."""
+    return objective in PREFERENCE_OBJECTIVES
+
+
 class CheckpointSettings(_Section):
     """When and how the train stage checkpoints (fineflow.checkpoint)."""
 

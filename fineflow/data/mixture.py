@@ -15,7 +15,7 @@ import json
 from contextlib import ExitStack
 from pathlib import Path
 
-from fineflow.core.config import Params
+from fineflow.core.config import Params, is_preference
 from fineflow.core.entry import log
 from fineflow.core.errors import DataError
 from fineflow.core.reports import sha256_file, write_json_atomic
@@ -35,7 +35,6 @@ from fineflow.data.source_gate import (
 from fineflow.data.sources import content_hash, resolve_source
 from fineflow.data.tokens import TokenView
 from fineflow.data.validation import JsonlSink, ValidationOutcome, raise_if_blocked, validate_eval
-from fineflow.tokenize.pairs import is_preference
 
 SOURCES_FILE = "sources.json"  # beside the rows: the mixture's sources, for the lineage and the model card
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fineflow import __version__
-from fineflow.core.config import Params
+from fineflow.core.config import Params, is_preference
 from fineflow.core.errors import DataError
 from fineflow.core.reports import read_json, write_json_atomic
 from fineflow.data.formats import apply_mapping
@@ -29,7 +29,6 @@ from fineflow.data.overlap import LeakIndex
 from fineflow.data.sources import Source, read_source
 from fineflow.data.tokens import TokenView
 from fineflow.data.validation import JsonlSink, raise_if_blocked, validate_stream
-from fineflow.tokenize.pairs import is_preference
 
 KEPT, QUARANTINE, REDACTIONS, OUTCOME = "kept.jsonl", "quarantine.jsonl", "redactions.jsonl", "outcome.json"
 _CODE = ("data", "tokenize")  # the packages whose code decides a row's verdict

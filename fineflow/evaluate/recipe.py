@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fineflow.core.config import Params
+from fineflow.core.config import Params, is_preference
 from fineflow.core.errors import FineflowError
 from fineflow.core.reports import sha256_file, write_json_atomic
 from fineflow.evaluate.harness import (
@@ -144,7 +144,7 @@ def models_to_score(adapter_dir: Path, champion_dir: Path | None, base_digest: s
 def pair_scorer(params: Params, eval_rows: Path) -> PairScorer | None:
     """With a preference objective (train.objective dpo or simpo), the scorer of the eval pairs (each model's
     log-probs of chosen and rejected, rewards anchored to the base with train.preference.beta); else None."""
-    if params.train.objective == "sft":
+    if not is_preference(params.train.objective):
         return None
     pairs = read_pairs(eval_rows, params.evaluate.limit)
     beta = params.train.preference.beta

@@ -18,7 +18,6 @@ Pure functions plus small readers; fineflow.registry.champion.promote builds and
 from __future__ import annotations
 
 import getpass
-import hashlib
 import json
 import os
 import platform
@@ -33,6 +32,7 @@ import yaml
 
 from fineflow.core.dvc_project import DVC_FILE, stage_names
 from fineflow.core.reports import sha256_file
+from fineflow.registry.store import file_hashes, files_digest
 
 FORMAT = 1
 PACKAGES = (
@@ -74,15 +74,6 @@ def report_stages(reports_dir: Path) -> list[str]:
     else:
         stages = sorted(path.stem for path in reports_dir.glob("*.json"))
     return [stage for stage in stages if stage != MANIFEST_STAGE]
-
-
-def file_hashes(directory: Path, exclude: tuple[str, ...] = ()) -> dict[str, str]:
-    """{relative path: sha256} of every file below directory (sorted), skipping names in exclude."""
-    return {
-        str(p.relative_to(directory)): sha256_file(p)
-        for p in sorted(directory.rglob("*"))
-        if p.is_file() and p.name not in exclude
-    }
 
 
 def git_state(root: Path) -> dict:
@@ -224,7 +215,7 @@ def build_manifest(
             "adapter": {
                 "path": str(adapter_dir),
                 "files": adapter_files,
-                "sha256": directory_digest(adapter_files) if adapter_files else None,
+                "sha256": files_digest(adapter_files) if adapter_files else None,
             }
         },
         "eval": {
@@ -240,15 +231,6 @@ def build_manifest(
             "argv": sys.argv[1:],
         },
     }
-
-
-def directory_digest(files: dict[str, str]) -> str:
-    """The content id of a set of files from {relative path: sha256} (same as store.directory_hash)."""
-    digest = hashlib.sha256()
-    for name, sha in sorted(files.items()):
-        digest.update(name.encode() + b"\0")
-        digest.update(bytes.fromhex(sha))
-    return digest.hexdigest()
 
 
 # Left out of what DVC outputs hold: ``run`` varies by time, place and person; ``dvc_lock`` is the lock as it

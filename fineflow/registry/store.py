@@ -48,13 +48,28 @@ _ID = re.compile(rf"[0-9a-f]{{1,{ID_LEN}}}")
 # ---- ids -----------------------------------------------------------------------------------------
 
 
+def file_hashes(directory: Path, exclude: tuple[str, ...] = ()) -> dict[str, str]:
+    """{relative path: sha256} of every file below directory, skipping names in exclude, in path order (the order
+    a content id hashes them in)."""
+    return {
+        str(p.relative_to(directory)): sha256_file(p)
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name not in exclude
+    }
+
+
+def files_digest(files: dict[str, str]) -> str:
+    """The content id of {relative path: sha256} (file_hashes's): sha256 over each name and its file's hash."""
+    digest = hashlib.sha256()
+    for name, sha in files.items():
+        digest.update(name.encode() + b"\0")
+        digest.update(bytes.fromhex(sha))
+    return digest.hexdigest()
+
+
 def directory_hash(path: Path, exclude: tuple[str, ...] = ()) -> str:
     """sha256 over the relative names and bytes of every file below path (sorted): a content id."""
-    digest = hashlib.sha256()
-    for file in sorted(p for p in path.rglob("*") if p.is_file() and p.name not in exclude):
-        digest.update(str(file.relative_to(path)).encode() + b"\0")
-        digest.update(bytes.fromhex(sha256_file(file)))
-    return digest.hexdigest()
+    return files_digest(file_hashes(path, exclude))
 
 
 def candidate_id(adapter_dir: Path) -> str:

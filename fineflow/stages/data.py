@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fineflow.core.config import Params
+from fineflow.core.config import Params, is_preference
 from fineflow.core.entry import run_entry, stage_parser
 from fineflow.core.reports import write_jsonl
 from fineflow.data.synth import inject_bad_rows, split_train_eval, split_train_eval_pairs
@@ -21,7 +21,7 @@ from fineflow.data.synth import inject_bad_rows, split_train_eval, split_train_e
 
 def run(params: Params, train_path: Path, eval_path: Path) -> dict:
     cfg = params.data
-    pairs = params.train.objective != "sft"  # dpo or simpo: preference pairs (sft is the only other objective)
+    pairs = is_preference(params.train.objective)  # dpo or simpo: preference pairs
     split = split_train_eval_pairs if pairs else split_train_eval
     train, evaluation = split(cfg.n_train, cfg.n_eval, params.seed)
     train_with_bad = inject_bad_rows(train, cfg.bad_row_share, params.seed, evaluation, pairs)

@@ -24,14 +24,13 @@ import shutil
 from contextlib import ExitStack
 from pathlib import Path
 
-from fineflow.core.config import Params
+from fineflow.core.config import Params, is_preference
 from fineflow.core.entry import log, run_entry, stage_parser
 from fineflow.core.errors import DataError
 from fineflow.core.reports import write_json_atomic
 from fineflow.data.mixture import Mixture
 from fineflow.data.tokens import TokenView
 from fineflow.data.validation import JsonlSink, raise_if_blocked, validate_splits
-from fineflow.tokenize.pairs import is_preference
 
 
 class _Files:

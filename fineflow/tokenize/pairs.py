@@ -21,15 +21,10 @@ from fineflow.tokenize.conversation import Segment
 from fineflow.tokenize.shards import PackedArrays, pack_rows, place_examples
 from fineflow.tokenize.template import EncodedBatch, RenderError, WrongObjective, encode_segments, render_segments
 
-PREFERENCE_OBJECTIVES = ("dpo", "simpo")
 SIDES = ("chosen", "rejected")  # a pair's two examples, in this order in the shard
 # How pairs become tokens (in the shards' template hash and content key, so a change rebuilds them): 1 = each side
 # a last_assistant SFT rendering, both in one row, cut by pair_budget.
 PAIR_RENDERING = "pairs 1"
-
-
-def is_preference(objective: str) -> bool:
-    return objective in PREFERENCE_OBJECTIVES
 
 
 def pair_sides(row: dict) -> tuple[dict, dict]:

@@ -19,7 +19,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from fineflow.core.config import TrainParams
+from fineflow.core.config import TrainParams, is_preference
 from fineflow.core.errors import FineflowError
 from fineflow.tokenize.shards import PackedShard
 from fineflow.train.attention import layout_kwargs, layout_of
@@ -69,7 +69,7 @@ def objective_loss(
     """(this batch's summed loss, its targets: trained tokens or pairs, reward statistics or None) under
     train.objective: sft's token loss, or a preference loss (dpo, simpo; prefs: train.preference) with the
     batch's summed reward accuracy and margin."""
-    if objective == "sft":
+    if not is_preference(objective):
         loss_sum, count = token_loss_sum(model, batch, loss_chunk_tokens=loss_chunk_tokens, **forward_kwargs)
         return loss_sum, count, None
     pairs = pair_loss(model, batch, objective, prefs, **forward_kwargs)

@@ -1,6 +1,6 @@
 """Preference objectives (train.objective dpo, simpo) over packed pair shards.
 
-A preference shard (the tokenize stage's, docs: DPO.md's shard contract) packs each pair as two adjacent
+A preference shard (the tokenize stage's: fineflow.tokenize.pairs) packs each pair as two adjacent
 examples of one row, prompt+chosen then prompt+rejected, each attending only to itself, and ``pair_slots.bin``
 says which is which: 2k on the k-th pair's chosen tokens in that row, 2k+1 on its rejected tokens, -1 on padding.
 ``PairShard`` reads it beside the shard (and, for dpo, the reference stage's per-token log-probs).

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fineflow.core.config import Params
+from fineflow.core.config import Params, is_preference
 from fineflow.core.journal import process_started
 from fineflow.core.threads import RunnableSampler, plan_threads
 from fineflow.model_ref import resolve_base_model
@@ -37,7 +37,7 @@ from fineflow.train.launch import (
 from fineflow.train.model import build_model, save_model
 from fineflow.train.profile import load_profile
 from fineflow.train.report import device_facts, run_flops, train_report
-from fineflow.train.sizing import GiB, RunPlan, check_hardware, fit_plan, world_size
+from fineflow.train.sizing import GiB, RunPlan, check_hardware, fit_plan, given_plan, world_size
 
 
 def launch_ranks(
@@ -84,7 +84,7 @@ def launch_ranks(
     threads = plan_threads(cfg.num_processes // max(1, cfg.num_machines), cfg.threads)
     log(f"launching: {' '.join(command[2:])}; threads: {threads.describe()}")
     # its own process group: a stop signal reaches the ranks once, forwarded (fineflow.process.preempt)
-    environ = {**os.environ, **env, **threads.child_environment()}
+    environ = {**os.environ, **env, **threads.child_environment(), **run.environment()}  # the ranks read both
     return run_ranks(command, environ, run.params.checkpoint.preempt_grace_s, log)
 
 
@@ -181,18 +181,22 @@ class TrainRecipe:
         self._setup_tracker()
 
     def _setup_plan(self) -> None:
-        """The profile read once, the hardware checked, the planner's configuration (as the launcher's)."""
+        """The launcher's plan (fineflow.train.sizing.given_plan: the profile, the hardware check and the planner's
+        configuration, decided once before any rank started); planned here only for a rank started otherwise."""
         import torch
 
-        params = self.params  # as given: replaced by the plan's below
-        has_gpu = torch.cuda.is_available()
-        profile = load_profile(params.train.accelerate_profile)
-        params = with_profile_processes(params, profile)  # as the launcher's
-        check_hardware(params.train, has_gpu, profile)
-        self.reference = resolve_base_model(params.model, self.paths.base_dir)
+        run = given_plan(os.environ)
+        if run is None:  # in-process or by hand: the same pure planning the launcher does
+            params = self.params  # as given: replaced by the plan's below
+            has_gpu = torch.cuda.is_available()
+            profile = load_profile(params.train.accelerate_profile)
+            params = with_profile_processes(params, profile)  # as the launcher's
+            check_hardware(params.train, has_gpu, profile)
+            run = fit_plan(params, profile, resolve_base_model(params.model, self.paths.base_dir), has_gpu)
+        self.reference = resolve_base_model(run.params.model, self.paths.base_dir)
         # train.precision comes back resolved ("auto" -> the profile's or the device's; fineflow.train.precision):
         # the one value the Accelerator, build_model and the report use
-        self.run: RunPlan = fit_plan(params, profile, self.reference, has_gpu)
+        self.run: RunPlan = run
         self.params, self.cfg = self.run.params, self.run.train
         if self.run.memory["precision"]["conflict"] and os.environ.get("RANK", "0") == "0":
             self.log(f"precision: {self.run.memory['precision']['conflict']}")
@@ -268,7 +272,9 @@ class TrainRecipe:
             PackedShard(self.paths.shards / "train"),
             PackedShard(self.paths.shards / "eval"),
         )
-        if self.cfg.objective != "sft":  # pairs: the shards with their pair slots (dpo: the reference's log-probs)
+        if is_preference(
+            self.cfg.objective
+        ):  # pairs: the shards with their pair slots (dpo: the reference's log-probs)
             from fineflow.train.preference import PairShard
             from fineflow.train.reference import check_reference_shards
 

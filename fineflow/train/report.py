@@ -3,7 +3,7 @@ FLOPs and the memory plan. The goodput ledger (fineflow.goodput.ledger), the mod
 
 from __future__ import annotations
 
-from fineflow.core.config import TrainParams
+from fineflow.core.config import TrainParams, is_preference
 from fineflow.train import flops
 
 
@@ -95,7 +95,7 @@ def run_flops(reference: str, cfg: TrainParams, shard, report: dict, accelerator
 def preference_figures(result, cfg: TrainParams) -> dict:
     """train.objective dpo / simpo: the objective and the last step's reward accuracy and margin over its pairs
     (final_loss and eval_loss are then mean pair losses); nothing for sft."""
-    if cfg.objective == "sft":
+    if not is_preference(cfg.objective):
         return {}
     accuracy, margin = result.rewards if result.rewards is not None else (None, None)
     return {

@@ -8,6 +8,7 @@ run's Profile. The planner's arithmetic is ``fineflow.train.planner``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +101,29 @@ class RunPlan:
     @property
     def train(self) -> TrainParams:
         return self.params.train
+
+    def environment(self) -> dict[str, str]:
+        """The plan for the ranks a launcher starts (PLAN_ENV): they read it instead of planning again."""
+        plan = {"params": self.params.model_dump(mode="json", by_alias=True), "memory": self.memory}
+        return {PLAN_ENV: json.dumps(plan | {"changes": list(self.changes), "warnings": list(self.warnings)})}
+
+
+# The launcher's RunPlan, in the environment of the ranks it starts (RunPlan.environment, given_plan)
+PLAN_ENV = "FINEFLOW_RUN_PLAN"
+
+
+def given_plan(environ) -> RunPlan | None:
+    """The plan the rank's launcher decided (PLAN_ENV), or None for a rank started otherwise (in-process, by hand)."""
+    from fineflow.core.config import parse_params
+    from fineflow.train.profile import load_profile
+
+    given = environ.get(PLAN_ENV)
+    if not given:
+        return None
+    plan = json.loads(given)
+    params = parse_params(plan["params"])
+    changes, warnings = tuple(plan["changes"]), tuple(plan["warnings"])
+    return RunPlan(params, load_profile(params.train.accelerate_profile), plan["memory"], changes, warnings)
 
 
 def fit_plan(params: Params, profile: Profile, reference: str, has_gpu: bool) -> RunPlan:
