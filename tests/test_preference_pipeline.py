@@ -48,7 +48,7 @@ TINY_DPO = {
 }
 
 
-@pytest.mark.scenario
+@pytest.mark.nightly  # a whole dpo pipeline (~80 s); CI keeps dpo's kill/resume scenario and its stage tests
 @pytest.mark.slow
 def test_dpo_runs_every_stage_and_the_gate_judges_preference_accuracy_and_a_train_lr_edit_keeps_the_reference(
     tmp_path,

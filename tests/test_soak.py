@@ -6,7 +6,7 @@ import pytest
 from tests.conftest import copy_reproduced
 
 
-@pytest.mark.scenario
+@pytest.mark.nightly  # ~190 s, CI's longest; CI keeps each fault it combines, one scenario each (tests/README.md)
 @pytest.mark.slow
 def test_a_short_soak_of_events_and_faults_leaves_every_invariant_true(reproduced, tmp_path):
     from bench.soak import soak
