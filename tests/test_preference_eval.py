@@ -7,13 +7,14 @@ The pairs are the tiny project's eval rows (the bundled task families): chosen =
 = the output of another eval row of the same family (a plausible wrong answer)."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import yaml
 
 from fineflow.core.errors import FineflowError
-from fineflow.registry.gate import promotion_decision
+from fineflow.registry.gate import GatePolicy, promotion_decision
 from tests.conftest import TINY_PARAMS, random_adapter
 from tests.test_promotion import entry  # a model's scores.json entry from per-doc values
 
@@ -204,8 +205,8 @@ def test_fineflow_preference_in_evaluate_tasks_is_implied_by_pairs_and_refused_w
 
 # ---- the gate on hand-written scores ------------------------------------------------------------
 
-GATE = dict(
-    primary=ACC, min_delta=0.0, max_regression=0.05, bootstrap_samples=2000, confidence=0.95, seed=0, eval_data_sha256=H
+POLICY = GatePolicy(
+    primary_metric=ACC, min_delta=0.0, max_regression=0.05, bootstrap_samples=2000, confidence=0.95, seed=0
 )
 
 
@@ -224,7 +225,7 @@ CHAMPION = {"id": "c" * 16, "eval_data_sha256": H}
 
 def judged(candidate: dict, champion: dict) -> object:
     scores = {"base": model(0, 0, 0.0), "candidate": candidate, "champion": {**champion, "id": CHAMPION["id"]}}
-    return promotion_decision(scores, {**CHAMPION, "metrics": {}}, [], **GATE)
+    return promotion_decision(scores, {**CHAMPION, "metrics": {}}, [], POLICY, H)
 
 
 def test_a_candidate_that_ranks_pairs_significantly_better_is_promoted():
@@ -252,13 +253,13 @@ def test_a_smaller_reward_margin_is_reported_but_vetoes_nothing():
     d = judged(model(34, 20, 0.3), model(20, 20, 0.8))
     assert d.promote and d.regressions == {}
     # as the primary metric it decides like any other
-    margin_gate = {**GATE, "primary": MARGIN}
+    margin_gate = replace(POLICY, primary_metric=MARGIN)
     scores = {
         "base": model(0, 0, 0.0),
         "candidate": model(34, 20, 0.3),
         "champion": {**model(20, 20, 0.8), "id": CHAMPION["id"]},
     }
-    refused = promotion_decision(scores, {**CHAMPION, "metrics": {}}, [], **margin_gate)
+    refused = promotion_decision(scores, {**CHAMPION, "metrics": {}}, [], margin_gate, H)
     assert not refused.promote and refused.primary == MARGIN
 
 
@@ -311,12 +312,12 @@ def test_the_evaluate_stage_scores_pairs_and_the_gate_promotes_only_a_real_prefe
     print(f"\npreference accuracy / reward margin: taught {candidate}, random adapter {random_one}")
     assert candidate["preference_accuracy"] > 0.9 and candidate["reward_margin"] > 0
 
-    first = promotion_decision(scores, None, [], **{**GATE, "max_regression": 0.0})  # no champion yet: vs the base
+    first = promotion_decision(scores, None, [], replace(POLICY, max_regression=0.0), H)  # no champion yet: vs the base
     assert first.promote and first.reference == 0.5 and first.stats["n"] == len(pairs), first.reason
     record = {**CHAMPION, "metrics": {}}
-    over_random = promotion_decision(scores, record, [], **{**GATE, "max_regression": 0.0})
+    over_random = promotion_decision(scores, record, [], replace(POLICY, max_regression=0.0), H)
     assert over_random.promote and over_random.stats["ci_low"] > 0 and not over_random.regressions, over_random.reason
-    tie = promotion_decision({**scores, "candidate": scores["champion"]}, record, [], **GATE)
+    tie = promotion_decision({**scores, "candidate": scores["champion"]}, record, [], POLICY, H)
     assert not tie.promote and tie.stats["delta"] == 0, tie.reason
     print(f"gate: vs base {first.reason}; vs random champion {over_random.reason}; tie {tie.reason}")
 

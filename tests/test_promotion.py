@@ -1,35 +1,42 @@
 """The promotion gate's decisions and the hash-chained promotion log."""
 
+import dataclasses
 import json
+from dataclasses import replace
 
 import pytest
 
-from fineflow.registry.gate import decide
+from fineflow.registry.gate import GatePolicy, decide
 from fineflow.registry.install import ensure_empty_champion, read_champion, staging_dir, swap_in
 from fineflow.registry.promotion_log import append_log
 from fineflow.registry.store import alias_id, set_alias
 
 P = "synth/exact_match"
+POLICY = GatePolicy(
+    primary_metric=P, min_delta=0.05, max_regression=0.0, bootstrap_samples=2000, confidence=0.95, seed=0
+)
 
 
 def test_improvement_beyond_min_delta_promotes():
-    d = decide({P: 0.6, "other/acc": 0.5}, {P: 0.2, "other/acc": 0.5}, "base model", P, 0.05, 0.0)
+    d = decide({P: 0.6, "other/acc": 0.5}, {P: 0.2, "other/acc": 0.5}, "base model", POLICY)
     assert d.promote and "beats the base model" in d.reason
 
 
 def test_improvement_below_min_delta_is_refused():
-    d = decide({P: 0.22}, {P: 0.2}, "base model", P, 0.05, 0.0)
+    d = decide({P: 0.22}, {P: 0.2}, "base model", POLICY)
     assert not d.promote and "promote.min_delta=0.05" in d.reason
 
 
 def test_regression_on_another_metric_is_refused():
-    d = decide({P: 0.9, "other/acc": 0.3}, {P: 0.2, "other/acc": 0.5}, "champion abc", P, 0.05, 0.1)
+    d = decide(
+        {P: 0.9, "other/acc": 0.3}, {P: 0.2, "other/acc": 0.5}, "champion abc", replace(POLICY, max_regression=0.1)
+    )
     assert not d.promote and "other/acc" in d.reason and d.regressions == {"other/acc": 0.2}
 
 
 def test_missing_primary_metric_is_refused():
-    assert not decide({}, {P: 0.2}, "base model", P, 0.0, 0.0).promote
-    assert not decide({P: 0.2}, {}, "base model", P, 0.0, 0.0).promote
+    assert not decide({}, {P: 0.2}, "base model", replace(POLICY, min_delta=0.0)).promote
+    assert not decide({P: 0.2}, {}, "base model", replace(POLICY, min_delta=0.0)).promote
 
 
 def test_log_entries_chain_by_hash(tmp_path):
@@ -143,10 +150,7 @@ def test_a_champion_build_that_fails_midway_leaves_the_old_champion_and_the_log_
 
 from fineflow.registry.gate import decision_record, paired_bootstrap, promotion_decision  # noqa: E402
 
-H = "e" * 64
-GATE = dict(
-    primary=P, min_delta=0.05, max_regression=0.0, bootstrap_samples=2000, confidence=0.95, seed=0, eval_data_sha256=H
-)
+H = "e" * 64  # the eval data's sha256 (with POLICY, the gate's arguments in most tests)
 
 
 def entry(per_task: dict[str, list[float]], status="ok") -> dict:
@@ -165,6 +169,27 @@ def hits(n_right: int, n: int = 40, offset: int = 0) -> list[float]:
     return [1.0 if (i - offset) % n < n_right else 0.0 for i in range(n)]
 
 
+def test_the_gate_policy_is_built_once_from_the_promote_params_and_the_run_seed():
+    from fineflow.core.config import parse_params
+    from tests.conftest import TINY_PARAMS
+
+    promote = {**TINY_PARAMS["promote"], "min_delta": 0.2, "on_eval_change": "refuse", "bootstrap_samples": 500}
+    params = parse_params({**TINY_PARAMS, "seed": 11, "promote": promote})
+    cfg = params.promote
+    assert GatePolicy.from_params(params) == GatePolicy(
+        primary_metric=cfg.primary_metric,
+        min_delta=0.2,
+        max_regression=cfg.max_regression,
+        bootstrap_samples=500,
+        confidence=cfg.confidence,
+        seed=11,
+        on_eval_change="refuse",
+        on_base_change=cfg.on_base_change,
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        POLICY.min_delta = 0.0  # type: ignore[misc]
+
+
 def test_bootstrap_is_seeded_and_brackets_the_mean():
     a, b = hits(30), hits(10)
     first, again = paired_bootstrap(a, b, 2000, 0.95, 3), paired_bootstrap(a, b, 2000, 0.95, 3)
@@ -172,14 +197,14 @@ def test_bootstrap_is_seeded_and_brackets_the_mean():
 
 
 def test_gate_promotes_a_clear_improvement_over_the_base():
-    d = promotion_decision({"base": entry({P: hits(5)}), "candidate": entry({P: hits(25)})}, None, [], **GATE)
+    d = promotion_decision({"base": entry({P: hits(5)}), "candidate": entry({P: hits(25)})}, None, [], POLICY, H)
     assert d.promote and "beats the base model" in d.reason and d.stats["ci_low"] > 0 and "CI" in d.reason
 
 
 def test_gate_refuses_a_tie_within_noise():
     # 22/40 vs 20/40, on different docs: +0.05 meets min_delta, but the CI straddles 0
     scores = {"base": entry({P: hits(20)}), "candidate": entry({P: hits(22, offset=10)})}
-    d = promotion_decision(scores, None, [], **GATE)
+    d = promotion_decision(scores, None, [], POLICY, H)
     assert not d.promote and "includes 0" in d.reason and d.stats["ci_low"] <= 0 < d.stats["ci_high"]
     assert d.stats["delta"] == 0.05 and 0 < d.stats["p_value"] < 1
 
@@ -189,7 +214,7 @@ def test_gate_refuses_a_regression_on_a_secondary_task():
         "base": entry({P: hits(5), "other/acc": hits(30)}),
         "candidate": entry({P: hits(35), "other/acc": hits(25)}),
     }
-    d = promotion_decision(scores, None, [], **GATE)
+    d = promotion_decision(scores, None, [], POLICY, H)
     assert not d.promote and "other/acc" in d.reason and d.regressions == {"other/acc": 0.125}
 
 
@@ -214,7 +239,7 @@ def test_gate_refuses_a_regression_on_a_secondary_task():
     ],
 )
 def test_gate_refuses_a_missing_or_failed_evaluation(scores, expected):
-    d = promotion_decision(scores, None, [], **GATE)
+    d = promotion_decision(scores, None, [], POLICY, H)
     assert not d.promote and expected in d.reason
 
 
@@ -227,14 +252,14 @@ def test_gate_compares_with_the_champion_not_the_base():
         "candidate": entry({P: hits(12)}),
         "champion": {**entry({P: hits(10)}), "id": CHAMPION["id"]},
     }
-    d = promotion_decision(scores, CHAMPION, [], **GATE)
+    d = promotion_decision(scores, CHAMPION, [], POLICY, H)
     assert not d.promote and "champion cccc" in d.reason  # +0.05 over the champion is within noise
-    better = promotion_decision({**scores, "candidate": entry({P: hits(30)})}, CHAMPION, [], **GATE)
+    better = promotion_decision({**scores, "candidate": entry({P: hits(30)})}, CHAMPION, [], POLICY, H)
     assert better.promote and better.reference == 0.25
 
 
 def test_gate_uses_the_champions_recorded_samples_when_it_was_not_re_evaluated():
-    d = promotion_decision({"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)})}, CHAMPION, [], **GATE)
+    d = promotion_decision({"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)})}, CHAMPION, [], POLICY, H)
     assert d.promote and d.reference_name == "champion " + "c" * 16
 
 
@@ -244,7 +269,7 @@ def test_gate_refuses_a_failed_champion_evaluation():
         "candidate": entry({P: hits(30)}),
         "champion": {"status": "failed", "error": "corrupt adapter", "id": CHAMPION["id"]},
     }
-    d = promotion_decision(scores, CHAMPION, [], **GATE)
+    d = promotion_decision(scores, CHAMPION, [], POLICY, H)
     assert not d.promote and "evaluation failed: corrupt adapter" in d.reason
 
 
@@ -255,18 +280,18 @@ def test_gate_follows_the_eval_change_policy():
     rescored = {"champion": {**entry({P: hits(10)}), "id": CHAMPION["id"]}}  # the champion on the current data
     scores = {"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)})}
     change = {"from": H, "to": new_data}
-    on_current = {**GATE, "eval_data_sha256": new_data, "on_eval_change": "compare_on_current"}
-    refuse = {**GATE, "eval_data_sha256": new_data, "on_eval_change": "refuse"}
+    on_current = replace(POLICY, on_eval_change="compare_on_current")
+    refuse = replace(POLICY, on_eval_change="refuse")
 
-    d = promotion_decision({**scores, **rescored}, CHAMPION, [], **on_current)
+    d = promotion_decision({**scores, **rescored}, CHAMPION, [], on_current, new_data)
     assert d.promote and d.reference == 0.25 and d.context["eval_change"] == {**change, "policy": "compare_on_current"}
-    d = promotion_decision({**scores, **rescored}, CHAMPION, [], **refuse)
+    d = promotion_decision({**scores, **rescored}, CHAMPION, [], refuse, new_data)
     assert not d.promote and "promote.on_eval_change is refuse" in d.reason and "ffffffffffff now" in d.reason
     assert d.context["eval_change"] == {**change, "policy": "refuse"}
     # the champion's metrics recorded at promotion were computed on the old data: never compared with the new
-    d = promotion_decision(scores, CHAMPION, [], **on_current)
+    d = promotion_decision(scores, CHAMPION, [], on_current, new_data)
     assert not d.promote and "was not re-scored on it in this run" in d.reason
-    unknown = promotion_decision(scores, CHAMPION, [], **{**GATE, "eval_data_sha256": None})
+    unknown = promotion_decision(scores, CHAMPION, [], POLICY, None)
     assert not unknown.promote and "eval_data_sha256" in unknown.reason
 
 
@@ -281,17 +306,17 @@ def test_gate_follows_the_base_change_policy():
         "champion": {**entry({P: hits(35)}), "id": CHAMPION["id"], "evaluated_as": "merged model"},
         "base_digest": "b" * 16,
     }
-    d = promotion_decision(scores, champion, [], **{**GATE, "on_base_change": "compare_to_base"})
+    d = promotion_decision(scores, champion, [], replace(POLICY, on_base_change="compare_to_base"), H)
     assert d.promote and d.reference_name == "base model" and d.reference == 0.0
     assert "the base model changed: champion cccccccccccccccc was trained on base aaaa" in d.reason
     assert d.context["base_change"] == {"from": "a" * 16, "to": "b" * 16, "policy": "compare_to_base"}
     side = d.context["vs_old_champion"]
     assert side["evaluated_as"] == "merged model" and side["metrics"] == {P: 35 / 40}
     assert side["candidate_vs_champion"][P]["delta"] == pytest.approx(-5 / 40)  # reported, not gating
-    d = promotion_decision(scores, champion, [], **{**GATE, "on_base_change": "refuse"})
+    d = promotion_decision(scores, champion, [], replace(POLICY, on_base_change="refuse"), H)
     assert not d.promote and "promote.on_base_change is refuse" in d.reason and d.context["base_change"]
     # the same base: the champion is the reference, as before
-    same = promotion_decision({**scores, "base_digest": "a" * 16}, champion, [], **GATE)
+    same = promotion_decision({**scores, "base_digest": "a" * 16}, champion, [], POLICY, H)
     assert not same.promote and same.reference_name.startswith("champion") and "base_change" not in same.context
 
 
@@ -301,10 +326,10 @@ def test_gate_refuses_a_champion_mismatch_and_a_champion_without_evidence():
         "candidate": entry({P: hits(30)}),
         "champion": {**entry({P: hits(10)}), "id": "d" * 16},
     }
-    assert "re-run the evaluate stage" in promotion_decision(scores, CHAMPION, [], **GATE).reason
+    assert "re-run the evaluate stage" in promotion_decision(scores, CHAMPION, [], POLICY, H).reason
     # a candidate stored from unreadable scores records no eval data hash; a rollback can still install it
     unhashed = {**CHAMPION, "samples": None, "eval_data_sha256": None}
-    d = promotion_decision({"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)})}, unhashed, [], **GATE)
+    d = promotion_decision({"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)})}, unhashed, [], POLICY, H)
     assert not d.promote and "no recorded eval data hash" in d.reason
 
 
@@ -319,7 +344,7 @@ def test_gate_refuses_a_champion_mismatch_and_a_champion_without_evidence():
     ],
 )
 def test_gate_refuses_incomplete_lineage(missing, expected):
-    d = promotion_decision({"base": entry({P: hits(5)}), "candidate": entry({P: hits(30)})}, None, missing, **GATE)
+    d = promotion_decision({"base": entry({P: hits(5)}), "candidate": entry({P: hits(30)})}, None, missing, POLICY, H)
     assert not d.promote and expected in d.reason
 
 
@@ -364,7 +389,7 @@ def test_a_promote_re_run_after_its_decision_was_logged_does_not_judge_again(tmp
     from tests.conftest import TINY_PARAMS
 
     params = parse_params(TINY_PARAMS)
-    decision = promotion_decision({"base": entry({P: hits(5)}), "candidate": entry({P: hits(30)})}, None, [], **GATE)
+    decision = promotion_decision({"base": entry({P: hits(5)}), "candidate": entry({P: hits(30)})}, None, [], POLICY, H)
     logged = append_log(
         tmp_path,
         {
@@ -390,8 +415,8 @@ def test_an_approval_answers_for_what_the_gate_would_promote_and_never_overturns
     from fineflow.core.errors import ApprovalNeeded
     from fineflow.registry.approval import Approval, apply_approval
 
-    passed = promotion_decision({"base": entry({P: hits(5)}), "candidate": entry({P: hits(25)})}, None, [], **GATE)
-    refused = promotion_decision({"base": entry({P: hits(20)}), "candidate": entry({P: hits(21)})}, None, [], **GATE)
+    passed = promotion_decision({"base": entry({P: hits(5)}), "candidate": entry({P: hits(25)})}, None, [], POLICY, H)
+    refused = promotion_decision({"base": entry({P: hits(20)}), "candidate": entry({P: hits(21)})}, None, [], POLICY, H)
     assert passed.promote and not refused.promote
     assert apply_approval(refused, "c1", None, {}) == refused  # no one is asked about a refusal
     assert apply_approval(refused, "c1", Approval(True, "alice"), {}) == refused  # nor can overturn it
@@ -436,10 +461,10 @@ def test_an_approval_from_the_environment():
 def test_when_the_base_and_the_eval_set_change_in_one_run_both_changes_are_recorded():
     champion = {**CHAMPION, "base_digest": "a" * 16}
     scores = {"base": entry({P: hits(0)}), "candidate": entry({P: hits(30)}), "base_digest": "b" * 16}
-    gate = {**GATE, "eval_data_sha256": "f" * 64, "on_base_change": "compare_to_base"}
+    gate = replace(POLICY, on_base_change="compare_to_base")
     for policy in ("compare_on_current", "refuse"):
-        d = promotion_decision(scores, champion, [], **{**gate, "on_eval_change": policy})
+        d = promotion_decision(scores, champion, [], replace(gate, on_eval_change=policy), "f" * 64)
         assert d.context["base_change"] == {"from": "a" * 16, "to": "b" * 16, "policy": "compare_to_base"}
         assert d.context["eval_change"] == {"from": H, "to": "f" * 64, "policy": policy}
-    d = promotion_decision(scores, champion, [], **{**gate, "on_base_change": "refuse"})
+    d = promotion_decision(scores, champion, [], replace(gate, on_base_change="refuse"), "f" * 64)
     assert not d.promote and d.context["base_change"] and d.context["eval_change"]["to"] == "f" * 64

@@ -27,7 +27,15 @@ from fineflow.core.errors import FineflowError
 from fineflow.core.reports import write_json_atomic
 from fineflow.registry.approval import Approval, apply_approval
 from fineflow.registry.card import model_card, train_figures
-from fineflow.registry.gate import Decision, bootstrap_per_metric, decision_record, flatten, promotion_decision, refusal
+from fineflow.registry.gate import (
+    Decision,
+    GatePolicy,
+    bootstrap_per_metric,
+    decision_record,
+    flatten,
+    promotion_decision,
+    refusal,
+)
 from fineflow.registry.install import (
     champion_files_hash,
     champion_manifest,
@@ -95,6 +103,7 @@ def promote(
     know the export formats): a failure refuses the candidate."""
     scores, unreadable = read_scores(scores_path)
     eval_hash = scores.get("eval_data_sha256")
+    policy = GatePolicy.from_params(params)  # the gate's settings, once: promote.* and the run's seed
     cid = candidate_id(adapter_dir)
     manifest = build_manifest(
         params=params.model_dump(mode="json", by_alias=True),
@@ -114,12 +123,12 @@ def promote(
         champion = current_champion(registry_dir)
         retired = rollback_refusal(registry_dir, cid)  # a re-run on old scores must not undo a rollback
         if unreadable or retired:
-            decision = refusal(unreadable or retired, params.promote.primary_metric)
+            decision = refusal(unreadable or retired, policy.primary_metric)
         else:
-            decision = judge(params, scores, champion, missing_fields(manifest), eval_hash)
+            decision = promotion_decision(scores, champion, missing_fields(manifest), policy, eval_hash)
         if params.promote.require_approval:  # a person answers for what the gate would promote, before any write
             decision = apply_approval(decision, cid, approval, stage_report(decision, cid, None, None))
-        record = candidate_record(params, scores, cid, adapter_dir, base_dir, eval_hash, manifest, decision)
+        record = candidate_record(params, policy, scores, cid, adapter_dir, base_dir, eval_hash, manifest, decision)
         stored = store_candidate(registry_dir, adapter_dir, cid, record)
         ensure_empty_champion(champion_dir)
         staging = None
@@ -394,27 +403,6 @@ def read_scores(path: Path) -> tuple[dict, str | None]:
         return {}, f"{path}: cannot read evaluation scores ({exc}); run the evaluate stage"
 
 
-def judge(
-    params: Params, scores: dict, champion: dict | None, lineage_missing: list[str] | None, eval_hash: str | None
-) -> Decision:
-    """The gate with the promote params and the run's seed."""
-    cfg = params.promote
-    return promotion_decision(
-        scores,
-        champion,
-        lineage_missing,
-        primary=cfg.primary_metric,
-        min_delta=cfg.min_delta,
-        max_regression=cfg.max_regression,
-        bootstrap_samples=cfg.bootstrap_samples,
-        confidence=cfg.confidence,
-        seed=params.seed,
-        eval_data_sha256=eval_hash,
-        on_eval_change=cfg.on_eval_change,
-        on_base_change=cfg.on_base_change,
-    )
-
-
 def base_reference(params: Params, base_dir: Path | None, adapter_dir: Path) -> str:
     """What from_pretrained loads as the base: --base-dir (or the user's model.base), else the adapter's own."""
     if base_dir is not None:
@@ -440,6 +428,7 @@ def _base_or_none(params: Params, base_dir: Path | None, adapter_dir: Path) -> s
 
 def candidate_record(
     params: Params,
+    policy: GatePolicy,
     scores: dict,
     cid: str,
     adapter_dir: Path,
@@ -449,8 +438,8 @@ def candidate_record(
     decision: Decision,
 ) -> dict:
     """candidates/<id>/record.json: metrics, per-sample scores, the bootstrap versus the base for every metric
-    (the model card's table), the decision and the deterministic lineage. Base figures only when both the
-    base's and the candidate's evaluations succeeded."""
+    (the model card's table, with the gate's bootstrap settings: policy), the decision and the deterministic
+    lineage. Base figures only when both the base's and the candidate's evaluations succeeded."""
     cfg = params.promote
     candidate = scores.get("candidate") or {}
     base = scores.get("base") or {}
@@ -461,9 +450,7 @@ def candidate_record(
         "metrics": flatten(candidate.get("metrics") or {}),
         "samples": candidate.get("samples"),
         "base_metrics": flatten(base.get("metrics") or {}) if base_ok else {},
-        "vs_base": bootstrap_per_metric(candidate, base, cfg.bootstrap_samples, cfg.confidence, params.seed)
-        if base_ok and candidate
-        else {},
+        "vs_base": bootstrap_per_metric(candidate, base, policy) if base_ok and candidate else {},
         "eval_data_sha256": eval_hash,
         "scores_sha256": manifest["eval"]["scores_sha256"],
         "decision": verdict(decision),

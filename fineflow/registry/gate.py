@@ -9,19 +9,66 @@ It is refused outright, with the reason, when an evaluation is missing or failed
 from the champion's, or the candidate's lineage manifest is missing or incomplete.
 
 ``promotion_decision`` is the whole gate on an evaluate stage's scores; ``decide`` the comparison of two
-sets of metrics it ends with.
+sets of metrics it ends with. Both read their settings from one ``GatePolicy``, built once from the params
+(``GatePolicy.from_params``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from fineflow.core.config import Params
 
 # Reported and bootstrapped, but no veto as another metric: the preference task's reward margin is a log-prob
 # difference times train.preference.beta, unbounded and on no scale promote.max_regression (a share of docs) speaks
 # for; a candidate that ranks more pairs right with smaller margins is better, not a regression. It still decides
 # as promote.primary_metric. (The task: fineflow.evaluate.preference, not imported here: the gate reads numbers.)
 NOT_REGRESSION_GUARDED = frozenset({"fineflow_preference/reward_margin"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatePolicy:
+    """The gate's settings, the promote params it reads (and the run's seed), built once: ``from_params``.
+
+    Keyword-only, since most fields are numbers and a position would silently swap two of them. Change one with
+    ``dataclasses.replace(policy, max_regression=0.0)``."""
+
+    primary_metric: str
+    """The metric that decides, ``<task>/<metric>`` (promote.primary_metric)."""
+    min_delta: float
+    """How much the candidate must beat the reference by on the primary metric (promote.min_delta)."""
+    max_regression: float
+    """How far any other guarded metric may drop versus the reference (promote.max_regression)."""
+    bootstrap_samples: int
+    """Paired bootstrap resamples of the per-sample scores (promote.bootstrap_samples)."""
+    confidence: float
+    """Two-sided level of the delta's CI, which must exclude 0 (promote.confidence)."""
+    seed: int
+    """The bootstrap's seed (the run's seed)."""
+    on_eval_change: Literal["compare_on_current", "refuse"] = "refuse"
+    """Eval data changed since the champion: re-score the champion on the current data, or refuse
+    (promote.on_eval_change; a library caller that says nothing is refused)."""
+    on_base_change: Literal["compare_to_base", "refuse"] = "refuse"
+    """The base model changed since the champion: judge against the candidate's own base, or refuse
+    (promote.on_base_change; a library caller that says nothing is refused)."""
+
+    @classmethod
+    def from_params(cls, params: Params) -> GatePolicy:
+        """The policy of params.promote, seeded by params.seed."""
+        cfg = params.promote
+        return cls(
+            primary_metric=cfg.primary_metric,
+            min_delta=cfg.min_delta,
+            max_regression=cfg.max_regression,
+            bootstrap_samples=cfg.bootstrap_samples,
+            confidence=cfg.confidence,
+            seed=params.seed,
+            on_eval_change=cfg.on_eval_change,
+            on_base_change=cfg.on_base_change,
+        )
 
 
 @dataclass(frozen=True)
@@ -125,9 +172,10 @@ def paired_bootstrap(
     )
 
 
-def bootstrap_per_metric(candidate: dict, reference: dict, samples: int, confidence: float, seed: int) -> dict:
+def bootstrap_per_metric(candidate: dict, reference: dict, policy: GatePolicy) -> dict:
     """Paired bootstrap of every task/metric both evaluation entries have per-sample scores for, on exactly the
-    same docs: {"task/metric": {delta, ci_low, ci_high, p_value, n, confidence}} (the model card's table)."""
+    same docs, with the policy's samples, confidence and seed: {"task/metric": {delta, ci_low, ci_high, p_value, n,
+    confidence}} (the model card's table)."""
     out = {}
     for task, metrics in (candidate.get("metrics") or {}).items():
         cand_rows = {r["doc_id"]: r for r in (candidate.get("samples") or {}).get(task) or []}
@@ -141,14 +189,20 @@ def bootstrap_per_metric(candidate: dict, reference: dict, samples: int, confide
                 and isinstance(ref_rows[d].get(metric), (int, float))
             ]
             if pairs and len(pairs) == len(cand_rows) == len(ref_rows):
-                b = paired_bootstrap([c for c, _ in pairs], [r for _, r in pairs], samples, confidence, seed)
+                b = paired_bootstrap(
+                    [c for c, _ in pairs],
+                    [r for _, r in pairs],
+                    policy.bootstrap_samples,
+                    policy.confidence,
+                    policy.seed,
+                )
                 out[f"{task}/{metric}"] = {
                     "delta": b.delta,
                     "ci_low": b.ci_low,
                     "ci_high": b.ci_high,
                     "p_value": b.p_value,
                     "n": b.n,
-                    "confidence": confidence,
+                    "confidence": policy.confidence,
                 }
     return out
 
@@ -157,13 +211,13 @@ def decide(
     candidate: dict[str, float],
     reference: dict[str, float],
     reference_name: str,
-    primary: str,
-    min_delta: float,
-    max_regression: float,
+    policy: GatePolicy,
     stats: Bootstrap | None = None,
 ) -> Decision:
-    """The gate on numbers. Metrics are flat {"task/metric": value}, higher is better. With stats (the
-    paired bootstrap of the primary metric) the delta is the paired mean and its CI must exclude 0."""
+    """The gate on numbers, by the policy's primary metric, min_delta and max_regression. Metrics are flat
+    {"task/metric": value}, higher is better. With stats (the paired bootstrap of the primary metric) the delta is
+    the paired mean and its CI must exclude 0."""
+    primary, min_delta, max_regression = policy.primary_metric, policy.min_delta, policy.max_regression
     cand, ref = candidate.get(primary), reference.get(primary)
     st = asdict(stats) if stats else None
 
@@ -234,49 +288,34 @@ def promotion_decision(
     scores: dict,
     champion: dict | None,
     lineage_missing: list[str] | None,
-    *,
-    primary: str,
-    min_delta: float,
-    max_regression: float,
-    bootstrap_samples: int,
-    confidence: float,
-    seed: int,
+    policy: GatePolicy,
     eval_data_sha256: str | None,
-    on_eval_change: str = "refuse",
-    on_base_change: str = "refuse",
 ) -> Decision:
     """The whole gate. scores is eval/scores.json; champion the current champion's record ({"id",
     "metrics" flat, "samples", "eval_data_sha256", "base_digest"}) or None; lineage_missing the REQUIRED lineage
-    fields that are absent (None: no manifest at all). Never promotes on missing or doubtful evidence.
+    fields that are absent (None: no manifest at all); eval_data_sha256 the eval data these scores were computed
+    on. Never promotes on missing or doubtful evidence.
 
-    on_eval_change / on_base_change (promote params): what happens when the eval data or the base model are not
+    policy.on_eval_change / policy.on_base_change: what happens when the eval data or the base model are not
     the champion's any more; the decision's context says what changed and what the policy did."""
     candidate = scores.get("candidate")
     problem = _candidate_problem(candidate, lineage_missing)
     if problem:
-        return refusal(problem, primary)
-    compare = dict(
-        primary=primary,
-        min_delta=min_delta,
-        max_regression=max_regression,
-        bootstrap_samples=bootstrap_samples,
-        confidence=confidence,
-        seed=seed,
-    )
+        return refusal(problem, policy.primary_metric)
     if champion is None:
         reference_name, context = "base model", {}
         reference, problem = _base_as_reference(scores)
     elif _base_changed(scores, champion):
-        eval_change = _eval_change(champion, eval_data_sha256, on_eval_change)
-        return _judge_on_a_new_base(scores, champion, on_base_change, compare, eval_change)
+        eval_change = _eval_change(champion, eval_data_sha256, policy.on_eval_change)
+        return _judge_on_a_new_base(scores, champion, policy, eval_change)
     else:
         reference_name = f"champion {champion['id']}"
         reference, problem, context = _champion_as_reference(
-            scores, champion, reference_name, eval_data_sha256, on_eval_change
+            scores, champion, reference_name, eval_data_sha256, policy.on_eval_change
         )
     if problem:
-        return refusal(problem, primary, reference_name, context=context)
-    decision = _compare(candidate, reference, reference_name, **compare)
+        return refusal(problem, policy.primary_metric, reference_name, context=context)
+    decision = _compare(candidate, reference, reference_name, policy)
     return replace(decision, context=context)
 
 
@@ -287,34 +326,35 @@ def _base_changed(scores: dict, champion: dict) -> bool:
     return bool(now and then and now != then)
 
 
-def _judge_on_a_new_base(scores: dict, champion: dict, policy: str, compare: dict, eval_change: dict) -> Decision:
-    """The candidate is on another base than the champion: refused (policy refuse), or judged against its own
-    base, with the old champion's merged model on the same docs reported side by side (compare_to_base).
+def _judge_on_a_new_base(scores: dict, champion: dict, policy: GatePolicy, eval_change: dict) -> Decision:
+    """The candidate is on another base than the champion: refused (policy.on_base_change refuse), or judged
+    against its own base, with the old champion's merged model on the same docs reported side by side
+    (compare_to_base).
     eval_change: the eval set's change in the same run ({} or {"eval_change": ...}), recorded beside the base's
     (the candidate is not compared with the champion's recorded metrics then, so it decides nothing)."""
     cid = champion["id"]
-    change = {"from": champion["base_digest"], "to": scores["base_digest"], "policy": policy}
+    change = {"from": champion["base_digest"], "to": scores["base_digest"], "policy": policy.on_base_change}
     switch = (
         f"the base model changed: champion {cid} was trained on base {change['from']}, this candidate on {change['to']}"
     )
-    if policy == "refuse":
+    if policy.on_base_change == "refuse":
         return refusal(
             f"{switch}; promote.on_base_change is refuse (set it to compare_to_base to judge the candidate against "
             "its own base, the old champion's merged model side by side)",
-            compare["primary"],
+            policy.primary_metric,
             f"champion {cid}",
             context={"base_change": change, **eval_change},
         )
     reference, problem = _base_as_reference(scores)
-    context = {"base_change": change, **eval_change, "vs_old_champion": _side_by_side(scores, champion, compare)}
+    context = {"base_change": change, **eval_change, "vs_old_champion": _side_by_side(scores, champion, policy)}
     if problem:
-        return refusal(f"{switch}; {problem}", compare["primary"], "base model", context=context)
-    decision = _compare(scores["candidate"], reference, "base model", **compare)
+        return refusal(f"{switch}; {problem}", policy.primary_metric, "base model", context=context)
+    decision = _compare(scores["candidate"], reference, "base model", policy)
     reason = f"{decision.reason} ({switch}; promote.on_base_change: compare_to_base)"
     return replace(decision, reason=reason, context=context)
 
 
-def _side_by_side(scores: dict, champion: dict, compare: dict) -> dict:
+def _side_by_side(scores: dict, champion: dict, policy: GatePolicy) -> dict:
     """The old champion as the evaluate stage could score it on this run's docs (its merged model, which needs
     no base of ours): its metrics and the candidate's paired delta per metric; or why it could not be."""
     evaluated = scores.get("champion")
@@ -325,9 +365,7 @@ def _side_by_side(scores: dict, champion: dict, compare: dict) -> dict:
         "champion": champion["id"],
         "evaluated_as": evaluated.get("evaluated_as", "adapter"),
         "metrics": flatten(evaluated.get("metrics") or {}),
-        "candidate_vs_champion": bootstrap_per_metric(
-            scores["candidate"], evaluated, compare["bootstrap_samples"], compare["confidence"], compare["seed"]
-        ),
+        "candidate_vs_champion": bootstrap_per_metric(scores["candidate"], evaluated, policy),
     }
 
 
@@ -425,25 +463,15 @@ def _evaluation_problem(evaluated: dict, cid: str, reference_name: str) -> str |
     return None
 
 
-def _compare(
-    candidate: dict,
-    reference: dict,
-    reference_name: str,
-    *,
-    primary: str,
-    min_delta: float,
-    max_regression: float,
-    bootstrap_samples: int,
-    confidence: float,
-    seed: int,
-) -> Decision:
+def _compare(candidate: dict, reference: dict, reference_name: str, policy: GatePolicy) -> Decision:
     """decide() on the two entries' metrics, with the paired bootstrap of the primary metric over the docs
     both were scored on; refused when the per-sample scores that bootstrap needs are missing or unpaired."""
+    primary = policy.primary_metric
     cand_flat = flatten(candidate["metrics"])
     ref_flat = reference.get("flat") if reference.get("metrics") is None else flatten(reference["metrics"])
     cand_samples, ref_samples = per_sample(candidate, primary), per_sample(reference, primary)
     if cand_flat.get(primary) is None or ref_flat.get(primary) is None:
-        return decide(cand_flat, ref_flat, reference_name, primary, min_delta, max_regression)
+        return decide(cand_flat, ref_flat, reference_name, policy)
     values = dict(
         primary=primary,
         reference_name=reference_name,
@@ -463,6 +491,10 @@ def _compare(
         )
     docs = sorted(cand_samples)
     stats = paired_bootstrap(
-        [cand_samples[d] for d in docs], [ref_samples[d] for d in docs], bootstrap_samples, confidence, seed
+        [cand_samples[d] for d in docs],
+        [ref_samples[d] for d in docs],
+        policy.bootstrap_samples,
+        policy.confidence,
+        policy.seed,
     )
-    return decide(cand_flat, ref_flat, reference_name, primary, min_delta, max_regression, stats)
+    return decide(cand_flat, ref_flat, reference_name, policy, stats)
