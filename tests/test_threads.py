@@ -72,20 +72,15 @@ def test_a_process_follows_its_launchers_plan_not_the_variables_it_was_given():
 def launched_env(params, monkeypatch) -> tuple[dict, list[str]]:
     """The environment fineflow.train.recipe.launch_ranks hands the ranks, and its log (the planner and the launch
     itself replaced: only the command and environment it builds are real)."""
-    import types
-
     from fineflow.train import recipe
+    from fineflow.train.profile import load_profile
+    from fineflow.train.sizing import RunPlan
 
-    plan = types.SimpleNamespace(
-        train=params.train,
-        params=params,
-        memory={
-            "gib": dict.fromkeys(("weights", "gradients", "optimizer_states", "activations", "overhead", "total"), 0.1),
-            "device_bytes": 2**30,
-        },
-        changes=[],
-        warnings=[],
-    )
+    memory = {
+        "gib": dict.fromkeys(("weights", "gradients", "optimizer_states", "activations", "overhead", "total"), 0.1),
+        "device_bytes": 2**30,
+    }
+    plan = RunPlan(params, load_profile(params.train.accelerate_profile), memory)
     seen = {}
     monkeypatch.setattr(recipe, "resolve_base_model", lambda model, base_dir: None)
     monkeypatch.setattr(recipe, "fit_plan", lambda *args: plan)
