@@ -69,14 +69,14 @@ lint: $(STAMP)
 # Lint first: a style or import error fails in seconds, before the minutes of tests.
 # Three tiers (tests/README.md lists which guards what). `make test`: all but the whole-run scenarios, on two
 # workers, a file each (loadfile: a module's fixtures are built once). `make test-scenarios`: the scenarios CI
-# runs (the flow or a worker end to end, interrupts, kills, DeepSpeed, FSDP), one at a time: each already uses
-# both cores, and some time how fast a stop is. `make test-nightly`: the scenarios too long for CI's 20 minutes
+# runs (the flow or a worker end to end, interrupts, kills, DeepSpeed, FSDP), two at a time: a scenario keeps
+# about one core busy (measured: 900 CPU-s in 930 s alone), most of its processes running one after another. `make test-nightly`: the scenarios too long for CI's 20 minutes
 # on 2 cores (pytest -m nightly), run on a schedule by .github/workflows/nightly.yml.
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not scenario and not nightly"
 
 test-scenarios: $(STAMP)
-	$(BIN)/python -m pytest -m "scenario and not nightly"
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "scenario and not nightly"
 
 test-nightly: $(STAMP)
 	$(BIN)/python -m pytest -m nightly

@@ -8,8 +8,15 @@ pipeline's base and shards (`make run` first), params.yaml as shipped but train.
 folder of its own. The settings:
 
 - "torch default": every process at torch's own thread count (the machine's cores) with OpenMP's default busy
-  wait, what main did for a one-rank run: OMP_NUM_THREADS set to the core count, nothing else;
-- "fineflow plan": fineflow.core.threads as shipped (OMP_NUM_THREADS unset: the plan decides).
+  wait, what main did for a one-rank run: OMP_NUM_THREADS set to the core count and OMP_WAIT_POLICY set empty
+  (a user's choice the plan keeps; OpenMP reads it as unset);
+- "fineflow plan": fineflow.core.threads as shipped (OMP_NUM_THREADS and OMP_WAIT_POLICY unset: the plan decides
+  the count, and a passive wait);
+- "fineflow, spinning": the plan's count with OMP_WAIT_POLICY=ACTIVE, what a user with a machine of their own
+  may choose;
+- "1 thread": one intra-op thread per process;
+(GOMP_SPINCOUNT=10000, a short spin before a waiting thread sleeps, was tried too: 0.09 of solo each, no better
+than the default.)
 
 A fair share of n copies is 1/n of the solo throughput; the goal is at least 0.9/n each. Throughput is the train
 report's tokens_per_s (the training loop's own), so the copies' start-up does not count.
@@ -34,12 +41,17 @@ sys.path.insert(0, str(ROOT))
 
 from fineflow.core.dvc_project import stage_command  # noqa: E402
 
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "FINEFLOW_THREAD_PLAN")
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "FINEFLOW_THREAD_PLAN")
 
 
 def settings() -> dict[str, dict[str, str]]:
     cores = str(os.cpu_count() or 1)
-    return {"torch default": {"OMP_NUM_THREADS": cores}, "fineflow plan": {}}
+    return {
+        "torch default": {"OMP_NUM_THREADS": cores, "OMP_WAIT_POLICY": ""},
+        "fineflow plan": {},
+        "fineflow, spinning": {"OMP_WAIT_POLICY": "ACTIVE"},
+        "1 thread": {"OMP_NUM_THREADS": "1"},
+    }
 
 
 def copy_project(dest: Path, steps: int) -> Path:
@@ -78,13 +90,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--copies", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--settings", nargs="+", default=list(settings()), help="which settings, by name")
     args = parser.parse_args()
     if not (ROOT / "data/shards").is_dir() or not (ROOT / "models/base").is_dir():
         raise SystemExit("needs the default pipeline's base and shards: run `make run` first")
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; {args.steps} steps per copy\n")
     rows = []
     with tempfile.TemporaryDirectory(prefix="fineflow-threads-") as scratch:
-        for name, extra in settings().items():
+        for name, extra in ((n, settings()[n]) for n in args.settings):
             solo = None
             for copies in args.copies:
                 started = time.perf_counter()
@@ -94,13 +107,15 @@ def main() -> None:
                 solo = solo or (rates[0] if copies == 1 else None)
                 shares = [rate / solo for rate in rates] if solo else []
                 cpu = reports[0].get("device", {}).get("cpu", {})
+                waits = [r.get("threads", {}).get("wait") for r in reports]
                 during = cpu.get("runnable_during") or {}
                 rows.append((name, copies, rates, shares, wall, cpu.get("threads_per_rank"), during.get("mean")))
                 fair = f"min share x copies {min(shares) * copies:.2f}" if shares else ""
                 print(
                     f"{name:<14} copies {copies}: tokens/s {', '.join(f'{r:.0f}' for r in rates)}; share of solo "
                     f"{', '.join(f'{s:.2f}' for s in shares)} ({fair}); threads/copy {cpu.get('threads_per_rank')}, "
-                    f"runnable during the loop {during.get('mean')}; wall {wall:.0f} s",
+                    f"runnable during the loop {during.get('mean')}; waits {', '.join(map(str, waits))}; "
+                    f"wall {wall:.0f} s",
                     flush=True,
                 )
     print("\nside by side: the smallest copy's share x copies (1.0 = a fair share; the goal is >= 0.9)")

@@ -147,7 +147,7 @@ def busy_error(output: list[str]) -> WorkspaceBusy | None:
     """DVC's "'<path>' is busy" in a failed dvc command's output, as a user error naming its holders, or None.
 
     ``repair_rwlock`` ran just before and cleared the entries of processes that are gone, so a holder named here
-    is a live dvc of this repository: retrying a few seconds later changes nothing (seen on main: retried twice)."""
+    is a live dvc of this repository: retrying a few seconds later changes nothing (a user error: never retried)."""
     path = next((m.group(1) for line in output if (m := _BUSY.search(line))), None)
     if path is None:
         return None

@@ -96,8 +96,8 @@ def test_the_train_stages_lora_adapts_every_projection_and_trains(tmp_path, fami
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_all_linear_adapts_every_linear_but_the_head(tmp_path, family):
-    """Seen on main: `target_modules: all-linear` was refused by the params schema (a list), and ["all-linear"]
-    reached peft as a module name."""
+    """The params schema takes `target_modules: all-linear` (not only a list), and peft gets its keyword, not
+    ["all-linear"], a module name."""
     model = _build(tmp_path, family, target_modules="all-linear")
     assert adapted(model) == set(FAMILIES[family][3])
     _forward_backward(model)

@@ -375,9 +375,8 @@ def blocked_then_full(monkeypatch, when: str) -> tuple[threading.Event, threadin
 
 @pytest.mark.parametrize("backend", ["thread", "process"])
 def test_a_failed_background_save_is_seen_by_the_per_step_check_not_at_the_next_save(tmp_path, monkeypatch, backend):
-    """Seen on main (issue 33): the step-150 save hit ENOSPC and training went on to step 200, the next save,
-    before it failed. The loop now calls check() at every step: it does not wait for a save still writing, and
-    raises a failed one's error at once."""
+    """A failed save (ENOSPC at step 150) stops training then, not at the next save (step 200): the loop calls
+    check() at every step; it does not wait for a save still writing, and raises a failed one's error at once."""
     if backend == "process":  # the spawned writer does not see this process's monkeypatch: the env fault
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAULTS_DIR), os.environ.get("PYTHONPATH", "")]))
         monkeypatch.setenv("FINEFLOW_TEST_DISK_FULL_AT_STEP", "2")

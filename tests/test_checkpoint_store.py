@@ -1,9 +1,9 @@
 """checkpoint.store: checkpoints on an object store every node sees (fineflow.checkpoint.store), against a real S3
 API server on 127.0.0.1 (conftest's s3_server: moto's, started and stopped by PID).
 
-Seen on main: the README offered "a shared filesystem, or `dvc pull` on each node", but checkpoints/ is not a DVC
-output, so a run on node-local disks could not resume on another node. Now each published checkpoint is also
-uploaded (its marker last) and a resume on an empty local directory downloads the store's newest valid one."""
+A run on node-local disks resumes on another node, though checkpoints/ is not a DVC output (`dvc pull` cannot
+bring them there): each published checkpoint is also uploaded (its marker last), and a resume on an empty local
+directory downloads the store's newest valid one."""
 
 from __future__ import annotations
 

@@ -92,7 +92,7 @@ def _encode(tokenizer, row: dict, train_on: str = "all_assistant") -> tuple[list
 
 
 def test_every_assistant_turn_of_a_conversation_is_trained():
-    """Seen on main: a 10-turn conversation taught one reply (the last); the four before it were prompt."""
+    """A 10-turn conversation trains all five replies, not only the last (the four before it as prompt)."""
     tokenizer = _tokenizer("llama3", [TEN_TURNS])
     ids, mask = _encode(tokenizer, _row(TEN_TURNS))
     turns = [tokenizer.decode(run) for run in _trained_runs(ids, mask)]

@@ -61,10 +61,10 @@ def test_a_valid_rwlock_and_one_a_live_dvc_is_editing_are_left_alone(tmp_path):
     assert "not JSON" in repair_rwlock(project) and not (project / RWLOCK).exists()
 
 
-# ---- an entry of a dead dvc whose PID now belongs to another process (issue 33) -------------------------------
-# Seen on main: a SIGKILLed `dvc repro` left its write entry; the PID was reused within the hour (pid_max 32768),
-# DVC's own check (psutil.pid_exists) took the new process for the holder, and train failed three times with
-# "'models/candidate' is busy, it is being blocked by: (PID …)" until a person deleted the file.
+# ---- an entry of a dead dvc whose PID now belongs to another process ------------------------------------------
+# A SIGKILLed `dvc repro` leaves its write entry; its PID may be reused within the hour (pid_max 32768). The new
+# process must not be taken for the holder (as DVC's psutil.pid_exists check does), or train fails three
+# times with "'models/candidate' is busy, it is being blocked by: (PID …)" until the file is deleted.
 
 
 def write_entry(project: Path, pid: int, path: str = "out.txt", cmd: str = "dvc repro --single-item hello") -> dict:
@@ -134,7 +134,7 @@ def test_an_entry_held_by_a_live_dvc_of_this_repository_is_kept(tmp_path):
         assert repair_rwlock(project) is None
         assert json.loads((project / RWLOCK).read_text()) == before
         # the stage then finds the path busy: a user error (never retried: nothing changes between tries),
-        # naming the holder. Seen on main: a StageFailed with exit 255, retried twice.
+        # naming the holder, not a StageFailed with exit 255, retried twice.
         with pytest.raises(Exception) as busy:
             repro_single("slow", project, lambda line: None)
         assert is_user_error(busy.value), busy.value

@@ -246,8 +246,21 @@ def _eval_batches_per_rank(project) -> list[int]:
 
 @pytest.fixture(scope="module")
 def fsdp2_run(built, tmp_path_factory):
-    """One uninterrupted FSDP2 fp32 run, shared by the tests here (they only read it)."""
+    """One uninterrupted FSDP2 fp32 run, shared by the tests here (they only read it). Its loss is chunked
+    (train.loss_chunk_tokens 2, every micro-batch over it), so the comparisons with one plain process also show
+    that chunking on sharded ranks trains what the plain path trains."""
+    import numpy as np
+    import yaml
+
+    from fineflow.tokenize.shards import PackedShard
+
     project = fsdp_project(built, tmp_path_factory.mktemp("fsdp2"), version=2)
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train"]["loss_chunk_tokens"] = 2
+    (project / "params.yaml").write_text(yaml.safe_dump(params))
+    shard = PackedShard(project / "data/shards/train")
+    trained = [int((np.asarray(shard.batch([row])["labels"])[:, 1:] != -100).sum()) for row in range(len(shard))]
+    assert min(trained) > 2  # every micro-batch takes the chunked path
     run_fsdp(project)
     return project
 
@@ -255,9 +268,9 @@ def fsdp2_run(built, tmp_path_factory):
 @slow
 def test_fsdp2_trains_like_one_process_and_evaluates_an_uneven_eval_set(fsdp2_run, reference_run):
     """Eval batches differ per rank (4 and 3); every rank runs as many forwards (padding counted with weight 0),
-    so the run completes; loss and gradient norm equal one process's with the same global batch (1e-4, as
-    tests/test_ddp.py: the reduction order differs), and the eval loss equals one plain process's over the
-    same eval rows (1e-5: float rounding between the fused and peft's LoRA forward)."""
+    so the run completes; the chunked loss and gradient norm equal one plain process's with the same global
+    batch (1e-4, as tests/test_ddp.py: the reduction order differs), and the eval loss equals one plain
+    process's over the same eval rows (1e-5: float rounding between the fused and peft's LoRA forward)."""
     batches = _eval_batches_per_rank(fsdp2_run)
     assert len(set(batches)) > 1, f"the eval set must be uneven over the ranks for this test: {batches}"
     one, two = _steps(reference_run(1)), _steps(fsdp2_run)

@@ -486,8 +486,8 @@ def test_the_gpu_packages_have_an_install_that_works():
 
 
 def test_an_unplaced_multi_machine_local_launch_says_what_to_do():
-    """Seen on main: train.num_machines 2 with the default local launcher and dvc.yaml's command (no placement)
-    was refused with only "machine_rank must be given ... main_process_ip must be given"."""
+    """train.num_machines 2 with the default local launcher and dvc.yaml's command (no placement) is refused
+    with the fix, not only "machine_rank must be given ... main_process_ip must be given"."""
     stage_args = ["--shards", "data/shards", "--checkpoints", "checkpoints", "--main-process-port", "29511"]
     with pytest.raises(FineflowError) as refused:
         accelerate_command(4, False, "fineflow.stages.train", stage_args, num_machines=2)
@@ -611,8 +611,8 @@ def _train_stage_project(built, path: Path) -> Path:
 
 @pytest.mark.slow
 def test_a_training_launched_by_hand_records_itself_in_dvc_lock(built, tmp_path):
-    """Seen on main: the stage run by hand (the per-machine commands) left dvc.lock stale, so the next `dvc repro`
-    trained again. Machine 0's launcher, not started by DVC, now runs `dvc commit --force train` on success."""
+    """The stage run by hand (the per-machine commands) must not leave dvc.lock stale, or the next `dvc repro`
+    trains again: machine 0's launcher, not started by DVC, runs `dvc commit --force train` on success."""
     from tests.conftest import TRAIN, venv_env
 
     project = _train_stage_project(built, tmp_path / "p")

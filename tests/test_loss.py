@@ -231,26 +231,3 @@ def test_the_shipped_params_train_the_embedded_model_on_the_plain_path():
     params = load_params(Path(__file__).parents[1] / "params.yaml")
     trained_at_most = params.train.micro_batch_size * (params.tokenize.seq_len - 1)
     assert 0 < trained_at_most <= params.train.loss_chunk_tokens
-
-
-@pytest.mark.slow
-def test_fsdp2_ranks_chunking_train_like_one_plain_process(built, tmp_path, reference_run):
-    """2 FSDP2 ranks (gloo) with loss_chunk_tokens 2, every micro-batch over it: the same per-step losses and
-    gradient norms as one process on the plain path with the same global batch (1e-4 as test_fsdp.py)."""
-    import numpy as np
-    import yaml
-
-    from fineflow.tokenize.shards import PackedShard
-    from tests.test_fsdp import _steps, fsdp_project, run_fsdp
-
-    project = fsdp_project(built, tmp_path / "fsdp2", version=2)
-    params = yaml.safe_load((project / "params.yaml").read_text())
-    params["train"]["loss_chunk_tokens"] = 2
-    (project / "params.yaml").write_text(yaml.safe_dump(params))
-    shard = PackedShard(project / "data/shards/train")
-    trained = [int((np.asarray(shard.batch([row])["labels"])[:, 1:] != -100).sum()) for row in range(len(shard))]
-    assert min(trained) > 2  # every micro-batch takes the chunked path
-    run_fsdp(project)
-    one, two = _steps(reference_run(1)), _steps(project)
-    for key in ("loss", "grad_norm"):
-        assert [s[key] for s in two] == pytest.approx([s[key] for s in one], rel=1e-4), key

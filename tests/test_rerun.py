@@ -188,10 +188,10 @@ def _scored_champion(project) -> str:
 def test_evaluate_scores_the_current_champion_when_its_other_inputs_return_to_an_earlier_state(
     reproduced, tmp_path, tiny_params
 ):
-    """Seen on main (the soak, run-cache): evaluate reads the champion but cannot declare it (promote makes it:
-    a cycle), so DVC's run cache, keyed on the declared inputs alone, handed back the scores of an earlier
-    champion when evaluate.limit returned to a value seen before; promote then refused every run until a person
-    forced evaluate. Evaluate is never restored from the run cache: it scores the champion of the moment."""
+    """Evaluate is never restored from the run cache: it scores the champion of the moment. It reads the champion
+    but cannot declare it (promote makes it: a cycle), so DVC's run cache, keyed on the declared inputs alone,
+    would hand back an earlier champion's scores when evaluate.limit returns to an earlier value, and promote
+    would refuse every run until a person forced evaluate."""
     from tests.conftest import copy_reproduced, write_params
 
     project = copy_reproduced(reproduced, tmp_path / "project")

@@ -159,12 +159,11 @@ def test_disk_full_stops_with_a_clear_error_and_keeps_the_previous_checkpoint(bu
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_a_disk_full_in_a_background_save_stops_training_within_a_step_not_at_the_next_save(built, tmp_path, ranks):
-    """Seen on main (issue 33): the step-150 async save hit ENOSPC, training went on to step 200 (the next
-    save) and only then failed: an interval of work lost; with two ranks the message followed two tracebacks
-    (rank 1's, whose peer had gone mid-collective, and accelerate's). Here saves every 4 steps, step 8's fails:
-    every rank stops after step 8 or 9 (the step boundary after the write failed), not at step 12's save (main:
-    last step logged 11). Each step waits 0.5 s for its batch (an induced slow loader) so that the writer thread
-    has long failed by then."""
+    """An async save that hits ENOSPC (step 150) stops training at the next step, not at the next save (step 200),
+    an interval of work later, with two ranks its message not after two tracebacks (rank 1's, whose peer had gone
+    mid-collective, and accelerate's). Here saves every 4 steps, step 8's fails: every rank stops after step 8
+    or 9 (the step boundary after the write failed), not at step 12's save (last step logged 11). Each step
+    waits 0.5 s for its batch (an induced slow loader) so that the writer thread has long failed by then."""
     from fineflow.checkpoint import latest_valid, load_checkpoint
 
     project = train_project(built, tmp_path, {"checkpoint.every_steps": 4, **ranks_overrides(ranks)})

@@ -614,9 +614,9 @@ def test_a_stopped_slurm_driver_has_the_ranks_save_their_step_and_exits_75(built
 
 
 def test_the_stage_on_two_machines_submits_one_two_node_job_instead_of_refusing(built, tmp_path, fake_slurm):
-    """Seen on main: train.num_machines: 2 refused ("machine_rank must be given ...") since dvc.yaml's command
-    passes no placement. With train.launcher: slurm the stage's planner runs, then one 2-node allocation is
-    submitted (here to fake Slurm commands whose job fails at once: the stage exits 1, naming it)."""
+    """train.num_machines: 2 with train.launcher: slurm is not refused ("machine_rank must be given ...") though
+    dvc.yaml's command passes no placement: the stage's planner runs, then one 2-node allocation is submitted
+    (here to fake Slurm commands whose job fails at once: the stage exits 1, naming it)."""
     # the test machine's tmp dir is node-local: the refusal of a node-local checkpoints dir is test_launch's
     overrides = ranks_overrides(2) | {"train.launcher": "slurm", "train.num_machines": 2, "checkpoint.shared": True}
     project = train_project(built, tmp_path / "two-machines", overrides)

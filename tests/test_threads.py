@@ -59,7 +59,26 @@ def test_the_usable_cpus_follow_the_affinity_mask_not_the_machine():
 def test_the_plan_is_params_then_omp_num_threads_then_the_share(processes, setting, environ, expected):
     plan = plan_threads(processes, setting, environ, cpus=16)
     assert (plan.per_process, plan.source) == expected
-    assert plan.environment() == {"OMP_NUM_THREADS": str(expected[0]), "MKL_NUM_THREADS": str(expected[0])}
+    threads = str(expected[0])
+    assert plan.environment() == {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+@pytest.mark.parametrize(
+    "environ, expected",
+    [
+        ({}, ("passive", "fineflow", "PASSIVE")),  # a waiting thread sleeps: a shared machine cannot collapse
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, ("ACTIVE", "OMP_WAIT_POLICY", None)),  # the user's, inherited as set
+        ({"OMP_WAIT_POLICY": ""}, ("", "OMP_WAIT_POLICY", None)),  # set empty: OpenMP's own default, kept
+    ],
+)
+def test_waiting_threads_sleep_unless_the_user_chose_how(environ, expected):
+    """Spinning OpenMP threads take a shared machine's CPUs from the threads with work (bench/threads.py: 0.02 of
+    the solo throughput each for two copies): the plan exports a passive wait, and leaves a user's own
+    OMP_WAIT_POLICY to the process, which inherits it, and to the record."""
+    plan = plan_threads(2, None, environ, cpus=4)
+    assert (plan.wait, plan.wait_source, plan.environment().get("OMP_WAIT_POLICY")) == expected
+    assert plan.per_process == 2  # the wait never changes the thread count (nor, so, a result)
+    assert process_plan(2, None, plan.child_environment()) == plan
 
 
 def test_a_process_follows_its_launchers_plan_not_the_variables_it_was_given():
@@ -99,15 +118,18 @@ def test_the_launcher_decides_each_local_ranks_share_once_and_says_it(tiny_param
     """Every rank of the machine gets usable CPUs // ranks, one rank included (torch's default would be the
     machine's cores, whatever its quota), with the plan itself, which the rank records."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setattr(threads, "usable_cpus", lambda: 6)
     for ranks, share in ((1, 6), (2, 3), (4, 1)):
         env, lines = launched_env(_with_train(tiny_params, num_processes=ranks), monkeypatch)
-        assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == str(share)
+        assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == str(share) and env["OMP_WAIT_POLICY"] == "PASSIVE"
         assert json.loads(env[threads.PLAN_ENV]) == {
             "usable_cpus": 6,
             "local_processes": ranks,
             "per_process": share,
             "source": "auto",
+            "wait": "passive",
+            "wait_source": "fineflow",
         }
         assert any(f"threads: {share} threads per process (6 usable CPUs / {ranks} processes" in x for x in lines)
 
@@ -135,9 +157,16 @@ def test_the_train_stage_on_one_cpu_of_the_affinity_mask_trains_with_one_thread_
         ["taskset", "-c", str(first), *TRAIN], cwd=project, env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "threads: 1 threads per process (1 usable CPUs / 1 processes on this machine)" in done.stdout
+    assert "threads: 1 threads per process (1 usable CPUs / 1 processes on this machine" in done.stdout
     report = json.loads((project / "reports/train.json").read_text())
-    assert report["threads"] == {"usable_cpus": 1, "local_processes": 1, "per_process": 1, "source": "auto"}
+    assert report["threads"] == {
+        "usable_cpus": 1,
+        "local_processes": 1,
+        "per_process": 1,
+        "source": "auto",
+        "wait": "passive",
+        "wait_source": "fineflow",
+    }
     cpu = report["device"]["cpu"]
     assert cpu["cores"] == 1 and cpu["threads_per_rank"] == 1 and cpu["local_ranks"] == 1
     assert cpu["runnable_during"]["machine_cpus"] >= 1

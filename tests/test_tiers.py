@@ -28,7 +28,7 @@ def _recipe(target: str) -> list[str]:
 
 def test_each_make_target_selects_its_tier_by_marker():
     assert _recipe("test") == ['$(BIN)/python -m pytest -n 2 --dist loadfile -m "not scenario and not nightly"']
-    assert _recipe("test-scenarios") == ['$(BIN)/python -m pytest -m "scenario and not nightly"']
+    assert _recipe("test-scenarios") == ['$(BIN)/python -m pytest -n 2 --dist loadfile -m "scenario and not nightly"']
     assert _recipe("test-nightly") == ["$(BIN)/python -m pytest -m nightly"]
 
 

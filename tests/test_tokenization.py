@@ -174,9 +174,9 @@ def _family_row(family: str):
 
 @pytest.mark.parametrize("family", ["llama3", "qwen2.5", "mistral"])
 def test_a_turn_the_template_ends_with_the_eos_token_is_trained_on_one_eos(family):
-    """Seen on main: Llama 3.1's template ends the assistant's turn with <|eot_id|>, Qwen's with <|im_end|>\\n,
-    Mistral's with </s>, each the tokenizer's EOS; the tokenize stage appended a second EOS after it, so the model
-    was trained to end every answer with two (<|eot_id|><|eot_id|>)."""
+    """Llama 3.1's template ends the assistant's turn with <|eot_id|>, Qwen's with <|im_end|>\\n, Mistral's with
+    </s>, each the tokenizer's EOS: the tokenize stage appends no second EOS after it, or the model learns to end
+    every answer with two (<|eot_id|><|eot_id|>)."""
     tokenizer, row = _family_row(family)
     ids, mask = encode_batch(tokenizer, [row]).example(0)
     trained = [t for t, m in zip(ids, mask) if m]
@@ -194,11 +194,11 @@ def test_a_turn_the_template_ends_with_another_token_still_ends_with_eos(family)
 
 
 def test_qwen3s_empty_think_block_is_part_of_the_prompt():
-    """Seen on main: Qwen3's template opens the last assistant turn with an empty "<think>\\n\\n</think>\\n\\n"; it
-    was the start of the trained response, so evaluation's generation (prompted up to "<|im_start|>assistant\\n",
-    stopped at the first newline) read "<think>" and never the answer: exact match 0 whatever the model learned.
-    The block is now the end of the prompt (Qwen3's own non-thinking prompt, enable_thinking=False), for training
-    and evaluation alike, and the response is the answer."""
+    """Qwen3's template opens the last assistant turn with an empty "<think>\\n\\n</think>\\n\\n". The block ends
+    the prompt (Qwen3's own non-thinking prompt, enable_thinking=False), for training and evaluation alike, and
+    the response is the answer: as the response's start, evaluation's generation (prompted up to
+    "<|im_start|>assistant\\n", stopped at the first newline) would read "<think>" and never the answer, exact
+    match 0 whatever the model learned."""
     from fineflow.tokenize.template import render_pair
 
     tokenizer, row = _family_row("qwen3")
@@ -223,8 +223,8 @@ def test_a_whitespace_the_template_puts_before_the_answer_stays_in_the_response(
 def test_a_system_message_mistrals_template_moves_is_refused_with_where_and_what_to_do():
     """Mistral v0.3's template writes the system message into the last user turn only: with the answer after it,
     the user turn is no longer last and the system text vanishes, so the prompt is not the start of the whole
-    conversation and no (prompt, response) split exists. Seen on main: refused with a generic message (every such
-    row quarantined, nothing said about why); now it names where the two renderings part and what to change."""
+    conversation and no (prompt, response) split exists. The refusal names where the two renderings part and what
+    to change, not a generic message (every such row quarantined, nothing said about why)."""
     from fineflow.tokenize.template import RenderError, render_pair
 
     tokenizer, row = _family_row("mistral")

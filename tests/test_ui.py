@@ -53,7 +53,7 @@ def test_the_validate_report_shows_one_row_per_check_and_no_json_in_any_cell():
     rows = artifacts.report_table(VALIDATE_REPORT)
     sections = artifacts.report_sections(VALIDATE_REPORT)
     for cell in _cells(rows) + [c for section in sections.values() for c in _cells(section)]:
-        assert not cell.startswith(("{", "[")), cell  # seen on main: checks.* as one-line JSON objects
+        assert not cell.startswith(("{", "[")), cell  # checks.* never as one-line JSON objects
     figures = {row["figure"]: row["value"] for row in rows}
     assert figures["rows_in"] == "4,120" and figures["pii_redacted.email"] == "3" and figures["passed"] == "yes"
     assert figures["truncation_rate"] == "1.2%" and figures["eval.rows_kept"] == "200"
@@ -89,7 +89,7 @@ def test_numbers_are_rounded_to_what_they_mean(key, value, shown):
 def test_the_gates_interval_is_labelled_at_the_confidence_it_was_computed_at():
     report = {"delta": 0.05, "ci_low": -0.01234567, "ci_high": 0.1, "p_value": 0.21, "confidence": 0.6}
     table = "\n".join(gate_evidence_table(report))
-    assert "60% bootstrap CI" in table and "95%" not in table  # seen on main: always "95%"
+    assert "60% bootstrap CI" in table and "95%" not in table  # the level used, not "95%"
     assert "[-0.0123, +0.1000]" in table
     assert "CI" not in "\n".join(gate_evidence_table({"delta": None, "ci_low": None}))  # no interval, no label
 
@@ -104,7 +104,7 @@ def test_a_failed_stages_fix_is_its_own_wrapping_line_and_the_output_tail_a_code
     )
     artifacts.publish_failure("train", RuntimeError(message))
     markdown = shown["markdown"]
-    assert "```" not in markdown  # seen on main: the whole message in one code block that does not wrap
+    assert "```" not in markdown  # not the whole message in one code block, which does not wrap
     assert "\nChanged: train.steps: 200 -> 60.\n" in markdown and "\nRestore those params" in markdown
     crash = "stage tokenize failed (exit 255):\nERROR: failed to reproduce 'tokenize'\nTraceback: boom"
     artifacts.publish_failure("tokenize", RuntimeError(crash))
@@ -115,7 +115,7 @@ def test_a_failed_stages_fix_is_its_own_wrapping_line_and_the_output_tail_a_code
 def test_no_file_links_and_no_model_card_that_does_not_exist(tmp_path):
     report = {"decision": "refused", "reason": "delta below min_delta", "candidate_id": "abc", "confidence": 0.95}
     markdown = artifacts.promotion_markdown(report, tmp_path)
-    assert "file://" not in markdown and "README.md" not in markdown  # seen on main: a link to nothing
+    assert "file://" not in markdown and "README.md" not in markdown  # no link to a missing file
     card = tmp_path / "models/champion/README.md"
     card.parent.mkdir(parents=True)
     card.write_text("# champion\n")
@@ -182,8 +182,8 @@ def test_every_history_row_has_a_workspace_so_dvc_plots_can_read_the_file(tmp_pa
 
 
 def test_the_goodput_chart_shows_this_workspaces_runs_only_with_its_legend_clear_of_the_axis(tmp_path, monkeypatch):
-    """Seen on main: "run 1" and "run 2" of the committed history (another machine's runs) on a new user's chart,
-    and the legend over the x-axis label."""
+    """A new user's chart leaves out the committed history's runs ("run 1", "run 2": another machine's), and
+    its legend is clear of the x-axis label."""
     from fineflow.goodput import chart
 
     plots = tmp_path / "reports/plots"
@@ -222,8 +222,8 @@ def _named(project, monkeypatch, overrides=None) -> str:
 
 
 def test_runs_with_different_param_edits_get_different_names_from_their_start(tmp_path, monkeypatch):
-    """Seen on main: two runs with different param edits were both named "<sha>+edits" (and a failed or
-    crashed run keeps the name it started with, so the start name must tell runs apart)."""
+    """Two runs with different param edits are not both named "<sha>+edits": a failed or crashed run keeps
+    the name it started with, so the start name must tell runs apart."""
     import subprocess
 
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost"]
@@ -246,8 +246,8 @@ def test_runs_with_different_param_edits_get_different_names_from_their_start(tm
 
 @pytest.mark.slow  # dvc repro
 def test_a_silent_stage_still_gets_a_log_line_every_heartbeat(tmp_path, monkeypatch):
-    """Seen on main: the base stage's log silent for minutes while it pretrains. Whatever a stage prints, the
-    task logs a line when it has been silent for a heartbeat (30 s; shortened here)."""
+    """No stage's log is silent for minutes (the base stage's as it pretrains): whatever a stage prints,
+    the task logs a line when it has been silent for a heartbeat (30 s; shortened here)."""
     import subprocess
     import sys
 
@@ -444,7 +444,7 @@ def test_the_artifact_pages_read_in_a_browser(ui_server, tmp_path):
             page.open(f"{ui_server}/artifacts/artifact/{found[key]}", ready=ready)
             page.screenshot(SCREENSHOTS / f"{key}.png")
             texts[key] = page.evaluate("document.body.innerText")
-            if key == "fineflow-train-failed":  # seen on main: off the right edge of a code block that does not wrap
+            if key == "fineflow-train-failed":  # on screen, not off the right edge of an unwrapped code block
                 for fix in ("Changed: train.steps: 200 -> 60.", "Restore those params to resume it"):
                     assert page.evaluate(browser.text_on_screen(fix)), fix
             assert page.evaluate(browser.OVERFLOWING_CELLS) == [], key

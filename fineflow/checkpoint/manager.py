@@ -213,7 +213,7 @@ class CheckpointManager:
         """Raise the error of a save in flight that has already failed; never waits for one still writing.
 
         The loop calls it at every step: a failed background write (a full disk) then stops training at the
-        next step boundary, not at the next save an interval later (seen on main: ENOSPC at step 150 noticed at
+        next step boundary, not at the next save an interval later (ENOSPC at step 150: stopped then, not at
         step 200). A save being retried (on_write_error: retry) is still in flight: training goes on."""
         flight = self._in_flight
         if flight is None:

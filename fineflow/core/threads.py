@@ -12,6 +12,15 @@ busy 2-core machine training ran 25-35x slower than idle. The decision, in order
 The usable CPUs are this process's affinity mask (a container's or a Slurm job's cpuset) capped by its cgroup
 CPU quota (``cpu.max``, or cgroup v1's ``cpu.cfs_quota_us``): not ``os.cpu_count()``, which is the host's.
 
+How a waiting thread waits is decided with them: ``OMP_WAIT_POLICY=PASSIVE`` (it sleeps) unless the user set
+OMP_WAIT_POLICY. OpenMP's default spin makes a shared machine collapse: two copies of the train stage at 2
+threads each on 2 CPUs got 0.02-0.17 of the solo throughput each, four 0.02-0.03 (bench/threads.py); with passive
+waits each of two kept 1.04-1.09 of the passive solo run. Passive costs a process alone on an idle machine: the
+embedded default's loop ran at 7,500 tokens/s against 13,700 spinning. A look at the machine when the process
+starts cannot tell the two cases apart (copies started together sample while each other sleeps: every copy saw an
+idle machine), so the plan takes the wait that cannot collapse; on a machine of your own, OMP_WAIT_POLICY=ACTIVE.
+The wait changes the speed, never a result.
+
     python -c "from fineflow.core.threads import plan_threads; print(plan_threads(local_processes=2))"
 """
 
@@ -27,6 +36,7 @@ from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+WAIT_VARIABLE = "OMP_WAIT_POLICY"
 # The plan a launcher decided for the processes it starts (the train stage's ranks): they follow it, not a plan of
 # their own, so that the launcher's OMP_NUM_THREADS is never mistaken for the user's.
 PLAN_ENV = "FINEFLOW_THREAD_PLAN"
@@ -94,28 +104,34 @@ def usable_cpus(affinity: int | None = None, quota: float | None | str = "read")
 @dataclass(frozen=True)
 class ThreadPlan:
     """One process's threads: `per_process` intra-op threads for each of `local_processes` that compute at once
-    on this machine, out of `usable_cpus`; `source` says who decided (params, OMP_NUM_THREADS, auto)."""
+    on this machine, out of `usable_cpus`; `source` says who decided (params, OMP_NUM_THREADS, auto). `wait`:
+    how a waiting OpenMP thread waits ("passive": it sleeps; "default": OpenMP's own spin, then sleep; or the
+    user's OMP_WAIT_POLICY), and `wait_source` who decided ("fineflow", "OMP_WAIT_POLICY")."""
 
     usable_cpus: int
     local_processes: int
     per_process: int
     source: str
+    wait: str = "passive"
+    wait_source: str = "fineflow"
 
     def environment(self) -> dict[str, str]:
         """What a child process needs to follow the plan: torch, OpenMP and MKL read these at start-up."""
-        return {name: str(self.per_process) for name in THREAD_VARIABLES}
+        threads = {name: str(self.per_process) for name in THREAD_VARIABLES}
+        return threads | ({WAIT_VARIABLE: "PASSIVE"} if self.wait == "passive" else {})
 
     def child_environment(self) -> dict[str, str]:
         """The environment of a process this plan was decided for (a rank): the variables and the plan itself."""
         return self.environment() | {PLAN_ENV: json.dumps(self.as_record())}
 
     def describe(self) -> str:
+        wait = f"; OMP_WAIT_POLICY {self.wait}" if self.wait_source == "OMP_WAIT_POLICY" else ""
         if self.source == "auto":
             return (
                 f"{self.per_process} threads per process ({self.usable_cpus} usable CPUs / "
-                f"{self.local_processes} processes on this machine)"
+                f"{self.local_processes} processes on this machine{wait})"
             )
-        return f"{self.per_process} threads per process ({self.source})"
+        return f"{self.per_process} threads per process ({self.source}{wait})"
 
     def as_record(self) -> dict:
         return asdict(self)
@@ -128,16 +144,18 @@ def plan_threads(
     cpus: int | None = None,
 ) -> ThreadPlan:
     """The thread decision for `local_processes` processes computing at once on this machine: the params'
-    `setting` wins, then OMP_NUM_THREADS, then the usable CPUs shared among them."""
+    `setting` wins, then OMP_NUM_THREADS, then the usable CPUs shared among them; waiting threads sleep
+    unless the user's OMP_WAIT_POLICY says otherwise."""
     environ = os.environ if environ is None else environ
     cpus = cpus if cpus is not None else usable_cpus()
     local_processes = max(1, local_processes)
+    wait = (environ[WAIT_VARIABLE], WAIT_VARIABLE) if WAIT_VARIABLE in environ else ("passive", "fineflow")
     if setting is not None:
-        return ThreadPlan(cpus, local_processes, setting, "params")
+        return ThreadPlan(cpus, local_processes, setting, "params", *wait)
     explicit = environ.get("OMP_NUM_THREADS", "").strip()
     if explicit.isdigit() and int(explicit) > 0:
-        return ThreadPlan(cpus, local_processes, int(explicit), "OMP_NUM_THREADS")
-    return ThreadPlan(cpus, local_processes, max(1, cpus // local_processes), "auto")
+        return ThreadPlan(cpus, local_processes, int(explicit), "OMP_NUM_THREADS", *wait)
+    return ThreadPlan(cpus, local_processes, max(1, cpus // local_processes), "auto", *wait)
 
 
 def process_plan(local_processes: int = 1, setting: int | None = None, environ: Mapping[str, str] | None = None):
@@ -151,7 +169,8 @@ def process_plan(local_processes: int = 1, setting: int | None = None, environ: 
 
 def apply_threads(plan: ThreadPlan) -> None:
     """This process computes with the plan's threads and the processes it starts inherit them. Before torch is
-    imported the variables are enough (OpenMP reads them when torch loads); after, torch is told directly."""
+    imported the variables are enough (OpenMP reads them when torch loads); after, torch is told the thread
+    count directly (the wait policy then applies to the processes this one starts)."""
     os.environ.update(plan.environment())
     torch = sys.modules.get("torch")
     if torch is not None and torch.get_num_threads() != plan.per_process:

@@ -57,6 +57,7 @@ FORWARDED_PREFIXES = (
     "PYTHONPATH",
     "OMP_NUM_THREADS",
     "MKL_NUM_THREADS",
+    "OMP_WAIT_POLICY",
     "DO_NOT_TRACK",
     "CUDA_VISIBLE_DEVICES_",  # never CUDA_VISIBLE_DEVICES itself: Ray sets it per worker
 )

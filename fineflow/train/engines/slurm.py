@@ -80,6 +80,7 @@ export LOCAL_WORLD_SIZE=${per_node%%[(,]*}
 export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_PORT=$((20000 + SLURM_JOB_ID % 9000))  # the same for every task, and on a requeued run
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}  # fineflow.core.threads: spinning waits collapse a shared node
 exec "$@"
 """
 
