@@ -5,12 +5,12 @@ DVC records which dvc process reads or writes which path in ``.dvc/tmp/rwlock`` 
 (``open(path, "w")``, then ``json.dump``) under its ``rwlock.lock`` guard. Two things a SIGKILLed dvc leaves:
 
 - A half-written file: killed between the truncation and the write, it is left empty, and every dvc command then
-  fails with "Unable to read RWLock-file '.dvc/tmp/rwlock'. JSON structure is corrupted" (seen in the chaos test).
+  fails with "Unable to read RWLock-file '.dvc/tmp/rwlock'. JSON structure is corrupted".
   Only a writer that died leaves one, so the processes it listed are gone: the file is removed (dvc reads a
   missing one as "no holders").
 - Its entries. DVC drops an entry only when its PID does not exist (``psutil.pid_exists``). On a machine with
   ``pid_max`` 32768 the PID soon belongs to another process, and DVC then reports "'<path>' is busy, it is being
-  blocked by: (PID …)" for ever (seen in issue 33's soak: train failed three times and needed a person). An entry
+  blocked by: (PID …)" for ever: every run of the stage fails until a person removes the entry. An entry
   is stale when its PID is dead, or alive but not a dvc of this repository (``holds_project``).
 
 Both repairs are made under dvc's own guard, so never while a live dvc process edits the file, before fineflow

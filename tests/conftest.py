@@ -47,6 +47,38 @@ os.environ.update(
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
+# The files whose tests take longest (their --durations summed per file, both CI tiers), longest first: pytest-xdist
+# hands a worker a whole file at a time in collection order (--dist loadfile), so these start first and neither
+# worker is left alone with a long file at the end of a tier.
+LONGEST_FILES = (
+    "test_flow.py",
+    "test_interrupts.py",
+    "test_goodput.py",
+    "test_resume.py",
+    "test_preference_train.py",
+    "test_base_resume.py",
+    "test_rerun.py",
+    "test_runs.py",
+    "test_fsdp.py",
+    "test_ddp.py",
+    "test_ray.py",
+    "test_dvc_views.py",
+    "test_preference_eval.py",
+    "test_sources.py",
+    "test_families.py",
+    "test_conversations.py",
+    "test_accumulation.py",
+    "test_data_gate.py",
+    "test_launch.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest files first (LONGEST_FILES); within a file, and for every other file, the collected order."""
+    rank = {name: index for index, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def pytest_unconfigure(config):
     """The state folder (HF and Prefect homes) goes when pytest exits: after every fixture's teardown, so
     after the processes a test started (the Prefect server included) have been stopped."""
@@ -170,17 +202,29 @@ REPRO_LOG = "repro.log"
 
 
 @pytest.fixture(scope="session")
-def reproduced(tmp_path_factory):
+def reproduced(tmp_path_factory, worker_id):
     """A project copy (copy_project, tiny params) after a plain `dvc repro` of the whole pipeline, its dvc.lock
     and metrics committed: what a finished run leaves (DVC's output is in REPRO_LOG beside it). Built once per
-    session, for the scenarios that start from a finished run; a test works in its own copy (copy_reproduced)."""
-    project = copy_project(tmp_path_factory.mktemp("reproduced") / "project")
-    done = subprocess.run(
-        [sys.executable, "-m", "dvc", "repro"], cwd=project, env=venv_env(), capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    (project.parent / REPRO_LOG).write_text(done.stdout)  # what DVC ran, beside the project
-    _git_commit(project, "baseline: dvc.lock and metrics")
+    test run, for the scenarios that start from a finished run; a test works in its own copy (copy_reproduced).
+    pytest-xdist's workers share it: the first to ask builds it under a file lock, the others wait for it (a
+    whole `dvc repro`, ~65 CPU-s, not paid again by each worker)."""
+    import filelock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base if worker_id == "master" else base.parent  # xdist: the workers' basetemps share this parent
+    home, project = shared / "reproduced", shared / "reproduced" / "project"
+    with filelock.FileLock(str(shared / "reproduced.lock")):
+        if not (home / "built").is_file():
+            shutil.rmtree(home, ignore_errors=True)  # a build another worker left half done when it failed
+            home.mkdir()
+            copy_project(project)
+            done = subprocess.run(
+                [sys.executable, "-m", "dvc", "repro"], cwd=project, env=venv_env(), capture_output=True, text=True
+            )
+            assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+            (home / REPRO_LOG).write_text(done.stdout)  # what DVC ran, beside the project
+            _git_commit(project, "baseline: dvc.lock and metrics")
+            (home / "built").write_text("")
     before = _snapshot(project)
     yield project
     assert _snapshot(project) == before, "a test changed the shared `reproduced` project (work in a copy)"
