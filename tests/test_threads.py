@@ -69,6 +69,7 @@ def test_the_plan_is_params_then_omp_num_threads_then_the_share(processes, setti
         ({}, ("passive", "fineflow", "PASSIVE")),  # a waiting thread sleeps: a shared machine cannot collapse
         ({"OMP_WAIT_POLICY": "ACTIVE"}, ("ACTIVE", "OMP_WAIT_POLICY", None)),  # the user's, inherited as set
         ({"OMP_WAIT_POLICY": ""}, ("", "OMP_WAIT_POLICY", None)),  # set empty: OpenMP's own default, kept
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, ("passive", "fineflow", "PASSIVE")),  # the plan's own, inherited
     ],
 )
 def test_waiting_threads_sleep_unless_the_user_chose_how(environ, expected):

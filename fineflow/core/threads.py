@@ -106,7 +106,7 @@ class ThreadPlan:
     """One process's threads: `per_process` intra-op threads for each of `local_processes` that compute at once
     on this machine, out of `usable_cpus`; `source` says who decided (params, OMP_NUM_THREADS, auto). `wait`:
     how a waiting OpenMP thread waits ("passive": it sleeps; "default": OpenMP's own spin, then sleep; or the
-    user's OMP_WAIT_POLICY), and `wait_source` who decided ("fineflow", "OMP_WAIT_POLICY")."""
+    user's other OMP_WAIT_POLICY), and `wait_source` who decided ("fineflow", "OMP_WAIT_POLICY")."""
 
     usable_cpus: int
     local_processes: int
@@ -149,13 +149,22 @@ def plan_threads(
     environ = os.environ if environ is None else environ
     cpus = cpus if cpus is not None else usable_cpus()
     local_processes = max(1, local_processes)
-    wait = (environ[WAIT_VARIABLE], WAIT_VARIABLE) if WAIT_VARIABLE in environ else ("passive", "fineflow")
+    wait = _wait(environ)
     if setting is not None:
         return ThreadPlan(cpus, local_processes, setting, "params", *wait)
     explicit = environ.get("OMP_NUM_THREADS", "").strip()
     if explicit.isdigit() and int(explicit) > 0:
         return ThreadPlan(cpus, local_processes, int(explicit), "OMP_NUM_THREADS", *wait)
     return ThreadPlan(cpus, local_processes, max(1, cpus // local_processes), "auto", *wait)
+
+
+def _wait(environ: Mapping[str, str]) -> tuple[str, str]:
+    """(wait, wait_source): passive, unless OMP_WAIT_POLICY says otherwise. PASSIVE in the environment is this
+    plan's own choice as a process inherits it (apply_threads exports it), never read back as a user's."""
+    given = environ.get(WAIT_VARIABLE)
+    if given is None or given.strip().upper() == "PASSIVE":
+        return "passive", "fineflow"
+    return given, WAIT_VARIABLE
 
 
 def process_plan(local_processes: int = 1, setting: int | None = None, environ: Mapping[str, str] | None = None):
