@@ -550,7 +550,7 @@ INDUCED = {
         "data_loading",
     ),
     "sync checkpoints of a slow disk": (
-        {"train.steps": 16, "checkpoint.mode": "sync", "checkpoint.every_steps": 2},
+        {"train.steps": 8, "checkpoint.mode": "sync", "checkpoint.every_steps": 2},
         {"FINEFLOW_TEST_WRITE_DELAY_S": "0.4"},
         1,
         "checkpoint",

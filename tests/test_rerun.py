@@ -183,7 +183,17 @@ def _scored_champion(project) -> str:
     return json.loads((project / "eval/scores.json").read_text())["champion"]["id"]
 
 
-@pytest.mark.scenario
+def test_evaluate_keeps_no_run_cache_entry_so_it_always_scores_the_champion_of_the_moment():
+    """The per-PR form of the nightly scenario below: evaluate reads the champion, which it cannot declare (promote
+    makes it), so its output is persisted, and DVC keeps no run-cache entry for a stage with a persisted output:
+    a return of evaluate's declared inputs to an earlier state can never hand back an earlier champion's scores."""
+    from fineflow.core.dvc_project import persistent_outputs, read_stages
+
+    assert persistent_outputs(ROOT)["evaluate"] == ["eval"]
+    assert "models/champion" not in read_stages(ROOT)["evaluate"].get("deps", [])  # undeclared: the reason
+
+
+@pytest.mark.nightly
 @pytest.mark.slow
 def test_evaluate_scores_the_current_champion_when_its_other_inputs_return_to_an_earlier_state(
     reproduced, tmp_path, tiny_params
