@@ -10,8 +10,8 @@ import json
 import os
 from pathlib import Path
 
-from fineflow.core.config import ModelParams
 from fineflow.core.errors import FineflowError
+from fineflow.core.model_config import ModelParams
 from fineflow.core.preflight import names_a_directory
 from fineflow.core.reports import read_json, sha256_file, write_json_atomic
 

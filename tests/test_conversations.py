@@ -217,7 +217,7 @@ def test_tool_call_arguments_given_as_a_json_string_render_as_the_object():
 
 
 def _gate(tmp_path, conversations: list, tokens=None):
-    from fineflow.core.config import FieldMapping, ValidateParams
+    from fineflow.core.data_config import FieldMapping, ValidateParams
     from fineflow.data.formats import apply_mapping, read_rows
     from fineflow.data.validation import validate_rows
 
@@ -365,7 +365,7 @@ def test_the_chat_rule_keys_the_shards_of_chat_rows_only(tmp_path):
     """Instruction rows keep the template hash (and so the shards, and the model trained on them) they had; a
     split of conversations gets the chat-turn rule and tokenize.train_on in its hash, and a change of either
     rebuilds it."""
-    from fineflow.core.config import TokenizeParams
+    from fineflow.core.tokenize_config import TokenizeParams
     from fineflow.tokenize.template import template_hash
     from fineflow.tokenize.tokenization import content_key, split_template_hash
 
@@ -489,8 +489,8 @@ def test_the_bundled_chat_set_with_tool_calls_runs_every_stage(tmp_path):
 def test_the_tokenize_stage_names_the_file_and_row_a_template_cannot_mask(tmp_path):
     """A row the gate kept only as a warning (validate.checks.chat_template: warn) stops the tokenize stage with
     the rows file, the row and the turn, not a traceback from the renderer."""
-    from fineflow.core.config import TokenizeParams
     from fineflow.core.errors import FineflowError
+    from fineflow.core.tokenize_config import TokenizeParams
     from fineflow.tokenize.tokenization import tokenize_split
 
     rows = tmp_path / "train.jsonl"

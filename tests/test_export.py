@@ -102,7 +102,7 @@ def test_export_params_name_an_unknown_type_or_a_negative_tolerance():
 
 
 def test_every_quantized_type_params_accept_is_one_the_quantizer_is_given():
-    from fineflow.core.config import EXPORT_QUANT_TYPES
+    from fineflow.core.export_config import EXPORT_QUANT_TYPES
     from fineflow.export.gguf import QUANT_FTYPES
 
     assert sorted(QUANT_FTYPES) == sorted(EXPORT_QUANT_TYPES.__args__)

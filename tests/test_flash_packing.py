@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fineflow.core.config import TrainParams
 from fineflow.core.errors import FineflowError
+from fineflow.core.train_config import TrainParams
 from fineflow.tokenize.shards import PackedShard, pack_examples, write_shard
 from fineflow.tokenize.template import EncodedBatch
 from fineflow.train.attention import FlashLayout, flash_layout, layout_kwargs, layout_of

@@ -333,7 +333,8 @@ def test_param_overrides_are_applied_by_their_task_or_refused_all_at_once(prefec
     """The flow's `overrides` parameter (what the UI's run form sets) through its Prefect task."""
     from prefect import flow
 
-    from fineflow.core.config import ConfigError, load_params
+    from fineflow.core.config import load_params
+    from fineflow.core.errors import ConfigError
     from tasks import runs
 
     project = copy_project(tmp_path / "project")

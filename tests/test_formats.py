@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from fineflow.core.config import FieldMapping, ValidateParams
+from fineflow.core.data_config import FieldMapping, ValidateParams
 from fineflow.core.errors import DataError
 from fineflow.data.formats import Row, apply_mapping, read_rows
 from fineflow.data.validation import validate_rows

@@ -535,7 +535,7 @@ def test_the_filesystem_of_a_path_is_its_longest_mount(mountinfo):
 
 
 def test_a_multi_machine_run_on_node_local_checkpoints_is_refused_naming_the_fixes(mountinfo):
-    from fineflow.core.config import CheckpointSettings
+    from fineflow.core.train_config import CheckpointSettings
     from fineflow.train.launch import require_shared_checkpoints
 
     plain = CheckpointSettings()

@@ -8,7 +8,8 @@ import shutil
 import pytest
 import yaml
 
-from fineflow.core.config import ConfigError, load_params
+from fineflow.core.config import load_params
+from fineflow.core.errors import ConfigError
 from fineflow.overrides import apply
 from tests.conftest import ROOT
 

@@ -8,8 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from fineflow.core.config import DataParams, FieldMapping, TokenizeParams, ValidateParams
+from fineflow.core.data_config import DataParams, FieldMapping, ValidateParams
 from fineflow.core.errors import DataError
+from fineflow.core.tokenize_config import TokenizeParams
 from fineflow.data.formats import apply_mapping, read_rows
 from fineflow.data.validation import raise_if_blocked, validate_rows, validate_splits
 

@@ -164,7 +164,7 @@ def test_packed_pair_losses_equal_each_sequence_run_alone(built, tmp_path, atten
     shard-aligned file) == the DPO and SimPO formulas (fineflow.train.preference)
     computed pair by pair on each sequence run alone, unpacked.
     varlen: fineflow's per-example attention; sdpa: transformers' block-diagonal mask from the position ids."""
-    from fineflow.core.config import PreferenceParams
+    from fineflow.core.train_config import PreferenceParams
     from fineflow.tokenize.shards import PackedShard
     from fineflow.tokenize.tokenization import load_tokenizer
     from fineflow.train.attention import layout_kwargs, layout_of

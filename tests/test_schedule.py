@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from fineflow.core.config import TrainParams
+from fineflow.core.train_config import TrainParams
 from fineflow.train.schedule import build_scheduler, lr_multiplier
 
 SCHEDULES = ["cosine", "linear", "constant"]

@@ -226,8 +226,9 @@ def test_seq_len_beyond_the_position_dtype_is_a_params_error():
     """positions.bin stores position ids as uint16: a longer row would wrap them around to 0 silently."""
     import numpy as np
 
-    from fineflow.core.config import MAX_SEQ_LEN, parse_params
+    from fineflow.core.config import parse_params
     from fineflow.core.errors import ConfigError
+    from fineflow.core.tokenize_config import MAX_SEQ_LEN
     from fineflow.tokenize.shards import POSITION_DTYPE
 
     assert MAX_SEQ_LEN == np.iinfo(POSITION_DTYPE).max + 1  # the params bound is the shard format's
@@ -239,7 +240,7 @@ def test_seq_len_beyond_the_position_dtype_is_a_params_error():
 def test_a_row_of_max_seq_len_keeps_every_position():
     import numpy as np
 
-    from fineflow.core.config import MAX_SEQ_LEN
+    from fineflow.core.tokenize_config import MAX_SEQ_LEN
     from fineflow.tokenize.shards import pack_examples
     from fineflow.tokenize.template import EncodedBatch
 

@@ -270,7 +270,7 @@ def test_a_silent_stage_still_gets_a_log_line_every_heartbeat(tmp_path, monkeypa
 def test_base_pretraining_prints_progress_by_time_not_only_every_50_steps(monkeypatch):
     """On a busy machine 50 pretraining steps take minutes: a line also whenever PROGRESS_S has passed (0 here)."""
     from fineflow.base import model as base_model
-    from fineflow.core.config import BaseParams, ModelParams
+    from fineflow.core.model_config import BaseParams, ModelParams
     from fineflow.corpus import pretraining_corpus
 
     texts = list(pretraining_corpus(300, 0))

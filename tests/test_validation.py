@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from fineflow.core.config import ValidateParams, ValidationChecks
+from fineflow.core.data_config import ValidateParams, ValidationChecks
 from fineflow.core.errors import DataError
 from fineflow.data import checks
 from fineflow.data.formats import read_jsonl
@@ -654,7 +654,7 @@ def test_outputs_of_only_whitespace_or_invisible_characters_fail_non_empty(tmp_p
 
 
 def test_a_chat_response_of_only_whitespace_fails_non_empty(tmp_path):
-    from fineflow.core.config import FieldMapping
+    from fineflow.core.data_config import FieldMapping
     from fineflow.data.formats import apply_mapping
 
     conversation = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": " \u200b\n"}]
@@ -704,7 +704,7 @@ def test_a_row_over_max_row_bytes_is_quarantined_by_the_reader_in_bounded_memory
     import hashlib
     import tracemalloc
 
-    from fineflow.core.config import DataParams
+    from fineflow.core.data_config import DataParams
     from fineflow.data.validation import validate_splits
 
     limit, mb = 64 * 1024, 40

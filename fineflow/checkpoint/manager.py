@@ -22,7 +22,7 @@ from fineflow.checkpoint.read import LoadedCheckpoint, latest_valid, load_checkp
 from fineflow.checkpoint.retention import clean_stale
 from fineflow.checkpoint.snapshot import SaveJob, _copy_into, plan_files
 from fineflow.checkpoint.store import StoreConfig
-from fineflow.core.config import CheckpointSettings
+from fineflow.core.train_config import CheckpointSettings
 
 _DEFAULTS = CheckpointSettings()
 
@@ -103,7 +103,7 @@ class CheckpointManager:
     """
 
     root: str | Path
-    # the defaults are params.yaml's `checkpoint` section (fineflow.core.config): one source, not a second copy
+    # the defaults are params.yaml's `checkpoint` section (fineflow.core.train_config): one source, not a second copy
     keep_last: int = _DEFAULTS.keep_last
     keep_best: int = _DEFAULTS.keep_best
     mode: str = _DEFAULTS.mode

@@ -45,7 +45,7 @@ def offline_environment(project_root: str | Path) -> dict[str, str]:
 
 def is_hub_id(model_base: str | None, project_root: str | Path = ".") -> bool:
     """Whether model.base names a model on the Hugging Face hub: not the embedded base, not a local path."""
-    from fineflow.core.config import EMBEDDED_BASE
+    from fineflow.core.model_config import EMBEDDED_BASE
 
     if not model_base or model_base == EMBEDDED_BASE or model_base.startswith((".", "/", "~")):
         return False

@@ -10,7 +10,7 @@ fineflow.data.validation builds the frame, the GX suite, the report and the reas
 Adding a check means:
   1. one ``Check`` in ``CHECKS`` below; its position is its place in the suite, the Data Docs and the report;
   2. an existing category, which gives its default severity. A new category also needs its knob: a
-     ``CheckParams`` field in ``ValidationChecks`` (fineflow/core/config.py) and its entry under
+     ``CheckParams`` field in ``ValidationChecks`` (fineflow/core/data_config.py) and its entry under
      ``validate.checks`` in params.yaml;
   3. its test in tests/test_validation.py: a row that fails it, its reason text, its report entry.
 """
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from fineflow.core.config import CheckParams, ValidateParams, ValidationChecks
+from fineflow.core.data_config import CheckParams, ValidateParams, ValidationChecks
 from fineflow.data.conversations import empty_turn, role_order_problem, unanswered_tool_call
 from fineflow.data.formats import ANSWERS, Row, example_text
 from fineflow.data.overlap import FirstSeen, LeakIndex, normalize, stable_hash

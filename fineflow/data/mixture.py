@@ -15,10 +15,11 @@ import json
 from contextlib import ExitStack
 from pathlib import Path
 
-from fineflow.core.config import Params, is_preference
+from fineflow.core.config import Params
 from fineflow.core.entry import log
 from fineflow.core.errors import DataError
 from fineflow.core.reports import sha256_file, write_json_atomic
+from fineflow.core.train_config import is_preference
 from fineflow.data.formats import apply_mapping, read_rows
 from fineflow.data.mix import target_rows, write_mix
 from fineflow.data.source_gate import (

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fineflow import __version__
-from fineflow.core.config import Params, is_preference
+from fineflow.core.config import Params
 from fineflow.core.errors import DataError
 from fineflow.core.reports import read_json, write_json_atomic
+from fineflow.core.train_config import is_preference
 from fineflow.data.formats import apply_mapping
 from fineflow.data.overlap import LeakIndex
 from fineflow.data.sources import Source, read_source

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from fineflow.core.config import SourceParams
+from fineflow.core.data_config import SourceParams
 from fineflow.core.errors import DataError, FineflowError
 from fineflow.core.preflight import names_a_directory
 from fineflow.core.reports import read_json, write_json_atomic

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
 
-from fineflow.core.config import ValidateParams
+from fineflow.core.data_config import ValidateParams
 from fineflow.core.errors import DataError
 from fineflow.data import checks
 from fineflow.data.checks import SCHEMA, TRUNCATION, Check, CheckContext, FailedRow, Seen

@@ -11,9 +11,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from fineflow.core.config import Params, is_preference
+from fineflow.core.config import Params
 from fineflow.core.errors import FineflowError
 from fineflow.core.reports import sha256_file, write_json_atomic
+from fineflow.core.train_config import is_preference
 from fineflow.evaluate.harness import (
     PAIR_LOGPS,
     LoadPlan,

@@ -7,7 +7,7 @@ buckets are money lost ("$ lost to checkpoint stalls").
 
 from __future__ import annotations
 
-from fineflow.core.config import DEFAULT_PRICES
+from fineflow.core.cost_config import DEFAULT_PRICES
 
 
 def price_per_device_hour(cost, device: dict) -> tuple[float, str]:

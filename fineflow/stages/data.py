@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fineflow.core.config import Params, is_preference
+from fineflow.core.config import Params
 from fineflow.core.entry import run_entry, stage_parser
 from fineflow.core.reports import write_jsonl
+from fineflow.core.train_config import is_preference
 from fineflow.data.synth import inject_bad_rows, split_train_eval, split_train_eval_pairs
 
 

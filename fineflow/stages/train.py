@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from fineflow.core.config import CheckpointSettings, load_params
+from fineflow.core.config import load_params
 from fineflow.core.dvc_project import output_paths, read_stages, run_dvc
 from fineflow.core.entry import (
     journal_attempt,
@@ -40,6 +40,7 @@ from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError,
 from fineflow.core.reports import clear_error_record, read_error_record, read_json
 from fineflow.core.runtime import apply_offline_environment, is_train_worker
 from fineflow.core.threads import ThreadPlan, process_plan
+from fineflow.core.train_config import CheckpointSettings
 from fineflow.process import preempt
 from fineflow.train.launch import check_checkpoint_storage
 from fineflow.train.plots import write_run_plots

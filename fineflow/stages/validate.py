@@ -24,10 +24,11 @@ import shutil
 from contextlib import ExitStack
 from pathlib import Path
 
-from fineflow.core.config import Params, is_preference
+from fineflow.core.config import Params
 from fineflow.core.entry import log, run_entry, stage_parser
 from fineflow.core.errors import DataError
 from fineflow.core.reports import write_json_atomic
+from fineflow.core.train_config import is_preference
 from fineflow.data.mixture import Mixture
 from fineflow.data.tokens import TokenView
 from fineflow.data.validation import JsonlSink, raise_if_blocked, validate_splits

@@ -41,7 +41,7 @@ PREFERENCE = "preference"  # meta.json's objective of a preference shard
 # int16 holds them for any tokenize.seq_len below 32,767 (the writer refuses a slot beyond).
 SLOT_DTYPE = np.dtype(np.int16)
 # Position ids restart per example and never exceed seq_len - 1: uint16 halves positions.bin, and params refuse
-# a tokenize.seq_len above what it holds (fineflow.core.config.MAX_SEQ_LEN).
+# a tokenize.seq_len above what it holds (fineflow.core.tokenize_config.MAX_SEQ_LEN).
 POSITION_DTYPE = np.dtype(np.uint16)
 
 

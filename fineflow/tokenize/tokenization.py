@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from fineflow import __version__
-from fineflow.core.config import is_preference
 from fineflow.core.errors import FineflowError
 from fineflow.core.reports import sha256_file
+from fineflow.core.train_config import is_preference
 from fineflow.tokenize.pairs import PAIR_RENDERING, encode_pairs, pack_pairs
 from fineflow.tokenize.shards import (
     FORMAT_VERSION,

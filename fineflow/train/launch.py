@@ -36,7 +36,8 @@ from fineflow.core.runtime import TRAIN_WORKER_ENV
 from fineflow.train.profile import AUTO, Profile, load_profile, resolve_processes
 
 if TYPE_CHECKING:
-    from fineflow.core.config import Params, TrainParams
+    from fineflow.core.config import Params
+    from fineflow.core.train_config import TrainParams
 
 WORKER_ENV = TRAIN_WORKER_ENV  # set for the ranks: they train instead of launching again
 # distributed types that need one accelerator per rank; on a machine without one, accelerate would start

@@ -19,8 +19,8 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from fineflow.core.config import TrainParams, is_preference
 from fineflow.core.errors import FineflowError
+from fineflow.core.train_config import TrainParams, is_preference
 from fineflow.tokenize.shards import PackedShard
 from fineflow.train.attention import layout_kwargs, layout_of
 from fineflow.train.checkpointing import TrainStateSaver

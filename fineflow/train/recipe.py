@@ -16,9 +16,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fineflow.core.config import Params, is_preference
+from fineflow.core.config import Params
 from fineflow.core.journal import process_started
 from fineflow.core.threads import RunnableSampler, plan_threads
+from fineflow.core.train_config import is_preference
 from fineflow.model_ref import resolve_base_model
 from fineflow.process.preempt import run_ranks
 from fineflow.train import gradsync

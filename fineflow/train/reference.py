@@ -17,9 +17,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from fineflow.core.config import TrainParams
 from fineflow.core.errors import FineflowError
 from fineflow.core.reports import read_json, sha256_file
+from fineflow.core.train_config import TrainParams
 
 NO_CHAMPION = {"champion": None}
 REFERENCE_FILE = "reference.json"

@@ -3,7 +3,7 @@ FLOPs and the memory plan. The goodput ledger (fineflow.goodput.ledger), the mod
 
 from __future__ import annotations
 
-from fineflow.core.config import TrainParams, is_preference
+from fineflow.core.train_config import TrainParams, is_preference
 from fineflow.train import flops
 
 

@@ -51,7 +51,19 @@ NOT_IN_FINGERPRINT = {
 
 # What a run's trajectory depends on besides its params: the code that trains (the fineflow modules a
 # training rank runs, relative to the package) and the libraries under it.
-TRAINING_CODE = ("train", "checkpoint", "tokenize", "core/config.py", "model_ref.py", "core/errors.py")
+TRAINING_CODE = (
+    "train",
+    "checkpoint",
+    "tokenize",
+    "core/config.py",  # and the section models whose defaults a run trains with
+    "core/section.py",
+    "core/model_config.py",
+    "core/tokenize_config.py",
+    "core/train_config.py",
+    "core/launch_config.py",
+    "model_ref.py",
+    "core/errors.py",
+)
 TRAINING_LIBRARIES = (
     "torch",
     "transformers",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from fineflow.core.config import TrainParams
+from fineflow.core.train_config import TrainParams
 
 
 def lr_multiplier(step: int, warmup: int, total: int, schedule: str) -> float:

@@ -12,8 +12,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from fineflow.core.config import Params, TrainParams
+from fineflow.core.config import Params
 from fineflow.core.errors import FineflowError
+from fineflow.core.train_config import TrainParams
 from fineflow.train import planner, precision
 from fineflow.train.profile import Profile
 
