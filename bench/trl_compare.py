@@ -19,7 +19,7 @@ rows (content key mismatch, e.g. tokenize.seq_len changed), fresh shards are bui
 tokenize stage's own function and used instead (a few seconds); models/base and data/validated are never
 rebuilt here.
 
-fineflow      fineflow.train.recipe.train_rank() in-process: one rank, accelerate on CPU, params.yaml with
+fineflow      fineflow.train.procedure.train_rank() in-process: one rank, accelerate on CPU, params.yaml with
               train.steps = --steps and checkpointing off (checkpoint.every_steps = steps, so the only eval+save is
               the one fit() always does after the last step; it is timed in checkpoint_s and taken out of
               the loop time here). Packed rows of tokenize.seq_len, micro_batch_size rows x grad_accum per
@@ -92,7 +92,7 @@ def locate_inputs(params, tmp: Path) -> tuple[Path, Path, Path, str]:
             f"missing {', '.join(missing)}: run `make run` (or `make repro`) first to build the base model and "
             "the validated rows"
         )
-    from fineflow.model_ref import resolve_base_model
+    from fineflow.base_source import resolve_base_model
     from fineflow.stages import tokenize
 
     reference = resolve_base_model(params.model, base_dir)
@@ -113,7 +113,7 @@ def locate_inputs(params, tmp: Path) -> tuple[Path, Path, Path, str]:
     )
 
 
-def shards_current(params, reference: str, rows_dir: Path, shards_dir: Path) -> bool:
+def shards_current(params, base: str, rows_dir: Path, shards_dir: Path) -> bool:
     try:
         from fineflow.tokenize.shards import shard_key_matches
         from fineflow.tokenize.tokenization import content_key, load_tokenizer
@@ -123,7 +123,7 @@ def shards_current(params, reference: str, rows_dir: Path, shards_dir: Path) -> 
         except (OSError, ValueError):
             return False
         return meta.get("seq_len") == params.tokenize.seq_len and (shards_dir / "eval/meta.json").exists()
-    tokenizer = load_tokenizer(reference)
+    tokenizer = load_tokenizer(base)
     return all(
         shard_key_matches(shards_dir / split, content_key(rows_dir / f"{split}.jsonl", tokenizer, params.tokenize))
         is not None
@@ -138,7 +138,7 @@ def with_steps(params, steps: int):
     return params.model_copy(update={"train": train, "checkpoint": checkpoint})
 
 
-def long_tailed_rows(rows_dir: Path, out_dir: Path, reference: str, seq_len: int, seed: int = 0) -> Path:
+def long_tailed_rows(rows_dir: Path, out_dir: Path, base: str, seq_len: int, seed: int = 0) -> Path:
     """data/validated's train and eval rows with a seeded log-normal number of context words prepended to
     each input (words drawn from the rows' own inputs), each example kept within seq_len tokens so neither
     side truncates a response. Returns the new rows dir."""
@@ -147,7 +147,7 @@ def long_tailed_rows(rows_dir: Path, out_dir: Path, reference: str, seq_len: int
     from fineflow.tokenize.template import encode_batch
     from fineflow.tokenize.tokenization import load_tokenizer
 
-    tokenizer = load_tokenizer(reference)
+    tokenizer = load_tokenizer(base)
     rng = np.random.default_rng(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     for split in ("train", "eval"):
@@ -183,7 +183,7 @@ def run_fineflow(params, base_dir: Path, shards_dir: Path, tmp: Path, threads: i
     import torch
 
     from fineflow.tokenize.shards import PackedShard
-    from fineflow.train.recipe import train_rank as worker
+    from fineflow.train.procedure import train_rank as worker
 
     torch.set_num_threads(threads)
     cfg = params.train
@@ -305,7 +305,7 @@ def build_trl(params, base_dir: Path, rows_dir: Path, out_dir: Path, packing: bo
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from fineflow.model_ref import resolve_base_model
+    from fineflow.base_source import resolve_base_model
     from fineflow.train.schedule import lr_multiplier
 
     cfg = params.train
@@ -592,7 +592,7 @@ def main() -> None:
         tmp = Path(tmp_name)
         base_dir, rows_dir, shards_dir, shard_note = locate_inputs(params, tmp)
         if args.data == "long-tailed":
-            from fineflow.model_ref import resolve_base_model
+            from fineflow.base_source import resolve_base_model
             from fineflow.stages import tokenize
 
             rows_dir = long_tailed_rows(

@@ -13,7 +13,7 @@
 3. The same file at the default validate.max_row_bytes (1 MiB): the reader quarantines the row unparsed.
    Peak RSS side by side: the 10 ordinary rows alone, the huge row validated (2.), the huge row quarantined
    by the reader (3.); the extra memory is each minus the first. --big-row-only skips 1.
-The tokenizer is trained here (fineflow.base.model.train_tokenizer), so no base model is needed.
+The tokenizer is trained here (fineflow.base.embedded.train_tokenizer), so no base model is needed.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def write_rows(path: Path, n: int, big_chars: int = 0, seed: int = 1) -> int:
 
 
 def make_tokenizer(out: Path) -> Path:
-    from fineflow.base.model import train_tokenizer
+    from fineflow.base.embedded import train_tokenizer
     from fineflow.corpus import WORDS
 
     rng = random.Random(0)

@@ -16,7 +16,7 @@ registry/      stage promote: the gate, the registry, the champion, lineage, app
 export/        the champion as GGUF files for llama.cpp, each parity-checked against the trained model
 goodput/       stage goodput: the ledger, cost, the charts, the doctor
 process/       process supervision: stop signals through every layer, resumably, with no orphans
-model_ref.py   which base model the stages load (the embedded one, a path or a hub id)
+base_source.py which base model the stages load (the embedded one, a path or a hub id)
 corpus.py      the bundled text of the synthetic data and the embedded base's pretraining
 code_deps.py   ``fineflow dvc-deps``: each stage's code deps in dvc.yaml, from what its entry imports
 overrides.py   param overrides with dotted keys, applied as ``dvc exp run -S`` applies them

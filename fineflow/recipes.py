@@ -10,7 +10,7 @@ and ``params`` (a fragment of params.yaml; every value line says where the value
 
 1. validates the fragment against the typed params (fineflow.core.config): an unknown key is refused, naming the
    recipe file and the key;
-2. runs the train stage's own planner verdict (fineflow.train.sizing.fit_plan) on params.yaml with the recipe's
+2. runs the train stage's own planner verdict (fineflow.train.run_plan.fit_plan) on params.yaml with the recipe's
    values, for the recipe's device (or the flags'), without downloading anything (the recipes' hub ids are in
    fineflow.train.planner.HUB_CONFIGS); a run that does not fit is refused with what to change, and nothing is
    written;
@@ -19,7 +19,7 @@ and ``params`` (a fragment of params.yaml; every value line says where the value
 
 Applied into params.yaml rather than included from it: params.yaml stays the only source of hyperparameters, and
 DVC (which tracks params.yaml's keys per stage) sees each changed value and re-runs exactly the stages it feeds.
-(Not to be confused with fineflow.train.recipe, the training loop read in order.)
+(Not to be confused with fineflow.train.procedure, the training loop read in order.)
 """
 
 from __future__ import annotations
@@ -117,11 +117,11 @@ def merged(base: dict, values: dict) -> dict:
 
 
 def check_fits(params: Params, device: Device, recipe: Recipe):
-    """The train stage's planner verdict for params on device (fineflow.train.sizing.fit_plan, without adapting):
+    """The train stage's planner verdict for params on device (fineflow.train.run_plan.fit_plan, without adapting):
     the RunPlan, or a FineflowError with what to change."""
     from fineflow.train import planner
     from fineflow.train.profile import load_profile
-    from fineflow.train.sizing import fit_plan, world_size
+    from fineflow.train.run_plan import fit_plan, world_size
 
     profile = load_profile(params.train.accelerate_profile)
     ranks = world_size(params.train, profile)
@@ -146,7 +146,7 @@ def check_eval_fits(params: Params, device: Device, recipe: Recipe):
     whose training fits but whose evaluation does not would fail after hours of training."""
     from fineflow.evaluate.sizing import choose_placement, eval_precision, qlora_base
     from fineflow.train.planner import GiB
-    from fineflow.train.sizing import model_shape
+    from fineflow.train.run_plan import model_shape
 
     chosen = qlora_base(params.train.method, params.evaluate.qlora_base, has_gpu=True)
     try:
@@ -167,7 +167,7 @@ def check_eval_fits(params: Params, device: Device, recipe: Recipe):
 class Applied:
     params: Params
     changes: list[str]  # "key: old -> new", one per changed value
-    plan: object  # fineflow.train.sizing.RunPlan
+    plan: object  # fineflow.train.run_plan.RunPlan
 
 
 def apply_recipe(recipe: Recipe, params_path: Path, device: Device | None = None) -> Applied:

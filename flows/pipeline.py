@@ -6,7 +6,7 @@
 Each stage is one task that runs ``dvc repro --single-item <stage>``; unchanged stages are skipped by DVC.
 A run holds the workspace (a second one waits), pulls from and pushes to the project's default DVC remote when
 it has one, and is named after its commit, its edits, its start and what it re-ran or where it failed (tasks/runs.py).
-With promote.require_approval, the run pauses at promote for a person's answer (tasks/approval.py).
+With promote.require_approval, the run pauses at promote for a person's answer (tasks/approval_pause.py).
 Retries: train is retried (a transient crash, or a stop of the stage alone after it saved its step: the retry
 resumes); bad input or params are never retried.
 
@@ -42,7 +42,7 @@ from fineflow.core.errors import USER_ERROR_EXIT
 from fineflow.core.preflight import preflight
 from fineflow.process import preempt
 from tasks import runs
-from tasks.approval import answered_task_name, ask_for_approval
+from tasks.approval_pause import answered_task_name, ask_for_approval
 from tasks.stages import is_stop, is_user_error, log_user_errors_without_tracebacks, preempt_grace_s, run_stage
 
 FLOW_PROCESS_ENV = runs.SUPERVISED_ENV  # the supervisor's pid, in the flow process it starts

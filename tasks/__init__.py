@@ -6,6 +6,6 @@ artifacts.py  what a stage's run shows on the run page: its report as a table (a
               validate's checks), promote's decision, the goodput ledger and doctor, the training charts and progress,
               a failure
 render.py     how they read: values rounded to what they mean (no JSON in a cell), a failure's fix on a line of its own
-approval.py   a person's answer at promotion (promote.require_approval), asked in the Prefect UI
+approval_pause.py a person's answer at promotion (promote.require_approval), asked in the Prefect UI
 runs.py       the run's own bookkeeping: its turn in the workspace, its name (commit, edits, start), dvc pull and push
 """

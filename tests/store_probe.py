@@ -1,4 +1,4 @@
-"""One rank of a multi-node resume from checkpoint.store (fineflow.checkpoint.store.fetch_for_resume), for
+"""One rank of a multi-node resume from checkpoint.store (fineflow.checkpoint.remote_store.fetch_for_resume), for
 tests/test_checkpoint_store.py: each "machine" (a launch of its own on loopback) has its own node-local run directory.
 
     accelerate launch ... -m tests.store_probe <node-local run dir> <store url> <endpoint>
@@ -18,7 +18,7 @@ def main(argv: list[str]) -> int:
     from accelerate import Accelerator
 
     from fineflow.checkpoint import CheckpointError, StoreConfig
-    from fineflow.checkpoint.store import fetch_for_resume
+    from fineflow.checkpoint.remote_store import fetch_for_resume
 
     run_dir, url, endpoint = Path(argv[0]), argv[1], argv[2]
     accelerator = Accelerator()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fineflow.base import model as base_model
+from fineflow.base import embedded as base_model
 from fineflow.core.config import parse_params
 from fineflow.core.errors import PREEMPTED_EXIT
 from tests.conftest import TINY_PARAMS, _merge, copy_project, venv_env

@@ -99,7 +99,7 @@ KILL_POINTS = [
     KillPoint("data", "seeded", (0.05, 0.4)),
     KillPoint("validate", "seeded", (1.0, 9.0)),
     KillPoint("tokenize", "seeded", (0.5, 5.0)),
-    KillPoint("reference", "seeded", (0.05, 0.4)),  # sft: only its constant reference.json
+    KillPoint("reference_logps", "seeded", (0.05, 0.4)),  # sft: only its constant reference.json
     KillPoint("train", "in the step-2 checkpoint write", (0.0, 0.8), writing_checkpoint(2)),
     KillPoint("train", "in the step-4 checkpoint write, step 2 published", (0.0, 0.8), writing_checkpoint(4, 2)),
     KillPoint("evaluate", "seeded", (1.0, 7.0)),

@@ -1,5 +1,5 @@
-"""checkpoint.store: checkpoints on an object store every node sees (fineflow.checkpoint.store), against a real S3
-API server on 127.0.0.1 (conftest's s3_server: moto's, started and stopped by PID).
+"""checkpoint.store: checkpoints on an object store every node sees (fineflow.checkpoint.remote_store), against a
+real S3 API server on 127.0.0.1 (conftest's s3_server: moto's, started and stopped by PID).
 
 A run on node-local disks resumes on another node, though checkpoints/ is not a DVC output (`dvc pull` cannot
 bring them there): each published checkpoint is also uploaded (its marker last), and a resume on an empty local
@@ -182,7 +182,7 @@ def test_a_run_that_starts_over_fetches_nothing_and_clears_its_store_copy(store,
     on a node whose disk is empty: the store's copy of the run is deleted instead of resumed from."""
     from types import SimpleNamespace
 
-    from fineflow.checkpoint.store import fetch_for_resume, mark_run_finished
+    from fineflow.checkpoint.remote_store import fetch_for_resume, mark_run_finished
 
     one_rank = SimpleNamespace(is_local_main_process=True, is_main_process=True, num_processes=1)
     local = tmp_path / "node0/run-g"
@@ -245,7 +245,7 @@ def test_a_store_that_cannot_be_reached_is_said_on_resume(tmp_path, monkeypatch)
     """A resume that cannot read the store stops with one message naming it and what to check."""
     from types import SimpleNamespace
 
-    from fineflow.checkpoint.store import fetch_for_resume
+    from fineflow.checkpoint.remote_store import fetch_for_resume
 
     for key, value in CREDENTIALS.items():
         monkeypatch.setenv(key, value)

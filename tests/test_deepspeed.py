@@ -180,14 +180,14 @@ def test_missing_deepspeed_is_one_message(name, no_deepspeed):
 
 
 def test_the_train_launcher_says_it_before_the_planner_loads_anything(tiny_params, no_deepspeed, monkeypatch):
-    from fineflow.train import recipe
+    from fineflow.train import procedure
 
-    monkeypatch.setattr(recipe, "fit_plan", lambda *args, **kwargs: pytest.fail("the memory planner ran"))
-    monkeypatch.setattr(recipe, "check_hardware", lambda *args, **kwargs: pytest.fail("the hardware check ran"))
+    monkeypatch.setattr(procedure, "fit_plan", lambda *args, **kwargs: pytest.fail("the memory planner ran"))
+    monkeypatch.setattr(procedure, "check_hardware", lambda *args, **kwargs: pytest.fail("the hardware check ran"))
     train = tiny_params.train.model_copy(update={"accelerate_profile": "deepspeed_zero3", "num_processes": None})
     placement = {"base_dir": "models/base", "machine_rank": None, "main_process_ip": None, "main_process_port": None}
     with pytest.raises(FineflowError, match=re.escape(DEEPSPEED_INSTALL)):
-        recipe.launch_ranks(tiny_params.model_copy(update={"train": train}), "fineflow.stages.train", [], placement)
+        procedure.launch_ranks(tiny_params.model_copy(update={"train": train}), "fineflow.stages.train", [], placement)
 
 
 @pytest.mark.parametrize(

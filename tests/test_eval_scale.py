@@ -34,7 +34,7 @@ def candidate(built, tmp_path_factory):
 
 
 def _evaluate(built, candidate, tmp_path, params, champion=None):
-    from fineflow.evaluate.recipe import evaluate_models
+    from fineflow.evaluate.scoring import evaluate_models
 
     return evaluate_models(
         params,
@@ -388,7 +388,7 @@ def test_an_adapter_only_champion_through_promote_verify_evaluate_and_rollback(b
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from fineflow.model_ref import read_base_digest
+    from fineflow.base_source import read_base_digest
     from fineflow.registry.champion import promote, rollback
     from fineflow.registry.merge import build_merged
     from fineflow.registry.verify import verify_log
@@ -417,7 +417,7 @@ def test_an_adapter_only_champion_through_promote_verify_evaluate_and_rollback(b
     report = _evaluate(built, second, evaluation, _params({"evaluate": {"limit": 4}}), champion)
     scores = json.loads((evaluation / "eval/scores.json").read_text())
     assert scores["champion"]["status"] == "ok" and scores["champion"]["id"] == id1
-    from fineflow.evaluate.recipe import champion_to_score
+    from fineflow.evaluate.scoring import champion_to_score
 
     other, notes = champion_to_score(champion, "another-base-digest", log=lambda _: None)
     assert other == ("adapter_on_base", (champion, str(base))) and notes["evaluated_as"] == "adapter on its own base"

@@ -85,7 +85,7 @@ def _champion(adapter, path, record: dict, corrupt: bool = False):
 
 
 def _run(built, adapter, tmp_path, params, champion=None, base_dir=None):
-    from fineflow.evaluate.recipe import evaluate_models
+    from fineflow.evaluate.scoring import evaluate_models
 
     return evaluate_models(
         params,
@@ -240,7 +240,7 @@ def test_registry_task_offline_says_it_needs_its_dataset_before_any_model_is_loa
     from fineflow.evaluate.harness import ModelScorer
 
     loads = []
-    monkeypatch.setattr(ModelScorer, "load_base", lambda self: loads.append(self.reference) or 0.0)
+    monkeypatch.setattr(ModelScorer, "load_base", lambda self: loads.append(self.base_source) or 0.0)
     with pytest.raises(FineflowError) as error:
         _run(built, adapter, tmp_path, _params(tasks=["fineflow_synth", "arc_easy"]))
     message = str(error.value)
@@ -289,7 +289,7 @@ def test_a_new_base_model_is_judged_against_its_own_base_with_the_old_champion_s
     registry knows each champion's base by content, so evaluate scores the old champion as its merged model (its
     own base and tokenizer, never its adapter around the new base) on the same docs; promote.on_base_change
     decides, and the log entry records the switch."""
-    from fineflow.model_ref import base_digest, base_identity
+    from fineflow.base_source import base_digest, base_identity
     from fineflow.registry.champion import promote
     from fineflow.registry.promotion_log import read_log
     from fineflow.stages import base
@@ -367,7 +367,7 @@ def test_chat_eval_rows_are_prompted_exactly_as_training_rendered_them(built, ad
     for token, and a multiple-choice option is scored as the response training saw."""
     from transformers import AutoTokenizer
 
-    from fineflow.evaluate.recipe import evaluate_models
+    from fineflow.evaluate.scoring import evaluate_models
     from fineflow.tokenize.template import chat_template_of, encode_batch
 
     base = built / "models/base"

@@ -168,7 +168,7 @@ def test_the_export_stage_with_no_champion_exports_nothing_and_says_so(built, tm
 def test_an_adapter_only_champion_is_merged_onto_its_base_for_the_export_and_no_champion_is_refused(built, tmp_path):
     from safetensors.torch import load_file
 
-    from fineflow.export.champion import champion_model_dir
+    from fineflow.export.exporter import champion_model_dir
     from tests.conftest import random_adapter
 
     with pytest.raises(FineflowError, match="no champion .champion.json. to export"):
@@ -246,7 +246,7 @@ def _dropped_eos(folder: Path) -> None:
 
 def _wrong_tokenizer(folder: Path) -> None:
     """Another byte-level BPE of the same size and special tokens, trained on other text: other merges."""
-    from fineflow.base.model import train_tokenizer
+    from fineflow.base.embedded import train_tokenizer
 
     texts = [f"{word} {i} zebra quartz {i * 7}" for i, word in enumerate(["alpha", "beta", "gamma"] * 300)]
     spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
@@ -259,7 +259,7 @@ def _wrong_tokenizer(folder: Path) -> None:
 def test_a_broken_export_is_refused_by_the_check_that_sees_it_each_for_its_own_reason(built, tmp_path):
     from transformers import AutoTokenizer
 
-    from fineflow.export.champion import rendered_eval_docs
+    from fineflow.export.exporter import rendered_eval_docs
     from fineflow.export.gguf import convert
     from fineflow.export.parity import vocabulary_checks
 
@@ -292,8 +292,8 @@ def _realmodel_missing() -> str | None:
 @needs_llama_cpp
 @pytest.mark.skipif(_realmodel_missing() is not None, reason=str(_realmodel_missing()))
 def test_smollm2_exports_with_its_chatml_template_and_im_end_and_passes_parity(built, tmp_path):
-    from fineflow.base.gguf import model_dir_from_gguf, packaged_gguf
-    from fineflow.export.champion import export_model
+    from fineflow.base.from_gguf import model_dir_from_gguf, packaged_gguf
+    from fineflow.export.exporter import export_model
 
     model_dir = model_dir_from_gguf(packaged_gguf(), tmp_path / "smollm2")
     params = _tiny_params(quantized=["q8_0", "q4_k_m"], parity_docs=12)
@@ -316,7 +316,7 @@ def test_smollm2_exports_with_its_chatml_template_and_im_end_and_passes_parity(b
 def test_a_real_family_template_with_tool_calls_renders_identically_in_llama_cpp(family, built, tmp_path):
     """Llama 3.1's and Qwen2.5's real chat templates (with tools) on tiny models of their architectures: llama.cpp's
     renderer gives training's text for every conversation, a tool call with its result and definition included."""
-    from fineflow.export.champion import export_model
+    from fineflow.export.exporter import export_model
     from tests.families import save_family
 
     rows = [json.loads(line) for line in (built / "data/validated/train.jsonl").read_text().splitlines()[:400]]

@@ -41,7 +41,7 @@ def ollama_commands(modelfile: str) -> list[tuple[str, str]]:
 
 
 def eval_conversations(built: Path, tokenizer, work: Path) -> list[list[dict]]:
-    from fineflow.export.champion import rendered_eval_docs
+    from fineflow.export.exporter import rendered_eval_docs
 
     return [doc.conversation for doc in rendered_eval_docs(built / "data/validated/eval.jsonl", tokenizer, work, 8)]
 
@@ -150,7 +150,7 @@ def _realmodel_missing() -> str | None:
 def test_smollm2s_chatml_template_and_im_end_make_its_modelfile(tmp_path):
     from transformers import AutoTokenizer
 
-    from fineflow.base.gguf import packaged_gguf
+    from fineflow.base.from_gguf import packaged_gguf
 
     gguf = packaged_gguf()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)  # the tokenizer alone: ~10 s

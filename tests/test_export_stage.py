@@ -91,7 +91,7 @@ def _report(exports: dict) -> dict:
 
 
 def test_the_card_lists_every_export_with_its_parity_and_serves_the_smallest_gated_shippable_one(tmp_path):
-    from fineflow.export.card import export_card
+    from fineflow.export.exports_card import export_card
 
     exports = {
         "f16": _export("f16", 400_000_000, 0.0, True),
@@ -133,7 +133,7 @@ def test_the_promotion_artifact_after_export_lists_the_exports_or_why_there_are_
 
 
 def _parity_report(passed: bool):
-    """What fineflow.export.champion.export_model returns for a staged champion: f16 passes, q8_0 as asked."""
+    """What fineflow.export.exporter.export_model returns for a staged champion: f16 passes, q8_0 as asked."""
     q8 = _export("q8_0", 2, 0.0, True, failed=None if passed else "the GGUF's tokenizer differs on eval text 0")
     return lambda model_dir, *args, **kwargs: {
         "eval_docs": 16,
@@ -143,7 +143,7 @@ def _parity_report(passed: bool):
 
 def _promote(project: Path, params, eval_rows: Path | None) -> dict:
     """The promote stage's library call on a gate_only_project, as the stage makes it."""
-    from fineflow.export.champion import parity_before_promotion
+    from fineflow.export.exporter import parity_before_promotion
     from fineflow.registry.champion import promote
 
     return promote(
@@ -165,7 +165,7 @@ def _promote(project: Path, params, eval_rows: Path | None) -> dict:
 def test_with_block_promotion_a_failed_parity_check_refuses_the_candidate_and_the_log_says_why(
     built, tmp_path, monkeypatch, passed
 ):
-    import fineflow.export.champion as export_champion
+    import fineflow.export.exporter as export_champion
     from fineflow.registry.install import read_champion
     from fineflow.registry.promotion_log import read_log
 

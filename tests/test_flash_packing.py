@@ -22,7 +22,7 @@ from fineflow.train.attention import FlashLayout, flash_layout, layout_kwargs, l
 from fineflow.train.loader import collate, prepare_step
 from fineflow.train.loop import evaluate_loss, token_loss_sum
 from fineflow.train.profile import load_profile
-from fineflow.train.sizing import check_hardware
+from fineflow.train.run_plan import check_hardware
 
 SEQ_LEN = 512
 # several examples per row, all lengths different; row 0 ends in padding (its own segment), row 1 is full

@@ -220,9 +220,10 @@ def test_each_task_waits_for_the_stages_whose_outputs_it_reads(monkeypatch):
     assert upstream["base"] == [] and upstream["data"] == []
     assert set(upstream["validate"]) == {"base", "fingerprint", "data"}  # data.*_path: dvc.yaml's ${...} resolved
     assert set(upstream["tokenize"]) == {"base", "fingerprint", "validate"}
-    assert set(upstream["reference"]) == {"base", "fingerprint", "tokenize"}  # DPO's log-probs of the shards
-    assert set(upstream["train"]) == {"base", "fingerprint", "tokenize", "reference"}
-    assert {"train", "reference"} <= set(upstream["evaluate"]) and {"train", "evaluate"} <= set(upstream["promote"])
+    assert set(upstream["reference_logps"]) == {"base", "fingerprint", "tokenize"}  # DPO's log-probs of the shards
+    assert set(upstream["train"]) == {"base", "fingerprint", "tokenize", "reference_logps"}
+    assert {"train", "reference_logps"} <= set(upstream["evaluate"])
+    assert {"train", "evaluate"} <= set(upstream["promote"])
 
 
 def test_the_flow_checks_the_params_and_input_paths_before_its_first_stage(tmp_path, monkeypatch):

@@ -712,7 +712,7 @@ def test_dvc_repro_writes_the_ledger_and_after_a_sigkill_the_next_run_counts_the
         "data",
         "validate",
         "tokenize",
-        "reference",
+        "reference_logps",
         "train",
         "evaluate",
         "promote",

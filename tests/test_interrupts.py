@@ -92,10 +92,10 @@ def _params(**overrides):
 def _train_in_process(built, out, params):
     from accelerate.state import AcceleratorState
 
-    from fineflow.train import recipe
+    from fineflow.train import procedure
 
     AcceleratorState._reset_state(reset_partial_state=True)  # a launched rank is a fresh process; here, reset
-    return recipe.train_rank(
+    return procedure.train_rank(
         params,
         built / "data/shards",
         built / "models/base",

@@ -201,7 +201,7 @@ def test_a_gpu_profile_without_a_visible_gpu_stops_before_the_planner(cuda, monk
     that sees no device) and what to do. On main the planner ran first and the message said neither."""
     import torch
 
-    from fineflow.train import recipe
+    from fineflow.train import procedure
 
     monkeypatch.setattr(torch.version, "cuda", cuda)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -209,12 +209,12 @@ def test_a_gpu_profile_without_a_visible_gpu_stops_before_the_planner(cuda, monk
     def no_planner(*args, **kwargs):
         raise AssertionError("the planner ran before the GPU check")
 
-    monkeypatch.setattr(recipe, "fit_plan", no_planner)
-    monkeypatch.setattr(recipe, "run_ranks", no_planner)
+    monkeypatch.setattr(procedure, "fit_plan", no_planner)
+    monkeypatch.setattr(procedure, "run_ranks", no_planner)
     params = _shipped_params(accelerate_profile="single_gpu")
     placement = {"base_dir": "models/base", "machine_rank": None, "main_process_ip": None, "main_process_port": None}
     with pytest.raises(FineflowError) as raised:
-        recipe.launch_ranks(params, "m", [], placement, log=lambda line: None)
+        procedure.launch_ranks(params, "m", [], placement, log=lambda line: None)
     message = str(raised.value)
     assert "single_gpu" in message and "no GPU" in message
     found = "CPU-only build" if cuda is None else "built for CUDA 12.8"

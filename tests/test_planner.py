@@ -179,7 +179,7 @@ def test_the_train_stage_plans_the_layout_build_model_loads(tmp_path):
     from fineflow.core.config import parse_params
     from fineflow.train.precision import base_dtype
     from fineflow.train.profile import load_profile
-    from fineflow.train.sizing import fit_plan
+    from fineflow.train.run_plan import fit_plan
     from tests.conftest import TINY_PARAMS, _merge
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_2_7B_CONFIG))
@@ -633,7 +633,7 @@ def _stage_params(tmp_path, **train):
 
 def _stage_plan(params, tmp_path):
     from fineflow.train.profile import load_profile
-    from fineflow.train.sizing import fit_plan
+    from fineflow.train.run_plan import fit_plan
 
     return fit_plan(params, load_profile(params.train.accelerate_profile), str(tmp_path), has_gpu=False)
 
@@ -729,7 +729,7 @@ def test_the_chunked_loss_is_sized_one_chunk_of_logits_at_a_time(method):
 def test_the_train_stage_and_the_cli_size_the_chunked_loss(capsys):
     from fineflow.core.config import Params
     from fineflow.train.profile import load_profile
-    from fineflow.train.sizing import planner_setup
+    from fineflow.train.run_plan import planner_setup
 
     params = Params.model_validate({"train": {"loss_chunk_tokens": 256}})
     setup = planner_setup(params, load_profile("auto"), "no", 1)

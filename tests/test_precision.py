@@ -30,11 +30,11 @@ from tests.conftest import TINY_PARAMS, _merge
 PROFILE = Path("configs/accelerate/multi_gpu_ddp.yaml")
 
 
-def _fit_plan(params, reference: str):
+def _fit_plan(params, base: str):
     """fit_plan as a rank on this CPU machine calls it: with the params' profile, read once."""
-    from fineflow.train.sizing import fit_plan
+    from fineflow.train.run_plan import fit_plan
 
-    return fit_plan(params, load_profile(params.train.accelerate_profile), reference, has_gpu=False)
+    return fit_plan(params, load_profile(params.train.accelerate_profile), base, has_gpu=False)
 
 
 # ---------------------------------------------------------------- the rule

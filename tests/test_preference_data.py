@@ -41,7 +41,7 @@ def _reasons(outcome) -> dict[int, str]:
 
 
 def _tiny_tokenizer():
-    from fineflow.base.model import train_tokenizer
+    from fineflow.base.embedded import train_tokenizer
 
     texts = ["Which number is larger? 12 or 40 the answer is 40 and not 12 " * 3] * 50
     return train_tokenizer(texts, vocab_size=300, model_max_length=512)

@@ -1,5 +1,5 @@
 """Preference evaluation (train.objective dpo/simpo) and the gate on it: each eval pair's chosen and rejected
-answers scored by the base, the candidate and the champion (fineflow.evaluate.preference), the task
+answers scored by the base, the candidate and the champion (fineflow.evaluate.pair_ranking), the task
 fineflow_preference in scores.json beside the lm-eval tasks (whose target is then the chosen answer), and the
 promotion gate's paired bootstrap on fineflow_preference/preference_accuracy with the SFT task as regression guard.
 
@@ -88,7 +88,7 @@ def chosen_adapter(built, pair_rows, tmp_path_factory):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from fineflow.evaluate.preference import encode_answers, read_pairs
+    from fineflow.evaluate.pair_ranking import encode_answers, read_pairs
 
     torch.manual_seed(0)
     encoded = encode_answers(_tokenizer(built), read_pairs(pair_rows))
@@ -130,7 +130,7 @@ def direct_logprob(model, tokenizer, prompt: str, response: str) -> float:
 
 
 def test_a_scored_pairs_logprob_equals_the_model_run_on_prompt_and_answer(built, pair_rows, chosen_adapter):
-    from fineflow.evaluate.preference import PairScorer, answer_row, read_pairs
+    from fineflow.evaluate.pair_ranking import PairScorer, answer_row, read_pairs
     from fineflow.tokenize.template import render_pair
 
     tokenizer, pairs = _tokenizer(built), read_pairs(pair_rows)
@@ -149,7 +149,7 @@ def test_a_scored_pairs_logprob_equals_the_model_run_on_prompt_and_answer(built,
 
 def test_chat_pairs_are_scored_on_the_reply_the_chat_template_renders(built):
     """A chat pair (messages up to the answer) renders like the SFT row whose last message is the answer."""
-    from fineflow.evaluate.preference import answer_row, encode_answers
+    from fineflow.evaluate.pair_ranking import answer_row, encode_answers
     from fineflow.tokenize.template import encode_batch
 
     pair = {"messages": [{"role": "user", "content": "Which number is larger? 3 or 7"}], "chosen": "7", "rejected": "3"}
@@ -160,7 +160,7 @@ def test_chat_pairs_are_scored_on_the_reply_the_chat_template_renders(built):
 
 
 def test_rewards_are_anchored_to_the_base_and_a_tie_is_half_right():
-    from fineflow.evaluate.preference import PairScorer
+    from fineflow.evaluate.pair_ranking import PairScorer
 
     pairs = [{"chosen": f"c{i}", "rejected": f"r{i}"} for i in range(4)]
     scorer = PairScorer(pairs, beta=0.5, batch_size=2, seq_len=8)
@@ -178,7 +178,7 @@ def test_rewards_are_anchored_to_the_base_and_a_tie_is_half_right():
 
 
 def test_a_preference_objective_with_an_sft_eval_set_is_a_clear_error(built, tmp_path):
-    from fineflow.evaluate.preference import read_pairs
+    from fineflow.evaluate.pair_ranking import read_pairs
 
     bad = tmp_path / "eval.jsonl"
     bad.write_text(
@@ -193,7 +193,7 @@ def test_a_preference_objective_with_an_sft_eval_set_is_a_clear_error(built, tmp
 
 
 def test_fineflow_preference_in_evaluate_tasks_is_implied_by_pairs_and_refused_without():
-    from fineflow.evaluate.preference import lm_eval_tasks
+    from fineflow.evaluate.pair_ranking import lm_eval_tasks
 
     assert lm_eval_tasks(["fineflow_synth", "fineflow_preference"], preference=True) == ["fineflow_synth"]
     assert lm_eval_tasks(["fineflow_synth"], preference=False) == ["fineflow_synth"]
@@ -267,7 +267,7 @@ def test_a_smaller_reward_margin_is_reported_but_vetoes_nothing():
 
 
 def _evaluate(built, eval_rows, candidate, out, params, champion=None):
-    from fineflow.evaluate.recipe import evaluate_models
+    from fineflow.evaluate.scoring import evaluate_models
 
     report = evaluate_models(
         params, built / "models/base", candidate, eval_rows, out / "eval", out / "lm_eval", champion
@@ -374,8 +374,8 @@ def test_a_dpo_candidates_rewards_are_measured_from_its_reference_when_that_is_t
     """DPO's reference is the champion (train.preference.reference champion, named in reference.json): the rewards
     are the candidate's own implicit rewards, so the champion it started from ties on every pair (0.5) and a pair
     counts for the candidate when it moved toward chosen past the champion. Any other reference: the base."""
-    from fineflow.evaluate.preference import PairScorer
-    from fineflow.evaluate.recipe import preference_anchor
+    from fineflow.evaluate.pair_ranking import PairScorer
+    from fineflow.evaluate.scoring import preference_anchor
 
     champion = tmp_path / "champion"
     champion.mkdir()

@@ -1,5 +1,5 @@
 """Preference tuning through every stage of the real pipeline (`dvc repro`): the bundled task families as pairs,
-the reference stage, dpo training, the preference evaluation and the gate on it. The CI scenario runs the tiny
+the reference_logps stage, dpo training, the preference evaluation and the gate on it. The CI scenario runs the tiny
 project; the nightly test trains the embedded default's SFT model first, promotes it, then aligns it with DPO."""
 
 import json
@@ -54,14 +54,14 @@ def test_dpo_runs_every_stage_and_the_gate_judges_preference_accuracy_and_a_trai
     tmp_path,
 ):
     """The tiny project with train.objective dpo from a fresh checkout: the bundled pairs are gated and packed,
-    the reference stage scores them with the base (no champion yet), dpo trains, evaluate scores base and
+    the reference_logps stage scores them with the base (no champion yet), dpo trains, evaluate scores base and
     candidate on fineflow_preference, and promote decides on preference accuracy with its bootstrap. A train.lr
     edit then re-runs train, evaluate and promote, never the reference."""
     project = copy_project(tmp_path / "project", TINY_DPO)
     ran, _ = _repro(project)
-    assert {"data", "validate", "tokenize", "reference", "train", "evaluate", "promote"} <= set(ran), ran
-    reference = json.loads((project / "models/reference/reference.json").read_text())
-    assert reference["objective"] == "dpo" and (project / "models/reference/train.logps.bin").is_file(), reference
+    assert {"data", "validate", "tokenize", "reference_logps", "train", "evaluate", "promote"} <= set(ran), ran
+    reference = json.loads((project / "models/reference_logps/reference.json").read_text())
+    assert reference["objective"] == "dpo" and (project / "models/reference_logps/train.logps.bin").is_file(), reference
     train = _report(project, "train")
     assert train["objective"] == "dpo" and 0.0 <= train["final_reward_accuracy"] <= 1.0, train
     scores = json.loads((project / "eval/scores.json").read_text())
@@ -73,7 +73,7 @@ def test_dpo_runs_every_stage_and_the_gate_judges_preference_accuracy_and_a_trai
     assert promote["candidate_value"] == _metric(scores, "candidate") and promote["ci_low"] <= promote["ci_high"]
     write_params(project / "params.yaml", {**TINY_DPO, "train.lr": 0.005})
     ran, _ = _repro(project)
-    assert "reference" not in ran and {"train", "evaluate", "promote"} <= set(ran), ran
+    assert "reference_logps" not in ran and {"train", "evaluate", "promote"} <= set(ran), ran
 
 
 def _default_params(project, dotted: dict) -> None:
@@ -109,8 +109,8 @@ def test_sft_then_dpo_on_the_embedded_default_raises_preference_accuracy_over_th
     }
     _default_params(project, dpo)
     ran, wall_s = _repro(project)
-    assert "reference" in ran and "train" in ran, ran
-    assert json.loads((project / "models/reference/reference.json").read_text())["champion"] == sft_id
+    assert "reference_logps" in ran and "train" in ran, ran
+    assert json.loads((project / "models/reference_logps/reference.json").read_text())["champion"] == sft_id
     scores = json.loads((project / "eval/scores.json").read_text())
     assert scores["champion"]["id"] == sft_id
     promote = _report(project, "promote")

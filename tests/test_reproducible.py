@@ -10,11 +10,11 @@ from tests.conftest import TINY_PARAMS, _merge
 def _train(built, workdir, params) -> tuple[str, bytes]:
     from accelerate.state import AcceleratorState
 
-    from fineflow.train import recipe
+    from fineflow.train import procedure
 
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
-        recipe.train_rank(
+        procedure.train_rank(
             params,
             built / "data/shards",
             built / "models/base",

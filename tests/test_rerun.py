@@ -90,7 +90,7 @@ def test_a_change_to_the_training_code_trains_from_step_0(built, tmp_path):
 
 
 def test_base_weights_are_identified_by_content_and_hashed_once(tmp_path):
-    from fineflow.model_ref import HASH_CACHE, base_identity
+    from fineflow.base_source import HASH_CACHE, base_identity
 
     base = tmp_path / "base"
     base.mkdir()
@@ -113,7 +113,7 @@ def test_base_weights_are_identified_by_content_and_hashed_once(tmp_path):
 
 
 def test_a_hub_id_is_identified_with_its_cached_revision_when_there_is_one():
-    from fineflow.model_ref import base_identity
+    from fineflow.base_source import base_identity
 
     assert base_identity("some-org/not-cached-model") == {"id": "some-org/not-cached-model", "revision": None}
 
@@ -141,14 +141,15 @@ def test_a_local_base_whose_files_change_at_the_same_path_reruns_what_depends_on
     base = tmp_path / "my-base"
     shutil.copytree(built / "models/base", base)
     project = copy_project(tmp_path / "project", {"model.base": str(base), "train.steps": 2})
-    assert _dvc_repro(project, "train") == ["base", "fingerprint", "data", "validate", "tokenize", "reference", "train"]
+    upstream = ["base", "fingerprint", "data", "validate", "tokenize", "reference_logps", "train"]
+    assert _dvc_repro(project, "train") == upstream
     assert _dvc_repro(project, "train") == ["fingerprint"]  # unchanged: the same hashes, nothing after it runs
     first = _adapter(project)
     weights = base / "model.safetensors"
     with safe_open(weights, "pt") as fh:
         metadata = fh.metadata()
     save_file({k: v * 1.01 for k, v in load_file(weights).items()}, weights, metadata=metadata)
-    assert _dvc_repro(project, "train") == ["fingerprint", "validate", "tokenize", "reference", "train"]
+    assert _dvc_repro(project, "train") == ["fingerprint", "validate", "tokenize", "reference_logps", "train"]
     assert json.loads((project / "reports/train.json").read_text())["resumed_from_step"] == 0
     second = _adapter(project)
     assert any(not torch.equal(first[k], second[k]) for k in first)  # trained on the new weights

@@ -138,17 +138,17 @@ def test_approval_with_prefects_temporary_server_fails_at_once_saying_how_to_ans
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from fineflow.core.errors import FineflowError
-    from tasks import approval
+    from tasks import approval_pause
     from tests.conftest import write_params
 
     write_params(tmp_path / "params.yaml", {"promote.require_approval": True})
     with temporary_settings(restore_defaults={PREFECT_API_URL}):
-        assert not approval.api_is_a_server()
+        assert not approval_pause.api_is_a_server()
         with pytest.raises(FineflowError, match="temporary server") as failed:
-            approval.ask_for_approval({"candidate_id": "c1"}, str(tmp_path))
+            approval_pause.ask_for_approval({"candidate_id": "c1"}, str(tmp_path))
     assert "PREFECT_API_URL=" in str(failed.value) and "FINEFLOW_APPROVAL=" in str(failed.value)
     with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:4200/api"}):
-        assert approval.api_is_a_server()
+        assert approval_pause.api_is_a_server()
 
 
 def test_upstream_stages_resolve_dvc_templating_and_paths_inside_outputs(tmp_path):
@@ -517,7 +517,7 @@ ASKS = """
 import time
 from prefect import flow
 from prefect.flow_runs import pause_flow_run
-from tasks.approval import PromotionApproval
+from tasks.approval_pause import PromotionApproval
 
 @flow
 def asks(hold_s: float):
@@ -699,7 +699,7 @@ SLEEPER = """
 import time
 from prefect import flow
 from prefect.flow_runs import pause_flow_run
-from tasks.approval import PromotionApproval
+from tasks.approval_pause import PromotionApproval
 
 @flow(name="fineflow")  # the flow the automation watches
 def sleeper(sleep_s: float):

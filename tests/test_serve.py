@@ -205,7 +205,7 @@ def torch_answers(model_dir: Path, conversations: list[list[dict]], max_new_toke
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from fineflow.export.champion import _generation_eos
+    from fineflow.export.exporter import _generation_eos
     from fineflow.export.parity import greedy_ids, trained_stop_ids
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -277,7 +277,7 @@ def _assert_served_like_torch(export_dir: Path, model_dir: Path, docs, max_gen_t
 def test_the_served_embedded_champion_answers_an_openai_client_as_pytorch_does(built, tmp_path):
     from transformers import AutoTokenizer
 
-    from fineflow.export.champion import champion_model_dir, rendered_eval_docs
+    from fineflow.export.exporter import champion_model_dir, rendered_eval_docs
     from fineflow.stages.export import run
     from tests.conftest import random_adapter
 
@@ -304,9 +304,9 @@ def test_the_served_embedded_champion_answers_an_openai_client_as_pytorch_does(b
 def test_served_smollm2_answers_an_openai_client_as_pytorch_does(built, tmp_path):
     from transformers import AutoTokenizer
 
-    from fineflow.base.gguf import model_dir_from_gguf, packaged_gguf
+    from fineflow.base.from_gguf import model_dir_from_gguf, packaged_gguf
     from fineflow.core.reports import write_json_atomic
-    from fineflow.export.champion import export_model, rendered_eval_docs
+    from fineflow.export.exporter import export_model, rendered_eval_docs
 
     model_dir = model_dir_from_gguf(packaged_gguf(), tmp_path / "smollm2")  # its digit split kept (smollm)
     params = _tiny_params(quantized=[], parity_docs=4)

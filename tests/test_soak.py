@@ -68,7 +68,7 @@ def test_the_soaks_approver_answers_a_paused_promotion_late_through_the_server(p
     script.write_text(
         "from prefect import flow\n"
         "from prefect.flow_runs import pause_flow_run\n"
-        "from tasks.approval import PromotionApproval\n"
+        "from tasks.approval_pause import PromotionApproval\n"
         "@flow\n"
         "def asks():\n"
         "    answer = pause_flow_run(wait_for_input=PromotionApproval, timeout=60, poll_interval=1)\n"

@@ -82,13 +82,13 @@ def trained(built, tmp_path_factory):
     from accelerate.state import AcceleratorState
 
     from fineflow.core.config import parse_params
-    from fineflow.train import recipe
+    from fineflow.train import procedure
     from tests.conftest import TINY_PARAMS
 
     out = tmp_path_factory.mktemp("trained")
     AcceleratorState._reset_state(reset_partial_state=True)  # a launched rank is a fresh process; here, reset
     try:
-        report = recipe.train_rank(
+        report = procedure.train_rank(
             parse_params(TINY_PARAMS),
             built / "data/shards",
             built / "models/base",
@@ -127,7 +127,7 @@ def test_train_writes_adapter_checkpoints_and_step_log(trained):
 
 
 def test_evaluate_then_promote(trained, tiny_params, tmp_path):
-    from fineflow.evaluate.recipe import evaluate_models
+    from fineflow.evaluate.scoring import evaluate_models
     from fineflow.registry.champion import promote
 
     built, out, _ = trained
@@ -282,8 +282,8 @@ def test_a_hub_id_in_the_users_cache_is_used_offline_and_online_one_not_cached_i
     """The decision, without a network: a cached snapshot is used as it is (offline or not); an uncached hub id
     is downloaded once by the base stage when the hub is online, refused when it is offline; a local dir is a
     dir. The cache is the user's (HF_HOME, or HF_HUB_CACHE when set)."""
+    from fineflow.base_source import base_source, hub_cache_dir
     from fineflow.core.errors import FineflowError
-    from fineflow.model_ref import base_source, hub_cache_dir
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))

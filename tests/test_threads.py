@@ -90,11 +90,11 @@ def test_a_process_follows_its_launchers_plan_not_the_variables_it_was_given():
 
 
 def launched_env(params, monkeypatch) -> tuple[dict, list[str]]:
-    """The environment fineflow.train.recipe.launch_ranks hands the ranks, and its log (the planner and the launch
+    """The environment fineflow.train.procedure.launch_ranks hands the ranks, and its log (the planner and the launch
     itself replaced: only the command and environment it builds are real)."""
-    from fineflow.train import recipe
+    from fineflow.train import procedure
     from fineflow.train.profile import load_profile
-    from fineflow.train.sizing import RunPlan
+    from fineflow.train.run_plan import RunPlan
 
     memory = {
         "gib": dict.fromkeys(("weights", "gradients", "optimizer_states", "activations", "overhead", "total"), 0.1),
@@ -102,12 +102,12 @@ def launched_env(params, monkeypatch) -> tuple[dict, list[str]]:
     }
     plan = RunPlan(params, load_profile(params.train.accelerate_profile), memory)
     seen = {}
-    monkeypatch.setattr(recipe, "resolve_base_model", lambda model, base_dir: None)
-    monkeypatch.setattr(recipe, "fit_plan", lambda *args: plan)
-    monkeypatch.setattr(recipe, "run_ranks", lambda command, env, grace, log: seen.update(env) or 0)
+    monkeypatch.setattr(procedure, "resolve_base_model", lambda model, base_dir: None)
+    monkeypatch.setattr(procedure, "fit_plan", lambda *args: plan)
+    monkeypatch.setattr(procedure, "run_ranks", lambda command, env, grace, log: seen.update(env) or 0)
     lines: list[str] = []
     placement = {"base_dir": "b", "main_process_port": None, "machine_rank": None, "main_process_ip": None}
-    assert recipe.launch_ranks(params, "m", [], placement, log=lines.append) == 0
+    assert procedure.launch_ranks(params, "m", [], placement, log=lines.append) == 0
     return seen, lines
 
 

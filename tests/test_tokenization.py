@@ -141,7 +141,7 @@ def test_tokenize_key_follows_rows_tokenizer_and_template(built, tmp_path, monke
 def test_a_chat_template_that_ends_the_turn_with_the_eos_trains_one_eos_not_two():
     """ChatML models (SmolLM2, Qwen) end an assistant turn with their EOS (<|im_end|>) and a newline. The
     response is trained as the template renders it, with its one EOS: not "<|im_end|>\\n<|im_end|>"."""
-    from fineflow.base.model import EOS, train_tokenizer
+    from fineflow.base.embedded import EOS, train_tokenizer
     from fineflow.data.tokens import TokenView
 
     tokenizer = train_tokenizer(["the user asks and the assistant answers 07/03/2024"] * 20, 300, 128)

@@ -23,11 +23,11 @@ def _params(**train):
 def _train(built, tmp_path, params):
     from accelerate.state import AcceleratorState
 
-    from fineflow.train import recipe
+    from fineflow.train import procedure
 
     AcceleratorState._reset_state(reset_partial_state=True)  # a launched rank is a fresh process; here, reset
 
-    return recipe.train_rank(
+    return procedure.train_rank(
         params,
         built / "data/shards",
         built / "models/base",
@@ -39,7 +39,7 @@ def _train(built, tmp_path, params):
 
 
 def test_full_fine_tuning_saves_a_whole_model_that_evaluate_loads(built, tmp_path, tiny_params):
-    from fineflow.evaluate.recipe import evaluate_models
+    from fineflow.evaluate.scoring import evaluate_models
 
     report = _train(built, tmp_path, _params(method="full", tracker="none"))
     weights = load_file(tmp_path / "candidate/model.safetensors")
@@ -65,7 +65,7 @@ def _train_watching_one_attention(built, tmp_path, monkeypatch, **train):
 
     The attention, not the MLP: PyTorch's non-reentrant checkpoint stops a layer's recomputation as soon as the
     last activation backward needs is rebuilt, which is inside the MLP, so the MLP's forward never returns there."""
-    from fineflow.train import recipe
+    from fineflow.train import procedure
 
     outputs = []
 
@@ -79,8 +79,8 @@ def _train_watching_one_attention(built, tmp_path, monkeypatch, **train):
         layer.self_attn.register_forward_hook(record)
         return model
 
-    build_model = recipe.build_model
-    monkeypatch.setattr(recipe, "build_model", build_and_watch)
+    build_model = procedure.build_model
+    monkeypatch.setattr(procedure, "build_model", build_and_watch)
     return _train(built, tmp_path, _params(tracker="none", **train)), outputs
 
 
@@ -195,7 +195,7 @@ def test_plan_that_does_not_fit_is_refused_before_launch(project):
 def test_auto_fit_adapts_the_plan_and_keeps_the_global_batch(built, tmp_path):
     from fineflow.train import planner
     from fineflow.train.profile import load_profile
-    from fineflow.train.sizing import fit_plan
+    from fineflow.train.run_plan import fit_plan
 
     def plan(params):
         return fit_plan(params, load_profile(params.train.accelerate_profile), reference, has_gpu=False)

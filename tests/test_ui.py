@@ -128,7 +128,7 @@ def test_no_file_links_and_no_model_card_that_does_not_exist(tmp_path):
 
 
 def test_the_approval_request_labels_its_interval_at_its_confidence():
-    from tasks.approval import approval_markdown
+    from tasks.approval_pause import approval_markdown
 
     evidence = {"candidate_id": "abc", "delta": 0.1, "ci_low": 0.01, "ci_high": 0.2, "confidence": 0.6}
     markdown = approval_markdown(evidence)
@@ -269,7 +269,7 @@ def test_a_silent_stage_still_gets_a_log_line_every_heartbeat(tmp_path, monkeypa
 
 def test_base_pretraining_prints_progress_by_time_not_only_every_50_steps(monkeypatch):
     """On a busy machine 50 pretraining steps take minutes: a line also whenever PROGRESS_S has passed (0 here)."""
-    from fineflow.base import model as base_model
+    from fineflow.base import embedded as base_model
     from fineflow.core.model_config import BaseParams, ModelParams
     from fineflow.corpus import pretraining_corpus
 

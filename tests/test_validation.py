@@ -380,7 +380,7 @@ def test_fifty_megabyte_row_is_quarantined_not_a_crash(tmp_path):
 
 
 def test_token_checks_flag_truncation_and_quarantine_rows_with_nothing_to_train(tmp_path):
-    from fineflow.base.model import train_tokenizer
+    from fineflow.base.embedded import train_tokenizer
     from fineflow.data.tokens import TokenView
 
     tokenizer = train_tokenizer(
@@ -406,7 +406,7 @@ def test_token_checks_flag_truncation_and_quarantine_rows_with_nothing_to_train(
 
 
 def _tiny_tokenizer():
-    from fineflow.base.model import train_tokenizer
+    from fineflow.base.embedded import train_tokenizer
 
     return train_tokenizer(["say hi and bye to everyone in the room " * 3] * 50, vocab_size=300, model_max_length=128)
 
@@ -608,7 +608,7 @@ def test_a_huge_row_without_separators_validates_in_linear_time(tmp_path):
     path = write(tmp_path / "t.jsonl", [json.dumps(GOOD), json.dumps({**GOOD, "input": "a" * 8_000_000})])
     code = f"""
 import json
-from fineflow.base.model import train_tokenizer
+from fineflow.base.embedded import train_tokenizer
 from fineflow.core.config import ValidateParams
 from fineflow.data.formats import read_jsonl
 from fineflow.data.tokens import TokenView

@@ -43,7 +43,7 @@ One manager writes to a root at a time (rank 0); it cleans stale temporary direc
 
 On nodes that share no filesystem, ``checkpoint.store`` (s3://bucket/prefix) keeps a copy every node can read:
 the writer uploads each published checkpoint there (its files, then the manifest, then the marker), and a resume
-downloads the newest one that verifies (``fineflow.checkpoint.store``).
+downloads the newest one that verifies (``fineflow.checkpoint.remote_store``).
 
 Where things are (each file answers one question; imports only go down this list)::
 
@@ -55,8 +55,8 @@ Where things are (each file answers one question; imports only go down this list
     read.py       whether a checkpoint can be trusted and what it holds: manifest, verification,
                   latest_valid (with the fingerprint check), load_checkpoint
     retention.py  which checkpoints stay: keep_last / keep_best / protected, startup cleanup
-    store.py      checkpoint.store, an object store every node sees: upload (marker last), the newest valid
-                  one downloaded for a resume, retention there
+    remote_store.py checkpoint.store, an object store every node sees: upload (marker last), the newest
+                  valid one downloaded for a resume, retention there
     publish.py    one save end to end: temp dir -> files -> manifest -> marker -> verify -> rename -> retention
                   (-> upload to the store)
     rng.py        the RNG states a resume must restore
@@ -92,9 +92,15 @@ from fineflow.checkpoint.read import (
     read_manifest,
     verify_checkpoint,
 )
+from fineflow.checkpoint.remote_store import (
+    StoreConfig,
+    apply_store_retention,
+    fetch_newest,
+    store_config,
+    upload_checkpoint,
+)
 from fineflow.checkpoint.retention import apply_retention, clean_stale, select_retained
 from fineflow.checkpoint.rng import capture_rng, restore_rng
-from fineflow.checkpoint.store import StoreConfig, apply_store_retention, fetch_newest, store_config, upload_checkpoint
 
 __all__ = [
     "FORMAT",

@@ -19,9 +19,9 @@ import torch
 from fineflow.checkpoint.format import CheckpointError, split_parts
 from fineflow.checkpoint.publish import newest_complete, run_job
 from fineflow.checkpoint.read import LoadedCheckpoint, latest_valid, load_checkpoint
+from fineflow.checkpoint.remote_store import StoreConfig
 from fineflow.checkpoint.retention import clean_stale
 from fineflow.checkpoint.snapshot import SaveJob, _copy_into, plan_files
-from fineflow.checkpoint.store import StoreConfig
 from fineflow.core.train_config import CheckpointSettings
 
 _DEFAULTS = CheckpointSettings()
@@ -98,7 +98,7 @@ class CheckpointManager:
     (the error surfaces from the next check()/save()/wait()/close()) or "retry" (up to `retries` times with
     exponential backoff from retry_backoff_s, then the error). The background writer runs at nice 19: on
     a busy machine a save takes longer, but the training steps do not pay for it.
-    store: also upload each published checkpoint there (fineflow.checkpoint.store), in the same background
+    store: also upload each published checkpoint there (fineflow.checkpoint.remote_store), in the same background
     writer; a failed upload follows on_write_error.
     """
 
@@ -111,7 +111,8 @@ class CheckpointManager:
     on_write_error: str = _DEFAULTS.on_write_error
     retries: int = _DEFAULTS.retries
     retry_backoff_s: float = 1.0
-    # checkpoint.store: every published checkpoint is uploaded there too, by the writer (fineflow.checkpoint.store)
+    # checkpoint.store: every published checkpoint is uploaded there too, by the writer
+    # (fineflow.checkpoint.remote_store)
     store: StoreConfig | None = None
     last_result: dict | None = field(default=None, init=False)  # the last completed save: path, write_s, ...
 

@@ -26,9 +26,9 @@ from fineflow.checkpoint.format import (
     step_dir_name,
 )
 from fineflow.checkpoint.read import _sha256_file, verify_checkpoint
+from fineflow.checkpoint.remote_store import STORE_ADVICE, apply_store_retention, upload_checkpoint
 from fineflow.checkpoint.retention import apply_retention
 from fineflow.checkpoint.snapshot import SaveJob
-from fineflow.checkpoint.store import STORE_ADVICE, apply_store_retention, upload_checkpoint
 from fineflow.checkpoint.write import _write_file, fsync_dir, publish_dir
 
 
@@ -168,7 +168,7 @@ def run_job(job: SaveJob) -> dict:
 
 
 def _upload(job: SaveJob, path: Path) -> dict:
-    """The published checkpoint uploaded to checkpoint.store (fineflow.checkpoint.store), then the store's
+    """The published checkpoint uploaded to checkpoint.store (fineflow.checkpoint.remote_store), then the store's
     retention. A failed upload follows on_write_error as a failed write does (retried with backoff, or a
     CheckpointError); the local checkpoint stays published either way. A failed cleanup in the store warns."""
     started, attempt = time.perf_counter(), 0

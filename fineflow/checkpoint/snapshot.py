@@ -13,7 +13,7 @@ import torch
 from fineflow.checkpoint.format import _safetensors_header, _safetensors_layout
 
 if TYPE_CHECKING:
-    from fineflow.checkpoint.store import StoreConfig
+    from fineflow.checkpoint.remote_store import StoreConfig
 
 
 @dataclass
@@ -44,7 +44,7 @@ class SaveJob:
     retry_backoff_s: float
     # a sharded save: the directory every rank has written its shards into, moved into the checkpoint
     sharded_dir: str | None = None
-    # checkpoint.store: where the published checkpoint is uploaded too (fineflow.checkpoint.store.StoreConfig)
+    # checkpoint.store: where the published checkpoint is uploaded too (fineflow.checkpoint.remote_store.StoreConfig)
     store: StoreConfig | None = None
 
 

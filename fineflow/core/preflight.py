@@ -59,10 +59,10 @@ def input_paths(params: Params) -> list[InputPath]:
     return paths
 
 
-def names_a_directory(reference: str) -> bool:
-    """model.base names a local directory, not a hub id (`name`, `org/name`). fineflow.model_ref.base_source
+def names_a_directory(base: str) -> bool:
+    """model.base names a local directory, not a hub id (`name`, `org/name`). fineflow.base_source.base_source
     uses this rule too: such a reference that is no directory fails the base stage."""
-    return reference.startswith((".", "/", "~")) or reference.count("/") > 1
+    return base.startswith((".", "/", "~")) or base.count("/") > 1
 
 
 def check_input_paths(params: Params, project: Path) -> None:

@@ -49,7 +49,7 @@ class PreferenceParams(Section):
     simpo_gamma: float = Field(
         0.5, ge=0, description="simpo: the margin by which the chosen reward must beat the rejected one"
     )
-    # DPO's reference scores the pairs once (the reference stage caches its log-probabilities): champion is the
+    # DPO's reference scores the pairs once (the reference_logps stage caches its log-probabilities): champion is the
     # registry's champion adapter on the base (the SFT model, after an SFT run was promoted), which the policy also
     # starts from; base is the base model and a fresh adapter. Without a champion, champion means the base.
     reference: Literal["champion", "base"] = Field(
@@ -216,9 +216,9 @@ class CheckpointSettings(Section):
     preempt_grace_s: float = Field(
         15, gt=0, description="on SIGTERM or Ctrl-C: seconds to finish the step, save it and exit 75 (resumable)"
     )
-    # storage every machine of a multi-machine run sees (fineflow.checkpoint.store): the local checkpoints dir stays
-    # the working copy; each published checkpoint is uploaded too (its manifest and marker last), and a resume with
-    # no newer valid local checkpoint downloads the store's newest valid one. Credentials: the usual AWS variables
+    # storage every machine of a multi-machine run sees (fineflow.checkpoint.remote_store): the local checkpoints dir
+    # stays the working copy; each published checkpoint is uploaded too (its manifest and marker last), and a resume
+    # with no newer valid local checkpoint downloads the store's newest valid one. Credentials: the usual AWS variables
     # or ~/.aws files.
     store: str | None = Field(
         None,

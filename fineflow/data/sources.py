@@ -8,7 +8,7 @@ A source is one of four kinds (``kind: auto`` tells them apart by what the path 
 - ``saved``: a folder ``datasets``' ``save_to_disk`` wrote (``state.json`` or ``dataset_dict.json`` in it),
   memory-mapped by ``load_from_disk`` and read in batches (a DatasetDict's ``split``, default train);
 - ``hub``: a Hugging Face dataset id, read from its snapshot in the HF cache as shards (default split train).
-  The same offline rules as a hub model (fineflow.model_ref): a cached snapshot is used as it is; one not
+  The same offline rules as a hub model (fineflow.base_source): a cached snapshot is used as it is; one not
   cached is downloaded once when the hub is online (the sources stage), and refused, naming the source, when
   it is offline.
 
@@ -135,7 +135,7 @@ def hub_snapshot(index: int, dataset_id: str, download: bool) -> Path:
     """The HF cache's snapshot of a hub dataset; downloaded when download is set and the hub is online."""
     from huggingface_hub import snapshot_download
 
-    from fineflow.model_ref import hub_cache_dir, hub_offline
+    from fineflow.base_source import hub_cache_dir, hub_offline
 
     try:
         cached = snapshot_download(dataset_id, repo_type="dataset", local_files_only=True, cache_dir=hub_cache_dir())
@@ -161,7 +161,7 @@ def hub_snapshot(index: int, dataset_id: str, download: bool) -> Path:
 
 def content_hash(source: Source, cache_dir: Path | None = None) -> str:
     """sha256 over the source's files (name, size, content) and its hub commit: what it holds, not where."""
-    from fineflow.model_ref import file_sha256
+    from fineflow.base_source import file_sha256
 
     cache_file = Path(cache_dir) / HASH_CACHE if cache_dir is not None else None
     cache = _read_cache(cache_file)

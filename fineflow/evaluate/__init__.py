@@ -1,10 +1,10 @@
 """Stage evaluate: lm-eval on the held-out split for the base model, the candidate and the champion (and, for
 preference data, each model's ranking of every held-out pair).
 
-recipe.py       the stage's procedure: load the base once, score each model, write scores.json and the report
+scoring.py      the stage's procedure: load the base once, score each model, write scores.json and the report
 harness.py      the lm-eval adapter: task folders and names, the model scorer, samples and raw results
 sizing.py       before loading: the compute dtype, the memory plan, one device or a device map, or a refusal
-preference.py   preference eval pairs (train.objective dpo/simpo): each model's log-probs of chosen and rejected,
+pair_ranking.py preference eval pairs (train.objective dpo/simpo): each model's log-probs of chosen and rejected,
                 preference accuracy and reward margin (rewards anchored to the base) as task fineflow_preference
 bundled_tasks/  the tasks shipped with fineflow (fineflow_synth, fineflow_synth_mc: YAMLs and their helpers)
 

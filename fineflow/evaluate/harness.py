@@ -67,7 +67,7 @@ def render_eval_rows(eval_file: Path, tokenizer, out: Path, pairs: bool = False)
     starts with before the answer (" " after the fineflow template, nothing after a chat template's generation
     prompt). The bundled tasks prompt with these, so a chat-trained model is evaluated in its chat format.
     pairs: each row is a preference pair, taken with its chosen answer as the reply (its ``output``)."""
-    from fineflow.evaluate.preference import answer_row
+    from fineflow.evaluate.pair_ranking import answer_row
     from fineflow.tokenize.template import RenderError, render_pair
 
     with eval_file.open(encoding="utf-8") as rows, out.open("w", encoding="utf-8") as fh:
@@ -244,12 +244,12 @@ PAIR_LOGPS = "fineflow_pair_logps"  # in a model's results: the pair scorer's lo
 
 class ModelScorer:
     """One loaded base model and tokenizer, scored plain, under an adapter, or beside a whole model. With a
-    pair_scorer (fineflow.evaluate.preference.PairScorer), each model is also scored on the eval pairs while it is
+    pair_scorer (fineflow.evaluate.pair_ranking.PairScorer), each model is also scored on the eval pairs while it is
     loaded, with the tokenizer lm-eval uses for it: its log-probs go in the results under PAIR_LOGPS."""
 
     def __init__(
         self,
-        reference: str,
+        base: str,
         tasks: list[str],
         manager,
         batch_size: int,
@@ -257,7 +257,7 @@ class ModelScorer:
         load: LoadPlan | None = None,
         pair_scorer=None,
     ):
-        self.reference, self.tasks, self.manager = reference, tasks, manager
+        self.base_source, self.tasks, self.manager = base, tasks, manager
         self.batch_size, self.limit = batch_size, limit
         self.load = load or LoadPlan()
         self.pair_scorer = pair_scorer
@@ -266,7 +266,7 @@ class ModelScorer:
     def _load(self, path: str | Path):
         from transformers import AutoModelForCausalLM
 
-        kwargs = self.load.kwargs(same_as_base=str(path) == str(self.reference))
+        kwargs = self.load.kwargs(same_as_base=str(path) == str(self.base_source))
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         if "device_map" not in kwargs:
             model = model.to(self.load.device)
@@ -276,8 +276,8 @@ class ModelScorer:
         from transformers import AutoTokenizer
 
         started = time.perf_counter()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.reference)
-        self.base = self._load(self.reference)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.base_source)
+        self.base = self._load(self.base_source)
         return time.perf_counter() - started
 
     def score(self, kind: str, path: Path | None = None) -> tuple[dict, float, float]:
@@ -318,7 +318,7 @@ class ModelScorer:
         """The base, loaded again if a whole model took its place (the evaluation's plan holds one model at a time:
         a 70B base beside a 70B fine-tune or merged champion would be twice the weights)."""
         if self.base is None:
-            self.base = self._load(self.reference)
+            self.base = self._load(self.base_source)
         return self.base
 
     def _adapter_on_its_base(self, adapter: Path, base_ref: str, started: float) -> tuple[dict, float, float]:
@@ -357,7 +357,7 @@ class ModelScorer:
         if any(isinstance(module, BaseTunerLayer) for module in self.base.modules()):
             self.base = None
             self._free()
-            self.base = self._load(self.reference)
+            self.base = self._load(self.base_source)
 
     def _free(self) -> None:
         import torch

@@ -6,8 +6,8 @@ the eval docs).
     run_converter.py  convert_hf_to_gguf.py run unchanged, naming GPT-2's byte-level pre-tokenizer where it refuses
     gguf.py           the float GGUF by llama.cpp's converter, the quantized ones by its quantizer
     parity.py         the checks: the GGUF through llama.cpp against the training tokenizer and the merged model
-    champion.py       the champion's merged model found or built, exported and checked: the stage's report
-    card.py           the exports' model card (models/export/README.md): each file, its parity, how to serve it
+    exporter.py       the champion's merged model found or built, exported and checked: the stage's report
+    exports_card.py   the exports' model card (models/export/README.md): each file, its parity, how to serve it
     serve.py          `fineflow serve`: the shippable GGUF export.json names, by llama-cpp-python's OpenAI server
     ollama.py         the Ollama Modelfile: TEMPLATE derived from the training chat template (verified), stops
     vllm.py           the adapter laid out as vLLM's LoRA loader reads it, its refusals, the `vllm serve` commands

@@ -34,7 +34,7 @@ NO_RUN_FIGURES = "Training run figures (wall time, tokens/s): not given to the p
 _FIGURE = re.compile(rf"({'|'.join(TRAIN_FIGURES)}) (-?[0-9.]+(e[-+]?[0-9]+)?|None|nan|-?inf)")
 
 
-# The export stage's section, last in the card (fineflow.export.card): written after the promotion, so the log
+# The export stage's section, last in the card (fineflow.export.exports_card): written after the promotion, so the log
 # entry that installed the champion cannot bind it; the exports are bound by their own sha256s in export.json.
 EXPORTS_HEADING = "## Exports"
 

@@ -164,7 +164,7 @@ def parity_gate(
     parity_check: ParityCheck | None,
 ) -> tuple[Decision, dict]:
     """export.block_promotion: the staged champion's float and gated GGUF exports must pass parity_check
-    (the promote stage hands in fineflow.export.champion.parity_before_promotion), or the promotion is refused with
+    (the promote stage hands in fineflow.export.exporter.parity_before_promotion), or the promotion is refused with
     every failed check's reason. The figures go into the record (and so the log entry) either way, and into the
     staged card."""
     if eval_rows is None or parity_check is None:
@@ -406,7 +406,7 @@ def read_scores(path: Path) -> tuple[dict, str | None]:
 def base_reference(params: Params, base_dir: Path | None, adapter_dir: Path) -> str:
     """What from_pretrained loads as the base: --base-dir (or the user's model.base), else the adapter's own."""
     if base_dir is not None:
-        from fineflow.model_ref import resolve_base_model
+        from fineflow.base_source import resolve_base_model
 
         return resolve_base_model(params.model, base_dir)
     try:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # Reported and bootstrapped, but no veto as another metric: the preference task's reward margin is a log-prob
 # difference times train.preference.beta, unbounded and on no scale promote.max_regression (a share of docs) speaks
 # for; a candidate that ranks more pairs right with smaller margins is better, not a regression. It still decides
-# as promote.primary_metric. (The task: fineflow.evaluate.preference, not imported here: the gate reads numbers.)
+# as promote.primary_metric. (The task: fineflow.evaluate.pair_ranking, not imported here: the gate reads numbers.)
 NOT_REGRESSION_GUARDED = frozenset({"fineflow_preference/reward_margin"})
 
 

@@ -4,7 +4,7 @@
 
 A champion promoted without ``merged/`` (``promote.merged``) is its LoRA adapter plus a pointer to its base (the
 ``base_model`` and ``base_digest`` of its champion.json). ``build_merged`` checks that the base found is that base
-by content (``fineflow.model_ref.base_digest``), then ``merge_streamed`` writes base + adapter: for each shard of
+by content (``fineflow.base_source.base_digest``), then ``merge_streamed`` writes base + adapter: for each shard of
 the base it reads only that shard's tensors (``safe_open``), adds the LoRA delta to the weights the adapter
 targets, writes the shard, and lets it go; the index is copied (same tensors, same dtypes, same sizes). Peak memory
 is about one shard (its tensors and their serialized bytes), never the whole model.
@@ -145,19 +145,19 @@ def _copy_non_weights(base_dir: Path, out_dir: Path) -> None:
             shutil.copy2(path, out_dir / path.name)
 
 
-def local_base(reference: str) -> Path:
+def local_base(base: str) -> Path:
     """The base's directory: reference itself, or its hub snapshot in the local cache (nothing is downloaded)."""
-    if Path(reference).is_dir():
-        return Path(reference)
+    if Path(base).is_dir():
+        return Path(base)
     try:
         from huggingface_hub import snapshot_download
 
-        from fineflow.model_ref import hub_cache_dir
+        from fineflow.base_source import hub_cache_dir
 
-        return Path(snapshot_download(reference, local_files_only=True, cache_dir=hub_cache_dir()))
+        return Path(snapshot_download(base, local_files_only=True, cache_dir=hub_cache_dir()))
     except Exception as exc:  # noqa: BLE001 — not a dir and not cached: say what to pass
         raise FineflowError(
-            f"the champion's base {reference!r} is neither a directory nor in the local hub cache ({exc}); pass "
+            f"the champion's base {base!r} is neither a directory nor in the local hub cache ({exc}); pass "
             "--base with its directory"
         ) from None
 
@@ -166,7 +166,7 @@ def build_merged(champion_dir: Path, out_dir: Path, base: str | None = None) -> 
     """The merged model of the champion at champion_dir, written to out_dir (outside the champion directory:
     the registry's verify binds every file in it). The base used must be the one its champion.json names by
     content (base_digest), wherever it lies now."""
-    from fineflow.model_ref import read_base_digest
+    from fineflow.base_source import read_base_digest
     from fineflow.registry.install import read_champion
 
     record = read_champion(champion_dir) or {}

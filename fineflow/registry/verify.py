@@ -146,8 +146,8 @@ def base_pointer_problems(champion_dir: Path, installed: dict, cache_dir: Path =
     base, digest = installed.get("base_model"), installed.get("base_digest")
     if not base or not digest:
         return [f"{where}: an adapter-only champion must name its base (base_model) and its digest (base_digest)"]
+    from fineflow.base_source import read_base_digest
     from fineflow.core.errors import FineflowError
-    from fineflow.model_ref import read_base_digest
 
     try:
         found = read_base_digest(base, cache_dir=cache_dir)

@@ -4,17 +4,17 @@ python -m fineflow.stages.base --out models/base --state-dir checkpoints/base
 
 SIGTERM or Ctrl-C during the embedded base's pretraining: the step in progress ends, pretraining's state is saved
 under --state-dir and the stage exits 75 (PREEMPTED_EXIT); run again (same params), it resumes from that step
-and writes the same bytes as an uninterrupted run (fineflow.base.model.pretrain).
+and writes the same bytes as an uninterrupted run (fineflow.base.embedded.pretrain).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from fineflow.base.model import build_embedded_base
+from fineflow.base.embedded import build_embedded_base
+from fineflow.base_source import base_source, download_hub_base, write_external_marker
 from fineflow.core.config import Params
 from fineflow.core.entry import log, run_entry, stage_parser
-from fineflow.model_ref import base_source, download_hub_base, write_external_marker
 from fineflow.process import preempt
 
 

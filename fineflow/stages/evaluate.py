@@ -12,7 +12,7 @@ and ``reports/evaluate.json`` gets the metrics and the loading vs scoring time o
 
 With train.objective dpo or simpo the eval rows are preference pairs (prompt, chosen, rejected): the lm-eval tasks
 take the chosen answer as their target (the SFT regression guard), and every model is also scored on each pair
-(fineflow.evaluate.preference): the task ``fineflow_preference`` (preference_accuracy, reward_margin; rewards
+(fineflow.evaluate.pair_ranking): the task ``fineflow_preference`` (preference_accuracy, reward_margin; rewards
 anchored to the base with train.preference.beta) in scores.json, gated like any other task, and its per-pair scores
 in ``<out>/samples/<model>/fineflow_preference.jsonl``. With sft, scores.json is as before, byte for byte.
 
@@ -35,7 +35,7 @@ from pathlib import Path
 from fineflow.core.config import Params
 from fineflow.core.entry import log, run_entry, stage_parser
 from fineflow.core.errors import FineflowError
-from fineflow.evaluate.recipe import evaluate_models
+from fineflow.evaluate.scoring import evaluate_models
 
 
 def check_tracked_task_dirs(task_dirs: list[str], task_root: Path | None) -> None:
@@ -80,10 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         "entry must lie under it (DVC sees no other folder change)",
     )
     parser.add_argument(
-        "--reference",
+        "--reference-logps",
         type=Path,
         default=None,
-        help="the reference stage's reference.json: a DPO candidate's rewards are measured from its reference "
+        help="the reference_logps stage's reference.json: a DPO candidate's rewards are measured from its reference "
         "when that is the champion",
     )
     args = parser.parse_args(argv)
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             args.champion,
             args.base_fingerprint,
             log=log,
-            reference=args.reference,
+            reference=args.reference_logps,
         )
 
     return run_entry("evaluate", args, body)

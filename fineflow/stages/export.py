@@ -37,7 +37,7 @@ CARD_FILE = "README.md"
 
 def run(params: Params, champion_dir: Path, eval_rows: Path, out_dir: Path, tools: Path | None = None) -> dict:
     """Export the champion at champion_dir into out_dir (replaced whole); the stage's report."""
-    from fineflow.export.card import champion_card_with_exports, export_card
+    from fineflow.export.exports_card import champion_card_with_exports, export_card
 
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
@@ -47,7 +47,7 @@ def run(params: Params, champion_dir: Path, eval_rows: Path, out_dir: Path, tool
         log(f"export: nothing exported: {skipped}")
         report = {"champion": (champion or {}).get("candidate_id"), "exports": {}, "skipped": skipped}
     else:
-        from fineflow.export.champion import export_champion
+        from fineflow.export.exporter import export_champion
 
         # scratch (a merged model built from an adapter-only champion, the rendered eval rows) beside the output,
         # on the same disk, gone when the stage ends

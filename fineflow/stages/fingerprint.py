@@ -13,8 +13,8 @@ downstream runs. ``data.sources`` (fineflow.data.sources) are inputs outside the
 ``--sources-out`` each one's content hash goes to that file, which the validate stage depends on (without
 sources it is an empty list, the same bytes on every run). The champion is another: promote writes it after
 train, so no stage declares it; with ``--champion-out`` its identity goes to that file when DPO anchors to it
-(train.objective dpo, train.preference.reference champion: the reference stage depends on the file), else the
-constant ``{"champion": null}`` (fineflow.train.reference.champion_fingerprint). llama.cpp's tools are a third:
+(train.objective dpo, train.preference.reference champion: the reference_logps stage depends on the file), else the
+constant ``{"champion": null}`` (fineflow.train.reference_model.champion_fingerprint). llama.cpp's tools are a third:
 with ``--export-tools-out`` the installed llama-cpp-python and converter (fineflow.export.tooling.toolchain) go to
 that file, which the export stage depends on.
 """
@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fineflow.base_source import base_identity, resolve_base_model
 from fineflow.core.config import Params
 from fineflow.core.entry import log, run_entry, stage_parser
 from fineflow.core.reports import write_json_atomic
-from fineflow.model_ref import base_identity, resolve_base_model
 
 
 def run(
@@ -45,7 +45,7 @@ def run(
         export_tools_out.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(export_tools_out, toolchain())
     if champion is not None:
-        from fineflow.train.reference import champion_fingerprint
+        from fineflow.train.reference_model import champion_fingerprint
 
         champion_dir, champion_out = champion
         champion_out.parent.mkdir(parents=True, exist_ok=True)

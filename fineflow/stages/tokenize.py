@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fineflow.base_source import resolve_base_model
 from fineflow.core.config import Params
 from fineflow.core.entry import log, run_entry, stage_parser
 from fineflow.core.threads import process_plan
-from fineflow.model_ref import resolve_base_model
 from fineflow.tokenize.tokenization import load_tokenizer, tokenize_split
 
 

@@ -2,12 +2,12 @@
 
     python -m fineflow.stages.train --shards data/shards --base-dir models/base \
         --checkpoints checkpoints --out models/candidate --steps-log reports/train_steps.jsonl \
-        --reference models/reference
+        --reference-logps models/reference_logps
 
 Run plainly, this process is the launcher: it sizes the run with the memory planner and re-executes this
 module under ``accelerate launch`` with ``train.accelerate_profile`` / ``train.num_processes`` ranks. Each
 rank then trains; only rank 0 writes the model, checkpoints, step log and report. The recipe is
-``fineflow.train.recipe``. On a cluster (``train.num_machines`` > 1) with ``train.launcher: local``, run it once per
+``fineflow.train.procedure``. On a cluster (``train.num_machines`` > 1) with ``train.launcher: local``, run it once per
 machine with ``--machine-rank N --main-process-ip <machine 0> [--main-process-port P]``; machine 0's launcher, not
 started by DVC, then records the run in dvc.lock (``dvc commit --force train``: ``record_manual_run``). Its
 checkpoints must be on storage every machine sees (a shared directory or ``checkpoint.store``), checked before any
@@ -44,7 +44,7 @@ from fineflow.core.train_config import CheckpointSettings
 from fineflow.process import preempt
 from fineflow.train.launch import check_checkpoint_storage
 from fineflow.train.plots import write_run_plots
-from fineflow.train.recipe import launch_ranks, train_rank
+from fineflow.train.procedure import launch_ranks, train_rank
 
 
 def parse_args(argv: list[str]):
@@ -64,7 +64,10 @@ def parse_args(argv: list[str]):
     # not under --checkpoints: a DVC output, whose hash must not depend on this checkout's paths and mtimes
     parser.add_argument("--hash-cache", type=Path, default=None, help="cache of the base weights' content hashes")
     parser.add_argument(
-        "--reference", type=Path, default=None, help="the reference stage's output (train.objective dpo reads it)"
+        "--reference-logps",
+        type=Path,
+        default=None,
+        help="the reference_logps stage's output (train.objective dpo reads it)",
     )
     parser.add_argument("--machine-rank", type=int, default=None, help="this machine's rank (num_machines > 1)")
     parser.add_argument("--main-process-ip", default=None, help="machine 0's address (num_machines > 1)")
@@ -236,7 +239,7 @@ def train_worker(args) -> int:
             args.logs_dir,
             log=log,
             hash_cache=args.hash_cache,
-            reference=args.reference,
+            reference=args.reference_logps,
         )
 
     try:

@@ -54,7 +54,7 @@ def _token_view(params: Params, base_dir: Path | None) -> TokenView | None:
     """Token-level checks see rows exactly as the tokenize stage will (None without a base)."""
     if base_dir is None:
         return None
-    from fineflow.model_ref import resolve_base_model
+    from fineflow.base_source import resolve_base_model
     from fineflow.tokenize.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_base_model(params.model, base_dir))

@@ -50,11 +50,11 @@ _WORKER_PAIRS = False
 CHAT_ROW = b'"messages": ['  # how a validated chat row (json.dumps of clean_record) holds its conversation
 
 
-def _init_worker(reference: str, train_on: str, pairs: bool = False) -> None:
+def _init_worker(base: str, train_on: str, pairs: bool = False) -> None:
     global _WORKER_TOKENIZER, _WORKER_TRAIN_ON, _WORKER_PAIRS
     from transformers import AutoTokenizer
 
-    _WORKER_TOKENIZER = AutoTokenizer.from_pretrained(reference)
+    _WORKER_TOKENIZER = AutoTokenizer.from_pretrained(base)
     _WORKER_TRAIN_ON, _WORKER_PAIRS = train_on, pairs
 
 
@@ -95,7 +95,7 @@ def chunks(items: Iterable, size: int) -> Iterator[list]:
 def encode_stream(
     rows: Iterable[dict | str],
     tokenizer,
-    reference: str,
+    base: str,
     workers: int,
     chunk_rows: int = 2000,
     train_on: str = "all_assistant",
@@ -109,7 +109,7 @@ def encode_stream(
             yield _encode(tokenizer, _parsed(chunk), train_on, first_row, pairs)
         return
     context = multiprocessing.get_context("spawn")  # no fork of a parent that may hold torch threads
-    with context.Pool(workers, initializer=_init_worker, initargs=(reference, train_on, pairs)) as pool:
+    with context.Pool(workers, initializer=_init_worker, initargs=(base, train_on, pairs)) as pool:
         yield from pool.imap(_encode_chunk, numbered)
 
 
@@ -133,7 +133,7 @@ def windows(batches: Iterable[EncodedBatch], size: int) -> Iterator[EncodedBatch
 def tokenize_to_shard(
     rows: Iterable[dict | str],
     tokenizer,
-    reference: str,
+    base: str,
     out_dir: Path,
     seq_len: int,
     dtype: np.dtype,
@@ -149,7 +149,7 @@ def tokenize_to_shard(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     writer = ShardWriter(out_dir, seq_len, dtype, pairs)
     truncated = 0
-    encoded = encode_stream(rows, tokenizer, reference, workers, min(2000, pack_window), train_on, pairs)
+    encoded = encode_stream(rows, tokenizer, base, workers, min(2000, pack_window), train_on, pairs)
     pack = pack_pairs if pairs else pack_examples
     # a window of pairs holds an even count of examples: chunks hold whole pairs, so no pair is cut in two
     for window in windows(encoded, max(2, pack_window - pack_window % 2) if pairs else pack_window):
@@ -160,13 +160,13 @@ def tokenize_to_shard(
     return writer.close({**meta, "truncated_examples": truncated, "pack_window": pack_window})
 
 
-def load_tokenizer(reference: str):
+def load_tokenizer(base: str):
     """The base model's tokenizer, refused when it cannot end a response (no EOS token)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(reference)
+    tokenizer = AutoTokenizer.from_pretrained(base)
     if tokenizer.eos_token_id is None:
-        raise FineflowError(f"{reference}: the tokenizer has no EOS token; fine-tuning needs one to end responses")
+        raise FineflowError(f"{base}: the tokenizer has no EOS token; fine-tuning needs one to end responses")
     return tokenizer
 
 
@@ -209,7 +209,7 @@ def content_key(rows_path: Path, tokenizer, cfg, objective: str = "sft") -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 
-def tokenize_split(tokenizer, reference: str, rows_path: Path, out_dir: Path, cfg, objective: str = "sft") -> dict:
+def tokenize_split(tokenizer, base: str, rows_path: Path, out_dir: Path, cfg, objective: str = "sft") -> dict:
     """Build one split's shard, or keep the existing one when its content key matches. Built in a temp dir
     and swapped in, so a reader never sees a half-written shard. With a preference objective (dpo, simpo)
     the rows are pairs and the shard a preference shard."""
@@ -230,7 +230,7 @@ def tokenize_split(tokenizer, reference: str, rows_path: Path, out_dir: Path, cf
         meta = tokenize_to_shard(
             read_lines(rows_path),
             tokenizer,
-            reference,
+            base,
             building,
             cfg.seq_len,
             token_dtype(len(tokenizer)),

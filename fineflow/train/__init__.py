@@ -1,8 +1,8 @@
 """Stage train. Entry: ``fineflow.stages.train``; checkpoint files are ``fineflow.checkpoint``.
 
-recipe.py        the story, read in order: the launcher, then each rank's TrainRecipe (setup, train, cleanup)
+procedure.py     the story, read in order: the launcher, then each rank's TrainProcedure (setup, train, cleanup)
 profile.py       the accelerate profile, read once into a frozen Profile (engine, sharding, precision, ranks)
-sizing.py        hardware checks and the planner's RunPlan: the one train configuration every step reads
+run_plan.py      hardware checks and the planner's RunPlan: the one train configuration every step reads
 planner/         the memory planner (also ``fineflow plan``): shapes.py, memory.py, advice.py
 launch.py        the ``accelerate launch`` command line, and DeepSpeed's batch keys from params
 engines/         cluster launchers (train.launcher: ray, slurm): the stage as a driver that hands the ranks over
@@ -13,7 +13,7 @@ schedule.py      the learning-rate schedule
 loop.py          ``fit()``: the loop, one optimizer step at a time; token_loss_sum, evaluate_loss
 loss.py          the loss's vocabulary projection, chunked so the logits never exist whole
 preference.py    train.objective dpo / simpo: pair shards, per-pair log-probs, the losses and reward statistics
-reference.py     what DPO's reference is: the champion's identity, reference.json, what train reads of it
+reference_model.py what DPO's reference is: the champion's identity, reference.json, what train reads of it
 steps.py         what the loop reports through: StepTimer (a span per phase), StepLog, Progress
 checkpointing.py the loop's state saved (TrainStateSaver) and restored (restore), by the profile's engine
 resume.py        the run fingerprint, whether to resume, and the checkpoint every rank loads

@@ -211,7 +211,7 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 def attention_of(cfg) -> str:
     """The attn_implementation to load a model with for train.attention (cfg: TrainParams), registering fineflow's
-    varlen one when chosen (the train stage's model, and the reference stage's)."""
+    varlen one when chosen (the train stage's model, and the reference_logps stage's)."""
     return register() if cfg.attention == "varlen" else cfg.attention
 
 

@@ -13,11 +13,11 @@ from fineflow.train.profile import Profile
 
 
 def build_model(
-    base_reference: str, params: Params, profile: Profile, fuse_lora: bool = False, start_adapter: Path | None = None
+    base: str, params: Params, profile: Profile, fuse_lora: bool = False, start_adapter: Path | None = None
 ):
     """The model to train: LoRA / QLoRA adapters on a frozen base, or the whole base (full). fuse_lora:
     route plain LoRA linears through fineflow.train.fused_lora (same maths, fewer memory passes).
-    start_adapter: an adapter to go on training (dpo from the champion: fineflow.train.reference), trainable,
+    start_adapter: an adapter to go on training (dpo from the champion: fineflow.train.reference_model), trainable,
     with its own LoRA shape instead of train.lora's.
 
     params: as fit_plan returns them (RunPlan.params: params.train.precision resolved from "auto"); profile:
@@ -45,7 +45,7 @@ def build_model(
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(**precision.quantization_kwargs(mixed_precision))
-    model = AutoModelForCausalLM.from_pretrained(base_reference, attn_implementation=attention_of(cfg), **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(base, attn_implementation=attention_of(cfg), **kwargs)
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers 5's name for it

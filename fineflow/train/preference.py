@@ -3,7 +3,7 @@
 A preference shard (the tokenize stage's: fineflow.tokenize.pairs) packs each pair as two adjacent
 examples of one row, prompt+chosen then prompt+rejected, each attending only to itself, and ``pair_slots.bin``
 says which is which: 2k on the k-th pair's chosen tokens in that row, 2k+1 on its rejected tokens, -1 on padding.
-``PairShard`` reads it beside the shard (and, for dpo, the reference stage's per-token log-probs).
+``PairShard`` reads it beside the shard (and, for dpo, the reference_logps stage's per-token log-probs).
 
 Per trained token (labels[:, 1:] against logits[:, :-1], as the SFT loss) the policy's log-probability is
 summed per (row, slot): each pair's chosen and rejected sequence log-prob and token count. Then, with
@@ -36,7 +36,7 @@ LOGPS_DTYPE = np.dtype(np.float32)
 
 
 def logps_file(split: str) -> str:
-    """The reference stage's per-token log-probs of one split (rows x seq_len float32, aligned with its shard)."""
+    """The reference_logps stage's per-token log-probs of one split (rows x seq_len float32, aligned with its shard)."""
     return f"{split}.logps.bin"
 
 
@@ -58,7 +58,7 @@ class PairShard:
         self.shard, self.meta, self.dir, self.real_per_row = shard, shard.meta, shard.dir, shard.real_per_row
         self.ref_logps = None
         if reference_logps is not None:
-            self.ref_logps = _rows_map(reference_logps, LOGPS_DTYPE, shard.meta, "re-run the reference stage")
+            self.ref_logps = _rows_map(reference_logps, LOGPS_DTYPE, shard.meta, "re-run the reference_logps stage")
 
     def __len__(self) -> int:
         return len(self.shard)
@@ -191,7 +191,7 @@ def pair_loss(model, batch: dict, objective: str, prefs, **forward_kwargs) -> Pa
     reference = None
     if objective == "dpo":
         if "ref_logps" not in batch:
-            raise FineflowError("train.objective dpo needs the reference log-probs: run the reference stage first")
+            raise FineflowError("train.objective dpo needs the reference log-probs: run the reference_logps stage")
         reference = pair_scores(batch["ref_logps"][at], batch["pair_slots"], at)
     return preference_loss(policy, reference, objective, prefs)
 

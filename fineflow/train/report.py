@@ -48,13 +48,13 @@ def cpu_facts(ranks: int, runnable: dict | None = None) -> dict:
     }
 
 
-def run_flops(reference: str, cfg: TrainParams, shard, report: dict, accelerator) -> dict:
+def run_flops(base: str, cfg: TrainParams, shard, report: dict, accelerator) -> dict:
     """Model and hardware FLOPs per token, the device's peak and the run's MFU/HFU (fineflow.goodput.flops).
     The attended length is the mean packed example's half (varlen) or the row's half (dense sdpa, for HFU)."""
     from fineflow.train.planner import load_shape
 
     try:
-        shape = load_shape(reference)
+        shape = load_shape(base)
     except Exception as exc:  # noqa: BLE001 - a model the planner cannot read: no MFU, the run is still good
         return {"error": f"no FLOPs: {type(exc).__name__}: {exc}"}
     matmul = shape.params - (0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size)

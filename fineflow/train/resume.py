@@ -27,8 +27,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from fineflow.base_source import base_identity
 from fineflow.core.errors import FineflowError
-from fineflow.model_ref import base_identity
 from fineflow.train.elastic import Layout, check_movable, elastic_identity
 
 # settings that change neither the trajectory nor the weights: safe to edit between a crash and a retry
@@ -100,7 +100,7 @@ def code_identity() -> dict:
 
 def run_fingerprint(
     params,
-    reference: str,
+    base: str,
     shard_meta: dict,
     world_size: int,
     cache_dir: Path | None = None,
@@ -109,11 +109,11 @@ def run_fingerprint(
     """Plain JSON (lists, not tuples): it is compared with the copy stored in each checkpoint. cache_dir: where
     base weight hashes are cached (the train stage's --hash-cache; never inside a DVC output, whose hash would
     then depend on the checkout's paths); code: code_identity(), computed here if not given. params are the
-    planner's (fineflow.train.sizing.RunPlan.params): the train settings the run really uses (precision "auto"
+    planner's (fineflow.train.run_plan.RunPlan.params): the train settings the run really uses (precision "auto"
     resolved, auto_fit's changes), so "auto" on a CPU and on a GPU are different runs."""
     train = {k: v for k, v in params.train.model_dump().items() if k not in NOT_IN_FINGERPRINT}
     fingerprint = {
-        "base": base_identity(reference, cache_dir),
+        "base": base_identity(base, cache_dir),
         "data": shard_meta.get("content_key"),
         "code": code if code is not None else code_identity(),
         "seed": params.seed,
@@ -209,7 +209,7 @@ def resume_point(accelerator, checkpoints: Path, fingerprint: dict, mode: str, s
     (checkpoint.store, a fineflow.checkpoint.StoreConfig): each node first downloads the store's newest valid
     checkpoint of this run when its own directory has none as new."""
     from fineflow.checkpoint import load_checkpoint
-    from fineflow.checkpoint.store import fetch_for_resume
+    from fineflow.checkpoint.remote_store import fetch_for_resume
     from fineflow.train.fsdp import require_visible_to_every_rank
 
     fetch_for_resume(accelerator, Path(checkpoints) / run_id(fingerprint), store, FINISHED, fresh=mode == "never")

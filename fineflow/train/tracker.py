@@ -33,7 +33,7 @@ def init_tracker(accelerator, params: Params, run_dir: Path, start_step: int = 0
     """accelerate's tracker, one run per training run (tracker_run_name): TensorBoard under
     logs/fineflow/<run>, MLflow as run <run> of experiment fineflow. After a resume from step N, TensorBoard
     purges the events a crashed attempt logged after N, so no step appears twice in the curves."""
-    cfg = params.train  # as the run trains (fineflow.train.sizing.RunPlan.params)
+    cfg = params.train  # as the run trains (fineflow.train.run_plan.RunPlan.params)
     if cfg.tracker == "none":
         return
     name = tracker_run_name(run_dir, resuming=start_step > 0)

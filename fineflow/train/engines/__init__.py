@@ -28,7 +28,7 @@ class RankJob:
 
     module/argv: the rank command, ``python -m <module> <argv>`` (the train stage's own argv); world: ranks over
     all machines; env: what every rank's environment adds (the worker flag, ACCELERATE_USE_CPU on CPU, thread
-    counts); params: the planned params (fineflow.train.sizing.RunPlan.params); grace_s: the preemption grace."""
+    counts); params: the planned params (fineflow.train.run_plan.RunPlan.params); grace_s: the preemption grace."""
 
     module: str
     argv: list[str]

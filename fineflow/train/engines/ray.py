@@ -3,7 +3,7 @@ the train stage's launcher process drives and waits.
 
 How the layers connect (each line starts the next):
 
-    run_on_ray (the driver: the train stage's launcher, fineflow.train.recipe.run_cluster_job)
+    run_on_ray (the driver: the train stage's launcher, fineflow.train.procedure.run_cluster_job)
       connects (train.ray.address, else RAY_ADDRESS, else a local Ray for one machine), checks the cluster's
       resources, creates a Coordinator actor and submits a Ray Train DataParallelTrainer, then waits
       -> Ray Train's controller: places job.world workers (ScalingConfig) and, when one fails, tears the group

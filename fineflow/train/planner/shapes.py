@@ -239,20 +239,20 @@ def shape_for_params(count: float) -> ModelShape:
     return nearest
 
 
-def load_shape(reference: str) -> ModelShape:
+def load_shape(base: str) -> ModelShape:
     """Resolve what a user typed: a known size ('7B'), a hub id of HUB_CONFIGS, a parameter count, a config.json or
     a model dir."""
     known = {key.lower(): shape for key, shape in KNOWN_SHAPES.items()}
-    if reference.strip().lower() in known:
-        return known[reference.strip().lower()]
-    if reference.strip() in HUB_CONFIGS:
-        return shape_from_config(HUB_CONFIGS[reference.strip()], name=reference.strip())
-    if Path(reference).exists():
-        return shape_from_file(reference)
-    count = parse_param_count(reference)
+    if base.strip().lower() in known:
+        return known[base.strip().lower()]
+    if base.strip() in HUB_CONFIGS:
+        return shape_from_config(HUB_CONFIGS[base.strip()], name=base.strip())
+    if Path(base).exists():
+        return shape_from_file(base)
+    count = parse_param_count(base)
     if count is None or count <= 0:
         raise FineflowError(
-            f"--model {reference!r} is neither a known size ({', '.join(KNOWN_SHAPES)}), a hub id the planner "
+            f"--model {base!r} is neither a known size ({', '.join(KNOWN_SHAPES)}), a hub id the planner "
             f"knows ({', '.join(HUB_CONFIGS)}), a parameter count, a config.json nor a model directory"
         )
     return shape_for_params(count)

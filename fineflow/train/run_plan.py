@@ -73,14 +73,14 @@ def device_memory_bytes(cfg: TrainParams, has_gpu: bool, ranks_here: int) -> flo
     return psutil.virtual_memory().total / max(1, ranks_here)
 
 
-def model_shape(reference: str):
+def model_shape(base: str):
     """The planner's shape of model.base: a local dir, a hub id the planner knows (nothing downloaded), else the
     hub id's config from the local cache."""
-    if Path(reference).exists() or reference in planner.HUB_CONFIGS:
-        return planner.load_shape(reference)
+    if Path(base).exists() or base in planner.HUB_CONFIGS:
+        return planner.load_shape(base)
     from transformers import AutoConfig  # a hub id: its config from the local cache (offline)
 
-    return planner.shape_from_config(AutoConfig.from_pretrained(reference).to_dict(), name=reference)
+    return planner.shape_from_config(AutoConfig.from_pretrained(base).to_dict(), name=base)
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def given_plan(environ) -> RunPlan | None:
     return RunPlan(params, load_profile(params.train.accelerate_profile), plan["memory"], changes, warnings)
 
 
-def fit_plan(params: Params, profile: Profile, reference: str, has_gpu: bool) -> RunPlan:
+def fit_plan(params: Params, profile: Profile, base: str, has_gpu: bool) -> RunPlan:
     """The planner's verdict for this run, with the train configuration to run with.
 
     Pure in its inputs, so the launcher (which refuses before launching) and every rank (which applies
@@ -141,7 +141,7 @@ def fit_plan(params: Params, profile: Profile, reference: str, has_gpu: bool) ->
     device = device_memory_bytes(cfg, has_gpu, max(1, ranks // cfg.num_machines))
     warnings = real_model_warnings(params) + fused_lora_warnings(params)
     try:
-        result = planner.check_fit(model_shape(reference), setup, device, adapt=cfg.auto_fit)
+        result = planner.check_fit(model_shape(base), setup, device, adapt=cfg.auto_fit)
     except planner.DoesNotFit as refused:  # said together: fixing the memory alone would still leave the lr
         raise planner.DoesNotFit("; ".join([str(refused), *(f"also: {w}" for w in warnings)])) from None
     adapted = cfg.model_copy(

@@ -11,6 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from fineflow.base_source import read_base_digest, resolve_base_model
 from fineflow.core.config import Params
 from fineflow.core.errors import FineflowError
 from fineflow.core.reports import sha256_file, write_json_atomic
@@ -29,8 +30,8 @@ from fineflow.evaluate.harness import (
     summarize,
     write_samples,
 )
-from fineflow.evaluate.preference import TASK as PREFERENCE_TASK
-from fineflow.evaluate.preference import PairScorer, lm_eval_tasks, read_pairs, write_pair_samples
+from fineflow.evaluate.pair_ranking import TASK as PREFERENCE_TASK
+from fineflow.evaluate.pair_ranking import PairScorer, lm_eval_tasks, read_pairs, write_pair_samples
 from fineflow.evaluate.sizing import (
     base_scored_note,
     choose_placement,
@@ -39,7 +40,6 @@ from fineflow.evaluate.sizing import (
     qlora_base,
     visible_device_bytes,
 )
-from fineflow.model_ref import read_base_digest, resolve_base_model
 from fineflow.train.planner import GiB, shape_from_config
 from fineflow.train.precision import TORCH_DTYPE_OF, quantization_kwargs
 
@@ -70,7 +70,7 @@ def evaluate_models(
     reference: Path | None = None,
 ) -> dict:
     """Score the base, the candidate and (when there is one) the champion on every task (and with a preference
-    objective on every eval pair: fineflow.evaluate.preference); write
+    objective on every eval pair: fineflow.evaluate.pair_ranking); write
     ``<out_dir>/scores.json``, per-sample outputs and lm-eval's raw results; return the stage's report.
 
     base_dir: the base stage's output (the base when ``model.base`` is the embedded model). base_fingerprint: the
@@ -117,7 +117,7 @@ def evaluate_models(
 
 def preference_anchor(reference: Path | None, champion_dir: Path | None) -> str:
     """The model a preference run's rewards are measured from: the champion when it is the reference the DPO
-    candidate was trained against (the reference stage's reference.json names it), so the reward is the policy's
+    candidate was trained against (the reference_logps stage's reference.json names it), so the reward is the policy's
     own implicit reward (its reference scores 0.5, a tie on every pair) and the gate asks whether the candidate
     moved toward the chosen answers past the model it started from; otherwise the base."""
     if reference is None or not reference.is_file() or champion_dir is None:
@@ -152,7 +152,7 @@ def pair_scorer(params: Params, eval_rows: Path) -> PairScorer | None:
     return PairScorer(pairs, beta, params.evaluate.batch_size, params.tokenize.seq_len)
 
 
-def plan_loading(params: Params, base_reference: str, log=print) -> tuple[LoadPlan, dict, str]:
+def plan_loading(params: Params, base: str, log=print) -> tuple[LoadPlan, dict, str]:
     """(how to load the models, the memory plan and placement for the report, the words for the base scored):
     the run's compute dtype, one device or the fewest visible devices that hold the model sharded (accelerate's
     device map), or a FineflowError naming what to change, before any weights are read."""
@@ -165,9 +165,9 @@ def plan_loading(params: Params, base_reference: str, log=print) -> tuple[LoadPl
     dtype = TORCH_DTYPE_OF[mixed]
     note = base_scored_note(params.train.method, chosen, dtype)
     quantization = quantization_kwargs(mixed) if chosen == "4bit" else None
-    config = AutoConfig.from_pretrained(base_reference)
+    config = AutoConfig.from_pretrained(base)
     try:
-        shape = shape_from_config(config.to_dict(), name=str(base_reference))
+        shape = shape_from_config(config.to_dict(), name=str(base))
     except FineflowError as exc:  # an architecture the planner cannot size: load it whole, as before
         log(f"evaluate: not sized ({exc}); loading on one device")
         return LoadPlan(dtype, "cuda" if has_gpu else "cpu", quantization=quantization), {"sized": False}, note
@@ -208,7 +208,7 @@ def score_models(
             error = f"{type(exc).__name__}: {exc}"
             log(f"{name}: evaluation FAILED: {error}")
             if name != "champion":
-                raise EvaluationFailed(name, path or scorer.reference, error) from exc
+                raise EvaluationFailed(name, path or scorer.base_source, error) from exc
             scores[name] = {"status": "failed", "error": error}  # the gate refuses to compare with it
             continue
         metrics, samples = summarize(results)
@@ -230,7 +230,7 @@ def score_models(
 
 def summarize_pairs(pair_scorer, scores: dict, pair_logps: dict, anchor: str, out_dir: Path, log=print) -> None:
     """Each model's fineflow_preference metrics and per-pair samples, its rewards anchored to the anchor model's
-    log-probs (fineflow.evaluate.preference), into its scores entry and beside its lm-eval samples."""
+    log-probs (fineflow.evaluate.pair_ranking), into its scores entry and beside its lm-eval samples."""
     for name, logps in pair_logps.items():
         metrics, samples = pair_scorer.summarize(logps, pair_logps[anchor])
         scores[name]["metrics"][PREFERENCE_TASK], scores[name]["samples"][PREFERENCE_TASK] = metrics, samples

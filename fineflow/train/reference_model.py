@@ -23,7 +23,7 @@ from fineflow.core.train_config import TrainParams
 
 NO_CHAMPION = {"champion": None}
 REFERENCE_FILE = "reference.json"
-ADAPTER_DIR = "adapter"  # in models/reference: the champion's adapter the reference and the policy start from
+ADAPTER_DIR = "adapter"  # in models/reference_logps: the champion's adapter the reference and the policy start from
 CHAMPION_RECORD = "champion.json"  # in models/champion (fineflow.registry.champion.champion_json)
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
@@ -97,7 +97,7 @@ def reference_record(
 
 @dataclass(frozen=True)
 class Reference:
-    """The reference stage's output as the train stage reads it (dpo)."""
+    """The reference_logps stage's output as the train stage reads it (dpo)."""
 
     record: dict  # reference.json
     adapter: Path | None  # the adapter the policy starts from (the reference's); None: a fresh one on the base
@@ -105,15 +105,15 @@ class Reference:
 
 
 def load_reference(cfg: TrainParams, reference_dir: Path | None) -> Reference | None:
-    """train.objective dpo: models/reference as the reference stage wrote it, checked against params (the
+    """train.objective dpo: models/reference_logps as the reference_logps stage wrote it, checked against params (the
     stage ran for this configuration); None for sft and simpo, which need no reference."""
     from fineflow.train.preference import logps_file
 
     if cfg.objective != "dpo":
         return None
-    rerun = "run the reference stage (dvc repro reference) before train"
+    rerun = "run the reference_logps stage (dvc repro reference_logps) before train"
     if reference_dir is None:
-        raise FineflowError(f"train.objective dpo needs the reference stage's output (--reference): {rerun}")
+        raise FineflowError(f"train.objective dpo needs the reference_logps stage's output: {rerun}")
     try:
         record = read_json(Path(reference_dir) / REFERENCE_FILE)
     except (OSError, ValueError) as exc:
@@ -136,6 +136,6 @@ def check_reference_shards(reference: Reference, shard_keys: dict) -> None:
     if stale:
         raise FineflowError(
             f"the reference log-probs were computed on other {'/'.join(stale)} shards (content key "
-            f"{computed.get(stale[0])}, the shard's is {shard_keys[stale[0]]}): run the reference stage again "
-            f"(dvc repro reference) after tokenize"
+            f"{computed.get(stale[0])}, the shard's is {shard_keys[stale[0]]}): run the reference_logps stage again "
+            f"(dvc repro reference_logps) after tokenize"
         )
