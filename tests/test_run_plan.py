@@ -35,3 +35,14 @@ def test_a_rank_given_its_launchers_plan_does_not_plan_again(plan, built, tmp_pa
     rank = procedure.TrainProcedure(other, paths, log=lambda line: None)
     rank._setup_plan()
     assert rank.run.params == plan.params and rank.cfg.micro_batch_size == plan.train.micro_batch_size
+
+
+def test_a_cluster_engines_ranks_get_the_launchers_plan(plan, monkeypatch):
+    """train.launcher ray or slurm: the job the engine places carries the same plan local ranks get."""
+    from fineflow.train import engines
+
+    jobs = []
+    monkeypatch.setattr(engines, "run_job", lambda launcher, job, log, spans: jobs.append(job) or 0)
+    assert procedure.run_cluster_job(plan, plan.profile, False, "fineflow.stages.train", [], log=lambda line: None) == 0
+    given = run_plan.given_plan(jobs[0].env)
+    assert given is not None and given.params == plan.params and given.memory["gib"] == plan.memory["gib"]

@@ -28,6 +28,7 @@ from fineflow.train.engines.slurm import (
     restarts,
     run_on_slurm,
 )
+from fineflow.train.run_plan import PLAN_ENV
 from tests.conftest import (
     ROOT,
     TRAIN,
@@ -130,6 +131,24 @@ def test_ranks_get_the_settings_accelerate_launch_gives_for_the_profile_file(tmp
     for key, value in expected.items():
         assert f"export {key}={value}\n" in script
     assert "export FINEFLOW_TRAIN_WORKER=1" in script and "ACCELERATE_USE_CPU" not in script
+
+
+def test_the_batch_script_hands_the_ranks_the_drivers_plan_unless_their_gpus_differ(tmp_path):
+    """The plan (a JSON document) survives the script's shell quoting; a driver without GPUs submitting to GPU nodes
+    (train.slurm.gpus_per_node) lets the ranks plan for the devices they get instead."""
+    job = _job(tmp_path)
+    plan = '{"params": {"seed": 1}, "note": "it\'s $HOME; `not run`"}'
+    job = RankJob(job.module, job.argv, job.world, 1, False, None, job.params, 30.0, job.env | {PLAN_ENV: plan})
+    exports = [line for line in batch_script(job, tmp_path / "out").splitlines() if line.startswith("export ")]
+    shown = subprocess.run(
+        ["bash", "-c", "\n".join(exports) + f'\nprintf %s "${PLAN_ENV}"'], capture_output=True, text=True, check=True
+    )
+    assert shown.stdout == plan
+    gpu_nodes = _job(tmp_path, {"train.slurm.gpus_per_node": 1})
+    gpu_nodes = RankJob(
+        gpu_nodes.module, gpu_nodes.argv, 2, 1, False, None, gpu_nodes.params, 30.0, gpu_nodes.env | {PLAN_ENV: plan}
+    )
+    assert PLAN_ENV not in batch_script(gpu_nodes, tmp_path / "out")
 
 
 def test_ranks_that_do_not_divide_over_the_nodes_are_refused(tmp_path):

@@ -90,11 +90,12 @@ def launch_ranks(
 
 
 def run_cluster_job(run: RunPlan, profile, has_gpu: bool, module: str, argv: list[str], log=print, spans=None) -> int:
-    """train.launcher ray or slurm: the same rank command, placed by the engine (fineflow.train.engines)."""
+    """train.launcher ray or slurm: the same rank command, placed by the engine (fineflow.train.engines). The ranks
+    get this launcher's plan (RunPlan.environment) as local ranks do, and do not plan again."""
     from fineflow.train.engines import RankJob, run_job
 
     cfg = run.train
-    env = {WORKER_ENV: "1"} | ({} if has_gpu else {"ACCELERATE_USE_CPU": "1"})
+    env = {WORKER_ENV: "1", **run.environment()} | ({} if has_gpu else {"ACCELERATE_USE_CPU": "1"})
     job = RankJob(
         module,
         argv,

@@ -38,6 +38,7 @@ from string import Template
 from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
 from fineflow.process.preempt import StopNote, budget_s
 from fineflow.train.launch import accelerate_command
+from fineflow.train.run_plan import PLAN_ENV
 
 OUTPUT_DIR = Path("logs/slurm")
 POLL_S = 2.0
@@ -169,9 +170,14 @@ def gpus_per_node(job) -> int:
 
 def rank_env(job, gpus: int) -> dict[str, str]:
     """What the ranks' environment adds: the profile's settings, then the job's, less ACCELERATE_USE_CPU when the
-    allocation has GPUs."""
+    allocation has GPUs. The driver's plan (PLAN_ENV) goes along unless the allocation's GPUs differ from the
+    driver's (a login node without GPUs submitting to GPU nodes, train.slurm.gpus_per_node): the ranks then plan
+    for the devices they get."""
     env = profile_env(job) | job.env
-    return {key: value for key, value in env.items() if not (gpus and key == "ACCELERATE_USE_CPU")}
+    dropped = {"ACCELERATE_USE_CPU"} if gpus else set()
+    if bool(gpus) != job.has_gpu:
+        dropped.add(PLAN_ENV)
+    return {key: value for key, value in env.items() if key not in dropped}
 
 
 def profile_env(job) -> dict[str, str]:
