@@ -457,7 +457,7 @@ def candidate_record(
         "reason": decision.reason,
         "stats": decision.stats,
         "base_model": _base_or_none(params, base_dir, adapter_dir),
-        "base_digest": scores.get("base_digest"),  # the base by content (model_ref.base_digest), as evaluated
+        "base_digest": scores.get("base_digest"),  # the base by content (base_source.base_digest), as evaluated
         "base_scored": scores.get("base_scored"),  # e.g. a QLoRA adapter scored on the 16-bit base (the card says)
         "lineage": deterministic(manifest),
         # whether the champion holds merged/ (promote.merged); rollback rebuilds it as it was promoted

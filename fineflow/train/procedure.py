@@ -1,4 +1,4 @@
-"""The training recipe, read in order: what the launcher does, then what each rank does.
+"""The training procedure, read in order: what the launcher does, then what each rank does.
 
 ``launch_ranks`` decides once (the accelerate profile, ``fineflow.train.profile``; the memory planner's verdict,
 ``fineflow.train.run_plan``: refuse, or adapt with ``train.auto_fit``) and re-executes the stage entry under
@@ -140,11 +140,11 @@ def train_rank(
 ) -> dict | None:
     """One rank of training; returns the report on rank 0 and None elsewhere."""
     paths = RankPaths(shards, base_dir, checkpoints, out_dir, steps_log, logs_dir, hash_cache, reference)
-    recipe = TrainProcedure(params, paths, log)
-    recipe.setup()
-    result = recipe.train()
-    recipe.cleanup()
-    return recipe.report(result)
+    procedure = TrainProcedure(params, paths, log)
+    procedure.setup()
+    result = procedure.train()
+    procedure.cleanup()
+    return procedure.report(result)
 
 
 def import_training_modules() -> None:

@@ -61,7 +61,7 @@ TRAINING_CODE = (
     "core/tokenize_config.py",
     "core/train_config.py",
     "core/launch_config.py",
-    "model_ref.py",
+    "base_source.py",
     "core/errors.py",
 )
 TRAINING_LIBRARIES = (
