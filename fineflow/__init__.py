@@ -16,6 +16,7 @@ registry/      stage promote: the gate, the registry, the champion, lineage, app
 export/        the champion as GGUF files for llama.cpp, each parity-checked against the trained model
 goodput/       stage goodput: the ledger, cost, the charts, the doctor
 process/       process supervision: stop signals through every layer, resumably, with no orphans
+cli/           the ``fineflow`` command: its parser and entry, one module per area of subcommands
 base_source.py which base model the stages load (the embedded one, a path or a hub id)
 corpus.py      the bundled text of the synthetic data and the embedded base's pretraining
 code_deps.py   ``fineflow dvc-deps``: each stage's code deps in dvc.yaml, from what its entry imports
@@ -25,7 +26,6 @@ params_doc.py  ``fineflow params-doc``: the params reference (docs/reference/par
 remote.py      the project's default DVC remote: pull at a run's start, push at its end
 dvc_rwlock.py  DVC's read/write lock after a SIGKILL: a half-written file, entries of dead dvcs (PID reused)
 ci.py          ``fineflow ci``: the CI retraining job as one command
-cli.py         the ``fineflow`` command and its subcommands
 """
 
 __version__ = "0.1.0"
