@@ -12,6 +12,7 @@ import gzip
 import importlib.util
 import io
 import json
+import re
 import shutil
 import tarfile
 from pathlib import Path
@@ -38,6 +39,13 @@ def _export_missing() -> str | None:
 
 
 needs_llama_cpp = pytest.mark.skipif(_export_missing() is not None, reason=str(_export_missing()))
+# the runtime alone (the quantizer, the loader), without the converter
+needs_llama_cpp_python = pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed (make export-tools)"
+)
+# how llama.cpp's own lines begin: its model loader's metadata dump, the model's summary, the tensors' load, the
+# context, the quantizer, the converter (the last two are the log's only: tensor lines of theirs have no prefix)
+LLAMA_CPP_LINES = ("llama_model_loader:", "print_info:", "load_tensors:", "llama_context:", "llama_model_quantize")
 
 
 # ---------------------------------------------------------------- everywhere
@@ -182,6 +190,55 @@ def test_an_adapter_only_champion_is_merged_onto_its_base_for_the_export_and_no_
     weights = load_file(str(merged / "model.safetensors"))
     changed = sorted(name for name in base if not base[name].equal(weights[name]))
     assert changed and all(name.endswith(("q_proj.weight", "v_proj.weight", "down_proj.weight")) for name in changed)
+
+
+def _llama_cpp_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.lstrip().startswith(LLAMA_CPP_LINES)]
+
+
+@needs_llama_cpp  # one converter run (most of its ~8 s on 2 cores), one quantization, llama.cpp loading both files
+def test_llama_cpps_own_output_goes_to_the_exports_log_and_the_console_keeps_the_stages_lines(built, tmp_path, capfd):
+    from fineflow.export.exporter import export_model
+    from fineflow.export.native_log import LOG_FILE
+
+    # q4_k_m: the tiny model's rows (32 wide) are too short for its 256-wide blocks, so llama.cpp warns and falls back
+    params = _tiny_params(quantized=["q4_k_m"], parity_docs=2, threads=1)
+    out = tmp_path / "gguf"
+    capfd.readouterr()
+    report = export_model(built / "models/base", built / "data/validated/eval.jsonl", out, tmp_path / "work", params)
+    console = capfd.readouterr()  # file descriptors 1 and 2: what llama.cpp's C code writes is seen here
+    assert sorted(report["exports"]) == ["f16", "q4_k_m"]
+    assert _llama_cpp_lines(console.out + console.err) == []
+    assert [line for line in console.out.splitlines() if not line.startswith("export: ")] == []
+    assert "model-q4_k_m.gguf quantized by llama.cpp (" in console.out
+    assert f"bytes; llama.cpp warned, see {out / LOG_FILE})" in console.out
+    log = (out / LOG_FILE).read_text(encoding="utf-8")
+    assert [prefix for prefix in LLAMA_CPP_LINES if not re.search(f"^{prefix}", log, re.M)] == []
+    assert "llama_model_loader: - kv" in log and "INFO:hf-to-gguf:" in log  # the metadata dump, the converter's log
+
+
+@needs_llama_cpp_python  # the quantizer and the loader refusing a file that is not a GGUF: well under a second
+def test_a_failed_quantization_or_load_names_the_tool_its_last_lines_and_the_log(tmp_path, capfd):
+    from fineflow.export.gguf import quantize
+    from fineflow.export.native_log import llama_cpp_log
+    from fineflow.export.parity import load_runtime
+
+    not_gguf = tmp_path / "model-f16.gguf"
+    not_gguf.write_bytes(b"not a GGUF file")
+    log = tmp_path / "llama_cpp.log"
+    capfd.readouterr()
+    with llama_cpp_log(log):
+        with pytest.raises(FineflowError) as quantizing:
+            quantize(not_gguf, tmp_path / "model-q8_0.gguf", "q8_0", threads=1)
+        with pytest.raises(FineflowError) as loading:
+            load_runtime(not_gguf, vocab_only=True)
+    console = capfd.readouterr()
+    assert console.out == console.err == ""
+    for failed, what in ((quantizing, "llama.cpp's quantizer failed for q8_0"), (loading, "llama.cpp could not load")):
+        message = str(failed.value)
+        assert message.startswith(f"{not_gguf}: {what}") and message.endswith(f"(llama.cpp's output: {log})")
+        assert "invalid magic characters" in message  # llama.cpp's own reason, from the log's last lines
+    assert log.read_text(encoding="utf-8").count("invalid magic characters") == 2
 
 
 @pytest.mark.nightly  # a converter subprocess per GGUF and llama.cpp scoring: ~1 min on 2 cores; needs the extra

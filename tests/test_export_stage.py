@@ -172,8 +172,8 @@ def test_with_block_promotion_a_failed_parity_check_refuses_the_candidate_and_th
     project = gate_only_project(built, tmp_path / "project")
     checked = {}
 
-    def export_model(model_dir, eval_rows, out_dir, work_dir, params, log=print):
-        checked.update(model=model_dir, quantized=list(params.export.quantized))
+    def export_model(model_dir, eval_rows, out_dir, work_dir, params, log=print, llama_log=None):
+        checked.update(model=model_dir, quantized=list(params.export.quantized), llama_log=llama_log)
         return _parity_report(passed)(model_dir)
 
     monkeypatch.setattr(export_champion, "export_model", export_model)
@@ -181,6 +181,7 @@ def test_with_block_promotion_a_failed_parity_check_refuses_the_candidate_and_th
     report = _promote(project, params, project / "data/validated/eval.jsonl")
     # the staged champion's merged model, on the float type and the gated types only (q4_k_m has no tolerance)
     assert checked["model"].name == "merged" and checked["quantized"] == ["q8_0"]
+    assert checked["llama_log"] == project / "models/promote_parity.llama_cpp.log"  # llama.cpp's, kept after the check
     entry = read_log(project / "models/registry")[-1]
     assert entry["export_parity"]["passed"] is passed
     assert entry["export_parity"]["exports"]["f16"] == {
@@ -278,6 +279,7 @@ def test_dvc_repro_exports_a_shippable_champion_and_block_promotion_promotes_onl
     card = (export / "README.md").read_text(encoding="utf-8")
     assert all(f"| model-{kind}.gguf | {kind} |" in card for kind in ("f16", "q8_0", "q4_k_m"))
     assert "fineflow serve --export-dir models/export --type q8_0" in card
+    assert "llama_model_loader: - kv" in (export / "llama_cpp.log").read_text(encoding="utf-8")  # .dvcignore'd
     champion_card = (project / "models/champion/README.md").read_text(encoding="utf-8")
     assert champion_card.count("\n## Exports\n") == 1 and "| model-q8_0.gguf | q8_0 |" in champion_card
     verify = [sys.executable, "-m", "fineflow.cli", "registry", "verify"]  # the card's new section is not tampering
@@ -291,6 +293,7 @@ def test_dvc_repro_exports_a_shippable_champion_and_block_promotion_promotes_onl
     assert entry["decision"] == "promoted" and entry["export_parity"]["passed"] is True
     assert sorted(entry["export_parity"]["exports"]) == ["f16", "q8_0"]  # the float and the gated types
     assert "## Export parity (checked before promotion)" in (blocked / "models/champion/README.md").read_text()
+    assert "llama_model_loader: - kv" in (blocked / "models/promote_parity.llama_cpp.log").read_text(encoding="utf-8")
     print(json.dumps({k: e["checks"]["scores"]["figures"] for k, e in report["exports"].items()}))
 
 

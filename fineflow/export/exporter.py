@@ -15,6 +15,7 @@ from pathlib import Path
 from fineflow.core.config import Params
 from fineflow.core.errors import FineflowError
 from fineflow.export.gguf import export_gguf
+from fineflow.export.native_log import LOG_FILE, llama_cpp_log
 from fineflow.export.parity import (
     EvalDoc,
     check_scores,
@@ -26,6 +27,8 @@ from fineflow.export.parity import (
     vocabulary_checks,
 )
 from fineflow.export.vllm import write_vllm_layout
+
+PARITY_LOG_FILE = "promote_parity.llama_cpp.log"  # promote's parity check's llama.cpp log, beside the champion
 
 
 def champion_model_dir(champion_dir: Path, work_dir: Path, log: Callable[[str], None] = print) -> Path:
@@ -89,8 +92,23 @@ def export_model(
     params: Params,
     log: Callable[[str], None] = print,
     trained: Trained | None = None,
+    llama_log: Path | None = None,
 ) -> dict:
-    """GGUF files of model_dir in out_dir, each with its parity verdict; the export's report."""
+    """GGUF files of model_dir in out_dir, each with its parity verdict; the export's report. What llama.cpp prints
+    while converting, quantizing and answering goes to llama_log (default: out_dir/llama_cpp.log), not the console."""
+    with llama_cpp_log(llama_log or out_dir / LOG_FILE):
+        return _export_model(model_dir, eval_rows, out_dir, work_dir, params, log, trained)
+
+
+def _export_model(
+    model_dir: Path,
+    eval_rows: Path,
+    out_dir: Path,
+    work_dir: Path,
+    params: Params,
+    log: Callable[[str], None],
+    trained: Trained | None,
+) -> dict:
     cfg = params.export
     trained = trained or trained_side(model_dir, eval_rows, work_dir, cfg.parity_docs)
     tokenizer, docs, generation_eos, stop_ids = (
@@ -177,7 +195,8 @@ def parity_before_promotion(
     """export.block_promotion: the staged champion (promote's assembly, before anything is logged or installed)
     exported to its float type and every quantized type with a tolerance, into scratch beside it, and parity-checked
     as the export stage checks; {"passed", "reasons", "exports": per type its verdict and score figures}. The files
-    are dropped: the export stage writes the champion's exports once it is champion."""
+    are dropped: the export stage writes the champion's exports once it is champion. llama.cpp's output is kept,
+    beside the champion's folder (models/promote_parity.llama_cpp.log)."""
     import tempfile
 
     from fineflow.registry.merge import build_merged
@@ -193,7 +212,8 @@ def parity_before_promotion(
             if (staging / "adapter_config.json").is_file():
                 build_merged(staging, work / "merged", base=base_ref)
                 model_dir = work / "merged"
-        report = export_model(model_dir, eval_rows, work / "gguf", work, checked, log)
+        llama_log = staging.with_name(PARITY_LOG_FILE)
+        report = export_model(model_dir, eval_rows, work / "gguf", work, checked, log, llama_log=llama_log)
     exports = {
         kind: {
             "shippable": export["shippable"],

@@ -30,6 +30,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from fineflow.core.errors import FineflowError
+from fineflow.export import native_log
 from fineflow.export.tooling import require_llama_cpp
 
 # the fineflow_synth task's generation_kwargs.until (fineflow/evaluate/bundled_tasks/fineflow_synth.yaml; a test
@@ -109,12 +111,19 @@ def eval_docs(rendered_rows: Path, limit: int | None = None) -> list[EvalDoc]:
 
 
 def load_runtime(gguf_file: Path, vocab_only: bool, n_ctx: int = 512, threads: int | None = None):
-    """llama.cpp (llama-cpp-python's Llama) on gguf_file, on CPU, quiet. n_ctx 0: the file's context length (not
-    for a vocab-only load, which has no context length to take)."""
+    """llama.cpp (llama-cpp-python's Llama) on gguf_file, on CPU. n_ctx 0: the file's context length (not for a
+    vocab-only load, which has no context length to take). Its loader's dump goes to the export's llama.cpp log
+    when one is open (``fineflow.export.native_log``); ``verbose=False`` alone leaves llama.cpp's warnings on stderr."""
     llama_cpp = require_llama_cpp()
-    return llama_cpp.Llama(
-        model_path=str(gguf_file), vocab_only=vocab_only, n_ctx=n_ctx, n_threads=threads, verbose=False, seed=0
-    )
+    start = native_log.mark()
+    try:
+        with native_log.native_output():
+            return llama_cpp.Llama(
+                model_path=str(gguf_file), vocab_only=vocab_only, n_ctx=n_ctx, n_threads=threads, verbose=False, seed=0
+            )
+    except ValueError as exc:  # llama-cpp-python's "Failed to load model from file", llama.cpp's reason in its log
+        what = f"{gguf_file}: llama.cpp could not load it ({exc})"
+        raise FineflowError(native_log.failure(what, native_log.output_since(start))) from None
 
 
 # ---------------------------------------------------------------- the vocabulary and metadata checks

@@ -10,7 +10,9 @@ the same section goes last into the champion's own card, models/champion/README.
 and ``<out>/export.json``: per file its size, sha256, whether it is shippable and, when not, each failed check's
 reason, with the parity figures (fineflow.export.parity), and ``serve``: the file ``fineflow serve`` serves. A failed
 check marks that file not shippable; the stage still succeeds and the champion stays champion
-(``export.block_promotion`` makes promote check first and refuse instead).
+(``export.block_promotion`` makes promote check first and refuse instead). The console carries the stage's own
+lines; what llama.cpp prints (its converter, quantizer and model loader) goes to ``<out>/llama_cpp.log``
+(fineflow.export.native_log), which a failure's message names; .dvcignore keeps it out of the output's hash.
 
 Nothing is exported, and export.json says why (``skipped``), when nothing is promoted yet, when ``export.enabled``
 is false, or when it is ``auto`` and llama.cpp's tools are not installed (``make export-tools``). ``--tools`` is the
