@@ -23,7 +23,13 @@ def is_train_worker() -> bool:
     return os.environ.get(TRAIN_WORKER_ENV) == "1"
 
 
-HUB_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME")
+HUB_VARIABLES = (
+    "HF_HUB_OFFLINE",
+    "HF_DATASETS_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "HF_HOME",
+    "HF_HUB_DISABLE_PROGRESS_BARS",
+)
 
 
 def offline_environment(project_root: str | Path) -> dict[str, str]:
@@ -38,6 +44,9 @@ def offline_environment(project_root: str | Path) -> dict[str, str]:
         "DVC_NO_ANALYTICS": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_DISABLE_TELEMETRY": "1",
+        # transformers' "Loading weights" bar, once per model load in four stages: the stages' own lines say what
+        # loaded (a hub base keeps the hub's bars: its download is worth watching)
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
         "PREFECT_HOME": str(root / ".prefect"),
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     }
