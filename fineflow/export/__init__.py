@@ -5,6 +5,7 @@ the eval docs).
     tooling.py        llama.cpp's converter (out of llama-cpp-python's sdist, sha256-checked) and its runtime, pinned
     run_converter.py  convert_hf_to_gguf.py run unchanged, naming GPT-2's byte-level pre-tokenizer where it refuses
     gguf.py           the float GGUF by llama.cpp's converter, the quantized ones by its quantizer
+    native_log.py     llama.cpp's own output (its log, the quantizer's and loader's writes to fds 1/2) into a log file
     parity.py         the checks: the GGUF through llama.cpp against the training tokenizer and the merged model
     exporter.py       the champion's merged model found or built, exported and checked: the stage's report
     exports_card.py   the exports' model card (models/export/README.md): each file, its parity, how to serve it
