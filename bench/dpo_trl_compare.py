@@ -213,7 +213,7 @@ def reference_cost(params, project: Path, tmp: Path) -> tuple[float, bool]:
     from fineflow.base_source import resolve_base_model
     from fineflow.stages.reference_logps import load_reference_model
     from fineflow.tokenize.shards import PackedShard
-    from fineflow.train.preference import PairShard, logps_file, write_shard_logps
+    from fineflow.train.pair_shards import PairShard, logps_file, write_shard_logps
 
     cfg = params.train
     started = time.perf_counter()

@@ -7,7 +7,8 @@ Each row runs in a fresh process (nothing left over from the previous row): buil
 LlamaForCausalLM, attn_implementation as listed: SDPA unless the row says eager; weights in fp32, or for the
 bf16 rows in the dtype the row's layout says: a bf16 base as fineflow's build_model loads it for LoRA, or an
 fp32 base under autocast), run one forward+backward with fineflow's loss (the same lines as
-fineflow.train.loop.token_loss_sum; bf16 rows under torch.autocast as accelerate runs the forward), and measure:
+fineflow.objectives.token_loss.token_loss_sum; bf16 rows under torch.autocast as accelerate runs the forward), and
+measure:
 
 - weights: the process's resident memory (VmRSS) just before and just after building the model (and
   wrapping it with peft for the LoRA row). A throwaway model is built first so that transformers' lazy
@@ -116,7 +117,8 @@ def _peak(counter: str) -> int:
 
 
 def _loss(model, ids, positions):
-    """fineflow.train.loop.token_loss_sum's loss (summed next-token cross-entropy, fp32), every token trained."""
+    """fineflow.objectives.token_loss.token_loss_sum's loss (summed next-token cross-entropy, fp32), every token
+    trained."""
     import torch.nn.functional as F
 
     logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits

@@ -68,7 +68,7 @@ def child(args) -> None:
     import yaml
 
     from fineflow.core.config import parse_params
-    from fineflow.core.errors import DataError
+    from fineflow.errors import DataError
     from fineflow.stages import validate
 
     work = Path(args.work)

@@ -4,7 +4,10 @@ The package is pure logic (no argv, no hard-coded paths, no work at import). Eac
 entry in ``fineflow.stages``; the Prefect tasks in ``tasks/`` and the commands in ``dvc.yaml`` call those.
 Every package's ``__init__.py`` maps its own files (tests/test_docs.py checks each map names them all).
 
-core/          what every stage imports: params, errors, the entry wrapper, reports, the workspace, the journal
+errors.py      the user errors (each names its file, row or key) and the exit codes every layer shares
+param_section.py the base of every params.yaml section model (unknown keys rejected, frozen)
+objectives/    train.objective: one module per objective (its rows, loss, reference, metric) behind one interface
+core/          what every stage imports: params, the entry wrapper, reports, the workspace, the journal
 stages/        one thin entry per DVC stage
 base/          stage base: the embedded default base model
 data/          stages data and validate: the bundled data, input formats, the great-expectations gate, PII

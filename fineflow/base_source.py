@@ -10,10 +10,10 @@ import json
 import os
 from pathlib import Path
 
-from fineflow.core.errors import FineflowError
 from fineflow.core.model_config import ModelParams
 from fineflow.core.preflight import names_a_directory
 from fineflow.core.reports import read_json, sha256_file, write_json_atomic
+from fineflow.errors import FineflowError
 
 EXTERNAL_MARKER = "external_base.json"
 HASH_CACHE = ".base-hashes.json"  # in a cache dir: content hashes of base model files, by path/size/mtime

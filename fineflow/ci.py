@@ -37,16 +37,16 @@ import yaml
 
 from fineflow import remote
 from fineflow.core import dvc_project, journal
-from fineflow.core.errors import (
+from fineflow.core.preflight import preflight
+from fineflow.core.reports import gate_evidence_table, read_approval_request, read_error_record, read_json
+from fineflow.dvc_rwlock import repair_rwlock
+from fineflow.errors import (
     APPROVAL_NEEDED_EXIT,
     PREEMPTED_EXIT,
     REFUSED_EXIT,
     USER_ERROR_EXIT,
     FineflowError,
 )
-from fineflow.core.preflight import preflight
-from fineflow.core.reports import gate_evidence_table, read_approval_request, read_error_record, read_json
-from fineflow.dvc_rwlock import repair_rwlock
 
 # What a CI commit holds: the lock, and the figures `dvc metrics diff` compares the next run against.
 COMMITTED = ("dvc.lock", "reports/metrics", "reports/plots")  # plots: their JSON (git ignores the PNGs)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import psutil
 
-from fineflow.core.errors import WorkspaceBusy
+from fineflow.errors import WorkspaceBusy
 
 RWLOCK = Path(".dvc/tmp/rwlock")
 GUARD = Path(".dvc/tmp/rwlock.lock")

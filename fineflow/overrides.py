@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from fineflow.core.config import parse_params
-from fineflow.core.errors import ConfigError
+from fineflow.errors import ConfigError
 
 
 def merged(raw: dict, overrides: dict[str, Any]) -> tuple[dict, list[str]]:

@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from fineflow.core.config import Params, parse_params
-from fineflow.core.errors import ConfigError, FineflowError
+from fineflow.errors import ConfigError, FineflowError
 
 RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
 RECIPE_KEYS = ("device", "params")

@@ -20,8 +20,8 @@ import os
 import sys
 from pathlib import Path
 
-from fineflow.core.errors import USER_ERROR_EXIT, FineflowError
 from fineflow.core.preflight import preflight
+from fineflow.errors import USER_ERROR_EXIT, FineflowError
 from flows.pipeline import fineflow_pipeline
 
 

@@ -38,8 +38,8 @@ from prefect import flow
 
 from fineflow.core import journal
 from fineflow.core.dvc_project import stage_names, upstream_stages
-from fineflow.core.errors import USER_ERROR_EXIT
 from fineflow.core.preflight import preflight
+from fineflow.errors import USER_ERROR_EXIT
 from fineflow.process import preempt
 from tasks import runs
 from tasks.approval_pause import answered_task_name, ask_for_approval

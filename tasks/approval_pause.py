@@ -19,8 +19,8 @@ from prefect.input import RunInput
 from pydantic import Field
 
 from fineflow.core.config import load_params
-from fineflow.core.errors import FineflowError
 from fineflow.core.reports import gate_evidence_table
+from fineflow.errors import FineflowError
 from fineflow.registry.approval import APPROVAL_ENV
 
 

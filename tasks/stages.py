@@ -33,10 +33,10 @@ from prefect import get_run_logger, task
 from fineflow.core import dvc_project
 from fineflow.core.config import load_params
 from fineflow.core.dvc_project import dvc_environment
-from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
 from fineflow.core.reports import read_approval_request, read_error_record
 from fineflow.core.train_config import CheckpointSettings
 from fineflow.dvc_rwlock import busy_error, repair_rwlock
+from fineflow.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
 from fineflow.process import preempt
 from fineflow.registry.approval import APPROVAL_ENV
 from tasks.artifacts import TrainingProgress, publish_failure, publish_report

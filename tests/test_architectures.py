@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from tests.families import FAMILIES, LLAMA_NAMES, TINY, tiny_model
 
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
+from fineflow.objectives.token_loss import token_loss_sum
 from fineflow.train.attention import LAYOUT_KWARG, VARLEN, layout_kwargs, packed_layout, plan_groups, register, segments
-from fineflow.train.loop import token_loss_sum
 
 
 def packed_rows(lengths_per_row: list[list[int]], seq_len: int) -> np.ndarray:

@@ -18,7 +18,7 @@ import yaml
 
 from fineflow.base import embedded as base_model
 from fineflow.core.config import parse_params
-from fineflow.core.errors import PREEMPTED_EXIT
+from fineflow.errors import PREEMPTED_EXIT
 from tests.conftest import TINY_PARAMS, _merge, copy_project, venv_env
 
 STEPS = 300  # tiny steps: long enough to be stopped in the middle, a few seconds in all

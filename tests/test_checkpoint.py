@@ -39,7 +39,7 @@ from fineflow.checkpoint import (
     to_tree,
     verify_checkpoint,
 )
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from tests.faults import FAULTS_DIR, INJECTED, fault_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -691,7 +691,7 @@ def test_a_writer_process_killed_mid_save_is_a_crash_not_a_user_error(tmp_path, 
     import time
 
     from fineflow.checkpoint.manager import WriterCrashed
-    from fineflow.core.errors import FineflowError
+    from fineflow.errors import FineflowError
 
     monkeypatch.setenv("PYTHONPATH", fault_env(dict(os.environ))["PYTHONPATH"])
     monkeypatch.setenv("FINEFLOW_TEST_WRITE_DELAY_S", "30")

@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from fineflow import ci
-from fineflow.core.errors import APPROVAL_NEEDED_EXIT, REFUSED_EXIT, USER_ERROR_EXIT
 from fineflow.core.reports import write_approval_request, write_error_record, write_json_atomic
+from fineflow.errors import APPROVAL_NEEDED_EXIT, REFUSED_EXIT, USER_ERROR_EXIT
 from tests.conftest import ROOT, add_s3_remote, copy_project, copy_reproduced, gate_only_project, venv_env
 
 WORKFLOW = ROOT / ".github" / "workflows" / "retrain.yml"

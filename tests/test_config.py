@@ -3,7 +3,7 @@
 import pytest
 
 from fineflow.core.config import load_params, parse_params
-from fineflow.core.errors import ConfigError
+from fineflow.errors import ConfigError
 
 
 def test_repo_params_are_valid():

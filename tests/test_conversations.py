@@ -489,8 +489,8 @@ def test_the_bundled_chat_set_with_tool_calls_runs_every_stage(tmp_path):
 def test_the_tokenize_stage_names_the_file_and_row_a_template_cannot_mask(tmp_path):
     """A row the gate kept only as a warning (validate.checks.chat_template: warn) stops the tokenize stage with
     the rows file, the row and the turn, not a traceback from the renderer."""
-    from fineflow.core.errors import FineflowError
     from fineflow.core.tokenize_config import TokenizeParams
+    from fineflow.errors import FineflowError
     from fineflow.tokenize.tokenization import tokenize_split
 
     rows = tmp_path / "train.jsonl"

@@ -113,7 +113,7 @@ def test_data_paths_with_spaces_reach_the_validate_stage_whole(built, tmp_path, 
 
 def test_a_quote_in_a_data_path_is_a_params_error():
     from fineflow.core.config import parse_params
-    from fineflow.core.errors import ConfigError
+    from fineflow.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"data\.train_path: must not contain a single quote"):
         parse_params({"data": {"train_path": "it's/train.jsonl"}})

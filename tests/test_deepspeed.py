@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.train.launch import (
     DEEPSPEED_INSTALL,
     accelerate_command,
@@ -202,7 +202,7 @@ def test_a_sharded_checkpoint_is_resumed_only_by_the_engine_that_wrote_it(writte
     """DeepSpeed's files and DCP's shards are not interchangeable: a changed profile is refused, naming both."""
     from types import SimpleNamespace
 
-    from fineflow.core.errors import FineflowError
+    from fineflow.errors import FineflowError
     from fineflow.train.checkpointing import restore
 
     checkpoint = SimpleNamespace(path=Path("step-0000002"), sharded_dir=Path("step-0000002/sharded"), state=written_by)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from fineflow.core.dvc_project import stage_command, stage_names
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from tests.conftest import ROOT
 
 

@@ -160,7 +160,7 @@ def test_a_run_that_trained_nothing_does_not_report_its_goodput_as_a_drop_to_zer
 def test_a_run_whose_training_failed_reports_its_own_goodput(tmp_path, monkeypatch):
     """A training that ran and failed is a run's real goodput (its wall time went to restart loss), not a run
     that trained nothing: nothing is carried over."""
-    from fineflow.core.errors import FineflowError
+    from fineflow.errors import FineflowError
 
     def failing_train(params):
         raise FineflowError("train.steps: the shards hold no rows")

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.train import elastic, resume
 from tests.conftest import (
     TRAIN_OVERRIDES,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from tests.conftest import random_adapter, write_params
 
 GiB = 1024**3

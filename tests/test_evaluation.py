@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from tests.conftest import TINY_PARAMS, random_adapter
 
 TASKS = ["fineflow_synth", "fineflow_synth_mc"]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fineflow.core.errors import ConfigError, FineflowError
+from fineflow.errors import ConfigError, FineflowError
 from fineflow.export import tooling
 from fineflow.export.parity import STOP_STRINGS, EvalDoc, check_scores, verdict
 from fineflow.export.run_converter import declared_pre_tokenizer

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.export.ollama import NotDerivable, derive_pieces, verify, write_modelfile
 from fineflow.export.vllm import max_lora_rank, write_vllm_layout
 from tests.families import TOKENS, build_tokenizer

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.export import tooling
 from fineflow.export.parity import Check, verdict
 from fineflow.registry.card import card_digest

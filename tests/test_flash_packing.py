@@ -14,13 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fineflow.core.errors import FineflowError
 from fineflow.core.train_config import TrainParams
+from fineflow.errors import FineflowError
+from fineflow.objectives.token_loss import token_loss_sum
 from fineflow.tokenize.shards import PackedShard, pack_examples, write_shard
 from fineflow.tokenize.template import EncodedBatch
 from fineflow.train.attention import FlashLayout, flash_layout, layout_kwargs, layout_of
 from fineflow.train.loader import collate, prepare_step
-from fineflow.train.loop import evaluate_loss, token_loss_sum
+from fineflow.train.loop import evaluate_loss
 from fineflow.train.profile import load_profile
 from fineflow.train.run_plan import check_hardware
 

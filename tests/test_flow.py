@@ -230,7 +230,7 @@ def test_each_task_waits_for_the_stages_whose_outputs_it_reads(monkeypatch):
 def test_the_flow_checks_the_params_and_input_paths_before_its_first_stage(tmp_path, monkeypatch):
     """A deployment's run (no `make run` around it): the params as its overrides left them and every input path
     they name are checked after the pull, before any stage task; the run fails on the user error."""
-    from fineflow.core.errors import ConfigError
+    from fineflow.errors import ConfigError
 
     project = copy_project(tmp_path / "project", {"data.train_path": "mine/train.jsonl"})
     recorder = _RecordingTask()
@@ -336,7 +336,7 @@ def test_param_overrides_are_applied_by_their_task_or_refused_all_at_once(prefec
     from prefect import flow
 
     from fineflow.core.config import load_params
-    from fineflow.core.errors import ConfigError
+    from fineflow.errors import ConfigError
     from tasks import runs
 
     project = copy_project(tmp_path / "project")

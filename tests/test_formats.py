@@ -5,9 +5,9 @@ import json
 import pytest
 
 from fineflow.core.data_config import FieldMapping, ValidateParams
-from fineflow.core.errors import DataError
 from fineflow.data.formats import Row, apply_mapping, read_rows
 from fineflow.data.validation import validate_rows
+from fineflow.errors import DataError
 
 ROWS = [{"prompt": "Say hi.", "completion": "hi"}, {"prompt": "Say bye.", "completion": "bye"}]
 PROMPT_COMPLETION = FieldMapping(instruction="prompt", input=None, output="completion")

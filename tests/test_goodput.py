@@ -21,7 +21,7 @@ import pytest
 
 from fineflow.core import journal
 from fineflow.core.dvc_project import stage_command
-from fineflow.core.errors import APPROVAL_NEEDED_EXIT
+from fineflow.errors import APPROVAL_NEEDED_EXIT
 from fineflow.goodput import cost, doctor, ledger
 from fineflow.train import flops
 from tests.conftest import (

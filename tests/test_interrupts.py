@@ -111,8 +111,8 @@ def test_fit_finishes_the_step_saves_it_and_stops_and_the_resume_is_bit_exact(bu
     due: every_steps 100) and fit() raises Preempted; the next run resumes from step 3 and ends with the adapter
     of an uninterrupted run, bit for bit."""
     from fineflow.checkpoint import load_checkpoint
+    from fineflow.objectives import token_loss
     from fineflow.process import preempt
-    from fineflow.train import loop
 
     params = _params(
         train={"steps": 6, "eval_every": 6, "tracker": "none", "log_every": 1}, checkpoint={"every_steps": 100}
@@ -120,7 +120,7 @@ def test_fit_finishes_the_step_saves_it_and_stops_and_the_resume_is_bit_exact(bu
     reference = _train_in_process(built, tmp_path / "reference", params)
 
     forwards = []
-    real = loop.token_loss_sum
+    real = token_loss.token_loss_sum
 
     def signalled_in_step_3(model, batch, **kwargs):
         if model.training:
@@ -129,7 +129,7 @@ def test_fit_finishes_the_step_saves_it_and_stops_and_the_resume_is_bit_exact(bu
                 os.kill(os.getpid(), signal.SIGTERM)
         return real(model, batch, **kwargs)
 
-    monkeypatch.setattr(loop, "token_loss_sum", signalled_in_step_3)
+    monkeypatch.setattr(token_loss, "token_loss_sum", signalled_in_step_3)
     out = tmp_path / "stopped"
     preempt.install(60)
     try:

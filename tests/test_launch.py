@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.train.launch import WORKER_ENV, accelerate_command
 from fineflow.train.profile import PROFILE_DIR, load_profile, profile_names, read_profile, resolve_profile
 from tests.conftest import PORTS, ROOT, launch_with_free_port, run_together

@@ -1,4 +1,5 @@
-"""The chunked linear cross-entropy (fineflow.train.loss): the same loss and gradients as the plain path (alone,
+"""The chunked linear cross-entropy (fineflow.objectives.token_loss): the same loss and gradients as the plain path
+(alone,
 through a LoRA model's forward, through the training loop), the plain path where it does not apply, and a peak
 memory on CPU that drops as logits_peak_bytes says."""
 
@@ -9,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from fineflow.train import loss as chunked
-from fineflow.train.loop import token_loss_sum
+from fineflow.objectives import token_loss as chunked
+from fineflow.objectives.token_loss import token_loss_sum
 from tests.conftest import venv_env
 
 
@@ -131,7 +132,7 @@ def test_a_micro_batch_within_one_chunk_and_heads_it_does_not_cover_take_the_pla
 MEASURE = """
 import json, sys
 import torch
-from fineflow.train import loss as chunked
+from fineflow.objectives import token_loss as chunked
 
 
 def rss(field):  # bytes, from /proc/self/status (VmRSS: now; VmHWM: the peak since the last reset)

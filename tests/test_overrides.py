@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from fineflow.core.config import load_params
-from fineflow.core.errors import ConfigError
+from fineflow.errors import ConfigError
 from fineflow.overrides import apply
 from tests.conftest import ROOT
 

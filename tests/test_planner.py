@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from fineflow.cli import main
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.train.planner import (
     KNOWN_SHAPES,
     LINEARS,
@@ -768,7 +768,9 @@ def test_gemma2s_soft_capped_logits_are_sized_whole():
     gemma = load_shape("google/gemma-2-9b-it")
     setup = Setup(micro_batch_size=2, seq_len=2048, loss_chunk_tokens=1024)
     assert not gemma.chunked_loss and load_shape("Qwen/Qwen3-8B").chunked_loss
-    assert logits_bytes(gemma, setup) == 2 * 2048 * 256_000 * 4 * 3  # the plain path fineflow.train.loss takes
+    assert (
+        logits_bytes(gemma, setup) == 2 * 2048 * 256_000 * 4 * 3
+    )  # the plain path fineflow.objectives.token_loss takes
 
 
 def test_the_cli_plans_a_recipes_hub_id_offline(capsys):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.train import planner
 from fineflow.train.precision import (
     PrecisionChoice,

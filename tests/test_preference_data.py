@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from fineflow.core.data_config import DataParams, FieldMapping, ValidateParams
-from fineflow.core.errors import DataError
 from fineflow.core.tokenize_config import TokenizeParams
 from fineflow.data.formats import apply_mapping, read_rows
 from fineflow.data.validation import raise_if_blocked, validate_rows, validate_splits
+from fineflow.errors import DataError
 
 CFG = ValidateParams(max_chars=300, max_bad_share=1.0)
 PAIR = {"instruction": "Which number is larger?", "input": "12 or 40", "chosen": "40", "rejected": "12"}
@@ -361,7 +361,7 @@ def test_pair_shards_do_not_depend_on_the_worker_count_and_are_keyed_by_the_obje
 
 
 def test_tokenizing_rows_of_another_objective_names_the_file_and_what_to_run(tmp_path):
-    from fineflow.core.errors import FineflowError
+    from fineflow.errors import FineflowError
     from fineflow.tokenize.tokenization import tokenize_split
 
     tokenizer = _tiny_tokenizer()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.registry.gate import GatePolicy, promotion_decision
 from tests.conftest import TINY_PARAMS, random_adapter
 from tests.test_promotion import entry  # a model's scores.json entry from per-doc values

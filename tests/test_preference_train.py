@@ -25,9 +25,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fineflow.core.dvc_project import stage_command
+from fineflow.objectives import objective_for
 from fineflow.tokenize.shards import POSITION_DTYPE, PackedArrays, token_dtype, write_shard
 from fineflow.tokenize.template import encode_pair, render_prompt
-from fineflow.train.preference import PAIR_SLOTS_FILE, PairShard, logps_file, pair_loss, write_shard_logps
+from fineflow.train.pair_shards import PAIR_SLOTS_FILE, PairShard, logps_file, write_shard_logps
 from tests.conftest import (
     ROOT,
     TRAIN_OVERRIDES,
@@ -161,10 +162,11 @@ def _load(base: Path, adapter: Path | None = None, attention: str = "varlen"):
 @pytest.mark.parametrize("attention", ["varlen", "sdpa"])
 def test_packed_pair_losses_equal_each_sequence_run_alone(built, tmp_path, attention):
     """dpo and simpo over packed rows (several pairs a row, rows batched, the reference's log-probs from the
-    shard-aligned file) == the DPO and SimPO formulas (fineflow.train.preference)
+    shard-aligned file) == the DPO and SimPO formulas (fineflow.objectives.dpo, .simpo)
     computed pair by pair on each sequence run alone, unpacked.
     varlen: fineflow's per-example attention; sdpa: transformers' block-diagonal mask from the position ids."""
-    from fineflow.core.train_config import PreferenceParams
+    from fineflow.core.train_config import TrainParams
+    from fineflow.objectives.pair_params import PreferenceParams
     from fineflow.tokenize.shards import PackedShard
     from fineflow.tokenize.tokenization import load_tokenizer
     from fineflow.train.attention import layout_kwargs, layout_of
@@ -183,6 +185,7 @@ def test_packed_pair_losses_equal_each_sequence_run_alone(built, tmp_path, atten
     write_shard_logps(reference, shard, tmp_path / logps_file("train"), 3, torch.device("cpu"), varlen=varlen)
     shard = PairShard(PackedShard(tmp_path / "train"), tmp_path / logps_file("train"))
     prefs = PreferenceParams(beta=0.5, simpo_gamma=0.3)
+    cfg = TrainParams(preference=prefs)
     expected = _by_hand(policy, reference, pairs, prefs.beta, prefs.simpo_gamma)
     for objective in ("dpo", "simpo"):
         total, pairs_seen, correct, margin = 0.0, 0, 0.0, 0.0
@@ -190,11 +193,11 @@ def test_packed_pair_losses_equal_each_sequence_run_alone(built, tmp_path, atten
             arrays = shard.batch(list(range(start, min(start + 2, len(shard)))))
             batch = {key: torch.from_numpy(value) for key, value in arrays.items()}
             with torch.no_grad():
-                got = pair_loss(
-                    policy, batch, objective, prefs, **layout_kwargs(layout_of(arrays["position_ids"], varlen))
+                got = objective_for(objective).loss(
+                    policy, batch, cfg, **layout_kwargs(layout_of(arrays["position_ids"], varlen))
                 )
-            total, pairs_seen = total + float(got.loss_sum), pairs_seen + got.pairs
-            correct, margin = correct + got.correct, margin + got.margin_sum
+            total, pairs_seen = total + float(got.loss_sum), pairs_seen + got.count
+            correct, margin = correct + got.rewards[0], margin + got.rewards[1]
         loss, right, margin_by_hand = expected[objective]
         assert pairs_seen == len(pairs)
         assert total == pytest.approx(loss, rel=1e-5), objective

@@ -412,7 +412,7 @@ def test_a_promote_re_run_after_its_decision_was_logged_does_not_judge_again(tmp
 
 
 def test_an_approval_answers_for_what_the_gate_would_promote_and_never_overturns_a_refusal():
-    from fineflow.core.errors import ApprovalNeeded
+    from fineflow.errors import ApprovalNeeded
     from fineflow.registry.approval import Approval, apply_approval
 
     passed = promotion_decision({"base": entry({P: hits(5)}), "candidate": entry({P: hits(25)})}, None, [], POLICY, H)
@@ -441,7 +441,7 @@ def test_an_approval_answers_for_what_the_gate_would_promote_and_never_overturns
     ],
 )
 def test_a_malformed_approval_is_refused_naming_the_variable_and_every_problem(text, problems):
-    from fineflow.core.errors import FineflowError
+    from fineflow.errors import FineflowError
     from fineflow.registry.approval import approval_from_env
 
     with pytest.raises(FineflowError) as refused:

@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from fineflow.core import journal
-from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
+from fineflow.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
 from fineflow.goodput import ledger
 from fineflow.train.engines import ray as engine
 from tests.conftest import (

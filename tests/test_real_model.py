@@ -14,7 +14,7 @@ import json
 import pytest
 
 from fineflow.base.from_gguf import SMOLLM2_DISTRIBUTION, load_gguf, packaged_gguf
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 
 
 def _realmodel_missing() -> str | None:

@@ -14,7 +14,7 @@ import yaml
 
 from fineflow.cli import main
 from fineflow.core.config import load_params
-from fineflow.core.errors import ConfigError, FineflowError
+from fineflow.errors import ConfigError, FineflowError
 from fineflow.recipes import RECIPE_DIR, Device, apply_recipe, list_recipes, load_recipe
 from fineflow.train.planner import HUB_CONFIGS, GiB
 from fineflow.train.run_plan import real_model_warnings

@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from fineflow import cli
-from fineflow.core.errors import APPROVAL_NEEDED_EXIT
+from fineflow.errors import APPROVAL_NEEDED_EXIT
 from fineflow.registry.install import champion_files_hash
 from fineflow.registry.promotion_log import read_log
 from fineflow.registry.store import alias_id, candidate_id

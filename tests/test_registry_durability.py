@@ -20,7 +20,7 @@ import shutil
 import pytest
 
 from fineflow import cli
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.registry import card, install, promotion_log, store, verify
 from fineflow.registry import champion as champion_mod
 

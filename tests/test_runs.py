@@ -137,7 +137,7 @@ def test_approval_with_prefects_temporary_server_fails_at_once_saying_how_to_ans
     wait for hours, the flow says where to run it, or how to give the answer up front."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from fineflow.core.errors import FineflowError
+    from fineflow.errors import FineflowError
     from tasks import approval_pause
     from tests.conftest import write_params
 

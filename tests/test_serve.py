@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.export.serve import (
     CHAT_FORMAT,
     REPORT_FILE,

@@ -122,7 +122,7 @@ def test_sampler_is_deterministic_disjoint_across_ranks_and_resumable():
 
 
 def test_sampler_refuses_fewer_rows_than_ranks_as_a_user_error():
-    from fineflow.core.errors import DataError
+    from fineflow.errors import DataError
 
     with pytest.raises(DataError, match="has 3 packed rows, fewer than the 4 processes .*train.num_processes"):
         RowSampler(3, seed=0, world_size=4)
@@ -132,8 +132,8 @@ def test_packed_row_loss_equals_sum_of_unpacked_losses(tmp_path):
     """Attention and positions never cross examples: packing changes nothing about each example's loss."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from fineflow.objectives.token_loss import token_loss_sum
     from fineflow.train.loader import collate
-    from fineflow.train.loop import token_loss_sum
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(
@@ -227,8 +227,8 @@ def test_seq_len_beyond_the_position_dtype_is_a_params_error():
     import numpy as np
 
     from fineflow.core.config import parse_params
-    from fineflow.core.errors import ConfigError
     from fineflow.core.tokenize_config import MAX_SEQ_LEN
+    from fineflow.errors import ConfigError
     from fineflow.tokenize.shards import POSITION_DTYPE
 
     assert MAX_SEQ_LEN == np.iinfo(POSITION_DTYPE).max + 1  # the params bound is the shard format's

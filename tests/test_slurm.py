@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fineflow.core.config import load_params
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.train.engines import RankJob
 from fineflow.train.engines.slurm import (
     EngineClock,

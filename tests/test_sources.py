@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from fineflow.core.config import parse_params
-from fineflow.core.errors import ConfigError, DataError, FineflowError
+from fineflow.errors import ConfigError, DataError, FineflowError
 from fineflow.stages import validate
 from tests.conftest import ROOT, TINY_PARAMS, copy_project, venv_env
 

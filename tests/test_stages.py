@@ -203,8 +203,8 @@ def test_a_user_error_leaves_a_record_that_the_next_run_of_the_stage_removes(tmp
     import argparse
 
     from fineflow.core.entry import run_entry
-    from fineflow.core.errors import DataError
     from fineflow.core.reports import read_error_record
+    from fineflow.errors import DataError
 
     monkeypatch.delenv("FINEFLOW_TRAIN_WORKER", raising=False)
     args = argparse.Namespace(params=str(write_params(tmp_path / "params.yaml")), report=str(tmp_path / "r/x.json"))
@@ -283,7 +283,7 @@ def test_a_hub_id_in_the_users_cache_is_used_offline_and_online_one_not_cached_i
     is downloaded once by the base stage when the hub is online, refused when it is offline; a local dir is a
     dir. The cache is the user's (HF_HOME, or HF_HUB_CACHE when set)."""
     from fineflow.base_source import base_source, hub_cache_dir
-    from fineflow.core.errors import FineflowError
+    from fineflow.errors import FineflowError
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))

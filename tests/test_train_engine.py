@@ -104,16 +104,16 @@ def test_precision_and_gradient_checkpointing_change_what_training_runs(
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_a_non_finite_loss_stops_training_with_a_clear_error(built, tmp_path, monkeypatch, bad):
     """fit() checks math.isfinite on every step's loss: NaN and an overflow to +inf both stop the run."""
-    from fineflow.core.errors import FineflowError
-    from fineflow.train import loop
+    from fineflow.errors import FineflowError
+    from fineflow.objectives import token_loss
 
-    real = loop.token_loss_sum
+    real = token_loss.token_loss_sum
 
     def poisoned(model, batch, **kwargs):
         loss, count = real(model, batch, **kwargs)
         return loss * bad, count  # the sum of positive cross-entropies times nan / +inf
 
-    monkeypatch.setattr(loop, "token_loss_sum", poisoned)
+    monkeypatch.setattr(token_loss, "token_loss_sum", poisoned)
     params = _params(tracker="none")
     expected = (
         f"training stopped at step 1: the loss is {bad}. Lower train.lr (now {params.train.lr}) or check "

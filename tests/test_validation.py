@@ -5,10 +5,10 @@ import json
 import pytest
 
 from fineflow.core.data_config import ValidateParams, ValidationChecks
-from fineflow.core.errors import DataError
 from fineflow.data import checks
 from fineflow.data.formats import read_jsonl
 from fineflow.data.validation import raise_if_blocked, validate_rows
+from fineflow.errors import DataError
 
 CFG = ValidateParams(max_chars=300, max_bad_share=0.5)
 GOOD = {"instruction": "Say hi.", "input": "", "output": "hi"}

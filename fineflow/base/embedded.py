@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from fineflow.core.errors import StoppedAndSaved
 from fineflow.core.model_config import BaseParams, ModelParams
+from fineflow.errors import StoppedAndSaved
 from fineflow.train.schedule import learning_rate
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"

@@ -17,7 +17,7 @@ import importlib.metadata
 import importlib.util
 from pathlib import Path
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 
 # SmolLM2-135M-Instruct (Llama architecture, 49,152-token vocabulary, ChatML template), Q4_1, inside the wheel of
 # Simon Willison's plugin for the `llm` CLI. Found through the distribution's file list, never by importing the

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 
 FORMAT = "fineflow-checkpoint"
 FORMAT_VERSION = 1

@@ -55,7 +55,7 @@ from fineflow.cli import (
     registry_commands,
     serve_command,
 )
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 
 
 def build_parser() -> argparse.ArgumentParser:

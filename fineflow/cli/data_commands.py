@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 
 
 def add_parser(sub) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 
 
 def add_parser(sub) -> None:

@@ -1,14 +1,12 @@
 """What every stage runs, whatever it does (each stage's code deps in ``dvc.yaml`` list these files).
 
 config.py      params.yaml validated into typed models (all errors at once), assembled from the sections:
-section.py       the base of every section model (unknown keys rejected)
 model_config.py  ``model`` and ``base``    data_config.py      ``data`` and ``validate``
 tokenize_config.py ``tokenize``           train_config.py     ``train`` and ``checkpoint``
 launch_config.py ``train.ray``, ``train.slurm``  evaluate_config.py ``evaluate``
 promote_config.py ``promote``            export_config.py    ``export``
 cost_config.py   ``cost``
 preflight.py   before the first stage: valid params, and every input path they name there
-errors.py      the user-error type and the exit codes
 entry.py       what every stage entry does around its ``run``: params, reports, clean errors, the workspace turn
 reports.py     atomic JSON/text writes, the error record and the approval request
 runtime.py     the offline/telemetry environment every stage and the flow set

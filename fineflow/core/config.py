@@ -24,14 +24,14 @@ from pydantic import ConfigDict, Field, ValidationError
 
 from fineflow.core.cost_config import CostParams
 from fineflow.core.data_config import DataParams, ValidateParams
-from fineflow.core.errors import ConfigError
 from fineflow.core.evaluate_config import EvaluateParams
 from fineflow.core.export_config import ExportParams
 from fineflow.core.model_config import BaseParams, ModelParams
 from fineflow.core.promote_config import PromoteParams
-from fineflow.core.section import Section
 from fineflow.core.tokenize_config import TokenizeParams
 from fineflow.core.train_config import CheckpointSettings, TrainParams
+from fineflow.errors import ConfigError
+from fineflow.param_section import Section
 
 
 class Params(Section):

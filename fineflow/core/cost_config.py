@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from fineflow.core.section import Section, enforced
+from fineflow.param_section import Section, enforced
 
 # $ per device-hour, on-demand list prices rounded (late 2026, one GPU of a multi-GPU instance); "gpu": any other
 # GPU; "cpu": a whole 2-vCPU machine (fineflow.goodput.cost)

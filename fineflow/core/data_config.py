@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from fineflow.core.section import Section
+from fineflow.param_section import Section
 
 
 class DataParams(Section):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 
 DVC_FILE = "dvc.yaml"
 PARAMS_FILE = "params.yaml"
@@ -34,7 +34,7 @@ _TEMPLATE = re.compile(r"\$\{([\w.-]+)\}")
 def pipeline_stages(project: Path) -> dict | None:
     """The `stages:` of project's dvc.yaml ({} when it has none: DVC says so when it runs); None without a dvc.yaml.
     A dvc.yaml that is not YAML is a ConfigError naming it."""
-    from fineflow.core.errors import ConfigError
+    from fineflow.errors import ConfigError
 
     path = Path(project) / DVC_FILE
     if not path.is_file():

@@ -11,15 +11,6 @@ from pathlib import Path
 
 from fineflow.core.config import Params, load_params
 from fineflow.core.dvc_project import DVC_FILE
-from fineflow.core.errors import (
-    APPROVAL_NEEDED_EXIT,
-    PREEMPTED_EXIT,
-    USER_ERROR_EXIT,
-    ApprovalNeeded,
-    FineflowError,
-    StoppedAndSaved,
-    WorkspaceBusy,
-)
 from fineflow.core.journal import Attempt, ledger_dir
 from fineflow.core.metrics import write_metrics
 from fineflow.core.preflight import check_input_paths
@@ -33,6 +24,15 @@ from fineflow.core.reports import (
 from fineflow.core.runtime import apply_offline_environment, is_train_worker
 from fineflow.core.threads import ThreadPlan, apply_threads, process_plan
 from fineflow.core.workspace import held_for, queued_experiment
+from fineflow.errors import (
+    APPROVAL_NEEDED_EXIT,
+    PREEMPTED_EXIT,
+    USER_ERROR_EXIT,
+    ApprovalNeeded,
+    FineflowError,
+    StoppedAndSaved,
+    WorkspaceBusy,
+)
 
 
 def stage_parser(stage: str, description: str) -> argparse.ArgumentParser:

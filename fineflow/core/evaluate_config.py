@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from fineflow.core.section import Section
+from fineflow.param_section import Section
 
 
 class EvaluateParams(Section):

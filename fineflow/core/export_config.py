@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from fineflow.core.section import Section, enforced
+from fineflow.param_section import Section, enforced
 
 EXPORT_QUANT_TYPES = Literal["q8_0", "q6_k", "q5_k_m", "q5_0", "q4_k_m", "q4_k_s", "q4_0"]
 

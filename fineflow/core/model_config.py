@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from fineflow.core.section import Section
+from fineflow.param_section import Section
 
 EMBEDDED_BASE = "embedded"
 

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from fineflow.core.config import Params, load_params
 from fineflow.core.dvc_project import output_paths, pipeline_stages
-from fineflow.core.errors import ConfigError
+from fineflow.errors import ConfigError
 
 PARAMS_FILE = "params.yaml"
 # where train.accelerate_profile's names live: the folder fineflow.train.profile resolves them in (beside the package)

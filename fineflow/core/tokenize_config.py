@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from fineflow.core.section import Section, enforced
+from fineflow.param_section import Section, enforced
 
 # Shards store position ids as uint16 (fineflow.tokenize.shards.POSITION_DTYPE): a row holds positions 0..65,535.
 MAX_SEQ_LEN = 2**16

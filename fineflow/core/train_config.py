@@ -9,7 +9,9 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from fineflow.core.launch_config import RayParams, SlurmParams
-from fineflow.core.section import Section
+from fineflow.objectives import NAMES, described
+from fineflow.objectives.pair_params import PreferenceParams
+from fineflow.param_section import Section
 
 
 class LoraParams(Section):
@@ -35,28 +37,6 @@ class LoraParams(Section):
     @classmethod
     def _one_name(cls, value):
         return [value] if isinstance(value, str) else value  # `target_modules: all-linear`, as peft writes it
-
-
-class PreferenceParams(Section):
-    """Preference tuning (train.objective dpo or simpo): the loss's constants and DPO's reference model."""
-
-    beta: float = Field(
-        0.1,
-        gt=0,
-        description="dpo: how far the policy may move from the reference (larger stays closer); simpo: the reward "
-        "scale (its paper uses 2 to 10)",
-    )
-    simpo_gamma: float = Field(
-        0.5, ge=0, description="simpo: the margin by which the chosen reward must beat the rejected one"
-    )
-    # DPO's reference scores the pairs once (the reference_logps stage caches its log-probabilities): champion is the
-    # registry's champion adapter on the base (the SFT model, after an SFT run was promoted), which the policy also
-    # starts from; base is the base model and a fresh adapter. Without a champion, champion means the base.
-    reference: Literal["champion", "base"] = Field(
-        "champion",
-        description="dpo: the model the policy is anchored to and starts from: the champion (the base when none "
-        "yet) or the base",
-    )
 
 
 class TrainParams(Section):
@@ -97,7 +77,8 @@ class TrainParams(Section):
     fused_lora: bool = Field(
         True, description="LoRA layers as one fused op (same maths, faster); false: peft's forward"
     )
-    # the loss projects at most this many trained tokens onto the vocabulary at a time (fineflow.train.loss), so
+    # the loss projects at most this many trained tokens onto the vocabulary at a time
+    # (fineflow.objectives.token_loss), so
     # the tokens x vocab logits never exist whole; a micro-batch with no more trained tokens, 0, or a model with
     # soft-capped/scaled logits takes the plain path (all at once). Memory: chunk x vocab x ~10 bytes
     loss_chunk_tokens: int = Field(
@@ -173,21 +154,9 @@ class TrainParams(Section):
         "tensorboard", description="accelerate experiment tracker, logging under logs/"
     )
     lora: LoraParams = Field(LoraParams(), description="the LoRA adapter (lora and qlora)")
-    objective: Literal["sft", "dpo", "simpo"] = Field(
-        "sft",
-        description="sft: next-token loss on the answers; dpo: preference pairs against a reference model; simpo: "
-        "preference pairs, reference-free (length-normalised)",
-    )
-    preference: PreferenceParams = Field(PreferenceParams(), description="train.objective dpo or simpo")
-
-
-PREFERENCE_OBJECTIVES = ("dpo", "simpo")
-
-
-def is_preference(objective: str) -> bool:
-    """Whether train.objective trains on preference pairs (dpo, simpo) rather than single examples (sft): the one
-    place this is asked (data, validate, tokenize, train, evaluate)."""
-    return objective in PREFERENCE_OBJECTIVES
+    # the objectives and what each trains on: fineflow.objectives (one module each, asked by every stage)
+    objective: Literal[NAMES] = Field(NAMES[0], description=described())
+    preference: PreferenceParams = Field(PreferenceParams(), description="the pair objectives' settings")
 
 
 class CheckpointSettings(Section):

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fineflow.core.errors import WorkspaceBusy
+from fineflow.errors import WorkspaceBusy
 
 LOCK_FILE = Path(".dvc") / "tmp" / "fineflow-run.lock"
 # The pid of the run that holds the workspace, in the environment of every process it starts: its stages know

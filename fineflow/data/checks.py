@@ -104,7 +104,7 @@ def with_tokens(ctx: CheckContext) -> bool:
     return ctx.tokens is not None
 
 
-def sft_rows(ctx: CheckContext) -> bool:
+def example_rows(ctx: CheckContext) -> bool:
     return not ctx.pairs
 
 
@@ -112,7 +112,7 @@ def pair_rows(ctx: CheckContext) -> bool:
     return ctx.pairs
 
 
-def sft_with_tokens(ctx: CheckContext) -> bool:
+def examples_with_tokens(ctx: CheckContext) -> bool:
     return with_tokens(ctx) and not ctx.pairs
 
 
@@ -306,10 +306,10 @@ def _expect_null(column: str, ctx: CheckContext) -> Expectation:
     return _gxe().ExpectColumnValuesToBeNull(column=column)
 
 
-# Which rows need each required field: instruction in every row, output in SFT rows, both answers in pairs.
+# Which rows need each required field: instruction in every row, output in example rows, both answers in pairs.
 FIELD_MODES: dict[str, Callable[[CheckContext], bool]] = {
     "instruction": always,
-    "output": sft_rows,
+    "output": example_rows,
     **{answer: pair_rows for answer in ANSWERS},
 }
 
@@ -449,7 +449,7 @@ CHECKS: list[Check] = [
         "n_tokens",
         lambda col, ctx: _gxe().ExpectColumnValuesToBeBetween(column=col, max_value=ctx.tokens.seq_len),
         derive=_token_counts,
-        applies=sft_with_tokens,
+        applies=examples_with_tokens,
         detail=lambda row: f" ({_int(row['n_tokens'])} tokens, truncated to tokenize.seq_len)",
     ),
     Check(
@@ -458,7 +458,7 @@ CHECKS: list[Check] = [
         "trained_tokens",
         lambda col, ctx: _gxe().ExpectColumnValuesToBeBetween(column=col, min_value=1),
         derive=_trained_token_counts,
-        applies=sft_with_tokens,
+        applies=examples_with_tokens,
         detail=lambda row: " (no response token left to train on after truncation)",
     ),
     Check(  # a pair is packed whole into one row: its two sides share tokenize.seq_len (fineflow.tokenize.pairs)

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fineflow.core.errors import DataError
 from fineflow.data.conversations import call_text, normal_message
 from fineflow.data.pii import PREVIEW_SOURCE_CHARS, redacted_preview
+from fineflow.errors import DataError
 
 # The record every source is mapped onto (apply_mapping); the gate checks it and the tokenizer renders it.
 REQUIRED = ("instruction", "output")

@@ -11,8 +11,8 @@ import datetime
 from dataclasses import dataclass
 from pathlib import Path
 
-from fineflow.core.errors import DataError
 from fineflow.data.checks import Check, CheckContext, Expectation
+from fineflow.errors import DataError
 
 
 def _names_by_expectation(suite: list[tuple[Check, Expectation]]) -> dict[tuple[str, str], str]:

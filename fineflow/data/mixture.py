@@ -17,9 +17,7 @@ from pathlib import Path
 
 from fineflow.core.config import Params
 from fineflow.core.entry import log
-from fineflow.core.errors import DataError
 from fineflow.core.reports import sha256_file, write_json_atomic
-from fineflow.core.train_config import is_preference
 from fineflow.data.formats import apply_mapping, read_rows
 from fineflow.data.mix import target_rows, write_mix
 from fineflow.data.source_gate import (
@@ -36,6 +34,8 @@ from fineflow.data.source_gate import (
 from fineflow.data.sources import content_hash, resolve_source
 from fineflow.data.tokens import TokenView
 from fineflow.data.validation import JsonlSink, ValidationOutcome, raise_if_blocked, validate_eval
+from fineflow.errors import DataError
+from fineflow.objectives import objective_for
 
 SOURCES_FILE = "sources.json"  # beside the rows: the mixture's sources, for the lineage and the model card
 
@@ -68,7 +68,7 @@ class Mixture:
 
     def _eval(self, eval_path: Path, tokens):
         data, cfg = self.params.data, self.params.validate_
-        pairs = is_preference(self.params.train.objective)
+        pairs = objective_for(self.params.train.objective).trains_pairs
         rows = apply_mapping(
             read_rows(eval_path, data.format, cfg.max_row_bytes), data.mapping, str(eval_path), pairs=pairs
         )

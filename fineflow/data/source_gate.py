@@ -22,14 +22,14 @@ from pathlib import Path
 
 from fineflow import __version__
 from fineflow.core.config import Params
-from fineflow.core.errors import DataError
 from fineflow.core.reports import read_json, write_json_atomic
-from fineflow.core.train_config import is_preference
 from fineflow.data.formats import apply_mapping
 from fineflow.data.overlap import LeakIndex
 from fineflow.data.sources import Source, read_source
 from fineflow.data.tokens import TokenView
 from fineflow.data.validation import JsonlSink, raise_if_blocked, validate_stream
+from fineflow.errors import DataError
+from fineflow.objectives import objective_for
 
 KEPT, QUARANTINE, REDACTIONS, OUTCOME = "kept.jsonl", "quarantine.jsonl", "redactions.jsonl", "outcome.json"
 _CODE = ("data", "tokenize")  # the packages whose code decides a row's verdict
@@ -72,7 +72,8 @@ def source_key(source: Source, content: str, params: Params, tokens: dict | None
         "eval": eval_sha,
         "code": code,
     }
-    if is_preference(params.train.objective):  # preference pairs: another mapping and other checks (SFT keys as before)
+    # preference pairs: another mapping and other checks (SFT keys as before)
+    if objective_for(params.train.objective).trains_pairs:
         parts["objective"] = "preference"
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -123,7 +124,7 @@ def _validate_into(folder: Path, source: Source, params: Params, leak_index, tok
     cfg = params.validate_
     mapping = source.spec.mapping or params.data.mapping
     key = f"data.sources[{source.index}].mapping" if source.spec.mapping else "data.mapping"
-    pairs = is_preference(params.train.objective)
+    pairs = objective_for(params.train.objective).trains_pairs
     rows = apply_mapping(read_source(source, cfg.max_row_bytes), mapping, source.label, key, pairs)
     with ExitStack() as stack:
         names = (KEPT, QUARANTINE, REDACTIONS)

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fineflow.core.data_config import SourceParams
-from fineflow.core.errors import DataError, FineflowError
 from fineflow.core.preflight import names_a_directory
 from fineflow.core.reports import read_json, write_json_atomic
 from fineflow.data.formats import EXTENSIONS, Row, read_rows, record_row
+from fineflow.errors import DataError, FineflowError
 
 SAVED_MARKERS = ("state.json", "dataset_dict.json")  # what save_to_disk writes: a Dataset's, a DatasetDict's
 DEFAULT_SPLIT = "train"  # of a saved DatasetDict or a hub dataset, when the source names none

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from fineflow.core.data_config import ValidateParams
-from fineflow.core.errors import DataError
 from fineflow.data import checks
 from fineflow.data.checks import SCHEMA, TRUNCATION, Check, CheckContext, FailedRow, Seen
 from fineflow.data.formats import (
@@ -51,6 +50,7 @@ from fineflow.data.gx_suite import GxRunner
 from fineflow.data.overlap import LeakIndex
 from fineflow.data.pii import find_pii, redact, redacted_preview
 from fineflow.data.tokens import TokenView
+from fineflow.errors import DataError
 
 CHUNK_ROWS = 10_000  # rows checked together: GX's fixed cost per run (~0.3 s) is amortized, memory stays bounded
 CHUNK_BYTES = 8 << 20  # ... and a chunk of big rows ends early: checking a row costs ~10x its bytes

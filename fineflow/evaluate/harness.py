@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 
 BUNDLED_TASKS = Path(__file__).parent / "bundled_tasks"
 CHAMPION_RECORD = "champion.json"

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.tokenize.template import EncodedBatch, RenderError, encode_batch
 
 TASK = "fineflow_preference"
@@ -46,19 +46,26 @@ def answer_row(row: dict, answer: str) -> dict:
     return {**row, "output": answer}
 
 
+def pair_objectives() -> list[str]:
+    """The objectives that train (and are evaluated) on preference pairs."""
+    from fineflow.objectives import NAMES, objective_for
+
+    return [name for name in NAMES if objective_for(name).trains_pairs]
+
+
 def lm_eval_tasks(tasks: list[str], preference: bool) -> list[str]:
     """evaluate.tasks without fineflow_preference (scored here, not by lm-eval; implied by a preference objective,
     so listing it is optional), or a FineflowError when it is listed without pairs or is the only task listed."""
     if TASK in tasks and not preference:
         raise FineflowError(
-            f"params.yaml: evaluate.tasks lists {TASK}, which scores preference pairs: it needs train.objective dpo "
-            f"or simpo (with sft, remove it from evaluate.tasks)"
+            f"params.yaml: evaluate.tasks lists {TASK}, which scores preference pairs: it needs a train.objective "
+            f"that trains on pairs ({', '.join(pair_objectives())}); otherwise remove it from evaluate.tasks"
         )
     rest = [task for task in tasks if task != TASK]
     if not rest:
         raise FineflowError(
             f"params.yaml: evaluate.tasks lists only {TASK}; keep an lm-eval task beside it (fineflow_synth: the "
-            f"chosen answers' exact match), the regression guard that the model still does its SFT task"
+            f"chosen answers' exact match), the regression guard that the model still does its instruction task"
         )
     return rest
 
@@ -79,8 +86,8 @@ def read_pairs(eval_rows: Path, limit: int | None = None) -> list[dict]:
                 raise FineflowError(
                     f"{eval_rows}:{line_number}: train.objective is a preference objective, but the eval row has no "
                     f"string {' or '.join(bad)}: preference evaluation needs pairs (prompt, chosen, rejected). Map "
-                    f"the columns with data.mapping.chosen / data.mapping.rejected and re-run validate, or set "
-                    f"train.objective: sft"
+                    f"the columns with data.mapping.chosen / data.mapping.rejected and re-run validate, or set a "
+                    f"train.objective that trains on instruction rows"
                 )
             pairs.append(row)
     if not pairs:

@@ -13,9 +13,8 @@ from pathlib import Path
 
 from fineflow.base_source import read_base_digest, resolve_base_model
 from fineflow.core.config import Params
-from fineflow.core.errors import FineflowError
 from fineflow.core.reports import sha256_file, write_json_atomic
-from fineflow.core.train_config import is_preference
+from fineflow.errors import FineflowError
 from fineflow.evaluate.harness import (
     PAIR_LOGPS,
     LoadPlan,
@@ -40,6 +39,7 @@ from fineflow.evaluate.sizing import (
     qlora_base,
     visible_device_bytes,
 )
+from fineflow.objectives import objective_for
 from fineflow.train.planner import GiB, shape_from_config
 from fineflow.train.precision import TORCH_DTYPE_OF, quantization_kwargs
 
@@ -123,7 +123,7 @@ def preference_anchor(reference: Path | None, champion_dir: Path | None) -> str:
     if reference is None or not reference.is_file() or champion_dir is None:
         return "base"
     record = json.loads(reference.read_text(encoding="utf-8"))
-    named = record.get("objective") == "dpo" and record.get("champion")
+    named = record.get("needed") and record.get("champion")  # a reference model: the champion, when named
     return "champion" if named and named == champion_id(champion_dir) else "base"
 
 
@@ -145,7 +145,7 @@ def models_to_score(adapter_dir: Path, champion_dir: Path | None, base_digest: s
 def pair_scorer(params: Params, eval_rows: Path) -> PairScorer | None:
     """With a preference objective (train.objective dpo or simpo), the scorer of the eval pairs (each model's
     log-probs of chosen and rejected, rewards anchored to the base with train.preference.beta); else None."""
-    if not is_preference(params.train.objective):
+    if not objective_for(params.train.objective).trains_pairs:
         return None
     pairs = read_pairs(eval_rows, params.evaluate.limit)
     beta = params.train.preference.beta

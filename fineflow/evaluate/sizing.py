@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.train.planner import (
     FRAGMENTATION,
     LINEARS,

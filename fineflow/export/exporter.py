@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fineflow.core.config import Params
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.export.gguf import export_gguf
 from fineflow.export.native_log import LOG_FILE, llama_cpp_log
 from fineflow.export.parity import (

@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.export import native_log
 from fineflow.export.tooling import converter_dir, require_llama_cpp, sha256_of
 

@@ -30,7 +30,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.export import native_log
 from fineflow.export.tooling import require_llama_cpp
 

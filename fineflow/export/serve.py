@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 
 REPORT_FILE = "export.json"  # the export stage's report (its own REPORT_FILE; not imported: the CLI stays light)
 CHAT_FORMAT = "chat_template.default"  # llama-cpp-python's name for the handler of the file's own template

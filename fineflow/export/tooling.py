@@ -28,7 +28,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the `export` extra pins the same version (pyproject.toml)
 SDIST = f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"

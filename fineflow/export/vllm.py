@@ -29,7 +29,7 @@ import re
 import shutil
 from pathlib import Path
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 
 # vllm/config/lora.py MaxLoRARanks (vLLM 0.32): the values --max-lora-rank accepts
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fineflow.core import journal
-from fineflow.core.errors import APPROVAL_NEEDED_EXIT
+from fineflow.errors import APPROVAL_NEEDED_EXIT
 
 BUCKETS = (
     "orchestration",
@@ -60,7 +60,7 @@ DESCRIPTIONS = {
     "base_pretrain": "pretraining the embedded base model (stage base)",
     "validation": "data generation and validation (stages data, validate)",
     "tokenization": "tokenizing and packing shards (stage tokenize)",
-    "reference_logps": "DPO's reference model scoring the train and eval pairs once (stage reference_logps)",
+    "reference_logps": "an objective's reference model scoring the train and eval pairs once (stage reference_logps)",
     "compute": "forward + backward + optimizer step: the useful work",
     "data_wait": "the training loop waiting for its next batch",
     "grad_sync": "gradient all-reduce (DDP) and the per-step loss/token-count all-reduces",

@@ -37,10 +37,9 @@ import sys
 import threading
 import time
 
-from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT
-
 # the stage record of a saved stop lives with the other records (fineflow.core.reports); named here for the layers
 from fineflow.core.reports import read_preempted_record, write_preempted_record  # noqa: F401
+from fineflow.errors import PREEMPTED_EXIT, USER_ERROR_EXIT
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # Seconds each layer waits, after the signal, beyond the ranks' grace before it kills the layer below.

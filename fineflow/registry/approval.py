@@ -19,7 +19,7 @@ import json
 import os
 from collections.abc import Mapping
 
-from fineflow.core.errors import ApprovalNeeded, FineflowError
+from fineflow.errors import ApprovalNeeded, FineflowError
 from fineflow.registry.gate import Decision
 
 APPROVAL_ENV = "FINEFLOW_APPROVAL"

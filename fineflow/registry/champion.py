@@ -23,8 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from fineflow.core.config import Params
-from fineflow.core.errors import FineflowError
 from fineflow.core.reports import write_json_atomic
+from fineflow.errors import FineflowError
 from fineflow.registry.approval import Approval, apply_approval
 from fineflow.registry.card import model_card, train_figures
 from fineflow.registry.gate import (

@@ -265,7 +265,7 @@ def resolve(target: str, registry: Path = Path("models/registry"), runs: Path = 
     """A manifest from a lineage JSON file, a model dir (champion or registry candidate), or a candidate id.
 
     The registry keeps the deterministic part; the run part is joined from ``runs/<id>.json`` if present."""
-    from fineflow.core.errors import FineflowError
+    from fineflow.errors import FineflowError
 
     path = Path(target)
     record = None

@@ -26,7 +26,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

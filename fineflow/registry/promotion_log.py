@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fineflow.core.errors import FineflowError
 from fineflow.core.reports import write_text_atomic
+from fineflow.errors import FineflowError
 from fineflow.registry.store import registry_lock
 
 LOG_FILE = "promotions.jsonl"

@@ -33,8 +33,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from fineflow.core.errors import FineflowError
 from fineflow.core.reports import sha256_file, write_json_atomic
+from fineflow.errors import FineflowError
 
 CHAMPION_FILE = "champion.json"  # the registry's alias, and the installed champion's own record
 RECORD_FILE = "record.json"

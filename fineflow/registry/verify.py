@@ -147,7 +147,7 @@ def base_pointer_problems(champion_dir: Path, installed: dict, cache_dir: Path =
     if not base or not digest:
         return [f"{where}: an adapter-only champion must name its base (base_model) and its digest (base_digest)"]
     from fineflow.base_source import read_base_digest
-    from fineflow.core.errors import FineflowError
+    from fineflow.errors import FineflowError
 
     try:
         found = read_base_digest(base, cache_dir=cache_dir)

@@ -16,13 +16,13 @@ from pathlib import Path
 from fineflow.core.config import Params
 from fineflow.core.entry import run_entry, stage_parser
 from fineflow.core.reports import write_jsonl
-from fineflow.core.train_config import is_preference
 from fineflow.data.synth import inject_bad_rows, split_train_eval, split_train_eval_pairs
+from fineflow.objectives import objective_for
 
 
 def run(params: Params, train_path: Path, eval_path: Path) -> dict:
     cfg = params.data
-    pairs = is_preference(params.train.objective)  # dpo or simpo: preference pairs
+    pairs = objective_for(params.train.objective).trains_pairs  # dpo or simpo: preference pairs
     split = split_train_eval_pairs if pairs else split_train_eval
     train, evaluation = split(cfg.n_train, cfg.n_eval, params.seed)
     train_with_bad = inject_bad_rows(train, cfg.bad_row_share, params.seed, evaluation, pairs)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from fineflow.core.config import Params
 from fineflow.core.entry import log, run_entry, stage_parser
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.evaluate.scoring import evaluate_models
 
 
@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         "--reference-logps",
         type=Path,
         default=None,
-        help="the reference_logps stage's reference.json: a DPO candidate's rewards are measured from its reference "
-        "when that is the champion",
+        help="the reference_logps stage's reference.json: a candidate trained against a reference model has its "
+        "rewards measured from its reference when that is the champion",
     )
     args = parser.parse_args(argv)
 

@@ -29,8 +29,8 @@ from pathlib import Path
 
 from fineflow.core.config import Params
 from fineflow.core.entry import log, run_entry, stage_parser
-from fineflow.core.errors import FineflowError
 from fineflow.core.reports import write_json_atomic, write_text_atomic
+from fineflow.errors import FineflowError
 from fineflow.registry.install import read_champion
 
 REPORT_FILE = "export.json"

@@ -6,7 +6,7 @@
 train.objective dpo compares the policy with a frozen reference on every pair. The reference's part never
 changes during training, so this stage scores every trained token of the train and eval shards once and writes
 ``<out>/train.logps.bin`` and ``<out>/eval.logps.bin`` (rows x seq_len float32, aligned with the shards:
-fineflow.train.preference), ``<out>/adapter/`` (a copy of the champion's adapter, when train.preference.reference
+fineflow.train.pair_shards), ``<out>/adapter/`` (a copy of the champion's adapter, when train.preference.reference
 is champion and there is one: the reference is base + that adapter, and the policy starts from it) and
 ``<out>/reference.json`` (what the reference is: fineflow.train.reference_model). Its DVC dependencies are the shards,
 the base, the champion's identity (models/champion_fingerprint.json, from the fingerprint stage) and the params
@@ -24,13 +24,14 @@ from fineflow.core.config import Params
 from fineflow.core.entry import log, run_entry, stage_parser
 from fineflow.core.reports import write_json_atomic
 from fineflow.tokenize.shards import PackedShard
-from fineflow.train.preference import PairShard, logps_file, write_shard_logps
+from fineflow.train.pair_shards import PairShard, logps_file, write_shard_logps
 from fineflow.train.reference_model import (
     ADAPTER_DIR,
     REFERENCE_FILE,
     anchors_to_champion,
     champion_adapter,
     champion_identity,
+    needs_reference,
     reference_record,
 )
 
@@ -43,7 +44,7 @@ def run(
     cfg = params.train
     shutil.rmtree(out, ignore_errors=True)  # run by hand too: nothing of an earlier reference is left beside this one
     out.mkdir(parents=True)
-    if cfg.objective != "dpo":
+    if not needs_reference(cfg):
         write_json_atomic(out / REFERENCE_FILE, reference_record(cfg, None, None, {}, "", ""))
         log(f"reference: train.objective {cfg.objective} needs no reference model")
         return {"objective": cfg.objective, "needed": False}
@@ -62,7 +63,7 @@ def run(
         log(f"reference: {split}: {shard.meta.get('pairs', '?')} pairs in {len(shard)} rows scored ({note})")
     record = reference_record(cfg, base, adapter, keys, compute, note)
     write_json_atomic(out / REFERENCE_FILE, record)  # last: its presence says the log-probs are complete
-    return {"objective": "dpo", "needed": True, "key": record["key"], "note": note}
+    return {"objective": cfg.objective, "needed": True, "key": record["key"], "note": note}
 
 
 def reference_adapter(params: Params, champion_dir: Path, base: str) -> tuple[dict | None, str]:

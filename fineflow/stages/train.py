@@ -36,11 +36,11 @@ from fineflow.core.entry import (
     workspace_busy,
     workspace_turn,
 )
-from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError, WorkspaceBusy
 from fineflow.core.reports import clear_error_record, read_error_record, read_json
 from fineflow.core.runtime import apply_offline_environment, is_train_worker
 from fineflow.core.threads import ThreadPlan, process_plan
 from fineflow.core.train_config import CheckpointSettings
+from fineflow.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError, WorkspaceBusy
 from fineflow.process import preempt
 from fineflow.train.launch import check_checkpoint_storage
 from fineflow.train.plots import write_run_plots
@@ -67,7 +67,7 @@ def parse_args(argv: list[str]):
         "--reference-logps",
         type=Path,
         default=None,
-        help="the reference_logps stage's output (train.objective dpo reads it)",
+        help="the reference_logps stage's output (read when train.objective needs a reference model)",
     )
     parser.add_argument("--machine-rank", type=int, default=None, help="this machine's rank (num_machines > 1)")
     parser.add_argument("--main-process-ip", default=None, help="machine 0's address (num_machines > 1)")

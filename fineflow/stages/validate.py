@@ -26,12 +26,12 @@ from pathlib import Path
 
 from fineflow.core.config import Params
 from fineflow.core.entry import log, run_entry, stage_parser
-from fineflow.core.errors import DataError
 from fineflow.core.reports import write_json_atomic
-from fineflow.core.train_config import is_preference
 from fineflow.data.mixture import Mixture
 from fineflow.data.tokens import TokenView
 from fineflow.data.validation import JsonlSink, raise_if_blocked, validate_splits
+from fineflow.errors import DataError
+from fineflow.objectives import objective_for
 
 
 class _Files:
@@ -85,7 +85,7 @@ def run(
         files = _Files(stack, out_dir)
         sinks = {split: files.sink(split) for split in ("eval", "train")}
         paths = {"eval": eval_path, "train": train_path}
-        pairs = is_preference(params.train.objective)  # dpo, simpo: every row a preference pair
+        pairs = objective_for(params.train.objective).trains_pairs  # dpo, simpo: every row a preference pair
         outcomes = validate_splits(paths, params.data, cfg, tokens, docs_dir, sinks, pairs)
     for split, outcome in outcomes.items():
         log(

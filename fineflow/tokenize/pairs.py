@@ -36,12 +36,12 @@ def pair_sides(row: dict) -> tuple[dict, dict]:
     sides = []
     for side in SIDES:
         answer = row[side]
-        sft = {"instruction": row["instruction"], "input": row.get("input") or "", "output": answer}
+        example = {"instruction": row["instruction"], "input": row.get("input") or "", "output": answer}
         if row.get("messages"):
-            sft["messages"] = [*row["messages"], {"role": "assistant", "content": answer}]
+            example["messages"] = [*row["messages"], {"role": "assistant", "content": answer}]
             if row.get("tools"):
-                sft["tools"] = row["tools"]
-        sides.append(sft)
+                example["tools"] = row["tools"]
+        sides.append(example)
     return sides[0], sides[1]
 
 

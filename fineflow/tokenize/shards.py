@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fineflow.core.errors import DataError
+from fineflow.errors import DataError
 from fineflow.tokenize.template import EncodedBatch
 
 FORMAT_VERSION = 2  # 2: exact-fill packing, content key in meta
@@ -296,7 +296,7 @@ class PackedShard:
         try:
             self.meta = json.loads((self.dir / "meta.json").read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as exc:
-            from fineflow.core.errors import DataError
+            from fineflow.errors import DataError
 
             raise DataError(f"{self.dir}/meta.json: not a fineflow shard ({exc}); run the tokenize stage") from None
         shape = (self.meta["rows"], self.meta["seq_len"])

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from fineflow import __version__
-from fineflow.core.errors import FineflowError
 from fineflow.core.reports import sha256_file
-from fineflow.core.train_config import is_preference
+from fineflow.errors import FineflowError
+from fineflow.objectives import NAMES, objective_for
 from fineflow.tokenize.pairs import PAIR_RENDERING, encode_pairs, pack_pairs
 from fineflow.tokenize.shards import (
     FORMAT_VERSION,
@@ -182,17 +182,22 @@ def has_chat_rows(rows_path: Path, block: int = 1 << 20) -> bool:
     return False
 
 
-def split_template_hash(rows_path: Path, tokenizer, cfg, objective: str = "sft") -> str:
+def _trains_pairs(objective: str | None) -> bool:
+    """Whether train.objective's rows are preference pairs (None: instruction rows, as an SFT run's)."""
+    return objective is not None and objective_for(objective).trains_pairs
+
+
+def split_template_hash(rows_path: Path, tokenizer, cfg, objective: str | None = None) -> str:
     """The template hash of one split: with the chat-turn rule and tokenize.train_on when its rows hold
     conversations (they decide which of their tokens are trained), without for instruction rows; for
     preference pairs, the pair rule (their chat rows always train the final reply only)."""
-    if is_preference(objective):
+    if _trains_pairs(objective):
         return template_hash(tokenizer, PAIR_RENDERING)
     rule = chat_turns_rule(tokenizer, cfg.train_on) if has_chat_rows(rows_path) else None
     return template_hash(tokenizer, rule)
 
 
-def content_key(rows_path: Path, tokenizer, cfg, objective: str = "sft") -> str:
+def content_key(rows_path: Path, tokenizer, cfg, objective: str | None = None) -> str:
     """What a shard is a function of: the rows, the tokenizer, the template, the packing and the format, and
     for preference pairs the objective (an SFT shard is never reused for pairs, nor the reverse; an SFT key
     is as it always was). (Not the worker count: it does not change a byte.)"""
@@ -204,12 +209,12 @@ def content_key(rows_path: Path, tokenizer, cfg, objective: str = "sft") -> str:
         str(cfg.pack_window),
         str(FORMAT_VERSION),
     ]
-    if is_preference(objective):
-        parts.append("objective=preference")  # dpo and simpo train the same shards
+    if _trains_pairs(objective):
+        parts.append("objective=preference")  # every pair objective trains the same shards
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 
-def tokenize_split(tokenizer, base: str, rows_path: Path, out_dir: Path, cfg, objective: str = "sft") -> dict:
+def tokenize_split(tokenizer, base: str, rows_path: Path, out_dir: Path, cfg, objective: str | None = None) -> dict:
     """Build one split's shard, or keep the existing one when its content key matches. Built in a temp dir
     and swapped in, so a reader never sees a half-written shard. With a preference objective (dpo, simpo)
     the rows are pairs and the shard a preference shard."""
@@ -238,13 +243,14 @@ def tokenize_split(tokenizer, base: str, rows_path: Path, out_dir: Path, cfg, ob
             cfg.pack_window,
             meta,
             cfg.train_on,
-            is_preference(objective),
+            _trains_pairs(objective),
         )
     except WrongObjective as exc:
         shutil.rmtree(building, ignore_errors=True)
         raise FineflowError(
-            f"{rows_path}: {exc}; train.objective is {objective}: run the validate stage again for it (dvc repro "
-            "validate reads train.objective), it writes preference pairs for dpo and simpo, SFT rows for sft"
+            f"{rows_path}: {exc}; train.objective {objective} trains on "
+            f"{objective_for(objective or NAMES[0]).rows}: run the validate stage again for it (dvc repro validate "
+            "reads train.objective: it writes the rows the objective trains on)"
         ) from None
     except RenderError as exc:  # a row kept with validate.checks.chat_template at severity warn
         shutil.rmtree(building, ignore_errors=True)

@@ -10,9 +10,8 @@ precision.py     which precision a run trains in, and the dtypes that follow
 model.py         the model to train (LoRA / QLoRA / full) and saving it
 architecture.py  what the loaded model is: its decoder-layer class, its linears, fused qkv / gate_up; LoRA targets
 schedule.py      the learning-rate schedule
-loop.py          ``fit()``: the loop, one optimizer step at a time; token_loss_sum, evaluate_loss
-loss.py          the loss's vocabulary projection, chunked so the logits never exist whole
-preference.py    train.objective dpo / simpo: pair shards, per-pair log-probs, the losses and reward statistics
+loop.py          ``fit()``: the loop, one optimizer step at a time (the loss: fineflow.objectives); evaluate_loss
+pair_shards.py   the pair objectives' shards: pair slots, the reference's log-probs beside them (and their writer)
 reference_model.py what DPO's reference is: the champion's identity, reference.json, what train reads of it
 steps.py         what the loop reports through: StepTimer (a span per phase), StepLog, Progress
 checkpointing.py the loop's state saved (TrainStateSaver) and restored (restore), by the profile's engine

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 
 ALL_LINEAR = "all-linear"  # peft's keyword: every linear layer but the output head
 # a fused linear that stands for several of Llama's separate ones, by the names the families use for it

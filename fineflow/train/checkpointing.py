@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.train import fsdp
 from fineflow.train.profile import SHARDED_ENGINES
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.train.profile import SHARDED_ENGINES
 
 # what an elastic run may change between attempts: the split of the global batch, not the batch

@@ -59,7 +59,7 @@ def set_wrap_classes(plugin, model) -> None:
     """The decoder-layer class(es) FSDP wraps, from the loaded model (fineflow.train.architecture) when the profile
     names none, so one profile fits Llama, Qwen, Mistral, Gemma and Phi-3 alike; a class the profile names that the
     model lacks is refused here with the model's own (accelerate would raise a bare ValueError inside prepare)."""
-    from fineflow.core.errors import FineflowError
+    from fineflow.errors import FineflowError
     from fineflow.train.architecture import decoder_layer_classes
 
     detected = decoder_layer_classes(model)
@@ -190,7 +190,7 @@ def require_visible_to_every_rank(accelerator, path: Path, purpose: str) -> None
     FineflowError (one rank failing alone would leave the others waiting in the next collective)."""
     from accelerate.utils import gather_object
 
-    from fineflow.core.errors import FineflowError
+    from fineflow.errors import FineflowError
 
     if accelerator.num_processes == 1:
         return

@@ -31,8 +31,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fineflow.core.errors import FineflowError
 from fineflow.core.runtime import TRAIN_WORKER_ENV
+from fineflow.errors import FineflowError
 from fineflow.train.profile import AUTO, Profile, load_profile, resolve_processes
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ import numpy as np
 
 from fineflow.tokenize.shards import PackedShard, RowSampler
 from fineflow.train.attention import FlashLayout, PackedLayout, layout_of
-from fineflow.train.preference import pair_count
+from fineflow.train.pair_shards import pair_count
 
 
 @dataclass
@@ -40,7 +40,7 @@ def as_tensors(arrays: dict, pin_memory: bool = False) -> dict:
 
 
 def count_targets(arrays: dict) -> int:
-    """What a batch's loss is averaged over: its trained tokens, or for a preference shard (fineflow.train.preference
+    """What a batch's loss is averaged over: its trained tokens, or for a preference shard (fineflow.train.pair_shards
     .PairShard: the batch carries pair_slots) its pairs."""
     if "pair_slots" in arrays:
         return pair_count(arrays["pair_slots"])

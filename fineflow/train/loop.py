@@ -9,71 +9,31 @@ accelerate's trackers (TensorBoard by default) through ``accelerator.log``. The 
 Loss is token-weighted across micro-batches and data-parallel ranks: each optimizer step divides the summed
 cross-entropy by the number of trained tokens in the whole global batch, so 1 process and N processes with
 the same global batch take the same step. A preference objective (train.objective dpo, simpo:
-fineflow.train.preference) is pair-weighted the same way: its summed pair loss over the global batch's pairs.
+fineflow.train.pair_shards) is pair-weighted the same way: its summed pair loss over the global batch's pairs.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
-from fineflow.core.errors import FineflowError
-from fineflow.core.train_config import TrainParams, is_preference
+from fineflow.core.train_config import TrainParams
+from fineflow.errors import FineflowError
+from fineflow.objectives import NAMES, objective_for
 from fineflow.tokenize.shards import PackedShard
 from fineflow.train.attention import layout_kwargs, layout_of
 from fineflow.train.checkpointing import TrainStateSaver
 from fineflow.train.loader import BatchLoader, as_tensors
-from fineflow.train.preference import pair_loss
 from fineflow.train.steps import Progress, StepLog, StepTimer, peak_memory_mb
 
 
-def token_loss_sum(model, batch: dict, loss_chunk_tokens: int = 0, **forward_kwargs):
-    """Summed next-token cross-entropy over trained tokens, and how many there were.
-
-    No attention_mask is passed: position_ids restart per example, and packed examples never attend to each
-    other only if the attention gets that layout. sdpa/eager: transformers builds a block-diagonal causal
-    mask from the position ids (any batch size). flash_attention_2: transformers infers packing from
-    position ids only for a batch of one row, so ``forward_kwargs`` must carry flash-attn's cu_seqlens;
-    varlen: its groups (both from fineflow.train.attention.layout_kwargs). Logits are computed only at
-    positions whose next token is trained on (``logits_to_keep`` as a boolean mask): in instruction data
-    that is a small share of the row (6% on the bundled data), and the vocabulary projection and its fp32
-    loss are the largest per-token cost after the layers. With more trained tokens than ``loss_chunk_tokens``
-    (> 0) the head projects them that many at a time inside the model's forward (fineflow.train.loss); at or
-    below it, or for a head the chunked path does not cover, all at once.
-    """
-    import torch
-
-    from fineflow.train import loss as chunked
-
-    targets = batch["labels"][:, 1:]
-    keep = torch.zeros_like(batch["labels"], dtype=torch.bool)
-    keep[:, :-1] = targets != -100
-    trained, count = targets[keep[:, :-1]], int(keep.sum())
-    head = chunked.output_head(model) if 0 < loss_chunk_tokens < count else None
-    with chunked.head_computes_loss(head, trained, loss_chunk_tokens) if head is not None else nullcontext():
-        out = model(
-            input_ids=batch["input_ids"],
-            position_ids=batch["position_ids"],
-            use_cache=False,
-            logits_to_keep=keep,
-            **forward_kwargs,
-        ).logits  # (trained positions, vocab); chunked: the summed loss
-    return (out if head is not None else chunked.plain_cross_entropy(out, trained)), count
-
-
-def objective_loss(
-    model, batch: dict, objective: str = "sft", prefs=None, loss_chunk_tokens: int = 0, **forward_kwargs
-):
+def objective_loss(model, batch: dict, cfg: TrainParams | None = None, **forward_kwargs):
     """(this batch's summed loss, its targets: trained tokens or pairs, reward statistics or None) under
-    train.objective: sft's token loss, or a preference loss (dpo, simpo; prefs: train.preference) with the
-    batch's summed reward accuracy and margin."""
-    if not is_preference(objective):
-        loss_sum, count = token_loss_sum(model, batch, loss_chunk_tokens=loss_chunk_tokens, **forward_kwargs)
-        return loss_sum, count, None
-    pairs = pair_loss(model, batch, objective, prefs, **forward_kwargs)
-    return pairs.loss_sum, pairs.pairs, (pairs.correct, pairs.margin_sum)
+    train.objective (fineflow.objectives; cfg None: the default objective and settings)."""
+    objective = objective_for(cfg.objective if cfg is not None else NAMES[0])
+    result = objective.loss(model, batch, cfg, **forward_kwargs)
+    return result.loss_sum, result.count, result.rewards
 
 
 @dataclass
@@ -95,9 +55,7 @@ def evaluate_loss(
     batch_size: int,
     accelerator,
     varlen: bool = False,
-    loss_chunk_tokens: int = 0,
-    objective: str = "sft",
-    prefs=None,
+    cfg: TrainParams | None = None,
 ) -> float:
     """Mean token loss over an eval shard (a preference objective: the mean pair loss over a PairShard), this
     rank's share of rows, reduced across ranks.
@@ -117,7 +75,7 @@ def evaluate_loss(
             arrays = shard.batch(rows[i : i + batch_size] or [0])
             batch = {k: v.to(accelerator.device) for k, v in as_tensors(arrays).items()}
             extra = layout_kwargs(layout_of(arrays["position_ids"], varlen), accelerator.device)
-            loss_sum, n, _ = objective_loss(model, batch, objective, prefs, loss_chunk_tokens, **extra)
+            loss_sum, n, _ = objective_loss(model, batch, cfg, **extra)
             total += weight * torch.tensor([loss_sum.item(), n], dtype=torch.float64, device=accelerator.device)
     total = accelerator.reduce(total, reduction="sum")
     model.train()
@@ -207,9 +165,7 @@ def train_eval(model, eval_shard, accelerator, cfg: TrainParams) -> float:
         cfg.micro_batch_size,
         accelerator,
         varlen=cfg.attention == "varlen",
-        loss_chunk_tokens=cfg.loss_chunk_tokens,
-        objective=cfg.objective,
-        prefs=cfg.preference,
+        cfg=cfg,
     )
 
 
@@ -254,9 +210,7 @@ def forward_backward(model, accelerator, prepared, cfg: TrainParams, timer: Step
             # DeepSpeed average gradients over ranks; x accum, since accelerate (DDP, FSDP, one process) and
             # DeepSpeed's engine (inside its backward) both divide the loss by the accumulation steps.
             with accelerator.accumulate(model):
-                loss_sum, _, rewards = objective_loss(
-                    model, batch, cfg.objective, cfg.preference, cfg.loss_chunk_tokens, **extra
-                )
+                loss_sum, _, rewards = objective_loss(model, batch, cfg, **extra)
                 accelerator.backward(loss_sum * (world * accum) / max(1, targets))
             step_loss += loss_sum.item()
             if rewards is not None:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from fineflow.core.config import Params
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.train import precision
 from fineflow.train.attention import attention_of
 from fineflow.train.profile import Profile
@@ -55,7 +55,7 @@ def build_model(
     if cfg.method == "full":
         if start_adapter is not None:
             raise FineflowError(
-                "train.method full cannot start from the champion's adapter (train.objective dpo with "
+                f"train.method full cannot start from the champion's adapter (train.objective {cfg.objective} with "
                 "train.preference.reference champion): set train.preference.reference: base, or train.method lora"
             )
         return model

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.train.profile import MIXED_PRECISIONS, Profile
 
 AUTO = "auto"

@@ -20,7 +20,7 @@ from fineflow.base_source import resolve_base_model
 from fineflow.core.config import Params
 from fineflow.core.journal import process_started
 from fineflow.core.threads import RunnableSampler, plan_threads
-from fineflow.core.train_config import is_preference
+from fineflow.objectives import objective_for
 from fineflow.process.preempt import run_ranks
 from fineflow.train import gradsync
 from fineflow.train.fsdp import prepare_model_for_fsdp
@@ -226,7 +226,7 @@ class TrainProcedure:
 
         self.preference_reference = load_reference(self.cfg, self.paths.reference)
         if self.preference_reference is not None and self.main:
-            self.log(f"dpo reference: {self.preference_reference.record['note']}")
+            self.log(f"{self.cfg.objective} reference: {self.preference_reference.record['note']}")
 
     def _setup_model(self) -> None:
         """The model (its load timed), the optimizer and the LR schedule, prepared by accelerate."""
@@ -274,10 +274,9 @@ class TrainProcedure:
             PackedShard(self.paths.shards / "train"),
             PackedShard(self.paths.shards / "eval"),
         )
-        if is_preference(
-            self.cfg.objective
-        ):  # pairs: the shards with their pair slots (dpo: the reference's log-probs)
-            from fineflow.train.preference import PairShard
+        # pairs: the shards with their pair slots (and the reference's log-probs, when the objective needs one)
+        if objective_for(self.cfg.objective).trains_pairs:
+            from fineflow.train.pair_shards import PairShard
             from fineflow.train.reference_model import check_reference_shards
 
             logps = {}

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "accelerate"
 AUTO = "auto"

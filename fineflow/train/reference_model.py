@@ -17,9 +17,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from fineflow.core.errors import FineflowError
 from fineflow.core.reports import read_json, sha256_file
 from fineflow.core.train_config import TrainParams
+from fineflow.errors import FineflowError
+from fineflow.objectives import objective_for
 
 NO_CHAMPION = {"champion": None}
 REFERENCE_FILE = "reference.json"
@@ -28,8 +29,13 @@ CHAMPION_RECORD = "champion.json"  # in models/champion (fineflow.registry.champ
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
+def needs_reference(cfg: TrainParams) -> bool:
+    """Whether train.objective scores its pairs against a frozen reference model (fineflow.objectives)."""
+    return objective_for(cfg.objective).needs_reference
+
+
 def anchors_to_champion(cfg: TrainParams) -> bool:
-    return cfg.objective == "dpo" and cfg.preference.reference == "champion"
+    return needs_reference(cfg) and cfg.preference.reference == "champion"
 
 
 def champion_adapter(champion_dir: Path) -> Path | None:
@@ -78,10 +84,10 @@ def reference_record(
 ) -> dict:
     """reference.json: what the reference is, and its key (a function of everything its log-probs depend on).
     sft and simpo need none: a constant record, so their pipelines never re-run train over it."""
-    if cfg.objective != "dpo":
+    if not needs_reference(cfg):
         return {"objective": cfg.objective, "needed": False}
     record = {
-        "objective": "dpo",
+        "objective": cfg.objective,
         "needed": True,
         "reference": cfg.preference.reference,
         "base_digest": base,
@@ -107,13 +113,13 @@ class Reference:
 def load_reference(cfg: TrainParams, reference_dir: Path | None) -> Reference | None:
     """train.objective dpo: models/reference_logps as the reference_logps stage wrote it, checked against params (the
     stage ran for this configuration); None for sft and simpo, which need no reference."""
-    from fineflow.train.preference import logps_file
+    from fineflow.train.pair_shards import logps_file
 
-    if cfg.objective != "dpo":
+    if not needs_reference(cfg):
         return None
     rerun = "run the reference_logps stage (dvc repro reference_logps) before train"
     if reference_dir is None:
-        raise FineflowError(f"train.objective dpo needs the reference_logps stage's output: {rerun}")
+        raise FineflowError(f"train.objective {cfg.objective} needs the reference_logps stage's output: {rerun}")
     try:
         record = read_json(Path(reference_dir) / REFERENCE_FILE)
     except (OSError, ValueError) as exc:
@@ -122,7 +128,7 @@ def load_reference(cfg: TrainParams, reference_dir: Path | None) -> Reference | 
         said = record.get("reference") or f"none (objective {record.get('objective')})"
         raise FineflowError(
             f"{reference_dir}/{REFERENCE_FILE}: the reference was computed for reference {said}, but params say "
-            f"train.objective dpo, train.preference.reference {cfg.preference.reference}: {rerun}"
+            f"train.objective {cfg.objective}, train.preference.reference {cfg.preference.reference}: {rerun}"
         )
     adapter = Path(reference_dir) / ADAPTER_DIR if record.get("adapter_sha256") else None
     logps = {split: Path(reference_dir) / logps_file(split) for split in ("train", "eval")}

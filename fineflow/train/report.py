@@ -3,7 +3,8 @@ FLOPs and the memory plan. The goodput ledger (fineflow.goodput.ledger), the mod
 
 from __future__ import annotations
 
-from fineflow.core.train_config import TrainParams, is_preference
+from fineflow.core.train_config import TrainParams
+from fineflow.objectives import objective_for
 from fineflow.train import flops
 
 
@@ -95,7 +96,7 @@ def run_flops(base: str, cfg: TrainParams, shard, report: dict, accelerator) -> 
 def preference_figures(result, cfg: TrainParams) -> dict:
     """train.objective dpo / simpo: the objective and the last step's reward accuracy and margin over its pairs
     (final_loss and eval_loss are then mean pair losses); nothing for sft."""
-    if not is_preference(cfg.objective):
+    if not objective_for(cfg.objective).trains_pairs:
         return {}
     accuracy, margin = result.rewards if result.rewards is not None else (None, None)
     return {

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fineflow.base_source import base_identity
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.train.elastic import Layout, check_movable, elastic_identity
 
 # settings that change neither the trajectory nor the weights: safe to edit between a crash and a retry
@@ -56,13 +56,13 @@ TRAINING_CODE = (
     "checkpoint",
     "tokenize",
     "core/config.py",  # and the section models whose defaults a run trains with
-    "core/section.py",
+    "param_section.py",
     "core/model_config.py",
     "core/tokenize_config.py",
     "core/train_config.py",
     "core/launch_config.py",
     "base_source.py",
-    "core/errors.py",
+    "errors.py",
 )
 TRAINING_LIBRARIES = (
     "torch",

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fineflow.core.config import Params
-from fineflow.core.errors import FineflowError
 from fineflow.core.train_config import TrainParams
+from fineflow.errors import FineflowError
 from fineflow.train import planner, precision
 from fineflow.train.profile import Profile
 

@@ -47,7 +47,7 @@ def load_engine_state(engine, directory: Path) -> None:
         load_lr_scheduler_states=False,
     )
     if client_state is None:
-        from fineflow.core.errors import FineflowError
+        from fineflow.errors import FineflowError
 
         raise FineflowError(f"{directory}: DeepSpeed found no engine state under {TAG}/ to resume from")
 

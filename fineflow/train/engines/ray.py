@@ -37,7 +37,7 @@ import threading
 import time
 from pathlib import Path
 
-from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
+from fineflow.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
 from fineflow.process.preempt import StopNote, budget_s
 
 INSTALL_HINT = "pip install 'fineflow[cluster]'"

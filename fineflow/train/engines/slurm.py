@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
 
-from fineflow.core.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
+from fineflow.errors import PREEMPTED_EXIT, USER_ERROR_EXIT, FineflowError
 from fineflow.process.preempt import StopNote, budget_s
 from fineflow.train.launch import accelerate_command
 from fineflow.train.run_plan import PLAN_ENV

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.train.planner.memory import METHODS, GiB, MemoryPlan, Setup, plan
 from fineflow.train.planner.shapes import ModelShape
 

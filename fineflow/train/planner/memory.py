@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 from fineflow.train.architecture import ALL_LINEAR, FUSED_GATE_UP, FUSED_QKV, STANDS_FOR
 from fineflow.train.planner.shapes import ModelShape
 
@@ -358,7 +358,8 @@ def layer_activation_bytes(shape: ModelShape, setup: Setup) -> float:
 
 def logits_bytes(shape: ModelShape, setup: Setup) -> float:
     """The loss over the vocabulary: LOGITS_FP32_COPIES fp32 (rows x vocab) tensors at its peak, rows = every
-    token, or one chunk of them under the chunked loss (fineflow.train.loss). Chunked, the loss also holds the
+    token, or one chunk of them under the chunked loss (fineflow.objectives.token_loss). Chunked, the loss also holds
+    the
     hidden states' gradient from forward to backward, and full fine-tuning an fp32 gradient of the head."""
     tokens = setup.micro_batch_size * setup.seq_len
     chunk = setup.loss_chunk_tokens

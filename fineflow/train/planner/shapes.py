@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from fineflow.core.errors import FineflowError
+from fineflow.errors import FineflowError
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,8 @@ class ModelShape:
     # (name, in_features, out_features) of one decoder layer's linears, as the model has them; () = Llama's layout
     # (q/k/v/o_proj, gate/up/down_proj), which is what the known sizes are
     linears: tuple[tuple[str, int, int], ...] = ()
-    # the loss may project a chunk of tokens at a time (fineflow.train.loss.PLAIN_HEAD_MODELS: a plain head); False:
+    # the loss may project a chunk of tokens at a time (fineflow.objectives.token_loss.PLAIN_HEAD_MODELS: a plain
+    # head); False:
     # soft-capped or scaled logits (Gemma 2/3, Cohere) take the plain path, all tokens x vocab at once
     chunked_loss: bool = True
 
@@ -173,7 +174,7 @@ def shape_from_config(config: dict, name: str = "") -> ModelShape:
     )
     if not config.get("model_type"):  # a bare config: Llama's layout
         return shape
-    from fineflow.train.loss import PLAIN_HEAD_MODELS  # torch-free module constant
+    from fineflow.objectives.token_loss import PLAIN_HEAD_MODELS  # torch-free module constant
 
     chunked = config["model_type"] in PLAIN_HEAD_MODELS
     return replace(shape, linears=described_linears(config, shape), chunked_loss=chunked)

@@ -20,7 +20,7 @@ take the plain path.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 # causal LMs whose forward returns lm_head(hidden_states[logits_to_keep]) unchanged as .logits
 PLAIN_HEAD_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "olmo2", "smollm3"})
@@ -140,3 +140,35 @@ def logits_peak_bytes(trained_tokens: int, vocab: int, chunk_tokens: int, comput
     log-probabilities + their fp32 gradient), rows = chunk_tokens when chunking applies, else every trained token."""
     rows = chunk_tokens if 0 < chunk_tokens < trained_tokens else trained_tokens
     return rows * vocab * (compute_bytes + 4 + 4)
+
+
+def token_loss_sum(model, batch: dict, loss_chunk_tokens: int = 0, **forward_kwargs):
+    """Summed next-token cross-entropy over trained tokens, and how many there were.
+
+    No attention_mask is passed: position_ids restart per example, and packed examples never attend to each
+    other only if the attention gets that layout. sdpa/eager: transformers builds a block-diagonal causal
+    mask from the position ids (any batch size). flash_attention_2: transformers infers packing from
+    position ids only for a batch of one row, so ``forward_kwargs`` must carry flash-attn's cu_seqlens;
+    varlen: its groups (both from fineflow.train.attention.layout_kwargs). Logits are computed only at
+    positions whose next token is trained on (``logits_to_keep`` as a boolean mask): in instruction data
+    that is a small share of the row (6% on the bundled data), and the vocabulary projection and its fp32
+    loss are the largest per-token cost after the layers. With more trained tokens than ``loss_chunk_tokens``
+    (> 0) the head projects them that many at a time inside the model's forward (below); at or
+    below it, or for a head the chunked path does not cover, all at once.
+    """
+    import torch
+
+    targets = batch["labels"][:, 1:]
+    keep = torch.zeros_like(batch["labels"], dtype=torch.bool)
+    keep[:, :-1] = targets != -100
+    trained, count = targets[keep[:, :-1]], int(keep.sum())
+    head = output_head(model) if 0 < loss_chunk_tokens < count else None
+    with head_computes_loss(head, trained, loss_chunk_tokens) if head is not None else nullcontext():
+        out = model(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            use_cache=False,
+            logits_to_keep=keep,
+            **forward_kwargs,
+        ).logits  # (trained positions, vocab); chunked: the summed loss
+    return (out if head is not None else plain_cross_entropy(out, trained)), count

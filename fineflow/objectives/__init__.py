@@ -1,0 +1,41 @@
+"""train.objective: one module per objective, each a subclass of ``Objective`` (base.py) that the stages ask for
+its rows, its loss, whether it needs a reference model and what evaluate reports for it; no stage names one.
+
+base.py          the interface: Objective, PairObjective (a reward per answer, -logsigmoid of the margin),
+                 BatchLoss, the row schemas (EXAMPLES, PAIRS)
+sft.py           SFT: next-token loss on the answers
+dpo.py           DPO: pairs against a frozen reference (its log-probs from the reference_logps stage)
+simpo.py         SimPO: pairs, reference-free, length-normalised, with a margin
+token_loss.py    the next-token loss, plain or chunked so the logits never exist whole (train.loss_chunk_tokens)
+pair_logps.py    each pair's chosen and rejected sequence log-probs under a model, from a packed pair batch
+
+Imports nothing of fineflow but ``fineflow.errors``: every package may ask it (params validation included).
+Adding one: a module with its subclass, and its line in OBJECTIVES below (docs/objectives.md).
+"""
+
+from __future__ import annotations
+
+from fineflow.errors import ConfigError
+from fineflow.objectives.base import EXAMPLES, PAIRS, PREFERENCE_TASK, BatchLoss, Objective
+from fineflow.objectives.dpo import DPO
+from fineflow.objectives.sft import SFT
+from fineflow.objectives.simpo import SimPO
+
+OBJECTIVES: dict[str, Objective] = {objective.name: objective for objective in (SFT(), DPO(), SimPO())}
+NAMES = tuple(OBJECTIVES)
+
+
+def objective_for(name: str) -> Objective:
+    """The objective train.objective names (params validation refuses any other name before a stage runs)."""
+    try:
+        return OBJECTIVES[name]
+    except KeyError:
+        raise ConfigError(f"train.objective: {name!r} is not one of {', '.join(NAMES)}") from None
+
+
+def described() -> str:
+    """train.objective's description in the params reference: each objective and what it trains."""
+    return "; ".join(f"{objective.name}: {objective.summary}" for objective in OBJECTIVES.values())
+
+
+__all__ = ["EXAMPLES", "NAMES", "OBJECTIVES", "PAIRS", "PREFERENCE_TASK", "BatchLoss", "Objective", "objective_for"]

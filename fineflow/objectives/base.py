@@ -1,0 +1,96 @@
+"""The one interface every training objective implements, and that the stages ask instead of naming one.
+
+An objective says:
+- ``rows``: the row schema it trains on. EXAMPLES: an instruction (or messages) and its answer, the SFT row;
+  PAIRS: a prompt with a chosen and a rejected answer. The data, validate and tokenize stages read, check and
+  pack rows of that schema (fineflow.data.formats, fineflow.data.checks, fineflow.tokenize.pairs).
+- ``needs_reference``: whether a frozen reference model scores the training rows, so that the reference_logps
+  stage computes its log-probs once (and the train stage reads them, fineflow.train.reference_model).
+- ``loss``: a batch's summed loss, what it is a sum over (trained tokens, or pairs: the loop divides by the
+  global batch's count of them, so 1 process and N ranks take the same step) and, for pairs, the reward
+  statistics the step log shows.
+- ``eval_task``: the held-out task evaluate adds for it (None: only evaluate.tasks), whose metrics the gate
+  can judge (promote.primary_metric).
+
+Adding an objective: one module in this package with a subclass, and its line in ``OBJECTIVES``
+(fineflow/objectives/__init__.py). docs/objectives.md walks through one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EXAMPLES = "examples"  # an instruction (or messages) and its answer: what SFT trains on
+PAIRS = "pairs"  # a prompt, a chosen and a rejected answer: what preference objectives train on
+
+PREFERENCE_TASK = "fineflow_preference"  # evaluate's held-out pair ranking (fineflow.evaluate.pair_ranking)
+
+
+@dataclass
+class BatchLoss:
+    loss_sum: object  # a torch scalar: the batch's summed loss (backward goes through it)
+    count: int  # what loss_sum sums over: trained tokens (EXAMPLES) or pairs (PAIRS)
+    rewards: tuple[float, float] | None = None  # pairs: (pairs ranked right, summed reward margin); else None
+
+
+class Objective:
+    """A training objective (train.objective). Subclasses set the class attributes and implement ``loss``."""
+
+    name: str = ""
+    summary: str = ""  # one line for the params reference (train.objective's description)
+    rows: str = EXAMPLES
+    needs_reference: bool = False
+    eval_task: str | None = None
+
+    def loss(self, model, batch: dict, cfg=None, **forward_kwargs) -> BatchLoss:
+        """The batch's summed loss under this objective. cfg: the run's train section (TrainParams; None: the
+        defaults), forward_kwargs: the attention layout (fineflow.train.attention.layout_kwargs)."""
+        raise NotImplementedError
+
+    @property
+    def trains_pairs(self) -> bool:
+        return self.rows == PAIRS
+
+
+class PairObjective(Objective):
+    """A preference objective over packed pair shards: a reward per answer, and the loss -logsigmoid of the
+    chosen reward's margin over the rejected one's (less ``offset``). Subclasses define ``rewards``."""
+
+    rows = PAIRS
+    eval_task = PREFERENCE_TASK
+
+    def rewards(self, policy, reference, prefs):
+        """(chosen reward, rejected reward) per pair, from the policy's PairScores (and the reference's, when
+        needs_reference) with prefs = train.preference."""
+        raise NotImplementedError
+
+    def offset(self, prefs) -> float:
+        """What the margin must exceed before the loss is small (SimPO's gamma); 0 by default."""
+        return 0.0
+
+    def loss(self, model, batch: dict, cfg=None, **forward_kwargs) -> BatchLoss:
+        from fineflow.errors import FineflowError
+        from fineflow.objectives.pair_logps import pair_scores, token_logps, trained_positions
+
+        prefs = cfg.preference  # train.preference: a pair objective always runs with the run's train section
+        _, at = trained_positions(batch["labels"])
+        policy = pair_scores(token_logps(model, batch, **forward_kwargs), batch["pair_slots"], at)
+        reference = None
+        if self.needs_reference:
+            if "ref_logps" not in batch:
+                raise FineflowError(
+                    f"train.objective {self.name} needs the reference log-probs: run the reference_logps stage"
+                )
+            reference = pair_scores(batch["ref_logps"][at], batch["pair_slots"], at)
+        return self.pair_loss(policy, reference, prefs)
+
+    def pair_loss(self, policy, reference, prefs) -> BatchLoss:
+        """The summed loss and reward statistics of scored pairs (the batch's, or a test's)."""
+        import torch.nn.functional as F
+
+        chosen, rejected = self.rewards(policy, reference, prefs)
+        margin = chosen - rejected
+        offset = self.offset(prefs)
+        logits = margin - offset if offset else margin
+        loss_sum = -F.logsigmoid(logits).sum()
+        return BatchLoss(loss_sum, int(margin.numel()), (float((margin > 0).sum()), float(margin.detach().sum())))

@@ -1,0 +1,32 @@
+"""train.preference: the settings of the pair objectives (fineflow.objectives.base.PairObjective): the reward's
+scale, SimPO's margin, and which model DPO's reference is."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from fineflow.param_section import Section
+
+
+class PreferenceParams(Section):
+    """Preference tuning (train.objective dpo or simpo): the loss's constants and DPO's reference model."""
+
+    beta: float = Field(
+        0.1,
+        gt=0,
+        description="dpo: how far the policy may move from the reference (larger stays closer); simpo: the reward "
+        "scale (its paper uses 2 to 10)",
+    )
+    simpo_gamma: float = Field(
+        0.5, ge=0, description="simpo: the margin by which the chosen reward must beat the rejected one"
+    )
+    # DPO's reference scores the pairs once (the reference_logps stage caches its log-probabilities): champion is the
+    # registry's champion adapter on the base (the SFT model, after an SFT run was promoted), which the policy also
+    # starts from; base is the base model and a fresh adapter. Without a champion, champion means the base.
+    reference: Literal["champion", "base"] = Field(
+        "champion",
+        description="dpo: the model the policy is anchored to and starts from: the champion (the base when none "
+        "yet) or the base",
+    )

@@ -1,0 +1,134 @@
+"""Objectives as plug-ins (fineflow.objectives): every stage asks the objective, none names one; each objective's
+loss is its paper's formula, computed here independently of the library's code."""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from fineflow.objectives import NAMES, OBJECTIVES, PAIRS, objective_for
+from fineflow.objectives.base import EXAMPLES, Objective
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "fineflow"
+
+
+def _code_mentions(path: Path, names: tuple[str, ...], root: Path = ROOT) -> list[str]:
+    """Where a module's code names an objective: a string constant (docstrings aside: they explain) or an
+    identifier (a variable, attribute, function, argument) with an objective's name as one of its words."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    word = re.compile(rf"(?<![a-z0-9])({'|'.join(names)})(?![a-z0-9])", re.IGNORECASE)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            text = node.value
+        elif isinstance(node, ast.Name):
+            text = node.id
+        elif isinstance(node, ast.Attribute):
+            text = node.attr
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            text = node.name
+        elif isinstance(node, ast.arg):
+            text = node.arg
+        else:
+            continue
+        if word.search(text.replace("_", " ")):
+            found.append(f"{path.relative_to(root)}:{node.lineno}: {text[:80]!r}")
+    return found
+
+
+def test_no_module_outside_the_objectives_package_names_an_objective():
+    """A stage or library module asks fineflow.objectives (rows, needs_reference, loss, eval_task) instead of
+    branching on train.objective's value: adding an objective touches its own module and the registry only."""
+    modules = [path for path in PACKAGE.rglob("*.py") if "objectives" not in path.relative_to(PACKAGE).parts]
+    found = [mention for path in modules for mention in _code_mentions(path, NAMES)]
+    assert not found, "modules that name an objective (ask fineflow.objectives instead):\n  " + "\n  ".join(found)
+
+
+def test_the_check_sees_a_name_in_a_string_or_an_identifier_but_not_in_a_docstring(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text('"""dpo here is prose."""\nif x == "dpo":\n    use_simpo_path = 1\n', encoding="utf-8")
+    found = _code_mentions(module, NAMES, root=tmp_path)
+    assert [line.split(":")[1] for line in found] == ["2", "3"], found
+
+
+def test_the_registry_holds_every_objective_under_its_own_name_and_refuses_others():
+    assert NAMES == ("sft", "dpo", "simpo")
+    for name, objective in OBJECTIVES.items():
+        assert isinstance(objective, Objective) and objective.name == name and objective.summary
+        assert objective.rows in (EXAMPLES, PAIRS)
+        assert objective.eval_task is None or objective.rows == PAIRS
+    assert [n for n in NAMES if objective_for(n).needs_reference] == ["dpo"]
+    assert [n for n in NAMES if objective_for(n).trains_pairs] == ["dpo", "simpo"]
+    with pytest.raises(Exception, match="train.objective: 'kto' is not one of sft, dpo, simpo"):
+        objective_for("kto")
+
+
+def test_params_accept_exactly_the_registered_objectives_and_list_them_in_the_reference():
+    from fineflow.core.config import parse_params
+    from fineflow.errors import ConfigError
+    from fineflow.params_doc import render
+
+    for name in NAMES:
+        assert parse_params({"train": {"objective": name}}).train.objective == name
+    with pytest.raises(ConfigError, match="train.objective"):
+        parse_params({"train": {"objective": "kto"}})
+    page = render()
+    assert all(f"{objective.name}: {objective.summary}" in page for objective in OBJECTIVES.values())
+
+
+# ---- each pair objective's loss against its paper's formula, written here ----------------------------------------
+
+
+def _scores(chosen, rejected, chosen_len, rejected_len):
+    import torch
+
+    from fineflow.objectives.pair_logps import PairScores
+
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.float64)  # noqa: E731
+    return PairScores(as_tensor(chosen), as_tensor(rejected), as_tensor(chosen_len), as_tensor(rejected_len))
+
+
+def _log_sigmoid(x: float) -> float:
+    return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
+
+
+POLICY = ([-12.0, -30.5, -7.25], [-15.0, -28.0, -9.5], [6, 14, 3], [8, 11, 5])
+REFERENCE = ([-13.0, -29.0, -8.0], [-14.5, -29.5, -9.0], [6, 14, 3], [8, 11, 5])
+
+
+@pytest.mark.parametrize("beta, gamma", [(0.1, 0.5), (2.0, 0.0), (0.7, 1.3)])
+def test_dpo_and_simpo_sum_their_papers_loss_over_the_pairs(beta, gamma):
+    """DPO (Rafailov et al. 2023, eq. 7) and SimPO (Meng et al. 2024, eq. 6), pair by pair in plain floats."""
+    from fineflow.objectives.pair_params import PreferenceParams
+
+    prefs = PreferenceParams(beta=beta, simpo_gamma=gamma)
+    policy, reference = _scores(*POLICY), _scores(*REFERENCE)
+    dpo_by_hand = simpo_by_hand = 0.0
+    dpo_right = simpo_right = 0
+    for k in range(3):
+        pc, pr, lc, lr = POLICY[0][k], POLICY[1][k], POLICY[2][k], POLICY[3][k]
+        rc, rr = REFERENCE[0][k], REFERENCE[1][k]
+        dpo_margin = beta * ((pc - rc) - (pr - rr))
+        dpo_by_hand -= _log_sigmoid(dpo_margin)
+        dpo_right += dpo_margin > 0
+        simpo_margin = beta * pc / lc - beta * pr / lr
+        simpo_by_hand -= _log_sigmoid(simpo_margin - gamma)
+        simpo_right += simpo_margin > 0
+    dpo = objective_for("dpo").pair_loss(policy, reference, prefs)
+    simpo = objective_for("simpo").pair_loss(policy, None, prefs)
+    assert float(dpo.loss_sum) == pytest.approx(dpo_by_hand, abs=1e-12) and dpo.count == 3
+    assert float(simpo.loss_sum) == pytest.approx(simpo_by_hand, abs=1e-12) and simpo.count == 3
+    assert (dpo.rewards[0], simpo.rewards[0]) == (dpo_right, simpo_right)
