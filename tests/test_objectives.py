@@ -132,3 +132,27 @@ def test_dpo_and_simpo_sum_their_papers_loss_over_the_pairs(beta, gamma):
     assert float(dpo.loss_sum) == pytest.approx(dpo_by_hand, abs=1e-12) and dpo.count == 3
     assert float(simpo.loss_sum) == pytest.approx(simpo_by_hand, abs=1e-12) and simpo.count == 3
     assert (dpo.rewards[0], simpo.rewards[0]) == (dpo_right, simpo_right)
+
+
+def test_the_docs_worked_example_plugs_in_with_one_registry_line(monkeypatch):
+    """docs/objectives.md's example objective, run as written: registered, the stages' questions answer from its
+    parent (pairs, a reference model, the preference task), and its loss is its own formula."""
+    import fineflow.objectives as objectives
+    from fineflow.objectives.pair_params import PreferenceParams
+
+    page = (ROOT / "docs/objectives.md").read_text(encoding="utf-8")
+    [example] = re.findall(r"```python\n(.*?)```", page, flags=re.DOTALL)
+    namespace: dict = {}
+    exec(compile(example, "docs/objectives.md", "exec"), namespace)
+    added = namespace["LengthRegularisedDPO"]()
+    monkeypatch.setitem(objectives.OBJECTIVES, added.name, added)
+    assert objective_for("rdpo") is added and added.trains_pairs and added.needs_reference
+    assert added.eval_task == objective_for("dpo").eval_task
+    prefs = PreferenceParams(beta=0.5)
+    policy, reference = _scores(*POLICY), _scores(*REFERENCE)
+    by_hand = 0.0
+    for k in range(3):
+        chosen = 0.5 * (POLICY[0][k] - REFERENCE[0][k]) - added.alpha * POLICY[2][k]
+        rejected = 0.5 * (POLICY[1][k] - REFERENCE[1][k]) - added.alpha * POLICY[3][k]
+        by_hand -= _log_sigmoid(chosen - rejected)
+    assert float(added.pair_loss(policy, reference, prefs).loss_sum) == pytest.approx(by_hand, abs=1e-12)

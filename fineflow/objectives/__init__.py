@@ -7,6 +7,7 @@ sft.py           SFT: next-token loss on the answers
 dpo.py           DPO: pairs against a frozen reference (its log-probs from the reference_logps stage)
 simpo.py         SimPO: pairs, reference-free, length-normalised, with a margin
 token_loss.py    the next-token loss, plain or chunked so the logits never exist whole (train.loss_chunk_tokens)
+pair_params.py   train.preference: the pair objectives' settings (beta, SimPO's gamma, DPO's reference)
 pair_logps.py    each pair's chosen and rejected sequence log-probs under a model, from a packed pair batch
 
 Imports nothing of fineflow but ``fineflow.errors``: every package may ask it (params validation included).

@@ -248,7 +248,7 @@ def tokenize_split(tokenizer, base: str, rows_path: Path, out_dir: Path, cfg, ob
     except WrongObjective as exc:
         shutil.rmtree(building, ignore_errors=True)
         raise FineflowError(
-            f"{rows_path}: {exc}; train.objective {objective} trains on "
+            f"{rows_path}: {exc}; train.objective is {objective or NAMES[0]}, which trains on "
             f"{objective_for(objective or NAMES[0]).rows}: run the validate stage again for it (dvc repro validate "
             "reads train.objective: it writes the rows the objective trains on)"
         ) from None
