@@ -123,7 +123,7 @@ def preference_anchor(reference: Path | None, champion_dir: Path | None) -> str:
     if reference is None or not reference.is_file() or champion_dir is None:
         return "base"
     record = json.loads(reference.read_text(encoding="utf-8"))
-    named = record.get("needed") and record.get("champion")  # a reference model: the champion, when named
+    named = record.get("champion")  # only a reference model anchored to the champion names one
     return "champion" if named and named == champion_id(champion_dir) else "base"
 
 
