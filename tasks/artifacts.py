@@ -49,13 +49,13 @@ def publish_report(stage: str, project: Path, report: dict, ran: bool) -> None:
         return
     skipped = "" if ran else " (unchanged, skipped by DVC)"
     create_table_artifact(
-        key=f"fineflow-{stage}",
+        key=artifact_key(stage),
         table=report_table(report),
         description=f"reports/{stage}.json after the {stage} stage{skipped}",
     )
     for section, rows in report_sections(report).items():  # validate's checks: one row per check
         create_table_artifact(
-            key=f"fineflow-{stage}-{section_key(section)}",
+            key=artifact_key(stage, section),
             table=rows,
             description=f"{section} of reports/{stage}.json, one row each{skipped}",
         )
@@ -80,7 +80,7 @@ def publish_failure(stage: str, exc: BaseException) -> None:
     """A failed stage's error on the run page (the task's state message holds it too, cut to one line)."""
     with contextlib.suppress(Exception):  # a dead API must not replace the stage's own error
         create_markdown_artifact(
-            key=f"fineflow-{stage}-failed",
+            key=artifact_key(stage, "failed"),
             markdown=failure_markdown(stage, str(exc)),
             description=f"the {stage} stage's error",
         )
@@ -113,7 +113,7 @@ class TrainingProgress:
         with contextlib.suppress(Exception):
             if self.artifact_id is None:
                 self.artifact_id = create_progress_artifact(
-                    progress=percent, key=f"fineflow-{self.stage}-progress", description=description
+                    progress=percent, key=artifact_key(self.stage, "progress"), description=description
                 )
             else:
                 update_progress_artifact(self.artifact_id, progress=percent, description=description)
@@ -128,6 +128,12 @@ def report_table(report: dict) -> list[dict]:
 def report_sections(report: dict) -> dict[str, list[dict]]:
     """The report's sections of records (validate's checks, eval.checks) as tables of their own, one row each."""
     return render.report_tables(report)[1]
+
+
+def artifact_key(stage: str, *parts: str) -> str:
+    """A stage's artifact key: Prefect takes lowercase letters, digits and dashes only (a stage name such as
+    reference_logps has an underscore: the flow failed publishing its report)."""
+    return "-".join(["fineflow", *(section_key(part) for part in (stage, *parts))])
 
 
 def section_key(section: str) -> str:

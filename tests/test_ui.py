@@ -485,3 +485,21 @@ def test_the_ledger_table_rounds_seconds_and_dollars():
     rows = {row["bucket"]: row for row in artifacts.ledger_table(ledger)}
     assert (rows["compute"]["seconds"], rows["compute"]["usd"]) == ("30.0 s", "$0.0012")
     assert (rows["total"]["seconds"], rows["total"]["usd"]) == ("40.0 s", "$0.0016")
+
+
+def test_every_stages_artifact_keys_are_keys_prefect_accepts():
+    """Each dvc.yaml stage's report, section, failure and progress keys pass Prefect's own key check (lowercase
+    letters, digits, dashes): reference_logps's underscore failed the flow when it published its report."""
+    from prefect.types.names import raise_on_name_alphanumeric_dashes_only
+
+    from fineflow.core.dvc_project import stage_names
+
+    for stage in stage_names(Path(__file__).resolve().parents[1]):
+        for key in (
+            artifacts.artifact_key(stage),
+            artifacts.artifact_key(stage, "eval.checks"),
+            artifacts.artifact_key(stage, "failed"),
+            artifacts.artifact_key(stage, "progress"),
+        ):
+            assert raise_on_name_alphanumeric_dashes_only(key, "key") == key, (stage, key)
+    assert artifacts.artifact_key("reference_logps", "progress") == "fineflow-reference-logps-progress"
