@@ -67,3 +67,10 @@ def test_no_stage_of_this_projects_dvc_yaml_is_left_with_a_template_or_a_bare_py
     for name in stage_names(ROOT):
         argv = stage_command(name, ROOT, python=sys.executable)
         assert argv[:2] == [sys.executable, "-m"] and "${" not in " ".join(argv), (name, argv)
+
+
+def test_the_committed_dvc_lock_holds_only_stages_dvc_yaml_defines():
+    """DVC keeps a renamed stage's old entry in dvc.lock: `dvc pull` of the lock's outputs then names a path no
+    stage has and fails (the reference stage's models/reference after its rename to reference_logps)."""
+    locked = yaml.safe_load((ROOT / "dvc.lock").read_text(encoding="utf-8"))["stages"]
+    assert sorted(set(locked) - set(stage_names(ROOT))) == []
