@@ -65,14 +65,14 @@ def test_the_check_sees_a_name_in_a_string_or_an_identifier_but_not_in_a_docstri
 
 
 def test_the_registry_holds_every_objective_under_its_own_name_and_refuses_others():
-    assert NAMES == ("sft", "dpo", "simpo")
+    assert NAMES == ("sft", "dpo", "simpo", "orpo")
     for name, objective in OBJECTIVES.items():
         assert isinstance(objective, Objective) and objective.name == name and objective.summary
         assert objective.rows in (EXAMPLES, PAIRS)
         assert objective.eval_task is None or objective.rows == PAIRS
     assert [n for n in NAMES if objective_for(n).needs_reference] == ["dpo"]
-    assert [n for n in NAMES if objective_for(n).trains_pairs] == ["dpo", "simpo"]
-    with pytest.raises(Exception, match="train.objective: 'kto' is not one of sft, dpo, simpo"):
+    assert [n for n in NAMES if objective_for(n).trains_pairs] == ["dpo", "simpo", "orpo"]
+    with pytest.raises(Exception, match="train.objective: 'kto' is not one of sft, dpo, simpo, orpo"):
         objective_for("kto")
 
 
@@ -156,3 +156,23 @@ def test_the_docs_worked_example_plugs_in_with_one_registry_line(monkeypatch):
         rejected = 0.5 * (POLICY[1][k] - REFERENCE[1][k]) - added.alpha * POLICY[3][k]
         by_hand -= _log_sigmoid(chosen - rejected)
     assert float(added.pair_loss(policy, reference, prefs).loss_sum) == pytest.approx(by_hand, abs=1e-12)
+
+
+@pytest.mark.parametrize("lam", [0.1, 1.0, 0.25])
+def test_orpo_sums_the_chosen_nll_and_its_odds_ratio_term_over_the_pairs(lam):
+    """ORPO (Hong et al. 2024, eqs. 6-7): per pair the chosen answer's mean token NLL plus lambda times
+    -log sigmoid of the log odds ratio, odds(y) = p / (1 - p) with p the answer's mean per-token probability."""
+    from fineflow.objectives.pair_params import PreferenceParams
+
+    prefs = PreferenceParams(orpo_lambda=lam)
+    by_hand, right = 0.0, 0
+    for k in range(3):
+        chosen, rejected = POLICY[0][k] / POLICY[2][k], POLICY[1][k] / POLICY[3][k]
+        p_chosen, p_rejected = math.exp(chosen), math.exp(rejected)
+        log_odds = math.log(p_chosen / (1 - p_chosen)) - math.log(p_rejected / (1 - p_rejected))
+        by_hand += -chosen - lam * _log_sigmoid(log_odds)
+        right += chosen > rejected
+    orpo = objective_for("orpo")
+    got = orpo.pair_loss(_scores(*POLICY), None, prefs)
+    assert float(got.loss_sum) == pytest.approx(by_hand, abs=1e-12) and got.count == 3 and got.rewards[0] == right
+    assert not orpo.needs_reference and orpo.trains_pairs

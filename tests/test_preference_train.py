@@ -250,7 +250,7 @@ LEARNS = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("objective", ["dpo", "simpo"])
+@pytest.mark.parametrize("objective", ["dpo", "simpo"])  # orpo: 16 tiny steps mostly train its NLL term
 def test_preference_training_raises_reward_accuracy_and_margin(built, tmp_path, objective):
     """The train stage with train.objective dpo / simpo on the tiny base: the step log's reward accuracy and
     margin (over each step's pairs) rise from the first steps to the last, and the eval pair loss falls. dpo's

@@ -6,6 +6,7 @@ base.py          the interface: Objective, PairObjective (a reward per answer, -
 sft.py           SFT: next-token loss on the answers
 dpo.py           DPO: pairs against a frozen reference (its log-probs from the reference_logps stage)
 simpo.py         SimPO: pairs, reference-free, length-normalised, with a margin
+orpo.py          ORPO: pairs, reference-free, the chosen answer's SFT loss plus an odds-ratio term
 token_loss.py    the next-token loss, plain or chunked so the logits never exist whole (train.loss_chunk_tokens)
 pair_params.py   train.preference: the pair objectives' settings (beta, SimPO's gamma, DPO's reference)
 pair_logps.py    each pair's chosen and rejected sequence log-probs under a model, from a packed pair batch
@@ -19,10 +20,11 @@ from __future__ import annotations
 from fineflow.errors import ConfigError
 from fineflow.objectives.base import EXAMPLES, PAIRS, PREFERENCE_TASK, BatchLoss, Objective
 from fineflow.objectives.dpo import DPO
+from fineflow.objectives.orpo import ORPO
 from fineflow.objectives.sft import SFT
 from fineflow.objectives.simpo import SimPO
 
-OBJECTIVES: dict[str, Objective] = {objective.name: objective for objective in (SFT(), DPO(), SimPO())}
+OBJECTIVES: dict[str, Objective] = {objective.name: objective for objective in (SFT(), DPO(), SimPO(), ORPO())}
 NAMES = tuple(OBJECTIVES)
 
 

@@ -22,6 +22,9 @@ class PreferenceParams(Section):
     simpo_gamma: float = Field(
         0.5, ge=0, description="simpo: the margin by which the chosen reward must beat the rejected one"
     )
+    orpo_lambda: float = Field(
+        0.1, gt=0, description="orpo: the weight of the odds-ratio term beside the chosen answer's SFT loss"
+    )
     # DPO's reference scores the pairs once (the reference_logps stage caches its log-probabilities): champion is the
     # registry's champion adapter on the base (the SFT model, after an SFT run was promoted), which the policy also
     # starts from; base is the base model and a fresh adapter. Without a champion, champion means the base.

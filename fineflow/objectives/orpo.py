@@ -1,0 +1,41 @@
+"""ORPO (Hong et al. 2024): preference pairs, reference-free, the SFT loss on the chosen answer plus an odds-ratio
+term that makes the chosen answer likelier than the rejected one.
+
+    p(y)  = exp(log pi(y|x) / |y|)                       the answer's mean per-token probability
+    odds  = p / (1 - p)
+    loss  = -log pi(chosen|x) / |chosen|  -  lambda * logsigmoid(log odds(chosen) - log odds(rejected))
+
+per pair, summed over the batch's pairs (the loop divides by the global batch's pair count: the NLL term is the
+mean over pairs of each chosen answer's mean token loss; TRL's is the mean over the batch's chosen tokens, the same
+when the chosen answers are equally long). lambda is train.preference.orpo_lambda. The step log's rewards are
+TRL's: lambda times each answer's mean log-prob.
+"""
+
+from __future__ import annotations
+
+from fineflow.objectives.base import BatchLoss, PairObjective
+
+
+class ORPO(PairObjective):
+    name = "orpo"
+    summary = "preference pairs, reference-free: the chosen answer's SFT loss plus an odds-ratio term"
+
+    def rewards(self, policy, reference, prefs):
+        chosen, rejected = _mean_logps(policy)
+        return prefs.orpo_lambda * chosen, prefs.orpo_lambda * rejected
+
+    def pair_loss(self, policy, reference, prefs) -> BatchLoss:
+        import torch
+        import torch.nn.functional as F
+
+        chosen, rejected = _mean_logps(policy)
+        # log(p / (1 - p)) = log p - log(1 - exp(log p)); log p < 0 strictly for any real model's answer
+        log_odds = (chosen - rejected) - (torch.log1p(-torch.exp(chosen)) - torch.log1p(-torch.exp(rejected)))
+        loss_sum = (-chosen - prefs.orpo_lambda * F.logsigmoid(log_odds)).sum()
+        margin = prefs.orpo_lambda * (chosen - rejected)
+        return BatchLoss(loss_sum, int(margin.numel()), (float((margin > 0).sum()), float(margin.detach().sum())))
+
+
+def _mean_logps(policy):
+    """Each pair's chosen and rejected answer's mean per-token log-prob."""
+    return policy.chosen / policy.chosen_len.clamp(min=1), policy.rejected / policy.rejected_len.clamp(min=1)
