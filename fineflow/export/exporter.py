@@ -14,6 +14,7 @@ from pathlib import Path
 
 from fineflow.core.config import Params
 from fineflow.core.errors import FineflowError
+from fineflow.core.train_config import is_preference
 from fineflow.export.gguf import export_gguf
 from fineflow.export.native_log import LOG_FILE, llama_cpp_log
 from fineflow.export.parity import (
@@ -51,14 +52,17 @@ def champion_model_dir(champion_dir: Path, work_dir: Path, log: Callable[[str], 
     raise FineflowError(f"{champion_dir}: neither merged/, an adapter nor a model: re-run promote")
 
 
-def rendered_eval_docs(eval_rows: Path, tokenizer, work_dir: Path, limit: int | None) -> list[EvalDoc]:
-    """The eval rows with their prompts as the evaluate stage renders them (the training rendering)."""
+def rendered_eval_docs(
+    eval_rows: Path, tokenizer, work_dir: Path, limit: int | None, pairs: bool = False
+) -> list[EvalDoc]:
+    """The eval rows with their prompts as the evaluate stage renders them (the training rendering). pairs: the
+    rows are preference pairs (a pair objective's eval rows), each answered with its chosen answer."""
     from fineflow.evaluate.harness import render_eval_rows
 
     if not eval_rows.is_file():
         raise FineflowError(f"{eval_rows}: no eval rows: the parity check answers the evaluate stage's eval docs")
     work_dir.mkdir(parents=True, exist_ok=True)
-    docs = eval_docs(render_eval_rows(eval_rows, tokenizer, work_dir / "eval_rows.jsonl"), limit)
+    docs = eval_docs(render_eval_rows(eval_rows, tokenizer, work_dir / "eval_rows.jsonl", pairs=pairs), limit)
     if not docs:
         raise FineflowError(f"{eval_rows}: no eval rows to check the exports on")
     return docs
@@ -75,11 +79,12 @@ class Trained:
     stop_ids: list[int]
 
 
-def trained_side(model_dir: Path, eval_rows: Path, work_dir: Path, parity_docs: int | None) -> Trained:
+def trained_side(model_dir: Path, eval_rows: Path, work_dir: Path, params: Params) -> Trained:
     from transformers import AutoTokenizer, GenerationConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    docs = rendered_eval_docs(eval_rows, tokenizer, work_dir, parity_docs)
+    pairs = is_preference(params.train.objective)  # the validate stage wrote the eval rows for the objective
+    docs = rendered_eval_docs(eval_rows, tokenizer, work_dir, params.export.parity_docs, pairs)
     generation_eos = _generation_eos(model_dir, GenerationConfig)
     return Trained(tokenizer, docs, generation_eos, trained_stop_ids(tokenizer, generation_eos))
 
@@ -110,7 +115,7 @@ def _export_model(
     trained: Trained | None,
 ) -> dict:
     cfg = params.export
-    trained = trained or trained_side(model_dir, eval_rows, work_dir, cfg.parity_docs)
+    trained = trained or trained_side(model_dir, eval_rows, work_dir, params)
     tokenizer, docs, generation_eos, stop_ids = (
         trained.tokenizer,
         trained.docs,
@@ -163,7 +168,7 @@ def export_champion(
     from fineflow.registry.install import read_champion
 
     model_dir = champion_model_dir(champion_dir, work_dir, log)
-    trained = trained_side(model_dir, eval_rows, work_dir, params.export.parity_docs)
+    trained = trained_side(model_dir, eval_rows, work_dir, params)
     report = export_model(model_dir, eval_rows, out_dir, work_dir, params, log, trained)
     # which of the champion's forms was exported, by name (a path into the scratch folder would change every run)
     source = model_dir.relative_to(champion_dir).as_posix() if model_dir.is_relative_to(champion_dir) else None
