@@ -362,7 +362,7 @@ def test_the_workflows_steps_in_fresh_clones_refuse_then_promote_then_stop_on_ba
     assert "which moved during the run" in summary  # rebased onto the new tip, not refused
     assert _git(origin, "log", "-2", "--format=%s", "main").splitlines()[1] == "notes"
     assert (clone / "reports/ci-summary.md").read_text() in summary  # the file a PR-comment step posts
-    assert re.search(r"\| reports/metrics/summary.json\s*\| decision\s*\| refused\s*\| promoted", summary), summary
+    assert re.search(r"\| reports/metrics/promote.json\s*\| decision\s*\| refused\s*\| promoted", summary), summary
     assert _outputs(job)["decision"] == "promoted"
 
     # 3: the nightly finds the champion up to date: nothing runs, nothing is committed

@@ -196,6 +196,31 @@ def _llama_cpp_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.lstrip().startswith(LLAMA_CPP_LINES)]
 
 
+def test_a_pair_objectives_eval_rows_are_the_parity_docs_with_their_chosen_answers(built, tmp_path):
+    """A champion trained on preference pairs (train.objective dpo) exports like any other: its eval rows are
+    pairs (no output), and the parity check answers their prompts with the chosen answer as the target (an export
+    of a dpo champion died on KeyError 'output' in the nightly tier)."""
+    from fineflow.core.config import parse_params
+    from fineflow.export.exporter import trained_side
+
+    sft_rows = [json.loads(line) for line in (built / "data/validated/eval.jsonl").read_text().splitlines()][:5]
+    pair_rows = tmp_path / "eval_pairs.jsonl"
+    pair_rows.write_text(
+        "".join(
+            json.dumps({"instruction": r["instruction"], "input": r.get("input", ""), "chosen": r["output"],
+                        "rejected": r["output"][::-1]}) + "\n"
+            for r in sft_rows
+        )
+    )  # fmt: skip
+    params = parse_params({"train": {"objective": "dpo"}, "export": {"parity_docs": 5}})
+    trained = trained_side(built / "models/base", pair_rows, tmp_path / "work", params)
+    assert [doc.target for doc in trained.docs] == [r["output"] for r in sft_rows]
+    sft = trained_side(built / "models/base", built / "data/validated/eval.jsonl", tmp_path / "sft", params.model_copy(
+        update={"train": params.train.model_copy(update={"objective": "sft"})}
+    ))  # fmt: skip
+    assert [doc.prompt for doc in sft.docs] == [doc.prompt for doc in trained.docs]
+
+
 @needs_llama_cpp  # one converter run (most of its ~8 s on 2 cores), one quantization, llama.cpp loading both files
 def test_llama_cpps_own_output_goes_to_the_exports_log_and_the_console_keeps_the_stages_lines(built, tmp_path, capfd):
     from fineflow.export.exporter import export_model

@@ -297,7 +297,8 @@ def test_two_flow_runs_started_at_once_in_one_workspace_run_one_after_the_other(
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=project, capture_output=True, text=True)
     names = sorted(r["name"] for r in _flow_runs(prefect_server) if r["parameters"].get("project_dir") == str(project))
     commit = sha.stdout.strip()
-    named = re.compile(rf"{commit} \d\d-\d\d \d\d:\d\d:\d\d UTC: (.+)")  # commit, start (UTC), what re-ran
+    # commit, start (UTC), the run id's start, what re-ran
+    named = re.compile(rf"{commit} \d\d-\d\d \d\d:\d\d:\d\d UTC #[0-9a-f]{{4}}: (.+)")
     reran = sorted(named.fullmatch(name).group(1) for name in names)
     assert reran == sorted([", ".join(STAGES), "fingerprint, goodput"])
 

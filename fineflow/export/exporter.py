@@ -27,6 +27,7 @@ from fineflow.export.parity import (
     vocabulary_checks,
 )
 from fineflow.export.vllm import write_vllm_layout
+from fineflow.objectives import objective_for
 
 PARITY_LOG_FILE = "promote_parity.llama_cpp.log"  # promote's parity check's llama.cpp log, beside the champion
 
@@ -51,14 +52,17 @@ def champion_model_dir(champion_dir: Path, work_dir: Path, log: Callable[[str], 
     raise FineflowError(f"{champion_dir}: neither merged/, an adapter nor a model: re-run promote")
 
 
-def rendered_eval_docs(eval_rows: Path, tokenizer, work_dir: Path, limit: int | None) -> list[EvalDoc]:
-    """The eval rows with their prompts as the evaluate stage renders them (the training rendering)."""
+def rendered_eval_docs(
+    eval_rows: Path, tokenizer, work_dir: Path, limit: int | None, pairs: bool = False
+) -> list[EvalDoc]:
+    """The eval rows with their prompts as the evaluate stage renders them (the training rendering). pairs: the
+    rows are preference pairs (a pair objective's eval rows), each answered with its chosen answer."""
     from fineflow.evaluate.harness import render_eval_rows
 
     if not eval_rows.is_file():
         raise FineflowError(f"{eval_rows}: no eval rows: the parity check answers the evaluate stage's eval docs")
     work_dir.mkdir(parents=True, exist_ok=True)
-    docs = eval_docs(render_eval_rows(eval_rows, tokenizer, work_dir / "eval_rows.jsonl"), limit)
+    docs = eval_docs(render_eval_rows(eval_rows, tokenizer, work_dir / "eval_rows.jsonl", pairs=pairs), limit)
     if not docs:
         raise FineflowError(f"{eval_rows}: no eval rows to check the exports on")
     return docs
@@ -75,11 +79,13 @@ class Trained:
     stop_ids: list[int]
 
 
-def trained_side(model_dir: Path, eval_rows: Path, work_dir: Path, parity_docs: int | None) -> Trained:
+def trained_side(model_dir: Path, eval_rows: Path, work_dir: Path, params: Params) -> Trained:
     from transformers import AutoTokenizer, GenerationConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    docs = rendered_eval_docs(eval_rows, tokenizer, work_dir, parity_docs)
+    # the validate stage wrote the eval rows the objective trains on
+    pairs = objective_for(params.train.objective).trains_pairs
+    docs = rendered_eval_docs(eval_rows, tokenizer, work_dir, params.export.parity_docs, pairs)
     generation_eos = _generation_eos(model_dir, GenerationConfig)
     return Trained(tokenizer, docs, generation_eos, trained_stop_ids(tokenizer, generation_eos))
 
@@ -110,7 +116,7 @@ def _export_model(
     trained: Trained | None,
 ) -> dict:
     cfg = params.export
-    trained = trained or trained_side(model_dir, eval_rows, work_dir, cfg.parity_docs)
+    trained = trained or trained_side(model_dir, eval_rows, work_dir, params)
     tokenizer, docs, generation_eos, stop_ids = (
         trained.tokenizer,
         trained.docs,
@@ -163,7 +169,7 @@ def export_champion(
     from fineflow.registry.install import read_champion
 
     model_dir = champion_model_dir(champion_dir, work_dir, log)
-    trained = trained_side(model_dir, eval_rows, work_dir, params.export.parity_docs)
+    trained = trained_side(model_dir, eval_rows, work_dir, params)
     report = export_model(model_dir, eval_rows, out_dir, work_dir, params, log, trained)
     # which of the champion's forms was exported, by name (a path into the scratch folder would change every run)
     source = model_dir.relative_to(champion_dir).as_posix() if model_dir.is_relative_to(champion_dir) else None
