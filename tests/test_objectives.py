@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fineflow.objectives import NAMES, OBJECTIVES, PAIRS, objective_for
-from fineflow.objectives.base import EXAMPLES, Objective
+from fineflow.objectives.interface import EXAMPLES, Objective
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fineflow"

@@ -1,7 +1,7 @@
-"""train.objective: one module per objective, each a subclass of ``Objective`` (base.py) that the stages ask for
+"""train.objective: one module per objective, each a subclass of ``Objective`` (interface.py) that the stages ask for
 its rows, its loss, whether it needs a reference model and what evaluate reports for it; no stage names one.
 
-base.py          the interface: Objective, PairObjective (a reward per answer, -logsigmoid of the margin),
+interface.py     the interface: Objective, PairObjective (a reward per answer, -logsigmoid of the margin),
                  BatchLoss, the row schemas (EXAMPLES, PAIRS)
 sft.py           SFT: next-token loss on the answers
 dpo.py           DPO: pairs against a frozen reference (its log-probs from the reference_logps stage)
@@ -18,8 +18,8 @@ Adding one: a module with its subclass, and its line in OBJECTIVES below (docs/o
 from __future__ import annotations
 
 from fineflow.errors import ConfigError
-from fineflow.objectives.base import EXAMPLES, PAIRS, PREFERENCE_TASK, BatchLoss, Objective
 from fineflow.objectives.dpo import DPO
+from fineflow.objectives.interface import EXAMPLES, PAIRS, PREFERENCE_TASK, BatchLoss, Objective
 from fineflow.objectives.orpo import ORPO
 from fineflow.objectives.sft import SFT
 from fineflow.objectives.simpo import SimPO

@@ -9,7 +9,7 @@ the champion or the base), and read with the shards; beta is train.preference.be
 
 from __future__ import annotations
 
-from fineflow.objectives.base import PairObjective
+from fineflow.objectives.interface import PairObjective
 
 
 class DPO(PairObjective):

@@ -13,7 +13,7 @@ TRL's: lambda times each answer's mean log-prob.
 
 from __future__ import annotations
 
-from fineflow.objectives.base import BatchLoss, PairObjective
+from fineflow.objectives.interface import BatchLoss, PairObjective
 
 
 class ORPO(PairObjective):

@@ -1,4 +1,4 @@
-"""train.preference: the settings of the pair objectives (fineflow.objectives.base.PairObjective): the reward's
+"""train.preference: the settings of the pair objectives (fineflow.objectives.interface.PairObjective): the reward's
 scale, SimPO's margin, and which model DPO's reference is."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fineflow.objectives.base import EXAMPLES, BatchLoss, Objective
+from fineflow.objectives.interface import EXAMPLES, BatchLoss, Objective
 
 
 class SFT(Objective):

@@ -8,7 +8,7 @@ beta is train.preference.beta, gamma train.preference.simpo_gamma; no reference 
 
 from __future__ import annotations
 
-from fineflow.objectives.base import PairObjective
+from fineflow.objectives.interface import PairObjective
 
 
 class SimPO(PairObjective):

@@ -1,4 +1,4 @@
-"""Packed pair shards as the pair objectives (fineflow.objectives.base.PairObjective) train on them.
+"""Packed pair shards as the pair objectives (fineflow.objectives.interface.PairObjective) train on them.
 
 A preference shard (the tokenize stage's: fineflow.tokenize.pairs) packs each pair as two adjacent examples of
 one row, and ``pair_slots.bin`` says which is which (fineflow.objectives.pair_logps). ``PairShard`` reads it
