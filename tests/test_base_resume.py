@@ -21,11 +21,12 @@ from fineflow.core.config import parse_params
 from fineflow.errors import PREEMPTED_EXIT
 from tests.conftest import TINY_PARAMS, _merge, copy_project, venv_env
 
-STEPS = 300  # tiny steps: long enough to be stopped in the middle, a few seconds in all
+STEPS = 300  # tiny steps: long enough for a signal sent by another process to land in the middle
+FUNCTION_STEPS = 60  # in-process, the stop comes at a chosen step (37): a fifth of STEPS' pretraining, twice a test
 
 
 def _params(**base):
-    return parse_params(_merge(TINY_PARAMS, {"base": {"steps": STEPS, **base}}))
+    return parse_params(_merge(TINY_PARAMS, {"base": {"steps": FUNCTION_STEPS, **base}}))
 
 
 def _build(params, out: Path, state_dir: Path | None, stop=lambda: None) -> dict:
@@ -54,12 +55,12 @@ def test_a_stopped_pretraining_saves_its_step_and_the_resume_ends_with_the_same_
         calls["n"] += 1
         return signal.SIGTERM if calls["n"] == 37 else None
 
-    with pytest.raises(base_model.PretrainStopped, match=r"SIGTERM after step 37 of 300") as stopped:
+    with pytest.raises(base_model.PretrainStopped, match=rf"SIGTERM after step 37 of {FUNCTION_STEPS}") as stopped:
         _build(params, tmp_path / "base", state_dir, stop_at_step_37)
     assert stopped.value.step == 37 and (state_dir / base_model.STATE_FILE).is_file()
     assert not (tmp_path / "base").exists()  # nothing half-built where the stage's output goes
     figures = _build(params, tmp_path / "base", state_dir)
-    assert figures["pretrain_resumed_from_step"] == 37 and figures["pretrain_steps"] == STEPS
+    assert figures["pretrain_resumed_from_step"] == 37 and figures["pretrain_steps"] == FUNCTION_STEPS
     assert _weights(tmp_path / "base") == _weights(uninterrupted)
     assert not (state_dir / base_model.STATE_FILE).exists()  # done: the state is gone
 

@@ -544,7 +544,7 @@ INDUCED = {
     # name: (params overrides, fault variables, ranks, the cause the doctor must name first)
     # no prefetch: every step waits the loader's whole delay (a loaded runner's slower compute cannot hide it)
     "slow loader": (
-        {**QUIET, "train.steps": 16, "train.prefetch": 0},
+        {**QUIET, "train.steps": 8, "train.prefetch": 0},
         {"FINEFLOW_TEST_LOADER_DELAY_S": "1.0"},
         1,
         "data_loading",
@@ -556,7 +556,7 @@ INDUCED = {
         "checkpoint",
     ),
     "slow all-reduce in 2-process DDP": (
-        {**QUIET, "train.steps": 16, "train.num_processes": 2, "train.micro_batch_size": 1},
+        {**QUIET, "train.steps": 8, "train.num_processes": 2, "train.micro_batch_size": 1},
         {"FINEFLOW_TEST_ALLREDUCE_DELAY_S": "0.6"},
         2,
         "network_sync",
@@ -601,10 +601,11 @@ def test_the_doctor_names_an_induced_bottleneck_first(built, tmp_path, name):
     first = result["findings"][0]
     assert (first["cause"], first["severity"]) == (cause, "severe"), json.dumps(result["findings"], indent=1)
     assert result["buckets"]["restart_loss"] == 0.0
-    out = subprocess.run(
-        [sys.executable, "-m", "fineflow.cli", "doctor", "--json"], cwd=project, capture_output=True, text=True
-    )
-    assert out.returncode == 1 and json.loads(out.stdout)["findings"][0]["cause"] == cause
+    if name == next(iter(INDUCED)):  # the command a user runs reads the same ledger (once: a process each)
+        out = subprocess.run(
+            [sys.executable, "-m", "fineflow.cli", "doctor", "--json"], cwd=project, capture_output=True, text=True
+        )
+        assert out.returncode == 1 and json.loads(out.stdout)["findings"][0]["cause"] == cause
 
 
 @pytest.mark.slow

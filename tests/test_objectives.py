@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fineflow.objectives import NAMES, OBJECTIVES, PAIRS, objective_for
-from fineflow.objectives.interface import EXAMPLES, Objective
+from fineflow.objectives import NAMES, OBJECTIVES, objective_for
+from fineflow.objectives.interface import FEEDBACK, ROW_SCHEMAS, Objective
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fineflow"
@@ -65,15 +65,16 @@ def test_the_check_sees_a_name_in_a_string_or_an_identifier_but_not_in_a_docstri
 
 
 def test_the_registry_holds_every_objective_under_its_own_name_and_refuses_others():
-    assert NAMES == ("sft", "dpo", "simpo", "orpo")
+    assert NAMES == ("sft", "dpo", "simpo", "orpo", "kto")
     for name, objective in OBJECTIVES.items():
         assert isinstance(objective, Objective) and objective.name == name and objective.summary
-        assert objective.rows in (EXAMPLES, PAIRS)
-        assert objective.eval_task is None or objective.rows == PAIRS
-    assert [n for n in NAMES if objective_for(n).needs_reference] == ["dpo"]
+        assert objective.rows in ROW_SCHEMAS
+        assert objective.eval_task is None or objective.pair_shards
+    assert [n for n in NAMES if objective_for(n).needs_reference] == ["dpo", "kto"]
     assert [n for n in NAMES if objective_for(n).trains_pairs] == ["dpo", "simpo", "orpo"]
-    with pytest.raises(Exception, match="train.objective: 'kto' is not one of sft, dpo, simpo, orpo"):
-        objective_for("kto")
+    assert [n for n in NAMES if objective_for(n).rows == FEEDBACK] == ["kto"]
+    with pytest.raises(Exception, match="train.objective: 'ppo' is not one of sft, dpo, simpo, orpo, kto"):
+        objective_for("ppo")
 
 
 def test_params_accept_exactly_the_registered_objectives_and_list_them_in_the_reference():
@@ -84,7 +85,7 @@ def test_params_accept_exactly_the_registered_objectives_and_list_them_in_the_re
     for name in NAMES:
         assert parse_params({"train": {"objective": name}}).train.objective == name
     with pytest.raises(ConfigError, match="train.objective"):
-        parse_params({"train": {"objective": "kto"}})
+        parse_params({"train": {"objective": "ppo"}})
     page = render()
     assert all(f"{objective.name}: {objective.summary}" in page for objective in OBJECTIVES.values())
 
@@ -176,3 +177,45 @@ def test_orpo_sums_the_chosen_nll_and_its_odds_ratio_term_over_the_pairs(lam):
     got = orpo.pair_loss(_scores(*POLICY), None, prefs)
     assert float(got.loss_sum) == pytest.approx(by_hand, abs=1e-12) and got.count == 3 and got.rewards[0] == right
     assert not orpo.needs_reference and orpo.trains_pairs
+
+
+@pytest.mark.parametrize("beta, weights", [(0.1, (1.0, 1.0)), (0.5, (1.33, 1.0)), (2.0, (1.0, 0.75))])
+def test_kto_weighs_each_answers_loss_against_the_batch_kl_estimate(beta, weights):
+    """KTO (Ethayarajh et al. 2024, eq. 8): z = max(0, mean KL sample log-ratio), no gradient; per row
+    w_D (1 - sigmoid(beta (r - z))) when desirable, w_U (1 - sigmoid(beta (z - r))) when not, r the answer's
+    log-ratio to the reference. Here the answers are POLICY's chosen column and the KL samples its rejected."""
+    import torch
+
+    from fineflow.objectives.pair_params import PreferenceParams
+
+    prefs = PreferenceParams(beta=beta, kto_desirable_weight=weights[0], kto_undesirable_weight=weights[1])
+    labels = [True, False, True]
+    sigmoid = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    kl_terms = [POLICY[1][k] - REFERENCE[1][k] for k in range(3)]
+    z = max(0.0, sum(kl_terms) / 3)
+    by_hand, right = 0.0, 0
+    for k, desirable in enumerate(labels):
+        r = POLICY[0][k] - REFERENCE[0][k]
+        if desirable:
+            by_hand += weights[0] * (1 - sigmoid(beta * (r - z)))
+            right += r > z
+        else:
+            by_hand += weights[1] * (1 - sigmoid(beta * (z - r)))
+            right += r < z
+    kto = objective_for("kto")
+    got = kto.feedback_loss(_scores(*POLICY), _scores(*REFERENCE), torch.tensor(labels), prefs)
+    assert float(got.loss_sum) == pytest.approx(by_hand, abs=1e-12) and got.count == 3 and got.rewards[0] == right
+    assert kto.needs_reference and kto.rows == FEEDBACK and kto.pair_shards and not kto.trains_pairs
+
+
+def test_kto_clamps_a_negative_kl_estimate_to_zero():
+    """The KL estimate is a KL: when the samples' mean log-ratio is below 0 (the policy likes the mismatched
+    answers less than the reference does) z is 0, not negative."""
+    import torch
+
+    from fineflow.objectives.pair_params import PreferenceParams
+
+    policy = _scores([-10.0], [-20.0], [4], [4])
+    reference = _scores([-11.0], [-15.0], [4], [4])  # KL sample log-ratio -5: clamped to 0
+    got = objective_for("kto").feedback_loss(policy, reference, torch.tensor([True]), PreferenceParams(beta=1.0))
+    assert float(got.loss_sum) == pytest.approx(1 - 1 / (1 + math.exp(-1.0)), abs=1e-12)

@@ -13,6 +13,7 @@ from fineflow.core.tokenize_config import TokenizeParams
 from fineflow.data.formats import apply_mapping, read_rows
 from fineflow.data.validation import raise_if_blocked, validate_rows, validate_splits
 from fineflow.errors import DataError
+from fineflow.objectives import PAIRS
 
 CFG = ValidateParams(max_chars=300, max_bad_share=1.0)
 PAIR = {"instruction": "Which number is larger?", "input": "12 or 40", "chosen": "40", "rejected": "12"}
@@ -31,8 +32,8 @@ def _write(path, rows: list) -> str:
 
 def _gate(tmp_path, rows: list, tokens=None, mapping: FieldMapping | None = None, cfg: ValidateParams = CFG):
     path = _write(tmp_path / "pairs.jsonl", rows)
-    mapped = apply_mapping(read_rows(path), mapping or FieldMapping(), path, pairs=True)
-    return validate_rows(mapped, path, cfg, tokens=tokens, pairs=True)
+    mapped = apply_mapping(read_rows(path), mapping or FieldMapping(), path, schema=PAIRS)
+    return validate_rows(mapped, path, cfg, tokens=tokens, schema=PAIRS)
 
 
 def _reasons(outcome) -> dict[int, str]:
@@ -93,8 +94,8 @@ def test_trl_conversational_preference_parquet_maps_with_messages_from_its_promp
     ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "trl.parquet")
     path = str(tmp_path / "trl.parquet")
-    mapped = apply_mapping(read_rows(path), FieldMapping(messages="prompt"), path, pairs=True)
-    (row,) = validate_rows(mapped, path, CFG, pairs=True).kept
+    mapped = apply_mapping(read_rows(path), FieldMapping(messages="prompt"), path, schema=PAIRS)
+    (row,) = validate_rows(mapped, path, CFG, schema=PAIRS).kept
     assert (row.data["messages"], row.data["chosen"], row.data["rejected"]) == (CHAT_PROMPT, "7.", "3.")
 
 
@@ -161,7 +162,7 @@ def test_a_train_pair_leaking_an_eval_pair_is_caught_by_its_answers_too(tmp_path
     answer = "the larger of the two numbers is forty because forty is more than twelve by far"
     evaluation = _write(tmp_path / "eval.jsonl", [{**PAIR, "rejected": answer}])
     train = _write(tmp_path / "train.jsonl", [{**PAIR, "instruction": "Pick one.", "rejected": answer}, PAIR])
-    outcomes = validate_splits({"eval": evaluation, "train": train}, DataParams(), CFG, pairs=True)
+    outcomes = validate_splits({"eval": evaluation, "train": train}, DataParams(), CFG, schema=PAIRS)
     reasons = _reasons(outcomes["train"])
     assert "failed no_leakage(eval)" in reasons[1] and "no_leakage" not in reasons[2]
 
@@ -235,7 +236,7 @@ def test_the_data_stage_writes_pairs_with_injected_bad_pairs_for_the_gate(tmp_pa
     assert any(row.get("chosen") == row.get("rejected") for row in train)  # the injected identical pair
     assert any("rejected" not in row for row in train)
     outcomes = validate_splits(
-        {"eval": tmp_path / "eval.jsonl", "train": tmp_path / "train.jsonl"}, params.data, CFG, pairs=True
+        {"eval": tmp_path / "eval.jsonl", "train": tmp_path / "train.jsonl"}, params.data, CFG, schema=PAIRS
     )
     reasons = " ".join(r for row in outcomes["train"].quarantined for r in row.reasons)
     for expected in ("pair_distinct(chosen, rejected)", "pair_non_empty(rejected)", 'field "rejected" is missing'):
@@ -308,7 +309,16 @@ def test_pairs_pack_whole_in_one_row_chosen_first_with_their_slots(tmp_path):
     rows = _pairs(60)
     expected = encode_pairs(tokenizer, rows)
     meta = tokenize_to_shard(
-        rows, tokenizer, "unused", tmp_path / "s", seq_len, np.dtype(np.uint16), 1, 16, {"content_key": "k"}, pairs=True
+        rows,
+        tokenizer,
+        "unused",
+        tmp_path / "s",
+        seq_len,
+        np.dtype(np.uint16),
+        1,
+        16,
+        {"content_key": "k"},
+        schema=PAIRS,
     )
     shard = PackedShard(tmp_path / "s")
     examples = np.fromfile(tmp_path / "s/examples.idx", dtype=np.int64).reshape(-1, 3)
@@ -450,7 +460,7 @@ def test_the_example_chat_preference_set_passes_the_gate_and_trains_its_answers(
     texts = [line for path in paths.values() for line in path.read_text().splitlines()] * 4
     tokenizer = build_tokenizer("qwen2.5", texts)
     data_cfg = DataParams(mapping=FieldMapping(messages="messages"))
-    outcomes = validate_splits(paths, data_cfg, ValidateParams(), TokenView(tokenizer, 1024), pairs=True)
+    outcomes = validate_splits(paths, data_cfg, ValidateParams(), TokenView(tokenizer, 1024), schema=PAIRS)
     assert [o.rows_quarantined for o in outcomes.values()] == [0, 0] and outcomes["train"].rows_kept == 16
     rows = [clean_record(row) for row in outcomes["train"].kept]
     encoded = encode_pairs(tokenizer, rows)

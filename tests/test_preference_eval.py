@@ -197,7 +197,9 @@ def test_fineflow_preference_in_evaluate_tasks_is_implied_by_pairs_and_refused_w
 
     assert lm_eval_tasks(["fineflow_synth", "fineflow_preference"], preference=True) == ["fineflow_synth"]
     assert lm_eval_tasks(["fineflow_synth"], preference=False) == ["fineflow_synth"]
-    with pytest.raises(FineflowError, match=r"lists fineflow_preference.*trains on pairs \(dpo, simpo, orpo\)"):
+    with pytest.raises(
+        FineflowError, match=r"lists fineflow_preference.*evaluated on preference pairs \(dpo, simpo, orpo, kto\)"
+    ):
         lm_eval_tasks(["fineflow_synth", "fineflow_preference"], preference=False)
     with pytest.raises(FineflowError, match=r"lists only fineflow_preference; keep an lm-eval task"):
         lm_eval_tasks(["fineflow_preference"], preference=True)

@@ -9,6 +9,7 @@ from fineflow.data import checks
 from fineflow.data.formats import read_jsonl
 from fineflow.data.validation import raise_if_blocked, validate_rows
 from fineflow.errors import DataError
+from fineflow.objectives import EXAMPLES, FEEDBACK, PAIRS
 
 CFG = ValidateParams(max_chars=300, max_bad_share=0.5)
 GOOD = {"instruction": "Say hi.", "input": "", "output": "hi"}
@@ -421,26 +422,29 @@ def test_every_reported_check_is_declared_once_in_suite_order(tmp_path):
     pair = {"instruction": "Say hi.", "chosen": "hi", "rejected": "bye"}
     sft_rows = [GOOD, {**GOOD, "output": "bye"}, chat]
     pair_rows = [pair, {**pair_chat, "chosen": "bye", "rejected": "hi"}]
+    feedback_rows = [{**GOOD, "label": True}, {**GOOD, "output": "bye", "label": False}, {**chat, "label": True}]
     reports = {}
-    for pairs, rows in ((False, sft_rows), (True, pair_rows)):  # SFT rows, then preference pairs (dpo, simpo)
-        path = write(tmp_path / f"{pairs}.jsonl", [json.dumps(row) for row in rows])
+    # SFT rows, preference pairs (dpo, simpo, orpo), feedback rows (kto)
+    for schema, rows in ((EXAMPLES, sft_rows), (PAIRS, pair_rows), (FEEDBACK, feedback_rows)):
+        path = write(tmp_path / f"{schema}.jsonl", [json.dumps(row) for row in rows])
         outcome = validate_rows(
             read_jsonl(path),
             str(path),
             CFG,
             LeakIndex(["an eval row"], n=8),
             tokens=TokenView(_tiny_tokenizer(), seq_len=40),
-            pairs=pairs,
+            schema=schema,
         )
-        reports[pairs] = outcome.report()["checks"]
+        reports[schema] = outcome.report()["checks"]
     names = [check.name for check in checks.CHECKS]
     assert len(names) == len(set(names))
     for report in reports.values():
         assert list(report) == [name for name in names if name in report]  # in suite order
-    # every declaration applies to SFT rows or to pairs: token view, leak index, pii: quarantine, a chat row
-    assert set(reports[False]) | set(reports[True]) == set(names)
-    assert "non_empty(output)" not in reports[True] and "pair_distinct(chosen, rejected)" not in reports[False]
-    report = {**reports[False], **reports[True]}
+    # every declaration applies to some row schema: token view, leak index, pii: quarantine, a chat row
+    assert set(reports[EXAMPLES]) | set(reports[PAIRS]) | set(reports[FEEDBACK]) == set(names)
+    assert "non_empty(output)" not in reports[PAIRS] and "pair_distinct(chosen, rejected)" not in reports[EXAMPLES]
+    assert "feedback_consistent(label)" in reports[FEEDBACK] and "type_bool(label)" not in reports[EXAMPLES]
+    report = {**reports[EXAMPLES], **reports[PAIRS], **reports[FEEDBACK]}
     for check in checks.CHECKS:
         entry = report[check.name]
         knobs = check.knobs(CFG.checks)

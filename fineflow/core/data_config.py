@@ -122,6 +122,10 @@ class FieldMapping(Section):
     # conversation before the answer), and two answers to it; output is then unused
     chosen: str = Field("chosen", description="preference data: the column of the preferred answer")
     rejected: str = Field("rejected", description="preference data: the column of the dispreferred answer")
+    # feedback data (train.objective kto): an SFT row as above and its label
+    label: str = Field(
+        "label", description="feedback data: the column of the label, true (a desirable answer) or false"
+    )
 
 
 class CheckParams(Section):
@@ -178,6 +182,9 @@ class ValidationChecks(Section):
     pair_empty: CheckParams = _check("a preference pair with an empty (or whitespace-only) chosen or rejected answer")
     pair_truncation: CheckParams = _check(
         "a preference pair that tokenize.seq_len would cut until chosen and rejected are the same tokens"
+    )
+    feedback_conflict: CheckParams = _check(
+        "a feedback row whose answer to the same prompt an earlier row labels the other way"
     )
     chat_truncation: CheckParams = _check(
         "a conversation that tokenize.seq_len would cut inside an assistant turn (quarantined, not trained cut)",

@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 from fineflow.core.data_config import CheckParams, ValidateParams, ValidationChecks
 from fineflow.data.conversations import empty_turn, role_order_problem, unanswered_tool_call
-from fineflow.data.formats import ANSWERS, Row, example_text
+from fineflow.data.formats import ANSWERS, LABEL, Row, example_text
 from fineflow.data.overlap import FirstSeen, LeakIndex, normalize, stable_hash
 from fineflow.data.pii import pii_kinds, redacted_preview
+from fineflow.objectives.interface import EXAMPLES, FEEDBACK, PAIRS
 
 if TYPE_CHECKING:  # only their types are needed here
     from fineflow.data.tokens import Measure, PairMeasure, TokenView
@@ -46,6 +47,8 @@ class Seen:
 
     texts: FirstSeen = field(default_factory=FirstSeen)
     normalized: FirstSeen = field(default_factory=FirstSeen)
+    labelled_texts: FirstSeen = field(default_factory=FirstSeen)  # feedback rows with a boolean label: each text
+    labelled: FirstSeen = field(default_factory=FirstSeen)  # ... and each text with its label
 
 
 @dataclass
@@ -58,7 +61,11 @@ class CheckContext:
     seen: Seen = field(default_factory=Seen)  # updated as the chunk's duplicate columns are derived
     leak_index: LeakIndex | None = None  # train rows only: n-grams of the eval split
     tokens: TokenView | None = None  # with a base model: rows as the tokenize stage will see them
-    pairs: bool = False  # preference data (train.objective dpo or simpo): each row a prompt, chosen and rejected
+    schema: str = EXAMPLES  # the objective's row schema: PAIRS, each row a prompt, chosen and rejected; FEEDBACK ...
+
+    @property
+    def pairs(self) -> bool:
+        return self.schema == PAIRS
 
     @cached_property
     def columns_in_rows(self) -> set[str]:
@@ -67,6 +74,12 @@ class CheckContext:
     @cached_property
     def texts(self) -> list[str]:
         return [example_text(row.data) for row in self.rows]
+
+    @cached_property
+    def duplicate_lines(self) -> list[int | None]:
+        """Per row, the line of the first earlier row with the same text (None: the first copy); once per chunk,
+        since it records the chunk's texts as seen."""
+        return self.seen.texts.first_lines([stable_hash(text) for text in self.texts], [row.line for row in self.rows])
 
     @cached_property
     def normalized(self) -> list[str]:
@@ -110,6 +123,10 @@ def example_rows(ctx: CheckContext) -> bool:
 
 def pair_rows(ctx: CheckContext) -> bool:
     return ctx.pairs
+
+
+def feedback_rows(ctx: CheckContext) -> bool:
+    return ctx.schema == FEEDBACK
 
 
 def examples_with_tokens(ctx: CheckContext) -> bool:
@@ -166,13 +183,38 @@ def _text_chars(ctx: CheckContext) -> list[int]:
 
 def _duplicate_of(ctx: CheckContext) -> list[int | None]:
     """The line of the first earlier row with the same text; None for a first copy (it is kept)."""
-    return ctx.seen.texts.first_lines([stable_hash(text) for text in ctx.texts], [row.line for row in ctx.rows])
+    return ctx.duplicate_lines
 
 
 def _near_duplicate_of(ctx: CheckContext) -> list[int | None]:
     """The same up to case, punctuation and spacing (fineflow.data.overlap.normalize)."""
     hashes = [stable_hash(norm) for norm in ctx.normalized]
     return ctx.seen.normalized.first_lines(hashes, [row.line for row in ctx.rows])
+
+
+def _label_problems(ctx: CheckContext) -> list[str | None]:
+    """A feedback row's label must be a JSON boolean: true (desirable) or false (undesirable), nothing that merely
+    reads like one ("yes", 1), which would be a guess about what the user meant."""
+    return [
+        None
+        if isinstance(row.data.get(LABEL), bool) or row.data.get(LABEL) is None
+        else f"label is {row.data[LABEL]!r}, not true or false"
+        for row in ctx.rows
+    ]
+
+
+def _labelled_both_ways(ctx: CheckContext) -> list[int | None]:
+    """The line of an earlier row with the same prompt and answer and the other label; None otherwise. Only rows
+    with a boolean label count (a missing or non-boolean one is the schema's failure), and a text seen before with
+    the same label is a duplicate (duplicate_of's), not a conflict."""
+    labelled = [(row, text) for row, text in zip(ctx.rows, ctx.texts) if isinstance(row.data.get(LABEL), bool)]
+    lines = [row.line for row, _ in labelled]
+    earlier_text = ctx.seen.labelled_texts.first_lines([stable_hash(text) for _, text in labelled], lines)
+    earlier_same = ctx.seen.labelled.first_lines(
+        [stable_hash(f"{row.data[LABEL]}\0{text}") for row, text in labelled], lines
+    )
+    conflicts = {row.line: text for (row, _), text, same in zip(labelled, earlier_text, earlier_same) if same is None}
+    return [conflicts.get(row.line) for row in ctx.rows]
 
 
 def _pii_kinds(ctx: CheckContext) -> list[str | None]:
@@ -311,6 +353,7 @@ FIELD_MODES: dict[str, Callable[[CheckContext], bool]] = {
     "instruction": always,
     "output": example_rows,
     **{answer: pair_rows for answer in ANSWERS},
+    LABEL: feedback_rows,
 }
 
 
@@ -342,9 +385,24 @@ def schema_checks(columns: tuple[str, ...]) -> list[Check]:
                 lambda col, ctx: _gxe().ExpectColumnValuesToNotBeNull(column=col),
                 applies=present,
             ),
-            Check(f"type_str({column})", "types", column, _expect_str, applies=present),
+            _label_type(present)
+            if column == LABEL
+            else Check(f"type_str({column})", "types", column, _expect_str, applies=present),
         ]
     return exists + values
+
+
+def _label_type(applies) -> Check:
+    """The label's type check: a boolean, where type_str checks the text columns."""
+    return Check(
+        f"type_bool({LABEL})",
+        "types",
+        "label_problem",
+        _expect_null,
+        derive=_label_problems,
+        applies=applies,
+        detail=lambda row: f" ({row['label_problem']})",
+    )
 
 
 def _expect_visible(column: str, ctx: CheckContext) -> Expectation:
@@ -374,7 +432,7 @@ def _label_coverage(answer: str, side: int) -> Check:
 
 
 CHECKS: list[Check] = [
-    *schema_checks(("instruction", "output", *ANSWERS)),
+    *schema_checks(("instruction", "output", *ANSWERS, LABEL)),
     # conversations (data.mapping.messages) first: a conversation out of order says so before its derived output
     _chat_check("chat_role_order(messages)", "chat_roles", "role_order", _conversation_problems(role_order_problem)),
     _chat_check(
@@ -399,6 +457,17 @@ CHECKS: list[Check] = [
         derive=_identical_pairs,
         applies=pair_rows,
         detail=lambda row: f" ({row['pair_identical']})",
+    ),
+    Check(
+        "feedback_consistent(label)",
+        "feedback_conflict",
+        "labelled_both_ways",
+        _expect_null,
+        derive=_labelled_both_ways,
+        applies=feedback_rows,
+        detail=lambda row: (
+            f" (line {_int(row['labelled_both_ways'])} labels the same answer to this prompt the other way)"
+        ),
     ),
     Check("type_str(input)", "types", "input", _expect_str),  # the frame always has input ("" where absent)
     Check(  # a string with a NUL or another control character is not text: the types knob sets its severity

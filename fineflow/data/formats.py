@@ -7,7 +7,8 @@ cannot be used becomes a ``Row`` without data that carries its reason (too large
 JSONL line or a CSV line alike —, an object with a duplicate key, nesting deeper than ``MAX_NESTING``, a lone
 surrogate), so the gate (fineflow.data.validation) can quarantine it with everything else. They raise ``DataError`` only
 when the whole file is unusable (unreadable, empty, wrong format) — when the stream reaches the problem.
-Preference data (``apply_mapping(..., pairs=True)``) maps to the prompt side plus ``chosen`` and ``rejected``.
+Preference data (``apply_mapping(..., schema=PAIRS)``) maps to the prompt side plus ``chosen`` and ``rejected``;
+feedback data (``schema=FEEDBACK``, KTO's) to an SFT row plus its ``label``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 from fineflow.data.conversations import call_text, normal_message
 from fineflow.data.pii import PREVIEW_SOURCE_CHARS, redacted_preview
 from fineflow.errors import DataError
+from fineflow.objectives.interface import EXAMPLES, FEEDBACK, PAIRS
 
 # The record every source is mapped onto (apply_mapping); the gate checks it and the tokenizer renders it.
 REQUIRED = ("instruction", "output")
@@ -31,14 +33,17 @@ OPTIONAL = ("input",)
 # A preference pair (train.objective dpo or simpo) has the same prompt side and two answers instead of output.
 ANSWERS = ("chosen", "rejected")
 PAIR_REQUIRED = ("instruction", *ANSWERS)
+# Feedback (train.objective kto): an SFT row and its label, true for a desirable answer, false for an undesirable one.
+LABEL = "label"
+FEEDBACK_REQUIRED = (*REQUIRED, LABEL)
 # Instruction data nests a few levels (chat: row -> messages -> message). Deeper rows are hostile or broken,
 # and values nested near Python's recursion limit crash whatever later walks them (pickling, repr).
 MAX_NESTING = 100
 
 
-def required_fields(pairs: bool) -> tuple[str, ...]:
-    """The fields every row must have: an SFT row's, or a preference pair's (``pairs``)."""
-    return PAIR_REQUIRED if pairs else REQUIRED
+def required_fields(schema: str = EXAMPLES) -> tuple[str, ...]:
+    """The fields every row of the row schema (fineflow.objectives.interface) must have."""
+    return {EXAMPLES: REQUIRED, PAIRS: PAIR_REQUIRED, FEEDBACK: FEEDBACK_REQUIRED}[schema]
 
 
 def example_text(data: dict) -> str:
@@ -442,13 +447,14 @@ def _turn_text(message: dict) -> str:
     return f"{message['content']} {calls}".strip() if calls else message["content"]
 
 
-def _wanted_columns(mapping, pairs: bool = False) -> dict[str, str | None]:
-    answers = {answer: getattr(mapping, answer) for answer in ANSWERS} if pairs else {}
+def _wanted_columns(mapping, schema: str = EXAMPLES) -> dict[str, str | None]:
+    answers = {answer: getattr(mapping, answer) for answer in ANSWERS} if schema == PAIRS else {}
+    label = {LABEL: mapping.label} if schema == FEEDBACK else {}
     if mapping.messages is not None:
-        return {"messages": mapping.messages, **answers}
-    if pairs:
+        return {"messages": mapping.messages, **answers, **label}
+    if schema == PAIRS:
         return {"instruction": mapping.instruction, "input": mapping.input, **answers}
-    return {"instruction": mapping.instruction, "input": mapping.input, "output": mapping.output}
+    return {"instruction": mapping.instruction, "input": mapping.input, "output": mapping.output, **label}
 
 
 def _renamed(wanted: dict[str, str | None]) -> dict[str, str]:
@@ -460,24 +466,24 @@ def _renamed(wanted: dict[str, str | None]) -> dict[str, str]:
 
 
 def apply_mapping(
-    rows: Iterable[Row], mapping, source: str, key: str = "data.mapping", pairs: bool = False
+    rows: Iterable[Row], mapping, source: str, key: str = "data.mapping", schema: str = EXAMPLES
 ) -> Iterator[Row]:
-    """Rename source columns to the internal schema (instruction, input, output; with ``pairs``, preference
-    data: instruction, input, chosen, rejected), row by row.
+    """Rename source columns to the internal schema (instruction, input, output; PAIRS, preference data:
+    instruction, input, chosen, rejected; FEEDBACK: instruction, input, output, label), row by row.
 
     A mapped column that no row has is a wrong mapping, not bad rows: when the stream ends without having
     seen it, raise naming the key (``key``: data.mapping, or a source's) and the columns the file does have.
     A chat row whose messages are malformed, or a pair whose answer is neither text nor one assistant
     message, is quarantined with the reason.
     """
-    wanted = _wanted_columns(mapping, pairs)
+    wanted = _wanted_columns(mapping, schema)
     unseen = _renamed(wanted)
     present: set[str] = set()  # only while some mapped column is unseen, and at most 1,000 names
     for row in rows:
         if row.data is not None and unseen:
             present.update(list(row.data)[: max(0, 1000 - len(present))])
             unseen = {name: column for name, column in unseen.items() if column not in row.data}
-        yield _mapped(row, mapping, wanted, source, pairs)
+        yield _mapped(row, mapping, wanted, source, schema)
     if unseen and present:
         name, column = next(iter(unseen.items()))
         raise DataError(
@@ -486,16 +492,18 @@ def apply_mapping(
         )
 
 
-def _mapped(row: Row, mapping, wanted: dict[str, str | None], source: str, pairs: bool = False) -> Row:
+def _mapped(row: Row, mapping, wanted: dict[str, str | None], source: str, schema: str = EXAMPLES) -> Row:
     if row.data is None:
         return row
-    answers, problem = _answers(row.data, wanted) if pairs else ({}, None)
+    answers, problem = _answers(row.data, wanted) if schema == PAIRS else ({}, None)
     if problem is None and mapping.messages is None:
         record = {
             name: row.data[column] for name, column in wanted.items() if column is not None and column in row.data
         }
     elif problem is None:
-        record, problem = chat_to_record(row.data.get(mapping.messages), row.data.get("tools"), pairs)
+        record, problem = chat_to_record(row.data.get(mapping.messages), row.data.get("tools"), schema == PAIRS)
+        if record is not None and LABEL in wanted and wanted[LABEL] in row.data:
+            record[LABEL] = row.data[wanted[LABEL]]
     if problem:
         row.raw = json.dumps(row.data, ensure_ascii=False, default=str)[:PREVIEW_SOURCE_CHARS]
         row.data = None

@@ -68,16 +68,16 @@ class Mixture:
 
     def _eval(self, eval_path: Path, tokens):
         data, cfg = self.params.data, self.params.validate_
-        pairs = objective_for(self.params.train.objective).trains_pairs
+        schema = objective_for(self.params.train.objective).rows
         rows = apply_mapping(
-            read_rows(eval_path, data.format, cfg.max_row_bytes), data.mapping, str(eval_path), pairs=pairs
+            read_rows(eval_path, data.format, cfg.max_row_bytes), data.mapping, str(eval_path), schema=schema
         )
         docs = self.docs_dir / "eval" if self.docs_dir else None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         with ExitStack() as stack:
             files = (stack.enter_context((self.out_dir / n).open("w", encoding="utf-8")) for n in _EVAL_FILES)
             outcome, leak_index = validate_eval(
-                rows, str(eval_path), cfg, JsonlSink("eval", *files), docs, tokens, pairs
+                rows, str(eval_path), cfg, JsonlSink("eval", *files), docs, tokens, schema
             )
         log(f"eval: {outcome.rows_in} rows in, {outcome.rows_kept} kept, {outcome.rows_quarantined} quarantined")
         return outcome, leak_index

@@ -29,7 +29,7 @@ from fineflow.data.sources import Source, read_source
 from fineflow.data.tokens import TokenView
 from fineflow.data.validation import JsonlSink, raise_if_blocked, validate_stream
 from fineflow.errors import DataError
-from fineflow.objectives import objective_for
+from fineflow.objectives import EXAMPLES, PAIRS, objective_for
 
 KEPT, QUARANTINE, REDACTIONS, OUTCOME = "kept.jsonl", "quarantine.jsonl", "redactions.jsonl", "outcome.json"
 _CODE = ("data", "tokenize")  # the packages whose code decides a row's verdict
@@ -72,9 +72,10 @@ def source_key(source: Source, content: str, params: Params, tokens: dict | None
         "eval": eval_sha,
         "code": code,
     }
-    # preference pairs: another mapping and other checks (SFT keys as before)
-    if objective_for(params.train.objective).trains_pairs:
-        parts["objective"] = "preference"
+    # preference pairs or feedback: another mapping and other checks (SFT keys as before)
+    schema = objective_for(params.train.objective).rows
+    if schema != EXAMPLES:
+        parts["objective"] = "preference" if schema == PAIRS else schema
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -124,13 +125,13 @@ def _validate_into(folder: Path, source: Source, params: Params, leak_index, tok
     cfg = params.validate_
     mapping = source.spec.mapping or params.data.mapping
     key = f"data.sources[{source.index}].mapping" if source.spec.mapping else "data.mapping"
-    pairs = objective_for(params.train.objective).trains_pairs
-    rows = apply_mapping(read_source(source, cfg.max_row_bytes), mapping, source.label, key, pairs)
+    schema = objective_for(params.train.objective).rows
+    rows = apply_mapping(read_source(source, cfg.max_row_bytes), mapping, source.label, key, schema)
     with ExitStack() as stack:
         names = (KEPT, QUARANTINE, REDACTIONS)
         files = (stack.enter_context((folder / name).open("w", encoding="utf-8")) for name in names)
         sink = JsonlSink("train", *files)
-        outcome = validate_stream(rows, source.label, cfg, sink, leak_index, docs_dir, tokens, "train", pairs=pairs)
+        outcome = validate_stream(rows, source.label, cfg, sink, leak_index, docs_dir, tokens, "train", schema=schema)
     try:
         raise_if_blocked(outcome, cfg)
         blocked = None

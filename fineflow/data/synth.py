@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fineflow.corpus import FIELDS, NAMES, WORDS, date_parts, record, record_text
+from fineflow.objectives.interface import EXAMPLES, FEEDBACK, PAIRS
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,25 @@ def split_train_eval_pairs(n_train: int, n_eval: int, seed: int) -> tuple[list[d
     return [as_pair(ex, rng) for ex in train], [as_pair(ex, rng) for ex in evaluation]
 
 
+def unpaired(pairs: list[dict]) -> list[dict]:
+    """Preference pairs as feedback rows (KTO's): each pair's prompt with its chosen answer labelled true, then with
+    its rejected answer labelled false (TRL's unpair_preference_dataset)."""
+    rows = []
+    for pair in pairs:
+        prompt = {key: value for key, value in pair.items() if key not in ("chosen", "rejected")}
+        rows += [
+            {**prompt, "output": pair["chosen"], "label": True},
+            {**prompt, "output": pair["rejected"], "label": False},
+        ]
+    return rows
+
+
+def split_train_eval_feedback(n_train: int, n_eval: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """split_train_eval_pairs' pairs as feedback rows: two rows per prompt, one answer labelled each way."""
+    train, evaluation = split_train_eval_pairs(n_train, n_eval, seed)
+    return unpaired(train), unpaired(evaluation)
+
+
 BAD_KINDS = (
     "missing_field",
     "empty_output",
@@ -149,22 +169,26 @@ BAD_KINDS = (
     "eval_leak",
 )
 PAIR_BAD_KINDS = (*BAD_KINDS, "identical_pair")  # preference pairs: missing/empty act on the rejected answer
+# feedback rows: an answer without its label, one labelled "yes" (not a boolean), one labelled both ways
+FEEDBACK_BAD_KINDS = (*BAD_KINDS, "missing_label", "label_not_boolean", "labelled_both_ways")
 
 
 def inject_bad_rows(
-    rows: list[dict], share: float, seed: int, eval_rows: list[dict] | None = None, pairs: bool = False
+    rows: list[dict], share: float, seed: int, eval_rows: list[dict] | None = None, schema: str = EXAMPLES
 ) -> list[dict]:
     """Return rows with ~share deliberately bad rows mixed in, one of each kind before repeating.
 
     Kinds (BAD_KINDS): a missing field, an empty output, an over-long input, an exact duplicate, PII (an
     e-mail address, a phone number, a Luhn-valid card number), a near-duplicate (same text up to case and
     punctuation; a warning by default) and a row copied from the eval split (leakage). Preference pairs
-    (``pairs``, PAIR_BAD_KINDS): the missing field and the empty answer are the rejected one, and a pair whose
-    answers are the same is added.
+    (``schema`` PAIRS, PAIR_BAD_KINDS): the missing field and the empty answer are the rejected one, and a pair whose
+    answers are the same is added. Feedback rows (FEEDBACK, FEEDBACK_BAD_KINDS): also a row without its label, one
+    whose label is not a boolean, and a copy of a row with the other label.
     """
     rng = random.Random(seed + 1)
-    answer = "rejected" if pairs else "output"
-    kinds = [k for k in (PAIR_BAD_KINDS if pairs else BAD_KINDS) if k != "eval_leak" or eval_rows]
+    answer = "rejected" if schema == PAIRS else "output"
+    every = {EXAMPLES: BAD_KINDS, PAIRS: PAIR_BAD_KINDS, FEEDBACK: FEEDBACK_BAD_KINDS}[schema]
+    kinds = [k for k in every if k != "eval_leak" or eval_rows]
     n_bad = max(len(kinds), round(len(rows) * share)) if share > 0 else 0
     out = [dict(r) for r in rows]
     for i in range(n_bad):
@@ -174,6 +198,12 @@ def inject_bad_rows(
             victim.pop(answer)
         elif kind == "empty_output":
             victim[answer] = ""
+        elif kind == "missing_label":
+            victim.pop("label")
+        elif kind == "label_not_boolean":
+            victim["label"] = "yes"
+        elif kind == "labelled_both_ways":
+            victim["label"] = not victim["label"]
         elif kind == "identical_pair":
             victim["rejected"] = victim["chosen"]
         elif kind == "over_long":

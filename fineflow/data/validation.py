@@ -9,9 +9,11 @@ check has a category in ``validate.checks`` that sets its severity: ``error`` qu
 ``warn`` keeps them and reports them.
 Invariant: ``rows_in == rows_kept + rows_quarantined`` — nothing is dropped silently.
 
-Preference pairs (train.objective dpo or simpo: ``pairs``) go through the same gate: chosen and rejected take
+Preference pairs (the objective's row schema, ``schema``: PAIRS) go through the same gate: chosen and rejected take
 output's place in the schema, the pair checks (identical or empty answers, a cut that leaves the two sides the
 same tokens) join, and the text checks (length, duplicates, PII, leakage) read the prompt and both answers.
+Feedback rows (FEEDBACK, KTO's) are SFT rows with a boolean ``label``: the SFT checks, the label's type, and no
+answer labelled both ways for one prompt (feedback_conflict).
 
 The gate streams: rows are checked a chunk at a time (``CHUNK_ROWS`` rows, or fewer that hold
 ``CHUNK_BYTES``), each chunk's rows go to a sink (the stage writes them out) before the next is read, and what
@@ -38,6 +40,7 @@ from fineflow.data import checks
 from fineflow.data.checks import SCHEMA, TRUNCATION, Check, CheckContext, FailedRow, Seen
 from fineflow.data.formats import (
     ANSWERS,
+    LABEL,
     OPTIONAL,
     REQUIRED,
     Row,
@@ -51,6 +54,7 @@ from fineflow.data.overlap import LeakIndex
 from fineflow.data.pii import find_pii, redact, redacted_preview
 from fineflow.data.tokens import TokenView
 from fineflow.errors import DataError
+from fineflow.objectives.interface import EXAMPLES
 
 CHUNK_ROWS = 10_000  # rows checked together: GX's fixed cost per run (~0.3 s) is amortized, memory stays bounded
 CHUNK_BYTES = 8 << 20  # ... and a chunk of big rows ends early: checking a row costs ~10x its bytes
@@ -244,9 +248,9 @@ class SplitGate:
     """The gate over one split, fed a chunk at a time: checks each chunk, routes its rows, and keeps only
     the compact state of the split (hashes, counts, first failing lines)."""
 
-    def __init__(self, source: str, cfg: ValidateParams, leak_index=None, docs_dir=None, tokens=None, pairs=False):
+    def __init__(self, source: str, cfg: ValidateParams, leak_index=None, docs_dir=None, tokens=None, schema=EXAMPLES):
         self.source, self.cfg, self.leak_index, self.tokens = source, cfg, leak_index, tokens
-        self.pairs, self.required = pairs, required_fields(pairs)  # preference pairs: prompt, chosen, rejected
+        self.schema, self.required = schema, required_fields(schema)  # e.g. preference pairs: prompt, chosen, rejected
         self.outcome = ValidationOutcome(source)
         self.results: dict[str, CheckResult] = {}
         self.seen = Seen()
@@ -264,7 +268,7 @@ class SplitGate:
         if self.cfg.pii == "redact":
             for row in parsed:
                 _redact_row(row)
-        ctx = CheckContext(parsed, self.cfg, self.seen, self.leak_index, self.tokens, self.pairs)
+        ctx = CheckContext(parsed, self.cfg, self.seen, self.leak_index, self.tokens, self.schema)
         # the declarations are the suite: read at every call, nothing else lists the checks
         applying = [check for check in checks.CHECKS if check.applies(ctx)]
         frame = _frame(ctx, applying)
@@ -346,11 +350,12 @@ def validate_stream(
     tokens: TokenView | None = None,
     split: str = "rows",
     chunk_rows: int = CHUNK_ROWS,
-    pairs: bool = False,
+    schema: str = EXAMPLES,
 ) -> ValidationOutcome:
     """Check rows a chunk at a time, sending each to the sink (kept or quarantined) before the next chunk is
-    read; return the outcome (counts, per-check results). ``pairs``: the rows are preference pairs."""
-    gate = SplitGate(source, cfg, leak_index, docs_dir, tokens, pairs)
+    read; return the outcome (counts, per-check results). ``schema``: the objective's row schema
+    (fineflow.objectives.interface)."""
+    gate = SplitGate(source, cfg, leak_index, docs_dir, tokens, schema)
     for chunk in chunked(rows, chunk_rows):
         gate.check(chunk)
         for row in chunk:
@@ -366,11 +371,13 @@ def validate_rows(
     docs_dir: Path | None = None,
     tokens: TokenView | None = None,
     chunk_rows: int = CHUNK_ROWS,
-    pairs: bool = False,
+    schema: str = EXAMPLES,
 ) -> ValidationOutcome:
     """The gate over rows held in memory (tests, small files): the outcome keeps every row it routed."""
     sink = ListSink()
-    outcome = validate_stream(rows, source, cfg, sink, leak_index, docs_dir, tokens, chunk_rows=chunk_rows, pairs=pairs)
+    outcome = validate_stream(
+        rows, source, cfg, sink, leak_index, docs_dir, tokens, chunk_rows=chunk_rows, schema=schema
+    )
     outcome.kept, outcome.quarantined = sink.kept_rows, sink.quarantined_rows
     return outcome
 
@@ -401,9 +408,9 @@ def raise_if_blocked(outcome: ValidationOutcome, cfg: ValidateParams) -> None:
 
 def clean_record(row: Row) -> dict:
     """The normalized record a kept row becomes: instruction, input (may be empty), output; a preference pair
-    has chosen and rejected instead of output."""
+    has chosen and rejected instead of output; a feedback row its label too."""
     record = {"instruction": row.data["instruction"], "input": row.data.get("input") or ""}
-    for key in ("output", *ANSWERS):
+    for key in ("output", *ANSWERS, LABEL):
         if key in row.data:
             record[key] = row.data[key]
     for key in ("messages", "tools"):  # a conversation and its tool definitions: the chat template renders them
@@ -438,28 +445,36 @@ def validate_splits(
     tokens: TokenView | None = None,
     docs_dir: Path | None = None,
     sinks: dict[str, RowSink] | None = None,
-    pairs: bool = False,
+    schema: str = EXAMPLES,
 ) -> dict[str, ValidationOutcome]:
     """Stream, map and validate the eval split, then the train split against it: train rows are checked for
     leakage against what evaluation will score, so a leaked eval row is caught here. Without sinks the rows
-    are kept in memory (the outcomes' kept/quarantined). ``pairs``: preference data (train.objective dpo or
-    simpo), leakage included: a train pair is checked against the eval pairs' prompts and answers."""
+    are kept in memory (the outcomes' kept/quarantined). ``schema``: the objective's row schema, leakage
+    included: a train pair is checked against the eval pairs' prompts and answers."""
     sinks = sinks or {"eval": ListSink(), "train": ListSink()}
 
     def load(path: Path) -> Iterator[Row]:
         rows = read_rows(path, data_cfg.format, cfg.max_row_bytes)
-        return apply_mapping(rows, data_cfg.mapping, str(path), pairs=pairs)
+        return apply_mapping(rows, data_cfg.mapping, str(path), schema=schema)
 
     def docs(split: str) -> Path | None:
         return docs_dir / split if docs_dir else None
 
     eval_path, train_path = Path(paths["eval"]), Path(paths["train"])
     outcome, leak_index = validate_eval(
-        load(eval_path), str(eval_path), cfg, sinks["eval"], docs("eval"), tokens, pairs
+        load(eval_path), str(eval_path), cfg, sinks["eval"], docs("eval"), tokens, schema
     )
     outcomes = {"eval": outcome}
     outcomes["train"] = validate_stream(
-        load(train_path), str(train_path), cfg, sinks["train"], leak_index, docs("train"), tokens, "train", pairs=pairs
+        load(train_path),
+        str(train_path),
+        cfg,
+        sinks["train"],
+        leak_index,
+        docs("train"),
+        tokens,
+        "train",
+        schema=schema,
     )
     for split, outcome in outcomes.items():
         if isinstance(sinks[split], ListSink):
@@ -468,11 +483,11 @@ def validate_splits(
 
 
 def validate_eval(
-    rows: Iterable[Row], source: str, cfg: ValidateParams, sink: RowSink, docs_dir: Path | None, tokens, pairs=False
+    rows: Iterable[Row], source: str, cfg: ValidateParams, sink: RowSink, docs_dir: Path | None, tokens, schema=EXAMPLES
 ) -> tuple[ValidationOutcome, LeakIndex]:
     """The eval split's gate, and the index of its kept rows that train rows are checked for leakage against."""
     leak_index = LeakIndex(n=cfg.leakage_ngram)
-    outcome = validate_stream(rows, source, cfg, _Tee(sink, leak_index), None, docs_dir, tokens, "eval", pairs=pairs)
+    outcome = validate_stream(rows, source, cfg, _Tee(sink, leak_index), None, docs_dir, tokens, "eval", schema=schema)
     return outcome, leak_index
 
 

@@ -66,7 +66,8 @@ def render_eval_rows(eval_file: Path, tokenizer, out: Path, pairs: bool = False)
     (fineflow.tokenize.template.render_pair, the function the tokenize stage uses) and what the response text
     starts with before the answer (" " after the fineflow template, nothing after a chat template's generation
     prompt). The bundled tasks prompt with these, so a chat-trained model is evaluated in its chat format.
-    pairs: each row is a preference pair, taken with its chosen answer as the reply (its ``output``)."""
+    pairs: each row is a preference pair, taken with its chosen answer as the reply (its ``output``), or a
+    feedback row: its answer when desirable, left out when not."""
     from fineflow.evaluate.pair_ranking import answer_row
     from fineflow.tokenize.template import RenderError, render_pair
 
@@ -75,7 +76,9 @@ def render_eval_rows(eval_file: Path, tokenizer, out: Path, pairs: bool = False)
             if not line.strip():
                 continue
             row = json.loads(line)
-            if pairs:
+            if pairs and "chosen" not in row and row.get("label") is False:
+                continue  # feedback rows (kto): a desirable answer is a target, an undesirable one never
+            if pairs and "chosen" in row:
                 row = answer_row(row, row["chosen"])
             try:
                 prompt, response = render_pair(tokenizer, row)

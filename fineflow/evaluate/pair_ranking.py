@@ -47,10 +47,10 @@ def answer_row(row: dict, answer: str) -> dict:
 
 
 def pair_objectives() -> list[str]:
-    """The objectives that train (and are evaluated) on preference pairs."""
+    """The objectives evaluated on held-out preference pairs (those that train on pairs, and KTO's feedback)."""
     from fineflow.objectives import NAMES, objective_for
 
-    return [name for name in NAMES if objective_for(name).trains_pairs]
+    return [name for name in NAMES if objective_for(name).eval_task == TASK]
 
 
 def lm_eval_tasks(tasks: list[str], preference: bool) -> list[str]:
@@ -59,7 +59,7 @@ def lm_eval_tasks(tasks: list[str], preference: bool) -> list[str]:
     if TASK in tasks and not preference:
         raise FineflowError(
             f"params.yaml: evaluate.tasks lists {TASK}, which scores preference pairs: it needs a train.objective "
-            f"that trains on pairs ({', '.join(pair_objectives())}); otherwise remove it from evaluate.tasks"
+            f"evaluated on preference pairs ({', '.join(pair_objectives())}); otherwise remove it from evaluate.tasks"
         )
     rest = [task for task in tasks if task != TASK]
     if not rest:
@@ -72,27 +72,53 @@ def lm_eval_tasks(tasks: list[str], preference: bool) -> list[str]:
 
 def read_pairs(eval_rows: Path, limit: int | None = None) -> list[dict]:
     """The eval rows (the first ``limit``, as evaluate.limit cuts every task), each a pair with string ``chosen``
-    and ``rejected``; a row that is not one is a FineflowError naming the file, line and field."""
+    and ``rejected``; a row that is not one is a FineflowError naming the file, line and field. Feedback rows
+    (with a ``label``: KTO's) make their pairs first (feedback_pairs)."""
     pairs = []
     with eval_rows.open(encoding="utf-8") as fh:
-        for line_number, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            if limit is not None and len(pairs) >= limit:
-                break
-            row = json.loads(line)
-            bad = [side for side in SIDES if not isinstance(row.get(side), str)]
-            if bad:
-                raise FineflowError(
-                    f"{eval_rows}:{line_number}: train.objective is a preference objective, but the eval row has no "
-                    f"string {' or '.join(bad)}: preference evaluation needs pairs (prompt, chosen, rejected). Map "
-                    f"the columns with data.mapping.chosen / data.mapping.rejected and re-run validate, or set a "
-                    f"train.objective that trains on instruction rows"
-                )
-            pairs.append(row)
+        rows = [(number, json.loads(line)) for number, line in enumerate(fh, start=1) if line.strip()]
+    if rows and "label" in rows[0][1] and not any(side in rows[0][1] for side in SIDES):
+        rows = list(enumerate(feedback_pairs([row for _, row in rows]), start=1))
+        if not rows:
+            raise FineflowError(
+                f"{eval_rows}: no prompt has both a desirable and an undesirable answer: the held-out preference "
+                "accuracy ranks one against the other; add such rows to the eval data"
+            )
+    for line_number, row in rows:
+        if limit is not None and len(pairs) >= limit:
+            break
+        bad = [side for side in SIDES if not isinstance(row.get(side), str)]
+        if bad:
+            raise FineflowError(
+                f"{eval_rows}:{line_number}: train.objective is a preference objective, but the eval row has no "
+                f"string {' or '.join(bad)}: preference evaluation needs pairs (prompt, chosen, rejected). Map "
+                f"the columns with data.mapping.chosen / data.mapping.rejected and re-run validate, or set a "
+                f"train.objective that trains on instruction rows"
+            )
+        pairs.append(row)
     if not pairs:
         raise FineflowError(f"{eval_rows}: no eval pairs to score (the file has no rows)")
     return pairs
+
+
+def feedback_pairs(rows: list[dict]) -> list[dict]:
+    """Feedback rows as preference pairs: per prompt (in order of first appearance), each desirable answer with
+    each undesirable one, the desirable as chosen. A pair objective's eval pairs unpaired (TRL's
+    unpair_preference_dataset, fineflow.data.synth.unpaired) come back exactly."""
+    groups: dict[str, dict] = {}
+    for row in rows:
+        prompt = {key: value for key, value in row.items() if key not in ("output", "label")}
+        if row.get("messages"):
+            prompt["messages"] = row["messages"][:-1]  # the conversation before the answer, as a pair's
+        key = json.dumps(prompt, sort_keys=True, default=str)
+        group = groups.setdefault(key, {"prompt": prompt, True: [], False: []})
+        group[row.get("label") is True].append(row["output"])
+    return [
+        {**group["prompt"], "chosen": chosen, "rejected": rejected}
+        for group in groups.values()
+        for chosen in group[True]
+        for rejected in group[False]
+    ]
 
 
 def encode_answers(tokenizer, pairs: list[dict], first_row: int = 1) -> EncodedBatch:

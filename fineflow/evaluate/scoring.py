@@ -145,7 +145,7 @@ def models_to_score(adapter_dir: Path, champion_dir: Path | None, base_digest: s
 def pair_scorer(params: Params, eval_rows: Path) -> PairScorer | None:
     """With a preference objective (train.objective dpo or simpo), the scorer of the eval pairs (each model's
     log-probs of chosen and rejected, rewards anchored to the base with train.preference.beta); else None."""
-    if not objective_for(params.train.objective).trains_pairs:
+    if objective_for(params.train.objective).eval_task != PREFERENCE_TASK:
         return None
     pairs = read_pairs(eval_rows, params.evaluate.limit)
     beta = params.train.preference.beta

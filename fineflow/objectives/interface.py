@@ -2,8 +2,11 @@
 
 An objective says:
 - ``rows``: the row schema it trains on. EXAMPLES: an instruction (or messages) and its answer, the SFT row;
-  PAIRS: a prompt with a chosen and a rejected answer. The data, validate and tokenize stages read, check and
-  pack rows of that schema (fineflow.data.formats, fineflow.data.checks, fineflow.tokenize.pairs).
+  PAIRS: a prompt with a chosen and a rejected answer; FEEDBACK: an SFT row plus a ``label`` (true: the answer is
+  desirable, false: undesirable), unpaired. The data, validate and tokenize stages read, check and pack rows of
+  that schema (fineflow.data.formats, fineflow.data.checks, fineflow.tokenize.pairs). PAIRS and FEEDBACK rows are
+  packed as units of two sequences (a pair's two answers; a feedback row's answer and, for the KL estimate, its
+  prompt with another row's answer): ``pair_shards``.
 - ``needs_reference``: whether a frozen reference model scores the training rows, so that the reference_logps
   stage computes its log-probs once (and the train stage reads them, fineflow.train.reference_model).
 - ``loss``: a batch's summed loss, what it is a sum over (trained tokens, or pairs: the loop divides by the
@@ -22,6 +25,8 @@ from dataclasses import dataclass
 
 EXAMPLES = "examples"  # an instruction (or messages) and its answer: what SFT trains on
 PAIRS = "pairs"  # a prompt, a chosen and a rejected answer: what preference objectives train on
+FEEDBACK = "feedback"  # an SFT row and a desirable/undesirable label, unpaired: what KTO trains on
+ROW_SCHEMAS = (EXAMPLES, PAIRS, FEEDBACK)
 
 PREFERENCE_TASK = "fineflow_preference"  # evaluate's held-out pair ranking (fineflow.evaluate.pair_ranking)
 
@@ -47,9 +52,21 @@ class Objective:
         defaults), forward_kwargs: the attention layout (fineflow.train.attention.layout_kwargs)."""
         raise NotImplementedError
 
+    def check_kept_rows(self, kept: dict, cfg) -> dict:
+        """The checks of each split's kept rows as a whole, after the validate stage's row checks: ``kept`` maps
+        train and eval to their rows file (JSONL), cfg is the train section. Returns what the validate report adds,
+        or raises DataError naming the file and what to change. None by default."""
+        return {}
+
     @property
     def trains_pairs(self) -> bool:
+        """Its rows are preference pairs (prompt, chosen, rejected)."""
         return self.rows == PAIRS
+
+    @property
+    def pair_shards(self) -> bool:
+        """Its shards pack units of two sequences with their pair slots (fineflow.train.pair_shards)."""
+        return self.rows in (PAIRS, FEEDBACK)
 
 
 class PairObjective(Objective):

@@ -11,12 +11,12 @@ from fineflow.param_section import Section
 
 
 class PreferenceParams(Section):
-    """Preference tuning (train.objective dpo or simpo): the loss's constants and DPO's reference model."""
+    """Preference tuning (train.objective dpo, simpo, orpo or kto): the loss's constants and DPO's reference model."""
 
     beta: float = Field(
         0.1,
         gt=0,
-        description="dpo: how far the policy may move from the reference (larger stays closer); simpo: the reward "
+        description="dpo, kto: how far the policy may move from the reference (larger stays closer); simpo: the reward "
         "scale (its paper uses 2 to 10)",
     )
     simpo_gamma: float = Field(
@@ -25,11 +25,15 @@ class PreferenceParams(Section):
     orpo_lambda: float = Field(
         0.1, gt=0, description="orpo: the weight of the odds-ratio term beside the chosen answer's SFT loss"
     )
+    kto_desirable_weight: float = Field(
+        1.0, gt=0, description="kto: the weight of a desirable answer's loss (raise it when desirable rows are rarer)"
+    )
+    kto_undesirable_weight: float = Field(1.0, gt=0, description="kto: the weight of an undesirable answer's loss")
     # DPO's reference scores the pairs once (the reference_logps stage caches its log-probabilities): champion is the
     # registry's champion adapter on the base (the SFT model, after an SFT run was promoted), which the policy also
     # starts from; base is the base model and a fresh adapter. Without a champion, champion means the base.
     reference: Literal["champion", "base"] = Field(
         "champion",
-        description="dpo: the model the policy is anchored to and starts from: the champion (the base when none "
+        description="dpo, kto: the model the policy is anchored to and starts from: the champion (the base when none "
         "yet) or the base",
     )

@@ -6,7 +6,8 @@ The train file carries a small share of deliberately bad rows (fineflow.data.syn
 validation check has something to catch;
 the eval split is clean and disjoint from train. With ``train.objective`` dpo or simpo the rows are preference
 pairs: the same prompts, chosen = the right answer, rejected = a plausible wrong one of the same task family
-(fineflow.data.synth.WRONG_ANSWERS). Real users point ``data.train_path`` at their own file.
+(fineflow.data.synth.WRONG_ANSWERS); with kto, feedback rows: each pair's prompt twice, its right answer labelled
+true and its wrong one false. Real users point ``data.train_path`` at their own file.
 """
 
 from __future__ import annotations
@@ -16,16 +17,18 @@ from pathlib import Path
 from fineflow.core.config import Params
 from fineflow.core.entry import run_entry, stage_parser
 from fineflow.core.reports import write_jsonl
-from fineflow.data.synth import inject_bad_rows, split_train_eval, split_train_eval_pairs
-from fineflow.objectives import objective_for
+from fineflow.data.synth import inject_bad_rows, split_train_eval, split_train_eval_feedback, split_train_eval_pairs
+from fineflow.objectives import EXAMPLES, FEEDBACK, PAIRS, objective_for
+
+# the bundled rows of each row schema (fineflow.objectives.interface): the same prompts every time
+SPLITS = {EXAMPLES: split_train_eval, PAIRS: split_train_eval_pairs, FEEDBACK: split_train_eval_feedback}
 
 
 def run(params: Params, train_path: Path, eval_path: Path) -> dict:
     cfg = params.data
-    pairs = objective_for(params.train.objective).trains_pairs  # dpo or simpo: preference pairs
-    split = split_train_eval_pairs if pairs else split_train_eval
-    train, evaluation = split(cfg.n_train, cfg.n_eval, params.seed)
-    train_with_bad = inject_bad_rows(train, cfg.bad_row_share, params.seed, evaluation, pairs)
+    schema = objective_for(params.train.objective).rows  # e.g. dpo: preference pairs
+    train, evaluation = SPLITS[schema](cfg.n_train, cfg.n_eval, params.seed)
+    train_with_bad = inject_bad_rows(train, cfg.bad_row_share, params.seed, evaluation, schema)
     write_jsonl(train_path, train_with_bad)
     write_jsonl(eval_path, evaluation)
     return {

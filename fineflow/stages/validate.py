@@ -72,6 +72,30 @@ def run(
     source_cache: Path | None = None,
     hash_cache: Path | None = None,
 ) -> dict:
+    report = _validate(
+        params, train_path, eval_path, out_dir, report_path, docs_dir, base_dir, source_cache, hash_cache
+    )
+    # the objective's checks of each split as a whole (the row checks ran in the gate): e.g. kto's both labels
+    kept = {split: out_dir / f"{split}.jsonl" for split in ("train", "eval")}
+    try:
+        report.update(objective_for(params.train.objective).check_kept_rows(kept, params.train))
+    except DataError:
+        write_json_atomic(report_path, {"stage": "validate", **report, "passed": False})
+        raise
+    return report
+
+
+def _validate(
+    params: Params,
+    train_path: Path,
+    eval_path: Path,
+    out_dir: Path,
+    report_path: Path,
+    docs_dir: Path | None = None,
+    base_dir: Path | None = None,
+    source_cache: Path | None = None,
+    hash_cache: Path | None = None,
+) -> dict:
     cfg = params.validate_
     tokens = _token_view(params, base_dir)
     if docs_dir is not None:
@@ -85,8 +109,8 @@ def run(
         files = _Files(stack, out_dir)
         sinks = {split: files.sink(split) for split in ("eval", "train")}
         paths = {"eval": eval_path, "train": train_path}
-        pairs = objective_for(params.train.objective).trains_pairs  # dpo, simpo: every row a preference pair
-        outcomes = validate_splits(paths, params.data, cfg, tokens, docs_dir, sinks, pairs)
+        schema = objective_for(params.train.objective).rows  # e.g. dpo: every row a preference pair
+        outcomes = validate_splits(paths, params.data, cfg, tokens, docs_dir, sinks, schema)
     for split, outcome in outcomes.items():
         log(
             f"{split}: {outcome.rows_in} rows in, {outcome.rows_kept} kept, "

@@ -11,6 +11,11 @@ A pair is packed as one unit: chosen then rejected, adjacent in one row, positio
 (they never attend to each other), never across rows. When the two sides together are longer than
 tokenize.seq_len, ``pair_budget`` cuts them (the validate stage's token checks measure the same cut). The
 shard format is fineflow.tokenize.shards'.
+
+Feedback rows (train.objective kto) pack the same way: a row's unit is its answer (the chosen slot) and its KL
+sample (the rejected slot): the row's prompt with the answer of the next row of its chunk that has another
+prompt, as TRL's KTO builds its KL dataset by shifting answers. Both examples of a unit carry the row's label
+(``EncodedBatch.tags``), which the feedback shard keeps per token (desirable.bin).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ SIDES = ("chosen", "rejected")  # a pair's two examples, in this order in the sh
 # How pairs become tokens (in the shards' template hash and content key, so a change rebuilds them): 1 = each side
 # a last_assistant SFT rendering, both in one row, cut by pair_budget.
 PAIR_RENDERING = "pairs 1"
+# ... and feedback rows: 1 = each answer and its KL sample (the next row of the chunk with another prompt) a unit.
+FEEDBACK_RENDERING = "feedback 1"
 
 
 def pair_sides(row: dict) -> tuple[dict, dict]:
@@ -86,3 +93,62 @@ def pack_pairs(encoded: EncodedBatch, seq_len: int, pad_id: int, dtype: np.dtype
     arrays = place_examples(encoded, kept.reshape(-1), layout, seq_len, pad_id, dtype, slots=True)
     arrays.pairs = np.arange(2 * len(kept), dtype=np.int64).reshape(-1, 2)
     return arrays, int((kept < lengths).sum())
+
+
+def feedback_units(rows: list[dict]) -> list[tuple[dict, dict]]:
+    """Per feedback row, (the row, its KL sample): the row's prompt with the answer of the next row (cyclically,
+    within rows) whose prompt differs; the row's own answer when every row has its prompt."""
+    prompts = [_prompt_key(row) for row in rows]
+    units = []
+    for i, row in enumerate(rows):
+        partner = next(
+            (rows[j % len(rows)] for j in range(i + 1, i + len(rows)) if prompts[j % len(rows)] != prompts[i]), row
+        )
+        units.append((row, _with_answer(row, _answer(partner))))
+    return units
+
+
+def _prompt_key(row: dict) -> str:
+    import json
+
+    return json.dumps([row.get("instruction"), row.get("input") or "", row.get("messages", [])[:-1]], default=str)
+
+
+def _answer(row: dict) -> str:
+    """A feedback row's answer: its output (a chat row's final assistant turn is its output too)."""
+    return row["output"]
+
+
+def _with_answer(row: dict, answer: str) -> dict:
+    example = {**row, "output": answer}
+    if row.get("messages"):  # a chat row: the final assistant turn is the answer
+        example["messages"] = [*row["messages"][:-1], {"role": "assistant", "content": answer}]
+    return example
+
+
+def encode_feedback(tokenizer, rows: list[dict], first_row: int = 1) -> EncodedBatch:
+    """Feedback rows as flat arrays: examples 2i and 2i+1 are row i's answer and its KL sample, each tagged with
+    the row's label (1: desirable); a row that cannot be rendered is named by its number in the rows file."""
+    missing = next((n for n, row in enumerate(rows, start=first_row) if not isinstance(row.get("label"), bool)), None)
+    if missing is not None:
+        raise WrongObjective(f'row {missing}: field "label" is missing or not true/false: the row is not feedback')
+    examples = []
+    for number, (row, sample) in enumerate(feedback_units(rows), start=first_row):
+        try:
+            examples += [render_segments(tokenizer, side, "last_assistant") for side in (row, sample)]
+        except RenderError as exc:
+            raise type(exc)(f"row {number}: {exc}") from None
+    encoded = encode_segments(tokenizer, examples)
+    encoded.tags = np.repeat(np.array([row["label"] for row in rows], dtype=np.uint8), 2)
+    return encoded
+
+
+def pack_feedback(encoded: EncodedBatch, seq_len: int, pad_id: int, dtype: np.dtype) -> tuple[PackedArrays, int]:
+    """Pack encoded feedback units as pairs (pack_pairs) and mark each desirable row's tokens in ``desirable``."""
+    arrays, cut = pack_pairs(encoded, seq_len, pad_id, dtype)
+    arrays.desirable = np.zeros(arrays.tokens.shape, dtype=np.uint8)
+    flat = arrays.desirable.reshape(-1)
+    for (row, start, length), tag in zip(arrays.examples.tolist(), encoded.tags.tolist()):
+        if tag:
+            flat[row * seq_len + start : row * seq_len + start + length] = 1
+    return arrays, cut

@@ -18,6 +18,11 @@ prompt + chosen then prompt + rejected, adjacent in one row, and adds::
     pairs.idx      n_pairs x 2 int64: the example indices (rows of examples.idx) of each pair's chosen and rejected
     meta.json      also "objective": "preference" and "pairs": n_pairs (an SFT shard has neither key)
 
+A feedback shard (train.objective kto) is a preference shard whose pair is a row's answer (slot 2k) and its KL
+sample (2k+1, the row's prompt with another row's answer), with meta.json's "objective": "feedback", and adds::
+
+    desirable.bin  rows x seq_len uint8: 1 on the tokens of a row labelled desirable (both of its sides), else 0
+
 No pickles: everything is raw arrays plus JSON.
 """
 
@@ -37,6 +42,9 @@ FORMAT_VERSION = 2  # 2: exact-fill packing, content key in meta
 SHARD_FILES = ("tokens.bin", "loss_mask.bin", "positions.bin", "examples.idx")
 PAIR_FILES = ("pair_slots.bin", "pairs.idx")  # a preference shard's, besides SHARD_FILES
 PREFERENCE = "preference"  # meta.json's objective of a preference shard
+FEEDBACK_SHARD = "feedback"  # ... and of a feedback shard, a preference shard with desirable.bin
+FEEDBACK_FILES = ("desirable.bin",)
+PAIRED = (PREFERENCE, FEEDBACK_SHARD)  # the shards whose rows hold units of two examples with their pair slots
 # A row holds at most seq_len // 2 pairs (each side is at least one token), so slots stay below seq_len + 1:
 # int16 holds them for any tokenize.seq_len below 32,767 (the writer refuses a slot beyond).
 SLOT_DTYPE = np.dtype(np.int16)
@@ -150,6 +158,7 @@ class PackedArrays:
     examples: np.ndarray  # (n, 3): row, start, length
     pair_slots: np.ndarray | None = None  # preference shards: (rows, seq_len) int16, -1 on padding
     pairs: np.ndarray | None = None  # preference shards: (n_pairs, 2) example indices of chosen, rejected
+    desirable: np.ndarray | None = None  # feedback shards: (rows, seq_len) uint8, 1 on a desirable row's tokens
 
 
 def pack_examples(encoded: EncodedBatch, seq_len: int, pad_id: int, dtype: np.dtype) -> tuple[PackedArrays, int]:
@@ -211,10 +220,13 @@ def place_examples(
 class ShardWriter:
     """Appends packed windows to a shard directory, so a dataset of any size is written in bounded memory."""
 
-    def __init__(self, out_dir: Path, seq_len: int, dtype: np.dtype, pairs: bool = False):
+    def __init__(self, out_dir: Path, seq_len: int, dtype: np.dtype, pairs: bool = False, feedback: bool = False):
         out_dir.mkdir(parents=True, exist_ok=True)
+        pairs = pairs or feedback  # a feedback shard is a preference shard with its labels
         self.out_dir, self.seq_len, self.dtype, self.is_pairs = out_dir, seq_len, np.dtype(dtype), pairs
-        self.files = {name: (out_dir / name).open("wb") for name in SHARD_FILES + (PAIR_FILES if pairs else ())}
+        self.is_feedback = feedback
+        names = SHARD_FILES + (PAIR_FILES if pairs else ()) + (FEEDBACK_FILES if feedback else ())
+        self.files = {name: (out_dir / name).open("wb") for name in names}
         self.rows = self.examples = self.real_tokens = self.trained_tokens = self.pairs = 0
 
     def append(self, arrays: PackedArrays) -> None:
@@ -231,6 +243,8 @@ class ShardWriter:
             arrays.pair_slots.tofile(self.files["pair_slots.bin"])
             (arrays.pairs + self.examples).astype(np.int64).tofile(self.files["pairs.idx"])  # window -> shard
             self.pairs += len(arrays.pairs)
+        if self.is_feedback:
+            arrays.desirable.tofile(self.files["desirable.bin"])
         self.rows += arrays.tokens.shape[0]
         self.examples += examples.shape[0]
         self.real_tokens += int(examples[:, 2].sum()) if len(examples) else 0
@@ -248,7 +262,11 @@ class ShardWriter:
             "real_tokens": self.real_tokens,
             "trained_tokens": self.trained_tokens,
             "real_token_share": round(self.real_tokens / max(1, self.rows * self.seq_len), 4),
-            **({"objective": PREFERENCE, "pairs": self.pairs} if self.is_pairs else {}),
+            **(
+                {"objective": FEEDBACK_SHARD if self.is_feedback else PREFERENCE, "pairs": self.pairs}
+                if self.is_pairs
+                else {}
+            ),
             **meta,
         }
         (self.out_dir / "meta.json").write_text(json.dumps(full, indent=2, sort_keys=True) + "\n", encoding="utf-8")
@@ -263,8 +281,10 @@ def expected_sizes(meta: dict) -> dict[str, int]:
         "positions.bin": cells * POSITION_DTYPE.itemsize,
         "examples.idx": meta["examples"] * 3 * 8,
     }
-    if meta.get("objective") == PREFERENCE:
+    if meta.get("objective") in PAIRED:
         sizes.update({"pair_slots.bin": cells * SLOT_DTYPE.itemsize, "pairs.idx": meta["pairs"] * 2 * 8})
+    if meta.get("objective") == FEEDBACK_SHARD:
+        sizes["desirable.bin"] = cells
     return sizes
 
 
@@ -283,7 +303,9 @@ def shard_key_matches(shard_dir: Path, key: str) -> dict | None:
 
 def write_shard(out_dir: Path, arrays: PackedArrays, meta: dict) -> dict:
     """One packed window as a whole shard (tests and small data)."""
-    writer = ShardWriter(out_dir, arrays.tokens.shape[1], arrays.tokens.dtype, pairs=arrays.pairs is not None)
+    writer = ShardWriter(
+        out_dir, arrays.tokens.shape[1], arrays.tokens.dtype, arrays.pairs is not None, arrays.desirable is not None
+    )
     writer.append(arrays)
     return writer.close(meta)
 
@@ -304,9 +326,11 @@ class PackedShard:
         self.loss_mask = np.memmap(self.dir / "loss_mask.bin", dtype=np.uint8, mode="r", shape=shape)
         self.positions = np.memmap(self.dir / "positions.bin", dtype=POSITION_DTYPE, mode="r", shape=shape)
         examples = np.fromfile(self.dir / "examples.idx", dtype=np.int64).reshape(-1, 3)
-        self.pair_slots = None
-        if self.meta.get("objective") == PREFERENCE:  # pair k of a row: slot 2k chosen, 2k+1 rejected
+        self.pair_slots = self.desirable = None
+        if self.meta.get("objective") in PAIRED:  # pair k of a row: slot 2k chosen, 2k+1 rejected
             self.pair_slots = np.memmap(self.dir / "pair_slots.bin", dtype=SLOT_DTYPE, mode="r", shape=shape)
+        if self.meta.get("objective") == FEEDBACK_SHARD:
+            self.desirable = np.memmap(self.dir / "desirable.bin", dtype=np.uint8, mode="r", shape=shape)
         # non-pad tokens per row, so throughput counts real tokens, not padding
         self.real_per_row = np.bincount(examples[:, 0], weights=examples[:, 2], minlength=shape[0]).astype(np.int64)
 
@@ -331,6 +355,8 @@ class PackedShard:
         batch = {"input_ids": ids, "labels": labels, "position_ids": positions}
         if self.pair_slots is not None:
             batch["pair_slots"] = self.pair_slots[index].astype(np.int64)
+        if self.desirable is not None:
+            batch["desirable"] = self.desirable[index].astype(np.int64)
         return batch
 
 

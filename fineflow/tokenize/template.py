@@ -157,6 +157,7 @@ class EncodedBatch:
     ids: np.ndarray  # all examples' token ids back to back (int64)
     mask: np.ndarray  # uint8, 1 = trained on
     lengths: np.ndarray  # tokens per example (int64)
+    tags: np.ndarray | None = None  # per example, uint8: feedback rows' label (1: desirable), else None
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -169,9 +170,10 @@ class EncodedBatch:
     def split(self, n: int) -> tuple[EncodedBatch, EncodedBatch]:
         """The first n examples and the rest."""
         cut = int(self.lengths[:n].sum())
+        tags = (None, None) if self.tags is None else (self.tags[:n], self.tags[n:])
         return (
-            EncodedBatch(self.ids[:cut], self.mask[:cut], self.lengths[:n]),
-            EncodedBatch(self.ids[cut:], self.mask[cut:], self.lengths[n:]),
+            EncodedBatch(self.ids[:cut], self.mask[:cut], self.lengths[:n], tags[0]),
+            EncodedBatch(self.ids[cut:], self.mask[cut:], self.lengths[n:], tags[1]),
         )
 
     @staticmethod
@@ -186,8 +188,9 @@ class EncodedBatch:
     def concat(batches: list[EncodedBatch]) -> EncodedBatch:
         if len(batches) == 1:
             return batches[0]
+        tags = None if batches[0].tags is None else np.concatenate([b.tags for b in batches])
         return EncodedBatch(
-            *(np.concatenate([getattr(b, name) for b in batches]) for name in ("ids", "mask", "lengths"))
+            *(np.concatenate([getattr(b, name) for b in batches]) for name in ("ids", "mask", "lengths")), tags
         )
 
 

@@ -25,8 +25,15 @@ import numpy as np
 from fineflow import __version__
 from fineflow.core.reports import sha256_file
 from fineflow.errors import FineflowError
-from fineflow.objectives import NAMES, objective_for
-from fineflow.tokenize.pairs import PAIR_RENDERING, encode_pairs, pack_pairs
+from fineflow.objectives import EXAMPLES, FEEDBACK, NAMES, PAIRS, objective_for
+from fineflow.tokenize.pairs import (
+    FEEDBACK_RENDERING,
+    PAIR_RENDERING,
+    encode_feedback,
+    encode_pairs,
+    pack_feedback,
+    pack_pairs,
+)
 from fineflow.tokenize.shards import (
     FORMAT_VERSION,
     ShardWriter,
@@ -46,16 +53,16 @@ from fineflow.tokenize.template import (
 
 _WORKER_TOKENIZER = None
 _WORKER_TRAIN_ON = "all_assistant"
-_WORKER_PAIRS = False
+_WORKER_SCHEMA = EXAMPLES
 CHAT_ROW = b'"messages": ['  # how a validated chat row (json.dumps of clean_record) holds its conversation
 
 
-def _init_worker(base: str, train_on: str, pairs: bool = False) -> None:
-    global _WORKER_TOKENIZER, _WORKER_TRAIN_ON, _WORKER_PAIRS
+def _init_worker(base: str, train_on: str, schema: str = EXAMPLES) -> None:
+    global _WORKER_TOKENIZER, _WORKER_TRAIN_ON, _WORKER_SCHEMA
     from transformers import AutoTokenizer
 
     _WORKER_TOKENIZER = AutoTokenizer.from_pretrained(base)
-    _WORKER_TRAIN_ON, _WORKER_PAIRS = train_on, pairs
+    _WORKER_TRAIN_ON, _WORKER_SCHEMA = train_on, schema
 
 
 def _parsed(chunk: list) -> list[dict]:
@@ -65,12 +72,17 @@ def _parsed(chunk: list) -> list[dict]:
 
 def _encode_chunk(numbered: tuple[int, list]) -> EncodedBatch:
     first_row, chunk = numbered
-    return _encode(_WORKER_TOKENIZER, _parsed(chunk), _WORKER_TRAIN_ON, first_row, _WORKER_PAIRS)
+    return _encode(_WORKER_TOKENIZER, _parsed(chunk), _WORKER_TRAIN_ON, first_row, _WORKER_SCHEMA)
 
 
-def _encode(tokenizer, rows: list[dict], train_on: str, first_row: int, pairs: bool) -> EncodedBatch:
-    """A chunk's examples: one per row, or two per preference pair (chosen, rejected)."""
-    return encode_pairs(tokenizer, rows, first_row) if pairs else encode_batch(tokenizer, rows, train_on, first_row)
+def _encode(tokenizer, rows: list[dict], train_on: str, first_row: int, schema: str) -> EncodedBatch:
+    """A chunk's examples: one per row, two per preference pair (chosen, rejected), two per feedback row (its
+    answer, its KL sample)."""
+    if schema == PAIRS:
+        return encode_pairs(tokenizer, rows, first_row)
+    if schema == FEEDBACK:
+        return encode_feedback(tokenizer, rows, first_row)
+    return encode_batch(tokenizer, rows, train_on, first_row)
 
 
 def read_lines(path: Path) -> Iterator[str]:
@@ -99,17 +111,17 @@ def encode_stream(
     workers: int,
     chunk_rows: int = 2000,
     train_on: str = "all_assistant",
-    pairs: bool = False,
+    schema: str = EXAMPLES,
 ) -> Iterator[EncodedBatch]:
     """Encoded chunks of rows (dicts or raw JSON lines), in input order; workers > 1 encodes chunks in a
-    process pool. ``pairs``: each row is a preference pair, two examples."""
+    process pool. ``schema``: the rows' schema (PAIRS, FEEDBACK: two examples a row)."""
     numbered = ((1 + i * chunk_rows, chunk) for i, chunk in enumerate(chunks(rows, chunk_rows)))
     if workers == 1:
         for first_row, chunk in numbered:
-            yield _encode(tokenizer, _parsed(chunk), train_on, first_row, pairs)
+            yield _encode(tokenizer, _parsed(chunk), train_on, first_row, schema)
         return
     context = multiprocessing.get_context("spawn")  # no fork of a parent that may hold torch threads
-    with context.Pool(workers, initializer=_init_worker, initargs=(base, train_on, pairs)) as pool:
+    with context.Pool(workers, initializer=_init_worker, initargs=(base, train_on, schema)) as pool:
         yield from pool.imap(_encode_chunk, numbered)
 
 
@@ -141,16 +153,18 @@ def tokenize_to_shard(
     pack_window: int,
     meta: dict,
     train_on: str = "all_assistant",
-    pairs: bool = False,
+    schema: str = EXAMPLES,
 ) -> dict:
     """Encode, pack window by window and append to a shard directory; returns the shard's meta. Each example
     (a whole conversation of a chat row) is packed whole into one row, where it attends only to itself; each
-    preference pair (``pairs``) whole into one row, its two examples side by side."""
+    preference pair (``schema`` PAIRS) or feedback row (FEEDBACK) whole into one row, its two examples side by
+    side."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    writer = ShardWriter(out_dir, seq_len, dtype, pairs)
+    pairs = schema in (PAIRS, FEEDBACK)
+    writer = ShardWriter(out_dir, seq_len, dtype, pairs, feedback=schema == FEEDBACK)
     truncated = 0
-    encoded = encode_stream(rows, tokenizer, base, workers, min(2000, pack_window), train_on, pairs)
-    pack = pack_pairs if pairs else pack_examples
+    encoded = encode_stream(rows, tokenizer, base, workers, min(2000, pack_window), train_on, schema)
+    pack = {PAIRS: pack_pairs, FEEDBACK: pack_feedback}.get(schema, pack_examples)
     # a window of pairs holds an even count of examples: chunks hold whole pairs, so no pair is cut in two
     for window in windows(encoded, max(2, pack_window - pack_window % 2) if pairs else pack_window):
         arrays, cut = pack(window, seq_len, pad_id, dtype)
@@ -182,17 +196,19 @@ def has_chat_rows(rows_path: Path, block: int = 1 << 20) -> bool:
     return False
 
 
-def _trains_pairs(objective: str | None) -> bool:
-    """Whether train.objective's rows are preference pairs (None: instruction rows, as an SFT run's)."""
-    return objective is not None and objective_for(objective).trains_pairs
+def _schema(objective: str | None) -> str:
+    """train.objective's row schema (None: instruction rows, as an SFT run's)."""
+    return EXAMPLES if objective is None else objective_for(objective).rows
 
 
 def split_template_hash(rows_path: Path, tokenizer, cfg, objective: str | None = None) -> str:
     """The template hash of one split: with the chat-turn rule and tokenize.train_on when its rows hold
     conversations (they decide which of their tokens are trained), without for instruction rows; for
     preference pairs, the pair rule (their chat rows always train the final reply only)."""
-    if _trains_pairs(objective):
+    if _schema(objective) == PAIRS:
         return template_hash(tokenizer, PAIR_RENDERING)
+    if _schema(objective) == FEEDBACK:
+        return template_hash(tokenizer, FEEDBACK_RENDERING)
     rule = chat_turns_rule(tokenizer, cfg.train_on) if has_chat_rows(rows_path) else None
     return template_hash(tokenizer, rule)
 
@@ -209,8 +225,10 @@ def content_key(rows_path: Path, tokenizer, cfg, objective: str | None = None) -
         str(cfg.pack_window),
         str(FORMAT_VERSION),
     ]
-    if _trains_pairs(objective):
+    if _schema(objective) == PAIRS:
         parts.append("objective=preference")  # every pair objective trains the same shards
+    elif _schema(objective) == FEEDBACK:
+        parts.append("objective=feedback")
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 
@@ -243,7 +261,7 @@ def tokenize_split(tokenizer, base: str, rows_path: Path, out_dir: Path, cfg, ob
             cfg.pack_window,
             meta,
             cfg.train_on,
-            _trains_pairs(objective),
+            _schema(objective),
         )
     except WrongObjective as exc:
         shutil.rmtree(building, ignore_errors=True)

@@ -15,9 +15,9 @@ import numpy as np
 
 from fineflow.errors import DataError
 from fineflow.objectives.pair_logps import token_logps, trained_positions
+from fineflow.tokenize.shards import PAIRED
 
 PAIR_SLOTS_FILE = "pair_slots.bin"
-PREFERENCE = "preference"  # a preference shard's meta.json "objective"
 LOGPS_DTYPE = np.dtype(np.float32)
 
 
@@ -36,7 +36,7 @@ class PairShard:
     ``batch(rows)`` is PackedShard's plus ``pair_slots`` (int64) and ``ref_logps`` (float32)."""
 
     def __init__(self, shard, reference_logps: Path | None = None):
-        if shard.meta.get("objective") != PREFERENCE:
+        if shard.meta.get("objective") not in PAIRED:
             raise DataError(
                 f'{shard.dir}/meta.json: not a preference shard (no "objective": "preference"), but '
                 f"train.objective is a preference one: re-run the tokenize stage on preference rows (chosen/rejected)"

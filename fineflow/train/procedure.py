@@ -275,7 +275,7 @@ class TrainProcedure:
             PackedShard(self.paths.shards / "eval"),
         )
         # pairs: the shards with their pair slots (and the reference's log-probs, when the objective needs one)
-        if objective_for(self.cfg.objective).trains_pairs:
+        if objective_for(self.cfg.objective).pair_shards:
             from fineflow.train.pair_shards import PairShard
             from fineflow.train.reference_model import check_reference_shards
 

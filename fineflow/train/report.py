@@ -96,7 +96,7 @@ def run_flops(base: str, cfg: TrainParams, shard, report: dict, accelerator) -> 
 def preference_figures(result, cfg: TrainParams) -> dict:
     """train.objective dpo / simpo: the objective and the last step's reward accuracy and margin over its pairs
     (final_loss and eval_loss are then mean pair losses); nothing for sft."""
-    if not objective_for(cfg.objective).trains_pairs:
+    if not objective_for(cfg.objective).pair_shards:
         return {}
     accuracy, margin = result.rewards if result.rewards is not None else (None, None)
     return {
