@@ -50,18 +50,14 @@ fineflow/objectives/orpo.py's docstring says, since TRL's term also counts the p
 comes from the registry alone: pair_loss is linear in orpo_lambda, so with L(lam) = NLL + lam*OR, lam*OR = L(2*lam) -
 L(lam) and NLL = 2 L(lam) - L(2*lam).
 
-KTO: fineflow has no KTO objective yet, so its row is printed as "not compared" (TRL's figure alone) and never passes
-or fails. TRL 1.16 has no KTOTrainer.kto_loss method any more (the loss is inline in KTOTrainer._compute_loss);
-trl_kto_loss keeps the old kto_loss's arguments (policy chosen / rejected / KL log-probs, then the reference's) and
-runs the trainer's code on them. To compare a fineflow KTO objective, give the "kto" entry of COMPARISONS a fineflow
-side: a function (batch, settings, dtype) -> Side whose loss is fineflow's per-example mean. The objective must
-accept, per example of the batch, the policy's and the reference's sequence log-probs of its completion and whether it
-is desirable, plus the policy's and the reference's log-probs of the batch's mismatched KL completions (TRL pairs each
-prompt with the previous example's completion, cyclically within a batch; KL estimate = clamp(mean(policy_KL -
-ref_KL), 0), detached), beta and the desirable / undesirable weights; TRL's loss is the mean over all the batch's
-examples (desirable and undesirable together) of weight * (1 - sigmoid(beta * (logratio - KL))) for desirable and
-weight * (1 - sigmoid(beta * (KL - logratio))) for undesirable ones, and its rewards are beta * logratio. kto_inputs
-below turns the fixed batch into those arguments (its chosen answers desirable, its rejected ones undesirable).
+KTO: fineflow's OBJECTIVES["kto"].feedback_loss on the batch unpaired (each pair's chosen answer a desirable row,
+its rejected one an undesirable row, each row's KL sample one of the batch's KL completions) against TRL's. TRL 1.16
+has no KTOTrainer.kto_loss method any more (the loss is inline in KTOTrainer._compute_loss); trl_kto_loss keeps the
+old kto_loss's arguments (policy chosen / rejected / KL log-probs, then the reference's) and runs the trainer's code
+on them. TRL's loss is the mean over all the batch's examples (desirable and undesirable together) of weight * (1 -
+sigmoid(beta * (logratio - KL))) for desirable and weight * (1 - sigmoid(beta * (KL - logratio))) for undesirable
+ones, KL = clamp(mean(policy_KL - ref_KL), 0), detached; fineflow's is its sum over rows, divided here by the row
+count. Only the loss is compared (fineflow's step reward statistics are not TRL's logged means).
 
 Reward model: fineflow has no reward-model objective yet, so the "rm" rows compare TRL's RewardTrainer loss with
 this script's own torch formula, mean(-logsigmoid(r_chosen - r_rejected - margin)) + c * mean((r_chosen +
@@ -265,6 +261,35 @@ def fineflow_pair(name: str) -> Callable:
         )  # fmt: skip
 
     return run
+
+
+def fineflow_kto(batch: Batch, settings: dict, dtype) -> Side:
+    """fineflow's KTO (OBJECTIVES["kto"].feedback_loss) on kto_inputs' examples: each pair's chosen answer a
+    desirable row, its rejected one an undesirable row, each row's KL sample one of batch.kl (the estimate is their
+    mean, so which row holds which does not matter). The loss is the per-row mean (fineflow's sum / count)."""
+    import torch
+
+    from fineflow.objectives import OBJECTIVES
+    from fineflow.objectives.pair_logps import PairScores
+    from fineflow.objectives.pair_params import PreferenceParams
+
+    chosen, rejected, kl, ref_chosen, ref_rejected, ref_kl = kto_inputs(batch)
+    as_tensor = lambda values: torch.tensor(values, dtype=dtype)  # noqa: E731
+    lengths = as_tensor([1.0] * len(kl))  # unused by KTO: sequence log-probs, not means
+
+    def scores(answers, samples):
+        return PairScores(as_tensor(answers), as_tensor(samples), lengths, lengths)
+
+    prefs = PreferenceParams(
+        beta=settings["beta"],
+        kto_desirable_weight=settings["desirable_weight"],
+        kto_undesirable_weight=settings["undesirable_weight"],
+    )
+    desirable = torch.tensor([True] * len(chosen) + [False] * len(rejected))
+    got = OBJECTIVES["kto"].feedback_loss(
+        scores(chosen + rejected, kl), scores(ref_chosen + ref_rejected, ref_kl), desirable, prefs
+    )
+    return Side(float(got.loss_sum) / got.count)  # its reward statistics are not TRL's: the loss alone is compared
 
 
 def fineflow_orpo_halves(batch: Batch, settings: dict, dtype) -> tuple[float, float]:
@@ -562,7 +587,7 @@ def kto_formula(
     undesirable_weight: float = 1.0,
 ) -> float:
     """The KTO loss the module docstring states, in plain floats: a check of trl_kto_loss's plumbing (not a fineflow
-    side: fineflow has no KTO objective yet)."""
+    side: fineflow's is fineflow_kto)."""
     sigmoid = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
     kl = max(0.0, math.fsum(p - r for p, r in zip(policy_KL_logps, reference_KL_logps)) / len(policy_KL_logps))
     losses = [
@@ -668,8 +693,7 @@ COMPARISONS: tuple[Comparison, ...] = (
         "pairs",
         {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.5},
         trl_kto,
-        None,
-        note="fineflow has no KTO objective yet: TRL's side only (the module docstring says what one must accept)",
+        fineflow_kto,
     ),
     Comparison(
         "rm: Bradley-Terry (pending)",

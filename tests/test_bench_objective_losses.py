@@ -4,6 +4,7 @@ importable."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import sys
@@ -95,13 +96,24 @@ def test_the_table_judges_only_what_both_sides_computed():
     assert not convention.failed and convention.verdict.startswith("no (not judged")
     errored = b.Row(comparison, error="ImportError: x")
     assert errored.failed and errored.verdict.startswith("ERROR")
-    # an objective fineflow lacks (KTO, for now): TRL's figure alone, never a pass and never a failure
+    # an objective fineflow lacks (the next one, before its module lands): TRL's figure alone, never a pass or failure
     [kto] = [c for c in b.COMPARISONS if c.name == "kto"]
-    if kto.fineflow is None:
-        alone = b.Row(kto, None, b.Side(0.6, 0.1, -0.1, 0.2))
-        assert (alone.verdict, alone.failed, alone.within) == ("not compared", False, False)
+    alone = b.Row(dataclasses.replace(kto, fineflow=None), None, b.Side(0.6, 0.1, -0.1, 0.2))
+    assert (alone.verdict, alone.failed, alone.within) == ("not compared", False, False)
     table = b.render([close, apart, convention])
     assert "0.5000000000" in table and "NO" in table and "2.0e-05" in table
+
+
+def test_fineflows_kto_side_equals_the_formula_the_bench_states():
+    """Without TRL: the bench's fineflow KTO side (the registry's objective) against the script's plain-float
+    formula of TRL's loss, on the fixed batch; the TRL side is compared where the bench extra is installed."""
+    import torch
+
+    b = bench()
+    [kto] = [c for c in b.COMPARISONS if c.name == "kto"]
+    batch = b.BATCHES[kto.batch]
+    side = kto.fineflow(batch, kto.settings, torch.float64)
+    assert side.loss == pytest.approx(b.kto_formula(*b.kto_inputs(batch), **kto.settings), abs=1e-12)
 
 
 def test_the_bench_passes_against_trl():

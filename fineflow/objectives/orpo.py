@@ -6,8 +6,10 @@ term that makes the chosen answer likelier than the rejected one.
     loss  = -log pi(chosen|x) / |chosen|  -  lambda * logsigmoid(log odds(chosen) - log odds(rejected))
 
 per pair, summed over the batch's pairs (the loop divides by the global batch's pair count: the NLL term is the
-mean over pairs of each chosen answer's mean token loss; TRL's is the mean over the batch's chosen tokens, the same
-when the chosen answers are equally long). lambda is train.preference.orpo_lambda. The step log's rewards are
+mean over pairs of each chosen answer's mean token loss, the paper's SFT term on the answer). TRL 1.16's ORPOTrainer
+takes its NLL over the chosen sequences' prompt tokens too, as one token mean over the batch: the two agree only with
+one-token prompts and chosen answers of one length (bench/objective_losses_trl.py compares the odds-ratio term
+apart, and the whole loss on such a batch). lambda is train.preference.orpo_lambda. The step log's rewards are
 TRL's: lambda times each answer's mean log-prob.
 """
 
