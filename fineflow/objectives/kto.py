@@ -3,6 +3,8 @@ reference model.
 
     r(y)  = log pi(y|x) - log ref(y|x)                                  the answer's log-ratio
     z     = max(0, mean over the batch of (log pi(y'|x) - log ref(y'|x)))  the KL estimate, no gradient
+            (over the rows whose KL sample kept a trained token: tokenize.seq_len may leave a long row's sample
+            only its prompt)
     loss  = w_D * (1 - sigmoid(beta * (r - z)))   for a desirable answer
             w_U * (1 - sigmoid(beta * (z - r)))   for an undesirable one
 
@@ -53,7 +55,9 @@ class KTO(Objective):
         label's sign, summed signed reward)."""
         import torch
 
-        kl = (policy.rejected - reference.rejected).mean().detach().clamp(min=0)
+        # the mean over the samples that kept a trained token (a row too long for its sample keeps only the prompt)
+        sampled = policy.rejected_len > 0
+        kl = ((policy.rejected - reference.rejected)[sampled].sum() / sampled.sum().clamp(min=1)).detach().clamp(min=0)
         logratio = policy.chosen - reference.chosen
         beta = prefs.beta
         # in the log-ratios' dtype (float64) from the start: a float32 weight would round 1.33 before it multiplies

@@ -83,11 +83,14 @@ def encode_pairs(tokenizer, rows: list[dict], first_row: int = 1) -> EncodedBatc
     return encode_segments(tokenizer, render_pairs(tokenizer, rows, first_row))
 
 
-def pack_pairs(encoded: EncodedBatch, seq_len: int, pad_id: int, dtype: np.dtype) -> tuple[PackedArrays, int]:
+def pack_pairs(
+    encoded: EncodedBatch, seq_len: int, pad_id: int, dtype: np.dtype, budget=pair_budget
+) -> tuple[PackedArrays, int]:
     """Pack encoded pairs (chosen, rejected alternating) into rows, each pair whole in one row, chosen first;
-    returns the arrays (with pair_slots and pairs) and how many sides were cut."""
+    returns the arrays (with pair_slots and pairs) and how many sides were cut. ``budget``: the tokens each side
+    keeps of a row (pair_budget; feedback_budget for feedback units)."""
     lengths = encoded.lengths.reshape(-1, 2)
-    kept = np.array([pair_budget(int(c), int(r), seq_len) for c, r in lengths], dtype=np.int64).reshape(-1, 2)
+    kept = np.array([budget(int(c), int(r), seq_len) for c, r in lengths], dtype=np.int64).reshape(-1, 2)
     units = pack_rows(kept.sum(axis=1).tolist(), seq_len)
     layout = [[example for pair in row for example in (2 * pair, 2 * pair + 1)] for row in units]
     arrays = place_examples(encoded, kept.reshape(-1), layout, seq_len, pad_id, dtype, slots=True)
@@ -143,9 +146,19 @@ def encode_feedback(tokenizer, rows: list[dict], first_row: int = 1) -> EncodedB
     return encoded
 
 
+def feedback_budget(answer: int, sample: int, seq_len: int) -> tuple[int, int]:
+    """Tokens a feedback unit's answer and KL sample keep of its one row: the answer first, as an SFT row keeps its
+    first tokens (the validate stage's token checks measure the same), the sample what is left, at least one token
+    (its unit's slot must exist in the row: fineflow.objectives.pair_logps counts a row's units by their slots). A
+    sample cut to its prompt has no trained token: the KL estimate leaves it out (fineflow.objectives.kto)."""
+    kept = min(answer, seq_len - 1)
+    return kept, min(sample, seq_len - kept)
+
+
 def pack_feedback(encoded: EncodedBatch, seq_len: int, pad_id: int, dtype: np.dtype) -> tuple[PackedArrays, int]:
-    """Pack encoded feedback units as pairs (pack_pairs) and mark each desirable row's tokens in ``desirable``."""
-    arrays, cut = pack_pairs(encoded, seq_len, pad_id, dtype)
+    """Pack encoded feedback units as pairs (pack_pairs, feedback_budget) and mark each desirable row's tokens in
+    ``desirable``."""
+    arrays, cut = pack_pairs(encoded, seq_len, pad_id, dtype, feedback_budget)
     arrays.desirable = np.zeros(arrays.tokens.shape, dtype=np.uint8)
     flat = arrays.desirable.reshape(-1)
     for (row, start, length), tag in zip(arrays.examples.tolist(), encoded.tags.tolist()):
