@@ -219,3 +219,24 @@ def test_kto_clamps_a_negative_kl_estimate_to_zero():
     reference = _scores([-11.0], [-15.0], [4], [4])  # KL sample log-ratio -5: clamped to 0
     got = objective_for("kto").feedback_loss(policy, reference, torch.tensor([True]), PreferenceParams(beta=1.0))
     assert float(got.loss_sum) == pytest.approx(1 - 1 / (1 + math.exp(-1.0)), abs=1e-12)
+
+
+@pytest.mark.parametrize("name", [name for name in NAMES if objective_for(name).trains_pairs])
+def test_each_pair_objectives_validate_stage_quarantines_a_pair_with_an_empty_side(tmp_path, name):
+    """A pair with an empty answer trains nothing on that side: the validate stage (as dvc.yaml runs it, before any
+    training) quarantines it naming the file, the line and the field, whichever pair objective the run trains."""
+    import json
+
+    from fineflow.core.config import parse_params
+    from fineflow.stages import data, validate
+    from tests.conftest import TINY_PARAMS, _merge
+
+    params = parse_params(_merge(TINY_PARAMS, {"train": {"objective": name}}))
+    raw = tmp_path / "data/raw"
+    data.run(params, raw / "train.jsonl", raw / "eval.jsonl")
+    validate.run(params, raw / "train.jsonl", raw / "eval.jsonl", tmp_path / "validated", tmp_path / "report.json")
+    rows = [json.loads(line) for line in (raw / "train.jsonl").read_text().splitlines()]
+    empty = [n for n, row in enumerate(rows, start=1) if row.get("rejected") == ""]
+    quarantine = [json.loads(line) for line in (tmp_path / "validated/quarantine.jsonl").read_text().splitlines()]
+    reasons = {entry["line"]: entry["reasons"] for entry in quarantine}
+    assert empty and all(f"{raw / 'train.jsonl'}:{n}: failed pair_non_empty(rejected)" in reasons[n] for n in empty)
