@@ -29,7 +29,9 @@ def _code_mentions(path: Path, names: tuple[str, ...], root: Path = ROOT) -> lis
         and isinstance(node.body[0], ast.Expr)
         and isinstance(node.body[0].value, ast.Constant)
     }
-    word = re.compile(rf"(?<![a-z0-9])({'|'.join(names)})(?![a-z0-9])", re.IGNORECASE)
+    # words as the identifiers' are compared: reward_model is the two words "reward model" in either
+    spelled = [re.escape(name.replace("_", " ")) for name in names]
+    word = re.compile(rf"(?<![a-z0-9])({'|'.join(spelled)})(?![a-z0-9])", re.IGNORECASE)
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
@@ -59,20 +61,24 @@ def test_no_module_outside_the_objectives_package_names_an_objective():
 
 def test_the_check_sees_a_name_in_a_string_or_an_identifier_but_not_in_a_docstring(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text('"""dpo here is prose."""\nif x == "dpo":\n    use_simpo_path = 1\n', encoding="utf-8")
+    module.write_text(
+        '"""dpo here is prose."""\nif x == "dpo":\n    use_simpo_path = 1\nload_reward_model()\nreward_margin = 0\n',
+        encoding="utf-8",
+    )
     found = _code_mentions(module, NAMES, root=tmp_path)
-    assert [line.split(":")[1] for line in found] == ["2", "3"], found
+    assert [line.split(":")[1] for line in found] == ["2", "3", "4"], found  # "reward margin" is no objective
 
 
 def test_the_registry_holds_every_objective_under_its_own_name_and_refuses_others():
-    assert NAMES == ("sft", "dpo", "simpo", "orpo")
+    assert NAMES == ("sft", "dpo", "simpo", "orpo", "reward_model")
     for name, objective in OBJECTIVES.items():
         assert isinstance(objective, Objective) and objective.name == name and objective.summary
         assert objective.rows in (EXAMPLES, PAIRS)
         assert objective.eval_task is None or objective.rows == PAIRS
     assert [n for n in NAMES if objective_for(n).needs_reference] == ["dpo"]
-    assert [n for n in NAMES if objective_for(n).trains_pairs] == ["dpo", "simpo", "orpo"]
-    with pytest.raises(Exception, match="train.objective: 'kto' is not one of sft, dpo, simpo, orpo"):
+    assert [n for n in NAMES if objective_for(n).trains_pairs] == ["dpo", "simpo", "orpo", "reward_model"]
+    assert [n for n in NAMES if not objective_for(n).generates] == ["reward_model"]
+    with pytest.raises(Exception, match="train.objective: 'kto' is not one of sft, dpo, simpo, orpo, reward_model"):
         objective_for("kto")
 
 

@@ -7,6 +7,7 @@ sft.py           SFT: next-token loss on the answers
 dpo.py           DPO: pairs against a frozen reference (its log-probs from the reference_logps stage)
 simpo.py         SimPO: pairs, reference-free, length-normalised, with a margin
 orpo.py          ORPO: pairs, reference-free, the chosen answer's SFT loss plus an odds-ratio term
+reward_model.py  a reward model: pairs, LoRA and a scalar head, Bradley-Terry loss (model_kind: not a generator)
 token_loss.py    the next-token loss, plain or chunked so the logits never exist whole (train.loss_chunk_tokens)
 pair_params.py   train.preference: the pair objectives' settings (beta, SimPO's gamma, DPO's reference)
 pair_logps.py    each pair's chosen and rejected sequence log-probs under a model, from a packed pair batch
@@ -19,12 +20,22 @@ from __future__ import annotations
 
 from fineflow.errors import ConfigError
 from fineflow.objectives.dpo import DPO
-from fineflow.objectives.interface import EXAMPLES, PAIRS, PREFERENCE_TASK, BatchLoss, Objective
+from fineflow.objectives.interface import (
+    EXAMPLES,
+    LANGUAGE_MODEL,
+    PAIRS,
+    PREFERENCE_TASK,
+    BatchLoss,
+    Objective,
+)
 from fineflow.objectives.orpo import ORPO
+from fineflow.objectives.reward_model import RewardModel
 from fineflow.objectives.sft import SFT
 from fineflow.objectives.simpo import SimPO
 
-OBJECTIVES: dict[str, Objective] = {objective.name: objective for objective in (SFT(), DPO(), SimPO(), ORPO())}
+OBJECTIVES: dict[str, Objective] = {
+    objective.name: objective for objective in (SFT(), DPO(), SimPO(), ORPO(), RewardModel())
+}
 NAMES = tuple(OBJECTIVES)
 
 
@@ -41,4 +52,14 @@ def described() -> str:
     return "; ".join(f"{objective.name}: {objective.summary}" for objective in OBJECTIVES.values())
 
 
-__all__ = ["EXAMPLES", "NAMES", "OBJECTIVES", "PAIRS", "PREFERENCE_TASK", "BatchLoss", "Objective", "objective_for"]
+__all__ = [
+    "EXAMPLES",
+    "LANGUAGE_MODEL",
+    "NAMES",
+    "OBJECTIVES",
+    "PAIRS",
+    "PREFERENCE_TASK",
+    "BatchLoss",
+    "Objective",
+    "objective_for",
+]
