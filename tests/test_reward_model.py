@@ -158,3 +158,207 @@ def test_the_train_stage_raises_the_training_pairs_accuracy_and_saves_the_head(b
     assert float(load_file(candidate / HEAD_FILE)["weight"].abs().sum()) > 0
     report = json.loads((project / "reports/train.json").read_text())
     assert report["objective"] == "reward_model" and report["final_reward_accuracy"] == steps[-1]["reward_accuracy"]
+
+
+# ---- bad input: SFT rows for a reward model ---------------------------------------------------------------------
+
+
+def test_sft_rows_for_a_reward_model_are_refused_by_validate_naming_file_line_and_field(built, tmp_path):
+    """train.objective reward_model trains on pairs (trains_pairs): the validate stage, before any training,
+    refuses instruction rows, naming the file, the line and the missing field."""
+    import yaml
+
+    from fineflow.core.config import parse_params
+    from fineflow.errors import DataError
+    from fineflow.stages import validate
+    from tests.conftest import TINY_PARAMS
+
+    rows = [{"instruction": f"Say {word}.", "input": "", "output": word} for word in ("hi", "yes", "no")]
+    for split in ("train", "eval"):
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    params = yaml.safe_load(yaml.safe_dump(TINY_PARAMS))
+    params["train"]["objective"] = "reward_model"
+    with pytest.raises(DataError, match=r'eval\.jsonl:1: field "chosen" is missing'):
+        validate.run(
+            parse_params(params),
+            tmp_path / "train.jsonl",
+            tmp_path / "eval.jsonl",
+            tmp_path / "validated",
+            tmp_path / "validate.json",
+            None,
+            built / "models/base",
+        )
+
+
+# ---- evaluate: the held-out pairwise accuracy against chance ----------------------------------------------------
+
+
+def _reward_candidate(base, out, seed: int, tmp_path):
+    """A reward model's candidate folder as the train stage writes it: a random adapter and a random head."""
+    from fineflow.train.model import save_adapter
+
+    model = _model(base, seed, tmp_path, "sdpa")
+    save_adapter(model, out)
+    save_head(model, out)
+    return model
+
+
+def _eval_pairs(built, path, n: int = 8) -> list[dict]:
+    """n held-out pairs of the built rows: the row's answer chosen, the next row's rejected."""
+    rows = [json.loads(line) for line in (built / "data/validated/eval.jsonl").read_text().splitlines()][: n + 1]
+    pairs = [{**row, "chosen": row.pop("output"), "rejected": rows[i + 1]["output"]} for i, row in enumerate(rows[:n])]
+    path.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    return pairs
+
+
+def _reward_params(tiny_params, **promote):
+    train = tiny_params.train.model_copy(update={"objective": "reward_model"})
+    gate = tiny_params.promote.model_copy(update={"primary_metric": "fineflow_reward/pairwise_accuracy", **promote})
+    every_pair = tiny_params.evaluate.model_copy(update={"limit": None})
+    return tiny_params.model_copy(update={"train": train, "promote": gate, "evaluate": every_pair})
+
+
+def test_evaluate_scores_the_candidates_pairwise_accuracy_and_the_base_as_chance(built, tmp_path, tiny_params):
+    """scores.json of a reward model: the fineflow_reward task alone; per pair the candidate's two rewards (each
+    answer scored alone) and 1/0 by their order; the base, which has no head, a tie (0.5) on every pair."""
+    from fineflow.evaluate.pair_ranking import encode_answers
+    from fineflow.evaluate.scoring import evaluate_models
+    from fineflow.tokenize.tokenization import load_tokenizer
+
+    base = built / "models/base"
+    model = _reward_candidate(base, tmp_path / "candidate", 7, tmp_path)
+    pairs = _eval_pairs(built, tmp_path / "eval.jsonl")
+    params = _reward_params(tiny_params)
+    evaluate_models(params, base, tmp_path / "candidate", tmp_path / "eval.jsonl", tmp_path / "eval", tmp_path / "raw")
+    scores = json.loads((tmp_path / "eval/scores.json").read_text())
+    assert scores["tasks"] == ["fineflow_reward"] and set(scores) >= {"base", "candidate"} and "champion" not in scores
+    assert scores["base"]["metrics"] == {"fineflow_reward": {"pairwise_accuracy": 0.5}}
+    samples = scores["candidate"]["samples"]["fineflow_reward"]
+    expected = example_rewards(model, encode_answers(load_tokenizer(str(base)), pairs), 4, params.tokenize.seq_len)
+    got = [value for s in samples for value in (s["reward_chosen"], s["reward_rejected"])]
+    assert got == pytest.approx(expected.tolist(), abs=1e-5)
+    right = [float(s["reward_chosen"] > s["reward_rejected"]) for s in samples]
+    assert [s["pairwise_accuracy"] for s in samples] == right
+    assert scores["candidate"]["metrics"]["fineflow_reward"]["pairwise_accuracy"] == sum(right) / len(right)
+
+
+# ---- promote and the registry: a champion per model kind --------------------------------------------------------
+
+
+def _reward_scores(path, base, right: int, n: int = 40):
+    """scores.json as the reward model's evaluation writes it (fineflow.evaluate.reward_ranking), by hand: the
+    candidate ranks `right` of n pairs, the base (by content) at chance."""
+    from fineflow.base_source import read_base_digest
+    from fineflow.evaluate.reward_ranking import chance_entry
+    from tests.conftest import EVAL_SHA
+
+    def ranks(k: int) -> dict:
+        samples = [{"doc_id": i, "pairwise_accuracy": float(i < k)} for i in range(n)]
+        entry = {"status": "ok", "metrics": {"fineflow_reward": {"pairwise_accuracy": k / n}}}
+        return {**entry, "samples": {"fineflow_reward": samples}}
+
+    scores = {"tasks": ["fineflow_reward"], "eval_data_sha256": EVAL_SHA, "base_digest": read_base_digest(str(base))}
+    scores["base"] = chance_entry("fineflow_reward", n)
+    scores["candidate"] = ranks(right)
+    path.write_text(json.dumps(scores))
+    return path
+
+
+def _git_checkout(root):
+    """A git checkout to promote in (the lineage reads its commit)."""
+    import subprocess
+
+    root.mkdir(parents=True)
+    (root / "README.md").write_text("fixture\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost"]
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "fixture"]):
+        subprocess.run(["git", *command] if command[0] == "init" else git + command, cwd=root, check=True)
+    return root
+
+
+@pytest.mark.slow
+def test_a_reward_model_is_judged_against_chance_then_its_own_kind_and_scores_rows(
+    built, tmp_path, tiny_params, capsys
+):
+    """The first reward model beats chance (the base has no head) and is installed as the registry's reward
+    champion, not as models/champion; a second is judged against it; a language model meanwhile is judged against
+    its base, never the reward champion, and installed at models/champion. `fineflow registry verify` holds for
+    both kinds; `fineflow reward score` scores rows with the reward champion as evaluation does, and names a
+    malformed row's file, line and field; the export stage skips a reward model."""
+    from fineflow.cli import main
+    from fineflow.registry.champion import promote
+    from fineflow.registry.install import read_champion
+    from fineflow.registry.store import alias_id, kind_champion_dir
+    from fineflow.registry.verify import verify_log
+    from fineflow.stages.export import why_not_exported
+    from fineflow.tokenize.tokenization import load_tokenizer
+    from tests.conftest import random_adapter
+    from tests.conftest import write_scores as lm_scores
+
+    base = built / "models/base"
+    root = _git_checkout(tmp_path / "project")
+    champion, registry = root / "models/champion", root / "models/registry"
+    kw = dict(base_dir=base, shards_dir=built / "data/shards", root=root)
+    params = _reward_params(tiny_params, min_delta=0.05)
+    first = _reward_candidate(base, root / "first", 11, tmp_path)
+    _reward_candidate(base, root / "second", 12, tmp_path)
+
+    report = promote(params, _reward_scores(root / "s1.json", base, 34), root / "first", champion, registry, **kw)
+    assert report["decision"] == "promoted" and report["reference"] == "base model", report
+    assert report["reference_value"] == 0.5 and report["ci_low"] > 0
+    rid = report["candidate_id"]
+    home = kind_champion_dir(registry, "reward")
+    assert alias_id(registry, "reward") == rid and alias_id(registry) is None and read_champion(champion) is None
+    installed = read_champion(home)
+    assert installed["candidate_id"] == rid and installed["model_kind"] == "reward"
+    assert {HEAD_FILE, CONFIG_FILE, "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in home.iterdir()}
+    assert not (home / "merged").exists()  # a reward model is never merged into a generator
+    card = (home / "README.md").read_text()
+    assert f"# fineflow reward model champion {rid}" in card and "fineflow reward score" in card
+
+    second = promote(params, _reward_scores(root / "s2.json", base, 30), root / "second", champion, registry, **kw)
+    assert second["decision"] == "refused" and second["reference"] == f"champion {rid}", second
+
+    lm = _reward_params(tiny_params).model_copy(update={"train": tiny_params.train, "promote": tiny_params.promote})
+    random_adapter(base, root / "lm", seed=13)
+    lm_report = promote(lm, lm_scores(root / "s3.json", 30, 5), root / "lm", champion, registry, **kw)
+    assert lm_report["decision"] == "promoted" and lm_report["reference"] == "base model", lm_report
+    assert alias_id(registry) == lm_report["candidate_id"] and alias_id(registry, "reward") == rid
+    assert read_champion(champion)["candidate_id"] == lm_report["candidate_id"] and "model_kind" not in read_champion(
+        champion
+    )
+    assert verify_log(registry, champion) == []
+    assert "holds a reward model" in why_not_exported(params, home, installed, None)
+
+    pairs = _eval_pairs(built, tmp_path / "pairs.jsonl", n=5)
+    rows = [
+        {**{k: v for k, v in pair.items() if k not in ("chosen", "rejected")}, "output": pair["chosen"]}
+        for pair in pairs
+    ]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert (
+        main(
+            [
+                "reward",
+                "score",
+                str(tmp_path / "rows.jsonl"),
+                "--registry",
+                str(registry),
+                "--out",
+                str(tmp_path / "out.jsonl"),
+            ]
+        )
+        == 0
+    )
+    scored = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    from fineflow.tokenize.template import encode_batch
+
+    expected = example_rewards(first, encode_batch(load_tokenizer(str(base)), rows, train_on="last_assistant"), 8, 128)
+    assert [row["reward"] for row in scored] == pytest.approx(expected.tolist(), abs=1e-5)
+    assert [{k: v for k, v in row.items() if k != "reward"} for row in scored] == rows
+
+    (tmp_path / "bad.jsonl").write_text(json.dumps(rows[0]) + "\n" + json.dumps({"instruction": "Say hi."}) + "\n")
+    assert main(["reward", "score", str(tmp_path / "bad.jsonl"), "--registry", str(registry)]) == 2
+    assert f"{tmp_path / 'bad.jsonl'}:2: output: a non-empty string" in capsys.readouterr().err
+    assert main(["reward", "score", str(tmp_path / "rows.jsonl"), "--registry", str(tmp_path / "empty")]) == 2
+    assert "no champion reward model: train one (train.objective reward_model" in capsys.readouterr().err
