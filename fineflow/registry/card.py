@@ -186,8 +186,8 @@ def _scorer_usage(kind: str) -> list[str]:
         "fineflow reward score rows.jsonl --out scored.jsonl",
         "```",
         "",
-        "This folder holds the adapter, the head (`reward_head.safetensors`) and `reward_model.json`; "
-        "`fineflow.objectives.reward_model.load_reward_model(base, folder)` loads it on its base in Python.",
+        "This folder holds the adapter, the head and its description beside it, and the tokenizer; in Python, "
+        "the objective's `load_trained(base, folder)` (fineflow.objectives) loads it on its base.",
     ]
 
 
