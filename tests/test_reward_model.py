@@ -283,10 +283,11 @@ def test_a_reward_model_is_judged_against_chance_then_its_own_kind_and_scores_ro
     """The first reward model beats chance (the base has no head) and is installed as the registry's reward
     champion, not as models/champion; a second is judged against it; a language model meanwhile is judged against
     its base, never the reward champion, and installed at models/champion. `fineflow registry verify` holds for
-    both kinds; `fineflow reward score` scores rows with the reward champion as evaluation does, and names a
-    malformed row's file, line and field; the export stage skips a reward model."""
+    both kinds; a rollback of a reward model and a repair touch its kind alone. `fineflow reward score` scores rows
+    with the reward champion as evaluation does, and names a malformed row's file, line and field; the export
+    stage skips a reward model."""
     from fineflow.cli import main
-    from fineflow.registry.champion import promote
+    from fineflow.registry.champion import promote, recover, rollback
     from fineflow.registry.install import read_champion
     from fineflow.registry.store import alias_id, kind_champion_dir
     from fineflow.registry.verify import verify_log
@@ -330,6 +331,15 @@ def test_a_reward_model_is_judged_against_chance_then_its_own_kind_and_scores_ro
     assert verify_log(registry, champion) == []
     assert "holds a reward model" in why_not_exported(params, home, installed, None)
 
+    # a rollback to the refused reward model replaces the reward champion alone; a lost alias is repaired
+    moved = rollback(registry, champion, to=second["candidate_id"], allow_unpromoted="a test")
+    assert moved["from"] == rid and alias_id(registry, "reward") == second["candidate_id"]
+    assert alias_id(registry) == lm_report["candidate_id"] and verify_log(registry, champion) == []
+    (registry / "champion.reward.json").unlink()
+    assert recover(registry, champion) and alias_id(registry, "reward") == second["candidate_id"]
+    rollback(registry, champion, to=rid)  # the promoted one back, for the scoring below
+    assert alias_id(registry, "reward") == rid and verify_log(registry, champion) == []
+
     pairs = _eval_pairs(built, tmp_path / "pairs.jsonl", n=5)
     rows = [
         {**{k: v for k, v in pair.items() if k not in ("chosen", "rejected")}, "output": pair["chosen"]}
@@ -362,3 +372,64 @@ def test_a_reward_model_is_judged_against_chance_then_its_own_kind_and_scores_ro
     assert f"{tmp_path / 'bad.jsonl'}:2: output: a non-empty string" in capsys.readouterr().err
     assert main(["reward", "score", str(tmp_path / "rows.jsonl"), "--registry", str(tmp_path / "empty")]) == 2
     assert "no champion reward model: train one (train.objective reward_model" in capsys.readouterr().err
+
+
+# ---- the real stages: the embedded default as a reward model ----------------------------------------------------
+
+REWARD_RUN = {
+    "train.objective": "reward_model",
+    "train.steps": 400,
+    "promote.primary_metric": "fineflow_reward/pairwise_accuracy",
+}
+
+
+@pytest.mark.nightly  # the embedded default's whole pipeline (its base pretraining ~7 of ~9 min), then train again
+@pytest.mark.slow
+def test_a_reward_model_of_the_embedded_default_ranks_held_out_pairs_above_chance_through_every_stage(tmp_path):
+    """Issue 46's acceptance for the reward model: `dvc repro` of the embedded default with train.objective
+    reward_model on the bundled pairs. Its held-out pairwise accuracy is significantly above chance (the gate's
+    paired bootstrap against the base, which has no head), it is promoted as the registry's reward champion while
+    models/champion stays empty, the export stage skips it, and `fineflow reward score` ranks the chosen answers of
+    the eval pairs above the rejected ones as evaluation did. A train.lr edit then trains a second reward model,
+    judged against the first, not against chance."""
+    from fineflow.cli import main
+    from fineflow.registry.store import alias_id
+    from tests.conftest import copy_project
+    from tests.test_preference_pipeline import _default_params, _report, _repro
+
+    project = copy_project(tmp_path / "project")
+    _default_params(project, REWARD_RUN)
+    ran, wall_s = _repro(project)
+    assert {"data", "validate", "tokenize", "train", "evaluate", "promote", "export"} <= set(ran), ran
+    scores = json.loads((project / "eval/scores.json").read_text())
+    assert scores["tasks"] == ["fineflow_reward"] and len(scores["candidate"]["samples"]["fineflow_reward"]) == 200
+    assert scores["base"]["metrics"]["fineflow_reward"]["pairwise_accuracy"] == 0.5
+    promote = _report(project, "promote")
+    assert promote["decision"] == "promoted" and promote["reference"] == "base model", promote
+    assert promote["candidate_value"] > 0.5 and promote["ci_low"] > 0, promote
+    registry = project / "models/registry"
+    first = alias_id(registry, "reward")
+    assert first == promote["candidate_id"] and alias_id(registry) is None
+    assert json.loads((project / "models/champion/champion.json").read_text()) == {"candidate_id": None}
+    assert "nothing promoted yet" in _report(project, "export")["skipped"]
+
+    pairs = [json.loads(line) for line in (project / "data/validated/eval.jsonl").read_text().splitlines()][:40]
+    rows = [
+        {**{k: pair[k] for k in ("instruction", "input")}, "output": pair[side]}
+        for pair in pairs
+        for side in ("chosen", "rejected")
+    ]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "scored.jsonl"
+    assert main(["reward", "score", str(tmp_path / "rows.jsonl"), "--registry", str(registry), "--out", str(out)]) == 0
+    rewards = [json.loads(line)["reward"] for line in out.read_text().splitlines()]
+    by_eval = scores["candidate"]["samples"]["fineflow_reward"][:40]
+    assert rewards == pytest.approx([r for s in by_eval for r in (s["reward_chosen"], s["reward_rejected"])], abs=1e-4)
+
+    _default_params(project, {**REWARD_RUN, "train.lr": 0.01})
+    ran, second_wall_s = _repro(project)
+    assert {"train", "evaluate", "promote"} <= set(ran) and "tokenize" not in ran, ran
+    second = _report(project, "promote")
+    assert second["reference"] == f"champion {first}" and second["reference_value"] == promote["candidate_value"]
+    figures = {"wall_s": [wall_s, second_wall_s], "first": promote, "second": second}
+    (tmp_path.parent / "reward_model.json").write_text(json.dumps(figures, indent=1))
