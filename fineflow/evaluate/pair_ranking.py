@@ -47,10 +47,10 @@ def answer_row(row: dict, answer: str) -> dict:
 
 
 def pair_objectives() -> list[str]:
-    """The objectives that train (and are evaluated) on preference pairs."""
+    """The objectives evaluated on this task (those that train on preference pairs and generate)."""
     from fineflow.objectives import NAMES, objective_for
 
-    return [name for name in NAMES if objective_for(name).trains_pairs]
+    return [name for name in NAMES if objective_for(name).eval_task == TASK]
 
 
 def lm_eval_tasks(tasks: list[str], preference: bool) -> list[str]:
