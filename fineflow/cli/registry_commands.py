@@ -113,7 +113,7 @@ def _run_repair(args) -> int:
 def _run_list(args) -> int:
     from pathlib import Path
 
-    from fineflow.objectives import LANGUAGE_MODEL
+    from fineflow.objectives.interface import LANGUAGE_MODEL
     from fineflow.registry.promotion_log import champion_kinds
     from fineflow.registry.store import alias_id, record_kind, stored_records
 

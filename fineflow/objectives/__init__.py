@@ -20,14 +20,7 @@ from __future__ import annotations
 
 from fineflow.errors import ConfigError
 from fineflow.objectives.dpo import DPO
-from fineflow.objectives.interface import (
-    EXAMPLES,
-    LANGUAGE_MODEL,
-    PAIRS,
-    PREFERENCE_TASK,
-    BatchLoss,
-    Objective,
-)
+from fineflow.objectives.interface import EXAMPLES, PAIRS, PREFERENCE_TASK, BatchLoss, Objective
 from fineflow.objectives.orpo import ORPO
 from fineflow.objectives.reward_model import RewardModel
 from fineflow.objectives.sft import SFT
@@ -52,14 +45,4 @@ def described() -> str:
     return "; ".join(f"{objective.name}: {objective.summary}" for objective in OBJECTIVES.values())
 
 
-__all__ = [
-    "EXAMPLES",
-    "LANGUAGE_MODEL",
-    "NAMES",
-    "OBJECTIVES",
-    "PAIRS",
-    "PREFERENCE_TASK",
-    "BatchLoss",
-    "Objective",
-    "objective_for",
-]
+__all__ = ["EXAMPLES", "NAMES", "OBJECTIVES", "PAIRS", "PREFERENCE_TASK", "BatchLoss", "Objective", "objective_for"]

@@ -25,7 +25,8 @@ from pathlib import Path
 from fineflow.core.config import Params
 from fineflow.core.reports import write_json_atomic
 from fineflow.errors import FineflowError
-from fineflow.objectives import LANGUAGE_MODEL, objective_for
+from fineflow.objectives import objective_for
+from fineflow.objectives.interface import LANGUAGE_MODEL
 from fineflow.registry.approval import Approval, apply_approval
 from fineflow.registry.card import model_card, train_figures
 from fineflow.registry.gate import (

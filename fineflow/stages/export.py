@@ -31,7 +31,8 @@ from fineflow.core.config import Params
 from fineflow.core.entry import log, run_entry, stage_parser
 from fineflow.core.reports import write_json_atomic, write_text_atomic
 from fineflow.errors import FineflowError
-from fineflow.objectives import LANGUAGE_MODEL, objective_for
+from fineflow.objectives import objective_for
+from fineflow.objectives.interface import LANGUAGE_MODEL
 from fineflow.registry.install import read_champion
 from fineflow.registry.store import record_kind
 
