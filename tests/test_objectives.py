@@ -29,12 +29,18 @@ def _code_mentions(path: Path, names: tuple[str, ...], root: Path = ROOT) -> lis
         and isinstance(node.body[0], ast.Expr)
         and isinstance(node.body[0].value, ast.Constant)
     }
-    word = re.compile(rf"(?<![a-z0-9])({'|'.join(names)})(?![a-z0-9])", re.IGNORECASE)
+    # a string names one as train.objective spells it ("reward_model"; prose's "reward model" is no name); an
+    # identifier as words, its underscores breaking them as the name's do (load_reward_model, REWARD_MODEL)
+    as_value = re.compile(rf"(?<![a-z0-9])({'|'.join(map(re.escape, names))})(?![a-z0-9])", re.IGNORECASE)
+    as_words = [re.escape(name.replace("_", " ")) for name in names]
+    word = re.compile(rf"(?<![a-z0-9])({'|'.join(as_words)})(?![a-z0-9])", re.IGNORECASE)
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
-            text = node.value
-        elif isinstance(node, ast.Name):
+            if as_value.search(node.value):
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {node.value[:80]!r}")
+            continue
+        if isinstance(node, ast.Name):
             text = node.id
         elif isinstance(node, ast.Attribute):
             text = node.attr
@@ -59,21 +65,29 @@ def test_no_module_outside_the_objectives_package_names_an_objective():
 
 def test_the_check_sees_a_name_in_a_string_or_an_identifier_but_not_in_a_docstring(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text('"""dpo here is prose."""\nif x == "dpo":\n    use_simpo_path = 1\n', encoding="utf-8")
+    module.write_text(
+        '"""dpo here is prose."""\nif x == "dpo":\n    use_simpo_path = 1\nload_reward_model()\nreward_margin = 0\n'
+        'y = "reward_model"\nsay("the champion reward model")\n',
+        encoding="utf-8",
+    )
     found = _code_mentions(module, NAMES, root=tmp_path)
-    assert [line.split(":")[1] for line in found] == ["2", "3"], found
+    # "reward margin" is no objective, nor is "reward model" in a message's prose
+    assert sorted(int(line.split(":")[1]) for line in found) == [2, 3, 4, 6], found
 
 
 def test_the_registry_holds_every_objective_under_its_own_name_and_refuses_others():
-    assert NAMES == ("sft", "dpo", "simpo", "orpo", "kto")
+    assert NAMES == ("sft", "dpo", "simpo", "orpo", "kto", "reward_model")
     for name, objective in OBJECTIVES.items():
         assert isinstance(objective, Objective) and objective.name == name and objective.summary
         assert objective.rows in ROW_SCHEMAS
         assert objective.eval_task is None or objective.pair_shards
     assert [n for n in NAMES if objective_for(n).needs_reference] == ["dpo", "kto"]
-    assert [n for n in NAMES if objective_for(n).trains_pairs] == ["dpo", "simpo", "orpo"]
+    assert [n for n in NAMES if objective_for(n).trains_pairs] == ["dpo", "simpo", "orpo", "reward_model"]
     assert [n for n in NAMES if objective_for(n).rows == FEEDBACK] == ["kto"]
-    with pytest.raises(Exception, match="train.objective: 'ppo' is not one of sft, dpo, simpo, orpo, kto"):
+    assert [n for n in NAMES if not objective_for(n).generates] == ["reward_model"]
+    with pytest.raises(
+        Exception, match="train.objective: 'ppo' is not one of sft, dpo, simpo, orpo, kto, reward_model"
+    ):
         objective_for("ppo")
 
 

@@ -379,7 +379,9 @@ def test_reference_logps_are_recomputed_for_the_data_base_or_champion_never_for_
 
 
 def _adapter(project: Path) -> dict:
-    return load_file(project / "models/candidate/adapter_model.safetensors")
+    """Every tensor the candidate folder holds: the adapter's (and the reward model's head)."""
+    files = sorted((project / "models/candidate").glob("*.safetensors"))
+    return {f"{path.name}:{key}": value for path in files for key, value in load_file(path).items()}
 
 
 def _writing(project: Path) -> bool:
@@ -396,11 +398,12 @@ DPO_KILL_POINTS = [
 
 @pytest.mark.scenario
 @pytest.mark.slow
-def test_dpo_sigkilled_at_several_points_then_resumed_is_bit_exact(built, tmp_path):
-    """test_resume's kill sweep for train.objective dpo: SIGKILLs before any checkpoint, mid-write and between
-    checkpoints, then a run to the end: the same rows, losses, rewards and gradient norms at every step as an
-    uninterrupted run, and adapter tensors torch.equal to its."""
-    reference = preference_project(built, tmp_path / "reference", "dpo")
+@pytest.mark.parametrize("objective", ["dpo", "reward_model"])  # reward_model: its head is in the checkpoints too
+def test_dpo_sigkilled_at_several_points_then_resumed_is_bit_exact(built, tmp_path, objective):
+    """test_resume's kill sweep for train.objective dpo (and the reward model): SIGKILLs before any checkpoint,
+    mid-write and between checkpoints, then a run to the end: the same rows, losses, rewards and gradient norms at
+    every step as an uninterrupted run, and the candidate's tensors (adapter, reward head) torch.equal to its."""
+    reference = preference_project(built, tmp_path / "reference", objective)
     resumed = tmp_path / "resumed"
     shutil.copytree(reference, resumed)  # the same shards and reference log-probs, before either trains
     env = fault_env(train_env(1), write_delay_s=0.03)  # slowed checkpoint writes: kills land mid-write
@@ -414,6 +417,7 @@ def test_dpo_sigkilled_at_several_points_then_resumed_is_bit_exact(built, tmp_pa
     ]
     a, b = _adapter(resumed), _adapter(reference)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (objective == "reward_model") == any(key.startswith("reward_head") for key in a), sorted(a)
 
 
 # ---- DDP: 2 ranks == 1 process for dpo --------------------------------------------------------------------------
@@ -421,16 +425,17 @@ def test_dpo_sigkilled_at_several_points_then_resumed_is_bit_exact(built, tmp_pa
 
 @pytest.mark.nightly  # a 2-rank accelerate launch beside a 1-process run (~45 s); CI keeps SFT's 2 ranks vs 1
 @pytest.mark.slow
-def test_dpo_on_two_ddp_ranks_matches_one_process_with_the_same_global_batch(built, tmp_path):
-    """test_ddp's check for train.objective dpo: the same global batch (4 rows a step) on 1 process and on 2
-    accelerate ranks (2 rows each, pair counts summed over the ranks): every step's loss, gradient norm, reward
-    accuracy and margin agree to 1e-4 (the ranks' gradient all-reduce sums in another order than one process)."""
-    one = preference_project(built, tmp_path / "one", "dpo", ranks_overrides(1))
+@pytest.mark.parametrize("objective", ["dpo", "reward_model"])  # reward_model: the head used inside the forward
+def test_dpo_on_two_ddp_ranks_matches_one_process_with_the_same_global_batch(built, tmp_path, objective):
+    """test_ddp's check for train.objective dpo (and the reward model): the same global batch (4 rows a step) on 1
+    process and on 2 accelerate ranks (2 rows each, pair counts summed over the ranks): every step's loss, gradient
+    norm, reward accuracy and margin agree to 1e-4 (the ranks' gradient all-reduce sums in another order)."""
+    one = preference_project(built, tmp_path / "one", objective, ranks_overrides(1))
     two = tmp_path / "two"
     shutil.copytree(one, two)  # the same shards and reference log-probs
     write_params(
         two / "params.yaml",
-        {**TRAIN_OVERRIDES, "tokenize.seq_len": SEQ_LEN, "train.objective": "dpo", **ranks_overrides(2)},
+        {**TRAIN_OVERRIDES, "tokenize.seq_len": SEQ_LEN, "train.objective": objective, **ranks_overrides(2)},
     )
     finish_train(one, 1, train_env(1))
     finish_train(two, 2, train_env(2))

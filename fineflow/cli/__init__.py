@@ -3,7 +3,8 @@ list|show|apply`` (model-family recipes written into params.yaml after the plann
 ``registry verify|rollback|repair|list`` (the model registry: fineflow.registry.verify, rollback and repair in
 fineflow.registry.champion), ``lineage`` (fineflow.registry.lineage) and ``data add`` (new training data for the
 on-new-data deployment), ``doctor`` (fineflow.goodput.doctor), ``params-doc`` (the params reference:
-fineflow.params_doc) and ``serve`` (the champion's GGUF export, OpenAI-compatible: fineflow.export.serve).
+fineflow.params_doc), ``serve`` (the champion's GGUF export, OpenAI-compatible: fineflow.export.serve) and
+``reward score`` (rows scored by the champion reward model: fineflow.objectives.reward_model).
 
     __init__.py           build_parser() (every subcommand's module adds its own) and main(), the console script
     __main__.py           ``python -m fineflow.cli``
@@ -15,6 +16,7 @@ fineflow.params_doc) and ``serve`` (the champion's GGUF export, OpenAI-compatibl
     doctor_command.py     ``fineflow doctor``
     docs_commands.py      ``fineflow params-doc`` and ``fineflow dvc-deps``: the generated params page and code deps
     serve_command.py      ``fineflow serve``
+    reward_command.py     ``fineflow reward score``
 
     fineflow plan --model 7B --method lora --precision bf16 --micro-batch 4 --seq-len 2048
     fineflow plan --model 8B --micro-batch 2 --seq-len 4096 --attention flash --device-gib 80
@@ -33,6 +35,7 @@ fineflow.params_doc) and ``serve`` (the champion's GGUF export, OpenAI-compatibl
     fineflow doctor [reports/goodput.json] [--json] [--fail-on severe|warn|never]   # a run's bottlenecks
     fineflow params-doc --out docs/reference/params.md [--check]   # the params reference, from config.py
     fineflow serve [--export-dir models/export] [--type q8_0] [--host 127.0.0.1] [--port 8000] [--threads 4]
+    fineflow reward score rows.jsonl [--out scored.jsonl] [--registry models/registry]   # each row's reward
     python -m fineflow.cli plan ...     # the same, without the installed script
 
 Exit status of plan: 0 when the plan fits (or no --device-gib was given), 1 when it does not; of registry
@@ -53,6 +56,7 @@ from fineflow.cli import (
     plan_commands,
     recipe_commands,
     registry_commands,
+    reward_command,
     serve_command,
 )
 from fineflow.errors import FineflowError
@@ -69,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor_command.add_parser(sub)
     docs_commands.add_parser(sub)  # params-doc, then dvc-deps
     serve_command.add_parser(sub)
+    reward_command.add_parser(sub)
     return parser
 
 

@@ -113,14 +113,19 @@ def _run_repair(args) -> int:
 def _run_list(args) -> int:
     from pathlib import Path
 
-    from fineflow.registry.store import alias_id, stored_records
+    from fineflow.objectives.interface import LANGUAGE_MODEL
+    from fineflow.registry.promotion_log import champion_kinds
+    from fineflow.registry.store import alias_id, record_kind, stored_records
 
     registry = Path(args.registry)
-    champion = alias_id(registry)
+    champions = {kind: alias_id(registry, kind) for kind in champion_kinds(registry)}  # a champion per model kind
     for cid, record in stored_records(registry):
         metrics = ", ".join(f"{k} {v:.4f}" for k, v in (record.get("metrics") or {}).items())
-        print(f"{'*' if cid == champion else ' '} {cid}  {record.get('decision', '?'):<8}  {metrics}")
-    print(f"champion: {champion or 'none'}")
+        star = "*" if cid in champions.values() else " "
+        kind = f"{record_kind(record):<7} " if len(champions) > 1 else ""  # the kind column once there are two
+        print(f"{star} {cid}  {kind}{record.get('decision', '?'):<8}  {metrics}")
+    others = [f"champion ({kind}): {cid}" for kind, cid in champions.items() if kind != LANGUAGE_MODEL]
+    print("; ".join([f"champion: {champions[LANGUAGE_MODEL] or 'none'}", *others]))
     return 0
 
 

@@ -6,6 +6,8 @@ harness.py      the lm-eval adapter: task folders and names, the model scorer, s
 sizing.py       before loading: the compute dtype, the memory plan, one device or a device map, or a refusal
 pair_ranking.py preference eval pairs (train.objective dpo/simpo): each model's log-probs of chosen and rejected,
                 preference accuracy and reward margin (rewards anchored to the base) as task fineflow_preference
+reward_ranking.py a model that scores text (the reward model): its rewards of each held-out pair's answers,
+                pairwise accuracy as its objective's task (fineflow_reward), the base as chance
 bundled_tasks/  the tasks shipped with fineflow (fineflow_synth, fineflow_synth_mc: YAMLs and their helpers)
 
 A project's own tasks go in folders under its ``eval_tasks/``, each listed in ``evaluate.task_dirs`` (names in

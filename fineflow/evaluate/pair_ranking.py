@@ -47,7 +47,7 @@ def answer_row(row: dict, answer: str) -> dict:
 
 
 def pair_objectives() -> list[str]:
-    """The objectives evaluated on held-out preference pairs (those that train on pairs, and KTO's feedback)."""
+    """The objectives evaluated on this task: those that train on preference pairs (or KTO's feedback) and generate."""
     from fineflow.objectives import NAMES, objective_for
 
     return [name for name in NAMES if objective_for(name).eval_task == TASK]

@@ -8,6 +8,7 @@ dpo.py           DPO: pairs against a frozen reference (its log-probs from the r
 simpo.py         SimPO: pairs, reference-free, length-normalised, with a margin
 orpo.py          ORPO: pairs, reference-free, the chosen answer's SFT loss plus an odds-ratio term
 kto.py           KTO: unpaired answers labelled desirable/undesirable, against a reference, with a KL estimate
+reward_model.py  a reward model: pairs, LoRA and a scalar head, Bradley-Terry loss (model_kind: not a generator)
 token_loss.py    the next-token loss, plain or chunked so the logits never exist whole (train.loss_chunk_tokens)
 pair_params.py   train.preference: the pair objectives' settings (beta, SimPO's gamma, DPO's reference)
 pair_logps.py    each pair's chosen and rejected sequence log-probs under a model, from a packed pair batch
@@ -23,10 +24,13 @@ from fineflow.objectives.dpo import DPO
 from fineflow.objectives.interface import EXAMPLES, FEEDBACK, PAIRS, PREFERENCE_TASK, BatchLoss, Objective
 from fineflow.objectives.kto import KTO
 from fineflow.objectives.orpo import ORPO
+from fineflow.objectives.reward_model import RewardModel
 from fineflow.objectives.sft import SFT
 from fineflow.objectives.simpo import SimPO
 
-OBJECTIVES: dict[str, Objective] = {objective.name: objective for objective in (SFT(), DPO(), SimPO(), ORPO(), KTO())}
+OBJECTIVES: dict[str, Objective] = {
+    objective.name: objective for objective in (SFT(), DPO(), SimPO(), ORPO(), KTO(), RewardModel())
+}
 NAMES = tuple(OBJECTIVES)
 
 

@@ -14,6 +14,10 @@ An objective says:
   statistics the step log shows.
 - ``eval_task``: the held-out task evaluate adds for it (None: only evaluate.tasks), whose metrics the gate
   can judge (promote.primary_metric).
+- ``model_kind``: what the trained model is: a language model (LANGUAGE_MODEL), or a model that scores text (the
+  reward model), which evaluate, promote, the registry and export treat as its kind says (``generates``), with
+  the hooks that build, save, load and run it (``prepare_model``, ``save_extra``, ``load_trained``,
+  ``score_examples``).
 
 Adding an objective: one module in this package with a subclass, and its line in ``OBJECTIVES``
 (fineflow/objectives/__init__.py). docs/objectives.md walks through one.
@@ -29,6 +33,8 @@ FEEDBACK = "feedback"  # an SFT row and a desirable/undesirable label, unpaired:
 ROW_SCHEMAS = (EXAMPLES, PAIRS, FEEDBACK)
 
 PREFERENCE_TASK = "fineflow_preference"  # evaluate's held-out pair ranking (fineflow.evaluate.pair_ranking)
+
+LANGUAGE_MODEL = "lm"  # Objective.model_kind of a model that generates: every objective's but the reward model's
 
 
 @dataclass
@@ -67,6 +73,40 @@ class Objective:
     def pair_shards(self) -> bool:
         """Its shards pack units of two sequences with their pair slots (fineflow.train.pair_shards)."""
         return self.rows in (PAIRS, FEEDBACK)
+
+    # ---- what the trained model is: a language model, unless the objective trains another kind of model ----------
+    # (added with the reward model, fineflow.objectives.reward_model; a kind other than LANGUAGE_MODEL scores text)
+
+    model_kind: str = LANGUAGE_MODEL
+    """The kind of model it trains. LANGUAGE_MODEL generates: evaluate.tasks score it, promote merges it, export
+    writes it as GGUF. Another kind scores text (``score_examples``): evaluate scores it on ``eval_task`` alone, it is
+    neither merged nor exported, and the registry keeps a champion per kind (a candidate competes with its own kind's
+    champion, or with chance when there is none: fineflow.registry.store)."""
+
+    @property
+    def generates(self) -> bool:
+        """Whether the trained model is a language model (model_kind LANGUAGE_MODEL)."""
+        return self.model_kind == LANGUAGE_MODEL
+
+    def prepare_model(self, model, cfg=None):
+        """The model to train, its adapters added: what the objective trains beside them (default: nothing more).
+        cfg: the run's train section."""
+        return model
+
+    def save_extra(self, model, out_dir, state_dict: dict | None = None) -> None:
+        """Beside the saved adapter in out_dir: what prepare_model added (default: nothing). state_dict: the
+        trained model's, as the train stage gathered it (None: read the model's own tensors)."""
+
+    def load_trained(self, model, model_dir):
+        """A kind that scores text: the trained model in model_dir (its adapter and save_extra's files) on the
+        loaded base ``model``, for scoring (``score_examples``)."""
+        raise NotImplementedError(f"train.objective {self.name} trains a language model: it has no scores")
+
+    def score_examples(self, model, encoded, batch_size: int, seq_len: int):
+        """A kind that scores text: one float per example of ``encoded`` (fineflow.tokenize.template.EncodedBatch:
+        prompt and answer as the tokenize stage renders them), each cut at its first seq_len tokens as packing
+        cuts it; a numpy array."""
+        raise NotImplementedError(f"train.objective {self.name} trains a language model: it has no scores")
 
 
 class PairObjective(Objective):

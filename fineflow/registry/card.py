@@ -76,23 +76,25 @@ def train_figures(train_report: Path | None, log=print) -> dict | None:
 def model_card(record: dict, base_ref: str, train: dict | None, is_adapter: bool, merged: bool = True) -> str:
     """A Hugging Face model card: YAML front matter (base_model, license, library_name, datasets by hash,
     tags, model-index) and the evaluation table with bootstrap CIs, training params and figures."""
-    cid = record["candidate_id"]
+    cid, kind = record["candidate_id"], record.get("model_kind")  # kind: a model that scores text (no kind: an LM)
+    what = f"A {'LoRA adapter' if is_adapter else 'fine-tuned model'} of `{base_ref}`"
+    if kind:
+        what = f"A {kind} model (a LoRA adapter of `{base_ref}` and a scalar head: it scores text, never generates)"
     lines = [
         "---",
         yaml.safe_dump(front_matter(record, base_ref, is_adapter), sort_keys=False).rstrip(),
         "---",
         "",
-        f"# fineflow champion {cid}",
+        f"# fineflow {kind + ' model ' if kind else ''}champion {cid}",
         "",
-        f"A {'LoRA adapter' if is_adapter else 'fine-tuned model'} of `{base_ref}` trained and promoted by "
-        "fineflow. Candidate id = first 16 hex of the sha256 over its adapter files.",
+        f"{what} trained and promoted by fineflow. Candidate id = first 16 hex of the sha256 over its adapter files.",
         "",
         f"**License:** `{LICENSE_PLACEHOLDER}` is a placeholder written by fineflow; set the terms of your "
         "base model and training data before publishing.",
         "",
     ]
     lines += _override(record)
-    lines += _usage(base_ref, is_adapter, merged) + [""]
+    lines += (_scorer_usage(kind) if kind else _usage(base_ref, is_adapter, merged)) + [""]
     lines += _evaluation(record)
     lines += _training(record, train)
     lines += _lineage(record)
@@ -111,13 +113,15 @@ def front_matter(record: dict, base_ref: str, is_adapter: bool) -> dict:
     for key, value in sorted(metrics.items()):
         task, _, metric = key.partition("/")
         by_task.setdefault(task, []).append({"type": metric, "name": metric, "value": value})
+    kind = record.get("model_kind")
     return {
         "base_model": base_ref,
         "license": LICENSE_PLACEHOLDER,
         "library_name": "peft" if is_adapter else "transformers",
-        "pipeline_tag": "text-generation",
+        "pipeline_tag": "text-classification" if kind else "text-generation",
         "tags": [
             "fineflow",
+            *([f"{kind}-model"] if kind else []),
             (params.get("train") or {}).get("method", "lora"),
             "peft" if is_adapter else "full",
             f"base_model:adapter:{base_ref}" if is_adapter else f"base_model:finetune:{base_ref}",
@@ -169,6 +173,22 @@ def _usage(base_ref: str, is_adapter: bool, merged: bool) -> list[str]:
             "`python -m fineflow.registry.merge --champion models/champion --out DIR`.",
         ]
     return lines
+
+
+def _scorer_usage(kind: str) -> list[str]:
+    """How a champion of a kind that scores text is used: `fineflow reward score` (fineflow/cli/reward_command.py)."""
+    return [
+        "## Use",
+        "",
+        f"Score each row of a JSONL file (a prompt and its answer) with the registry's champion {kind} model:",
+        "",
+        "```",
+        "fineflow reward score rows.jsonl --out scored.jsonl",
+        "```",
+        "",
+        "This folder holds the adapter, the head and its description beside it, and the tokenizer; in Python, "
+        "the objective's `load_trained(base, folder)` (fineflow.objectives) loads it on its base.",
+    ]
 
 
 def _evaluation(record: dict) -> list[str]:

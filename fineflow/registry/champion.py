@@ -25,6 +25,8 @@ from pathlib import Path
 from fineflow.core.config import Params
 from fineflow.core.reports import write_json_atomic
 from fineflow.errors import FineflowError
+from fineflow.objectives import objective_for
+from fineflow.objectives.interface import LANGUAGE_MODEL
 from fineflow.registry.approval import Approval, apply_approval
 from fineflow.registry.card import model_card, train_figures
 from fineflow.registry.gate import (
@@ -49,6 +51,7 @@ from fineflow.registry.lineage import build_manifest, deterministic, missing_fie
 from fineflow.registry.promotion_log import (
     append_log,
     champion_history,
+    champion_kinds,
     gate_promoted,
     last_champion_entry,
     next_seq,
@@ -66,8 +69,11 @@ from fineflow.registry.store import (
     current_champion,
     directory_hash,
     intact_candidate,
+    kind_champion_dir,
+    kind_field,
     read_alias,
     read_record,
+    record_kind,
     registry_lock,
     set_alias,
     store_candidate,
@@ -100,10 +106,15 @@ def promote(
     times, user, host) goes to ``<lineage_dir>/<candidate id>.json``, outside DVC's outputs. With
     export.block_promotion, the assembled champion's GGUF exports are parity-checked on eval_rows before anything
     is logged (parity_gate, by parity_check: the export's check, which the stage hands in: the registry does not
-    know the export formats): a failure refuses the candidate."""
+    know the export formats): a failure refuses the candidate.
+
+    A candidate of another kind than a language model (train.objective's model_kind: the reward model) is judged
+    against its own kind's champion (or the base when there is none) and installed as that kind's champion, in
+    the registry (champion_home): models/champion stays the language model's."""
     scores, unreadable = read_scores(scores_path)
     eval_hash = scores.get("eval_data_sha256")
     policy = GatePolicy.from_params(params)  # the gate's settings, once: promote.* and the run's seed
+    objective = objective_for(params.train.objective)
     cid = candidate_id(adapter_dir)
     manifest = build_manifest(
         params=params.model_dump(mode="json", by_alias=True),
@@ -120,7 +131,7 @@ def promote(
         if decided is not None:  # a re-run after a crash that came after the decision was logged (and finished)
             log(f"{cid} was already judged on these scores and params (log entry {decided['seq']}): not again")
             return _finish(decided_as(decided), cid, decided["seq"], lineage_dir, manifest, log)
-        champion = current_champion(registry_dir)
+        champion = current_champion(registry_dir, objective.model_kind)  # its own kind's: a champion per kind
         retired = rollback_refusal(registry_dir, cid)  # a re-run on old scores must not undo a rollback
         if unreadable or retired:
             decision = refusal(unreadable or retired, policy.primary_metric)
@@ -131,14 +142,15 @@ def promote(
         record = candidate_record(params, policy, scores, cid, adapter_dir, base_dir, eval_hash, manifest, decision)
         stored = store_candidate(registry_dir, adapter_dir, cid, record)
         ensure_empty_champion(champion_dir)
+        home = champion_home(champion_dir, registry_dir, objective.model_kind)
         staging = None
         if decision.promote:  # the slow, failure-prone part happens before anything is logged or replaced
             if not record["base_model"]:
                 raise FineflowError(f"{adapter_dir}: cannot tell the base model to merge into; pass --base-dir")
             staging = build_champion(
-                staging_dir(champion_dir), stored, record["base_model"], record, train_figures(train_report, log)
+                staging_dir(home), stored, record["base_model"], record, train_figures(train_report, log)
             )
-            if params.export.block_promotion:
+            if params.export.block_promotion and objective.generates:  # only a language model is exported
                 decision, record = parity_gate(decision, record, staging, eval_rows, params, log, parity_check)
                 store_candidate(registry_dir, adapter_dir, cid, record)  # its record says what parity decided
                 if not decision.promote:
@@ -146,8 +158,14 @@ def promote(
                     staging = None
         entry = log_decision(registry_dir, log_entry(params, record, decision, champion), staging, record)
         if staging is not None:
-            install_built(staging, champion_dir, registry_dir, cid, record, entry["seq"])
+            install_built(staging, home, registry_dir, cid, record, entry["seq"])
     return _finish(decision, cid, entry["seq"], lineage_dir, manifest, log)
+
+
+def champion_home(champion_dir: Path, registry_dir: Path, kind: str) -> Path:
+    """Where a champion of this kind is installed: champion_dir (models/champion) for a language model, the
+    registry's champions/<kind> for another kind (store.kind_champion_dir)."""
+    return champion_dir if kind == LANGUAGE_MODEL else kind_champion_dir(registry_dir, kind)
 
 
 # (staged champion, base model reference, eval rows, params, log) -> {"passed", "reasons", "exports"}
@@ -233,12 +251,16 @@ def rollback(
     entry; under the registry lock, after repairing what a writer that died left. The candidate rolled back
     from is not promoted again by the gate (promotion_log.rollback_refusal) unless a later rollback reinstalls
     it. A candidate the gate never promoted is installed only with allow_unpromoted (the reason), logged as an
-    override and said on its card."""
+    override and said on its card. A candidate of another kind than a language model (the reward model: its
+    record's model_kind) replaces its own kind's champion only (champion_home); without ``to``, the language
+    model's champion is rolled back."""
     if to is not None:
         check_id(to)
     with registry_writes(registry_dir, champion_dir, log, base_dir):
-        current = alias_id(registry_dir)
-        source = candidate_dir(registry_dir, to if to is not None else _previous_champion(registry_dir, current))
+        kind = record_kind(read_record(registry_dir, to)) if to is not None else LANGUAGE_MODEL
+        current = alias_id(registry_dir, kind)
+        previous = to if to is not None else _previous_champion(registry_dir, current, kind)
+        source = candidate_dir(registry_dir, previous)
         cid = intact_candidate(source).name
         if cid == current:
             raise FineflowError(f"{cid} is already the champion")
@@ -248,9 +270,10 @@ def rollback(
         if not base_ref:
             raise FineflowError(f"{source}: the record names no base model; pass --base-dir")
         entry = rollback_entry(cid, current, record, override)
-        staging = build_champion(staging_dir(champion_dir), source, base_ref, card_record(record, entry), None)
+        home = champion_home(champion_dir, registry_dir, kind)
+        staging = build_champion(staging_dir(home), source, base_ref, card_record(record, entry), None)
         entry = log_decision(registry_dir, entry, staging, record)
-        install_built(staging, champion_dir, registry_dir, cid, record, entry["seq"])
+        install_built(staging, home, registry_dir, cid, record, entry["seq"])
     return {"from": current, "to": cid, "log_seq": entry["seq"], "override": override}
 
 
@@ -278,6 +301,7 @@ def rollback_entry(cid: str, current: str | None, record: dict, override: dict |
         "champion_before": current,
         "metrics": record.get("metrics"),
         "eval_data_sha256": record.get("eval_data_sha256"),
+        **kind_field(record_kind(record)),
     }
     return {**entry, "override": override} if override else entry
 
@@ -302,11 +326,11 @@ def log_decision(registry_dir: Path, entry: dict, staging: Path | None, record: 
     return logged
 
 
-def _previous_champion(registry_dir: Path, current: str | None) -> str:
-    """The latest champion in the log other than the current one whose files the registry still holds."""
+def _previous_champion(registry_dir: Path, current: str | None, kind: str = LANGUAGE_MODEL) -> str:
+    """The latest champion of the kind in the log other than the current one whose files the registry still holds."""
     earlier = [
         c
-        for c in reversed(champion_history(registry_dir))
+        for c in reversed(champion_history(registry_dir, kind))
         if c != current and (registry_dir / "candidates" / c).is_dir()
     ]
     if not earlier:
@@ -337,14 +361,16 @@ def recover(
     was never committed and is cut (promotion_log.repair_log); a promotion or rollback that was logged is finished,
     never undone: when the directory does not hold the champion it names, the staged copy whose files the entry
     recorded is swapped in, else it is rebuilt from candidates/<id>; and the alias is pointed at it. Leftover
-    staged or retired directories are removed."""
+    staged or retired directories are removed. So for each kind of model's champion (champion_home)."""
     with registry_lock(registry_dir):
         done = repair_log(registry_dir, log)
-        last = last_champion_entry(registry_dir)
-        source = stored_candidate(registry_dir, last["candidate_id"]) if last else None
-        if source is not None:  # before the leftovers go: the staged champion may be the one the entry recorded
-            done += _finish_install(registry_dir, champion_dir, source, last, base_dir, log)
-        for path in clear_leftovers(champion_dir, registry_dir):
+        homes = {kind: champion_home(champion_dir, registry_dir, kind) for kind in champion_kinds(registry_dir)}
+        for kind, home in homes.items():
+            last = last_champion_entry(registry_dir, kind)
+            source = stored_candidate(registry_dir, last["candidate_id"]) if last else None
+            if source is not None:  # before the leftovers go: the staged champion may be the one the entry recorded
+                done += _finish_install(registry_dir, home, source, last, base_dir, log)
+        for path in [path for home in homes.values() for path in clear_leftovers(home, registry_dir)]:
             done.append(f"removed {path} (left by a writer that died)")
             log(done[-1])
     return done
@@ -354,15 +380,15 @@ def _finish_install(
     registry_dir: Path, champion_dir: Path, source: Path, last: dict, base_dir: str | None, log: Callable[[str], None]
 ) -> list[str]:
     """Make champion_dir and the alias the install of log entry `last` (candidate source), if they are not yet."""
-    cid, seq = source.name, last["seq"]
+    cid, seq, kind = source.name, last["seq"], record_kind(last)
     installed = read_champion(champion_dir) or {}
-    alias = read_alias(registry_dir) or {}
+    alias = read_alias(registry_dir, kind) or {}
     if installed.get("candidate_id") == cid and installed.get("promotion_seq") == seq:
         if alias.get("id") == cid and alias.get("seq") == seq:
             return []
         message = f"pointing the champion alias at {cid}, installed by entry {seq} (its writer died before it did)"
         log(message)
-        set_alias(registry_dir, cid, seq, champion_files_hash(champion_dir))  # the swap was done: only the alias
+        set_alias(registry_dir, cid, seq, champion_files_hash(champion_dir), kind)  # the swap was done: the alias
         return [message]
     message = (
         f"{champion_dir}: finishing the install of {cid} that entry {seq} of the log records (its writer died "
@@ -439,8 +465,10 @@ def candidate_record(
 ) -> dict:
     """candidates/<id>/record.json: metrics, per-sample scores, the bootstrap versus the base for every metric
     (the model card's table, with the gate's bootstrap settings: policy), the decision and the deterministic
-    lineage. Base figures only when both the base's and the candidate's evaluations succeeded."""
+    lineage. Base figures only when both the base's and the candidate's evaluations succeeded. A model that does
+    not generate (train.objective's model_kind: the reward model) is never merged, and its record says its kind."""
     cfg = params.promote
+    objective = objective_for(params.train.objective)
     candidate = scores.get("candidate") or {}
     base = scores.get("base") or {}
     base_ok = base.get("status", "ok") == "ok" and candidate.get("status", "ok") == "ok"
@@ -461,7 +489,9 @@ def candidate_record(
         "base_scored": scores.get("base_scored"),  # e.g. a QLoRA adapter scored on the 16-bit base (the card says)
         "lineage": deterministic(manifest),
         # whether the champion holds merged/ (promote.merged); rollback rebuilds it as it was promoted
-        "merged": merged_export(cfg.merged, cfg.merged_auto_max_gb, _base_or_none(params, base_dir, adapter_dir)),
+        "merged": objective.generates
+        and merged_export(cfg.merged, cfg.merged_auto_max_gb, _base_or_none(params, base_dir, adapter_dir)),
+        **kind_field(objective.model_kind),
     }
 
 
@@ -503,6 +533,7 @@ def log_entry(params: Params, record: dict, decision: Decision, champion: dict |
         "lineage_sha256": json_digest(record["lineage"]),
         "champion_before": champion["id"] if champion else None,
         "params": params.model_dump(mode="json", by_alias=True),
+        **kind_field(record_kind(record)),
         **({"export_parity": record["export_parity"]} if "export_parity" in record else {}),
     }
 
@@ -575,7 +606,7 @@ def install_built(staging: Path, champion_dir: Path, registry_dir: Path, cid: st
     write_json_atomic(staging / CHAMPION_FILE, champion_json(record, seq))
     files_sha256 = champion_files_hash(staging)
     swap_in(staging, champion_dir)
-    set_alias(registry_dir, cid, seq, files_sha256)
+    set_alias(registry_dir, cid, seq, files_sha256, record_kind(record))
 
 
 def champion_json(record: dict, seq: int) -> dict:
@@ -588,4 +619,5 @@ def champion_json(record: dict, seq: int) -> dict:
         "base_model": record.get("base_model"),
         "base_digest": record.get("base_digest"),
         "stats": record.get("stats"),
+        **kind_field(record_kind(record)),
     }

@@ -30,7 +30,8 @@ from pathlib import Path
 
 from fineflow.core.reports import write_text_atomic
 from fineflow.errors import FineflowError
-from fineflow.registry.store import registry_lock
+from fineflow.objectives.interface import LANGUAGE_MODEL
+from fineflow.registry.store import record_kind, registry_lock
 
 LOG_FILE = "promotions.jsonl"
 HEAD_FILE = "HEAD"
@@ -101,13 +102,20 @@ def read_log(registry_dir: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()] if path.exists() else []
 
 
-def champion_history(registry_dir: Path) -> list[str]:
-    """Candidate ids that were champion, oldest first, as the log's promoted/rollback entries say."""
-    return [
-        e["candidate_id"]
-        for e in read_log(registry_dir)
-        if e.get("decision") in CHAMPION_DECISIONS and e.get("candidate_id")
-    ]
+def champion_history(registry_dir: Path, kind: str = LANGUAGE_MODEL) -> list[str]:
+    """Candidate ids that were champion of this kind of model, oldest first, as the log's promoted/rollback
+    entries say."""
+    return [e["candidate_id"] for e in _installs(registry_dir) if record_kind(e) == kind]
+
+
+def champion_kinds(registry_dir: Path) -> list[str]:
+    """The kinds of model the log ever installed a champion of, the language models' first."""
+    kinds = {record_kind(e) for e in _installs(registry_dir)} | {LANGUAGE_MODEL}
+    return sorted(kinds, key=lambda kind: (kind != LANGUAGE_MODEL, kind))
+
+
+def _installs(registry_dir: Path) -> list[dict]:
+    return [e for e in read_log(registry_dir) if e.get("decision") in CHAMPION_DECISIONS and e.get("candidate_id")]
 
 
 def gate_promoted(registry_dir: Path, cid: str) -> bool:
@@ -115,10 +123,10 @@ def gate_promoted(registry_dir: Path, cid: str) -> bool:
     return any(e.get("decision") == "promoted" and e.get("candidate_id") == cid for e in read_log(registry_dir))
 
 
-def last_champion_entry(registry_dir: Path) -> dict | None:
-    """The log's last entry that installed a champion (promoted or rollback), or None: what the champion
-    directory and the alias must agree with."""
-    installs = [e for e in read_log(registry_dir) if e.get("decision") in CHAMPION_DECISIONS and e.get("candidate_id")]
+def last_champion_entry(registry_dir: Path, kind: str = LANGUAGE_MODEL) -> dict | None:
+    """The log's last entry that installed a champion of this kind (promoted or rollback), or None: what the
+    kind's champion directory and alias must agree with."""
+    installs = [e for e in _installs(registry_dir) if record_kind(e) == kind]
     return installs[-1] if installs else None
 
 

@@ -7,6 +7,9 @@ holds. The registry (``models/registry``, DVC-tracked, persist)::
     champion.json             the alias: {"id", "seq" (the log entry that installed it), "files_sha256" (the
                               installed champion directory's content hash, but the card's: what verify checks a
                               champion installed by an entry without champion_files against)}
+    champion.<kind>.json      the alias of another kind of model's champion (fineflow.objectives: model_kind; the
+    champions/<kind>/         reward model's), installed here: a champion per kind, each candidate judged
+                              against its own kind's (record.json, the log entry and champion.json say the kind)
     promotions.jsonl, HEAD    the hash-chained promotion log (an entry that installs a champion records each of
                               its files' sha256: champion_files) and its length and last line's hash
                               (promotion_log.py)
@@ -35,6 +38,7 @@ from pathlib import Path
 
 from fineflow.core.reports import sha256_file, write_json_atomic
 from fineflow.errors import FineflowError
+from fineflow.objectives.interface import LANGUAGE_MODEL
 
 CHAMPION_FILE = "champion.json"  # the registry's alias, and the installed champion's own record
 RECORD_FILE = "record.json"
@@ -217,32 +221,57 @@ def stored_candidate(registry_dir: Path, cid: str) -> Path | None:
         return None
 
 
-# ---- the champion alias --------------------------------------------------------------------------
+# ---- the champion alias, one per kind of model -----------------------------------------------------
+# A language model's champion is the one it always was (champion.json, installed at models/champion); another kind
+# (Objective.model_kind) has its own alias and directory in the registry, so a candidate never replaces, nor is
+# judged against, a champion of another kind. Records, log entries and champion.json of a language model carry no
+# kind (as before kinds), another kind's say theirs (model_kind).
 
 
-def read_alias(registry_dir: Path) -> dict | None:
-    """The registry's champion alias ({"id", "seq", "files_sha256"}), or None when nothing was promoted yet."""
-    alias = registry_dir / CHAMPION_FILE
+def record_kind(record: dict) -> str:
+    """The kind of model a candidate record, log entry or champion.json is of (none said: a language model)."""
+    return record.get("model_kind") or LANGUAGE_MODEL
+
+
+def kind_field(kind: str) -> dict:
+    """What a record, log entry or champion.json says of its kind: nothing for a language model."""
+    return {} if kind == LANGUAGE_MODEL else {"model_kind": kind}
+
+
+def alias_path(registry_dir: Path, kind: str = LANGUAGE_MODEL) -> Path:
+    return registry_dir / (CHAMPION_FILE if kind == LANGUAGE_MODEL else f"champion.{kind}.json")
+
+
+def kind_champion_dir(registry_dir: Path, kind: str) -> Path:
+    """Where the champion of a kind other than the language models' is installed: champions/<kind>."""
+    return registry_dir / "champions" / kind
+
+
+def read_alias(registry_dir: Path, kind: str = LANGUAGE_MODEL) -> dict | None:
+    """The kind's champion alias ({"id", "seq", "files_sha256"}), or None when none of it was promoted yet."""
+    alias = alias_path(registry_dir, kind)
     return json.loads(alias.read_text(encoding="utf-8")) if alias.is_file() else None
 
 
-def alias_id(registry_dir: Path) -> str | None:
-    """The id the registry's champion alias names, or None when nothing was promoted yet."""
-    return (read_alias(registry_dir) or {}).get("id")
+def alias_id(registry_dir: Path, kind: str = LANGUAGE_MODEL) -> str | None:
+    """The id the kind's champion alias names, or None when none of it was promoted yet."""
+    return (read_alias(registry_dir, kind) or {}).get("id")
 
 
-def set_alias(registry_dir: Path, cid: str, seq: int, files_sha256: str | None = None) -> None:
-    """Point the alias at champion cid, installed by log entry seq, whose directory hashes to files_sha256."""
+def set_alias(
+    registry_dir: Path, cid: str, seq: int, files_sha256: str | None = None, kind: str = LANGUAGE_MODEL
+) -> None:
+    """Point the kind's alias at champion cid, installed by log entry seq, whose directory hashes to files_sha256."""
     alias = {"id": cid, "seq": seq}
     if files_sha256:
         alias["files_sha256"] = files_sha256
-    write_json_atomic(registry_dir / CHAMPION_FILE, alias)
+    write_json_atomic(alias_path(registry_dir, kind), alias)
 
 
-def current_champion(registry_dir: Path) -> dict | None:
-    """The champion the gate compares with, from the record of the candidate the alias names: {"id", "metrics"
-    (flat), "samples", "eval_data_sha256", "base_digest"}; None when nothing was promoted yet."""
-    cid = alias_id(registry_dir)
+def current_champion(registry_dir: Path, kind: str = LANGUAGE_MODEL) -> dict | None:
+    """The champion the gate compares a candidate of this kind with, from the record of the candidate the kind's
+    alias names: {"id", "metrics" (flat), "samples", "eval_data_sha256", "base_digest"}; None when none yet."""
+    cid = alias_id(registry_dir, kind)
     if not cid:
         return None
     record = read_record(registry_dir, cid)

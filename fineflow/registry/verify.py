@@ -6,11 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from fineflow.core.reports import sha256_file
+from fineflow.objectives.interface import LANGUAGE_MODEL
 from fineflow.registry.install import champion_files_hash, champion_manifest, read_champion
 from fineflow.registry.promotion_log import (
     LOG_FILE,
     REPAIRS,
     chain_problem,
+    champion_kinds,
     head_problem,
     hmac_problems,
     last_champion_entry,
@@ -21,7 +23,9 @@ from fineflow.registry.store import (
     CHAMPION_FILE,
     RECORD_FILE,
     alias_id,
+    alias_path,
     candidate_id,
+    kind_champion_dir,
     read_alias,
     stored_candidate,
 )
@@ -38,7 +42,8 @@ def verify_log(registry_dir: Path, champion_dir: Path | None = None, key: str | 
     the gate never promoted logged its override; every stored candidate's files still hash to its id; the
     champion alias names a stored candidate and agrees with the log's last promotion or rollback; and (with
     champion_dir) the installed champion is that candidate: its champion.json, its adapter files, and every
-    file as that entry recorded it; an adapter-only champion's base is the content its champion.json names."""
+    file as that entry recorded it; an adapter-only champion's base is the content its champion.json names. So for
+    each kind of model's champion (a language model's at champion_dir; another kind's in the registry)."""
     path = registry_dir / LOG_FILE
     if not path.exists():
         return [f"{path}: no promotion log"]
@@ -52,9 +57,18 @@ def verify_log(registry_dir: Path, champion_dir: Path | None = None, key: str | 
         + ([head] if head else [])
         + unlogged_overrides(registry_dir)
         + _changed_candidates(registry_dir)
-        + _dangling_alias(registry_dir)
-        + _champion_problems(registry_dir, champion_dir, key)
+        + [
+            problem
+            for kind in champion_kinds(registry_dir)
+            for problem in _kind_problems(registry_dir, champion_dir, key, kind)
+        ]
     )
+
+
+def _kind_problems(registry_dir: Path, champion_dir: Path | None, key: str | None, kind: str) -> list[str]:
+    """The alias and the installed champion of one kind of model (champion_dir: the language model's)."""
+    home = champion_dir if kind == LANGUAGE_MODEL else kind_champion_dir(registry_dir, kind)
+    return _dangling_alias(registry_dir, kind) + _champion_problems(registry_dir, home, key, kind)
 
 
 def _changed_candidates(registry_dir: Path) -> list[str]:
@@ -66,21 +80,24 @@ def _changed_candidates(registry_dir: Path) -> list[str]:
     ]
 
 
-def _dangling_alias(registry_dir: Path) -> list[str]:
-    alias = registry_dir / CHAMPION_FILE
-    cid = alias_id(registry_dir)
+def _dangling_alias(registry_dir: Path, kind: str = LANGUAGE_MODEL) -> list[str]:
+    alias = alias_path(registry_dir, kind)
+    cid = alias_id(registry_dir, kind)
     if cid and not (registry_dir / "candidates" / cid).is_dir():
         return [f"{alias}: names champion {cid}, which is not in {registry_dir / 'candidates'}"]
     return []
 
 
-def _champion_problems(registry_dir: Path, champion_dir: Path | None, key: str | None) -> list[str]:
-    """The alias and the installed champion against the log's last promotion or rollback. When that entry's
-    candidate is no longer stored there is nothing to compare them with (an alias naming it is _dangling_alias's)."""
-    last = last_champion_entry(registry_dir)
-    alias = read_alias(registry_dir)
+def _champion_problems(
+    registry_dir: Path, champion_dir: Path | None, key: str | None, kind: str = LANGUAGE_MODEL
+) -> list[str]:
+    """The kind's alias and installed champion against the log's last promotion or rollback of that kind. When
+    that entry's candidate is no longer stored there is nothing to compare them with (an alias naming it is
+    _dangling_alias's)."""
+    last = last_champion_entry(registry_dir, kind)
+    alias = read_alias(registry_dir, kind)
     if last is None:
-        return [f"{registry_dir / CHAMPION_FILE}: names a champion the log never installed"] if alias else []
+        return [f"{alias_path(registry_dir, kind)}: names a champion the log never installed"] if alias else []
     cid, seq = last["candidate_id"], last["seq"]
     stored = stored_candidate(registry_dir, cid)
     if stored is None:
@@ -90,7 +107,7 @@ def _champion_problems(registry_dir: Path, champion_dir: Path | None, key: str |
     if not alias_ok:
         named = f"{alias.get('id')} (entry {alias.get('seq')})" if alias else "nothing"
         problems.append(
-            f"{registry_dir / CHAMPION_FILE}: the champion alias names {named}, but entry {seq} of the log installs "
+            f"{alias_path(registry_dir, kind)}: the champion alias names {named}, but entry {seq} of the log installs "
             f"{cid} (a writer died between the log append and the install); {REPAIRS}"
         )
     if champion_dir is not None:

@@ -31,7 +31,10 @@ from fineflow.core.config import Params
 from fineflow.core.entry import log, run_entry, stage_parser
 from fineflow.core.reports import write_json_atomic, write_text_atomic
 from fineflow.errors import FineflowError
+from fineflow.objectives import objective_for
+from fineflow.objectives.interface import LANGUAGE_MODEL
 from fineflow.registry.install import read_champion
+from fineflow.registry.store import record_kind
 
 REPORT_FILE = "export.json"
 CARD_FILE = "README.md"
@@ -44,6 +47,9 @@ def run(params: Params, champion_dir: Path, eval_rows: Path, out_dir: Path, tool
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     champion = read_champion(champion_dir)
+    trained = objective_for(params.train.objective)
+    if not trained.generates:  # its champion is the registry's of its kind: models/champion stays the LM's
+        log(f"export: train.objective {trained.name} trains a {trained.model_kind} model, never exported to GGUF")
     skipped = why_not_exported(params, champion_dir, champion, tools)
     if skipped:
         log(f"export: nothing exported: {skipped}")
@@ -65,9 +71,13 @@ def run(params: Params, champion_dir: Path, eval_rows: Path, out_dir: Path, tool
 
 
 def why_not_exported(params: Params, champion_dir: Path, champion: dict | None, tools: Path | None) -> str | None:
-    """Why this run exports nothing (None: it exports). llama.cpp missing with export.enabled true is an error."""
+    """Why this run exports nothing (None: it exports). llama.cpp missing with export.enabled true is an error.
+    Only a language model is exported: a champion of another kind (its champion.json's model_kind: a reward
+    model, which scores text) has no GGUF form."""
     if champion is None:
         return f"no champion in {champion_dir} (nothing promoted yet)"
+    if record_kind(champion) != LANGUAGE_MODEL:
+        return f"{champion_dir} holds a {record_kind(champion)} model, which scores text: only a language model exports"
     if params.export.enabled is False:
         return "export.enabled is false"
     missing = _tools(tools).get("missing")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from fineflow.core.config import Params
 from fineflow.errors import FineflowError
+from fineflow.objectives import objective_for
 from fineflow.train import precision
 from fineflow.train.attention import attention_of
 from fineflow.train.profile import Profile
@@ -58,8 +59,9 @@ def build_model(
                 f"train.method full cannot start from the champion's adapter (train.objective {cfg.objective} with "
                 "train.preference.reference champion): set train.preference.reference: base, or train.method lora"
             )
-        return model
-    model = add_adapters(model, cfg, start_adapter)
+        return objective_for(cfg.objective).prepare_model(model, cfg)
+    # what the objective trains beside the adapters (the reward model's head), before the optimizer sees the model
+    model = objective_for(cfg.objective).prepare_model(add_adapters(model, cfg, start_adapter), cfg)
     if fuse_lora:
         from fineflow.train.fused_lora import fuse_lora_layers
 
@@ -92,9 +94,10 @@ def add_adapters(model, cfg, start_adapter: Path | None = None):
     return get_peft_model(model, config)  # autocast_adapter_dtype: adapters in fp32 on a 16-bit base
 
 
-def save_model(accelerator, model, out_dir: Path, method: str) -> None:
+def save_model(accelerator, model, out_dir: Path, method: str, objective: str | None = None) -> None:
     """Every rank calls this: under FSDP/ZeRO-3 gathering the full weights is a collective; rank 0 writes.
-    LoRA/QLoRA save the adapter only; full fine-tuning a whole HF model directory (safetensors). Under FSDP
+    LoRA/QLoRA save the adapter (and what train.objective ``objective`` trained beside it: its save_extra); full
+    fine-tuning a whole HF model directory (safetensors). Under FSDP
     and DeepSpeed a LoRA run gathers only the adapter onto rank 0 (accelerate's full state dict would gather the
     whole base there first: ~280 GB for a 70B in fp32)."""
     from fineflow.train import fsdp, zero
@@ -112,6 +115,8 @@ def save_model(accelerator, model, out_dir: Path, method: str) -> None:
         unwrapped.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
     else:
         save_adapter(unwrapped, out_dir, state)
+        if objective is not None:
+            objective_for(objective).save_extra(unwrapped, out_dir, state)
 
 
 def save_adapter(model, out_dir: Path, state_dict: dict | None = None) -> None:

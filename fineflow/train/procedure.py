@@ -459,7 +459,7 @@ class TrainProcedure:
         from fineflow.train.resume import FINISHED, mark_finished
 
         self.accelerator.wait_for_everyone()
-        save_model(self.accelerator, self.model, self.paths.out_dir, self.cfg.method)
+        save_model(self.accelerator, self.model, self.paths.out_dir, self.cfg.method, self.cfg.objective)
         if self.main:
             mark_finished(self.run_dir, self.cfg.steps)  # a later run of the same inputs trains again, never resumes
             mark_run_finished(store_config(self.params.checkpoint), self.run_dir, FINISHED)  # on any node
