@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fineflow.core.dvc_project import stage_command
-from fineflow.objectives import objective_for
+from fineflow.objectives import FEEDBACK, objective_for
 from fineflow.tokenize.shards import POSITION_DTYPE, PackedArrays, token_dtype, write_shard
 from fineflow.tokenize.template import encode_pair, render_prompt
 from fineflow.train.pair_shards import PAIR_SLOTS_FILE, PairShard, logps_file, write_shard_logps
@@ -113,6 +113,20 @@ def write_pair_shards(built: Path, shards: Path, n_train: int | None = None) -> 
         rows = [json.loads(line) for line in (built / f"data/validated/{split}.jsonl").read_text().splitlines()]
         pairs = encoded_pairs(rows[:n_train] if split == "train" and n_train else rows, tokenizer)
         write_pair_shard(shards / split, pairs, SEQ_LEN, tokenizer.pad_token_id or 0, len(tokenizer))
+
+
+def write_feedback_shards(built: Path, project: Path) -> None:
+    """data/shards/{train,eval} as feedback shards (train.objective kto): the bundled rows unpaired and labelled,
+    through the data, validate and tokenize stages in process, with the built base's tokenizer."""
+    from fineflow.core.config import parse_params
+    from fineflow.stages import data, tokenize, validate
+    from tests.conftest import TINY_PARAMS, _merge
+
+    params = parse_params(_merge(TINY_PARAMS, {"train": {"objective": "kto"}, "tokenize": {"seq_len": SEQ_LEN}}))
+    raw, validated = project / "data/raw", project / "data/validated"
+    data.run(params, raw / "train.jsonl", raw / "eval.jsonl")
+    validate.run(params, raw / "train.jsonl", raw / "eval.jsonl", validated, project / "reports/validate.json")
+    tokenize.run(params, validated, built / "models/base", project / "data/shards")
 
 
 # ---- the losses: packed == each sequence through the model alone ------------------------------------------------
@@ -223,7 +237,10 @@ def preference_project(
     overrides) as its params; the fingerprint and reference_logps stages run on it (dpo: the base's log-probs, or with
     champion_seed a random champion adapter installed first: base + that adapter's)."""
     shutil.copytree(built / "models/base", path / "models/base")
-    write_pair_shards(built, path / "data/shards")
+    if objective_for(objective).rows == FEEDBACK:
+        write_feedback_shards(built, path)
+    else:
+        write_pair_shards(built, path / "data/shards")
     params = {**TRAIN_OVERRIDES, "tokenize.seq_len": SEQ_LEN, "train.objective": objective, **(overrides or {})}
     write_params(path / "params.yaml", params)
     run_stage(path, "fingerprint")
@@ -398,9 +415,13 @@ DPO_KILL_POINTS = [
 
 @pytest.mark.scenario
 @pytest.mark.slow
-@pytest.mark.parametrize("objective", ["dpo", "reward_model"])  # reward_model: its head is in the checkpoints too
+# dpo in CI; the reward model (its head in the checkpoints too) and kto (its feedback shards) nightly
+@pytest.mark.parametrize(
+    "objective",
+    ["dpo", pytest.param("reward_model", marks=pytest.mark.nightly), pytest.param("kto", marks=pytest.mark.nightly)],
+)
 def test_dpo_sigkilled_at_several_points_then_resumed_is_bit_exact(built, tmp_path, objective):
-    """test_resume's kill sweep for train.objective dpo (and the reward model): SIGKILLs before any checkpoint,
+    """test_resume's kill sweep for train.objective dpo (the reward model, kto): SIGKILLs before any checkpoint,
     mid-write and between checkpoints, then a run to the end: the same rows, losses, rewards and gradient norms at
     every step as an uninterrupted run, and the candidate's tensors (adapter, reward head) torch.equal to its."""
     reference = preference_project(built, tmp_path / "reference", objective)
@@ -425,7 +446,8 @@ def test_dpo_sigkilled_at_several_points_then_resumed_is_bit_exact(built, tmp_pa
 
 @pytest.mark.nightly  # a 2-rank accelerate launch beside a 1-process run (~45 s); CI keeps SFT's 2 ranks vs 1
 @pytest.mark.slow
-@pytest.mark.parametrize("objective", ["dpo", "reward_model"])  # reward_model: the head used inside the forward
+# reward_model: the head used inside the forward; kto: its KL estimate gathered across the ranks
+@pytest.mark.parametrize("objective", ["dpo", "reward_model", "kto"])
 def test_dpo_on_two_ddp_ranks_matches_one_process_with_the_same_global_batch(built, tmp_path, objective):
     """test_ddp's check for train.objective dpo (and the reward model): the same global batch (4 rows a step) on 1
     process and on 2 accelerate ranks (2 rows each, pair counts summed over the ranks): every step's loss, gradient

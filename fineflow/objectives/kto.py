@@ -11,8 +11,8 @@ reference model.
 per row, summed over the batch's rows (the loop divides by the global batch's row count: TRL's mean). y' is the
 row's KL sample: its prompt with another row's answer (the tokenize stage packs it beside the row, the way TRL
 builds its KL dataset by shifting answers), so z estimates KL(pi || ref) on prompts and answers that do not belong
-together. z is the micro-batch's estimate, as TRL computes it, without TRL's gather across ranks: N ranks of one
-micro-batch each then equal one process accumulating the same micro-batches. beta is train.preference.beta, w_D and
+together. z is the micro-batch's estimate gathered across ranks, as TRL computes it: N ranks of m/N rows a
+micro-batch then equal one process of m rows. beta is train.preference.beta, w_D and
 w_U train.preference.kto_desirable_weight and kto_undesirable_weight (the paper keeps w_D * n_D / (w_U * n_U) in
 [1, 4/3] when the labels are imbalanced: the validate stage reports the counts).
 
@@ -55,9 +55,7 @@ class KTO(Objective):
         label's sign, summed signed reward)."""
         import torch
 
-        # the mean over the samples that kept a trained token (a row too long for its sample keeps only the prompt)
-        sampled = policy.rejected_len > 0
-        kl = ((policy.rejected - reference.rejected)[sampled].sum() / sampled.sum().clamp(min=1)).detach().clamp(min=0)
+        kl = _kl_estimate(policy, reference)
         logratio = policy.chosen - reference.chosen
         beta = prefs.beta
         # in the log-ratios' dtype (float64) from the start: a float32 weight would round 1.33 before it multiplies
@@ -89,6 +87,24 @@ class KTO(Objective):
             # the paper's advice: keep weight_D * n_D / (weight_U * n_U) in [1, 4/3] (set the weights to get there)
             "kto_weighted_label_ratio": round(ratio, 4),
         }
+
+
+def _kl_estimate(policy, reference):
+    """z: the mean log-ratio of the KL samples that kept a trained token (a row too long for its sample keeps only
+    the prompt), over this micro-batch on every rank (TRL gathers it across processes the same way: N ranks of m/N
+    rows then see the z of one process's m rows), clamped at 0, without gradient. Every rank computes each
+    micro-batch's loss, in training and in evaluation (fineflow.train.loop), so the all-reduce always has its peers."""
+    import torch
+    import torch.distributed as dist
+
+    sampled = policy.rejected_len > 0
+    totals = torch.stack(
+        [(policy.rejected - reference.rejected)[sampled].sum(), sampled.sum().to(policy.rejected.dtype)]
+    )
+    totals = totals.detach()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(totals)
+    return (totals[0] / totals[1].clamp(min=1)).clamp(min=0)
 
 
 def label_counts(path) -> tuple[int, int]:
