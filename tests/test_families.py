@@ -179,7 +179,7 @@ def _check_merged_champion(merged: Path, family: str, architecture: str) -> None
     assert AutoTokenizer.from_pretrained(merged).chat_template == chat_template(family)
 
 
-@pytest.mark.scenario
+@pytest.mark.nightly  # ~70 s; CI keeps the Qwen2.5 chat set through every stage (test_conversations)
 @pytest.mark.slow
 def test_llama3_runs_every_stage_with_its_template(chat_rows, tmp_path):
     _family_end_to_end("llama3", chat_rows, tmp_path)

@@ -303,6 +303,7 @@ def test_fsdp2_shards_only_the_adapter_within_the_memory_plan(fsdp2_run):
 
 
 @slow
+@pytest.mark.nightly  # a 2-rank FSDP1 bf16 run (~20 s); make test keeps FSDP2 bf16 and FSDP1's fp32 wrap
 def test_fsdp1_bf16_wraps_lora_apart_and_keeps_rotary_buffers_fp32(built, tmp_path):
     """FSDP1 with bf16 mixed precision: the decoder blocks' flat parameters are frozen (no gradient for the
     base: grad elements ~ trainable / world, where one flat parameter per block would carry the whole block),

@@ -200,6 +200,7 @@ def test_changed_config_after_a_crash_is_refused_unless_resume_never(built, tmp_
     assert len(run_dirs(project / "checkpoints")) == 2  # the other config's run is kept
 
 
+@pytest.mark.nightly  # two trainings with tensorboard (~25 s); make test keeps the resumed step log's continuity
 def test_tensorboard_curves_have_no_duplicate_steps_after_a_resume(built, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -265,7 +265,8 @@ def _repro(project: Path) -> str:
     return done.stdout
 
 
-@pytest.mark.scenario
+@pytest.mark.nightly  # three dvc repros (~55 s); make test keeps the same reuse through the functions
+@pytest.mark.slow
 def test_dvc_repro_twice_validates_only_the_new_source(tmp_path):
     """A weight change and a new source: validate runs, but only the new source is validated; tokenize re-runs."""
     project = tmp_path / "project"
