@@ -136,7 +136,7 @@ def test_ctrl_c_of_dvc_repro_during_pretraining_then_dvc_repro_resumes_it(tmp_pa
     assert not (project / "checkpoints/base" / base_model.STATE_FILE).exists()
 
 
-@pytest.mark.scenario
+@pytest.mark.nightly  # a Prefect flow stopped in pretraining, then run again (~55 s); CI keeps dvc repro's Ctrl-C
 @pytest.mark.slow
 def test_sigterm_to_the_flow_during_pretraining_says_what_was_saved_and_the_next_run_resumes(tmp_path):
     """`python -m flows.pipeline` (what `make run` runs) SIGTERMed during base pretraining: the flow exits 143 with

@@ -293,7 +293,7 @@ def finish(proc: subprocess.Popen, timeout: float = 400) -> tuple[int, str]:
     return proc.returncode, output
 
 
-@pytest.mark.scenario
+@pytest.mark.nightly  # a two-node Ray cluster and a run (~120 s); CI keeps two torch nodes on loopback (test_ddp)
 @pytest.mark.slow
 def test_two_ray_nodes_train_the_local_two_process_adapter_bit_for_bit(
     built, reference_run, tmp_path, monkeypatch, tiny_params
