@@ -222,14 +222,18 @@ def test_evaluate_scores_the_candidates_pairwise_accuracy_and_the_base_as_chance
     """scores.json of a reward model: the fineflow_reward task alone; per pair the candidate's two rewards (each
     answer scored alone) and 1/0 by their order; the base, which has no head, a tie (0.5) on every pair."""
     from fineflow.evaluate.pair_ranking import encode_answers
-    from fineflow.evaluate.scoring import evaluate_models
+    from fineflow.evaluate.reward_ranking import evaluate_scorer
+    from fineflow.objectives import objective_for
     from fineflow.tokenize.tokenization import load_tokenizer
 
     base = built / "models/base"
     model = _reward_candidate(base, tmp_path / "candidate", 7, tmp_path)
     pairs = _eval_pairs(built, tmp_path / "eval.jsonl")
     params = _reward_params(tiny_params)
-    evaluate_models(params, base, tmp_path / "candidate", tmp_path / "eval.jsonl", tmp_path / "eval", tmp_path / "raw")
+    objective = objective_for(params.train.objective)
+    evaluate_scorer(
+        params, objective, base, tmp_path / "candidate", tmp_path / "eval.jsonl", tmp_path / "eval", tmp_path / "raw"
+    )
     scores = json.loads((tmp_path / "eval/scores.json").read_text())
     assert scores["tasks"] == ["fineflow_reward"] and set(scores) >= {"base", "candidate"} and "champion" not in scores
     assert scores["base"]["metrics"] == {"fineflow_reward": {"pairwise_accuracy": 0.5}}

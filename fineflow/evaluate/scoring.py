@@ -77,14 +77,7 @@ def evaluate_models(
     fingerprint stage's JSON, the base by content (without it the base's files are hashed here). A champion
     trained on another base is an adapter for other weights (other shapes, even): it is scored as its merged
     model instead, never wrapped around this base. A model that scores text instead of generating (the objective's
-    ``generates``: the reward model) is evaluated on its own task alone (fineflow.evaluate.reward_ranking)."""
-    objective = objective_for(params.train.objective)
-    if not objective.generates:
-        from fineflow.evaluate.reward_ranking import evaluate_scorer
-
-        return evaluate_scorer(
-            params, objective, base_dir, adapter_dir, eval_rows, out_dir, raw_dir, base_fingerprint, log
-        )
+    ``generates``: the reward model) is evaluated by fineflow.evaluate.reward_ranking instead (the stage asks)."""
     base_reference = resolve_base_model(params.model, base_dir)
     base_digest = read_base_digest(base_reference, base_fingerprint)
     import torch

@@ -35,7 +35,9 @@ from pathlib import Path
 from fineflow.core.config import Params
 from fineflow.core.entry import log, run_entry, stage_parser
 from fineflow.errors import FineflowError
+from fineflow.evaluate.reward_ranking import evaluate_scorer
 from fineflow.evaluate.scoring import evaluate_models
+from fineflow.objectives import objective_for
 
 
 def check_tracked_task_dirs(task_dirs: list[str], task_root: Path | None) -> None:
@@ -90,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def body(params: Params) -> dict:
         check_tracked_task_dirs(params.evaluate.task_dirs, args.task_root)
+        objective = objective_for(params.train.objective)
+        if not objective.generates:  # a model that scores text (the reward model): its own task alone
+            return evaluate_scorer(
+                params, objective, args.base_dir, args.adapter, args.eval_rows, args.out, args.raw_results,
+                args.base_fingerprint, log,
+            )  # fmt: skip
         return evaluate_models(
             params,
             args.base_dir,
