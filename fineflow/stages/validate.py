@@ -72,30 +72,6 @@ def run(
     source_cache: Path | None = None,
     hash_cache: Path | None = None,
 ) -> dict:
-    report = _validate(
-        params, train_path, eval_path, out_dir, report_path, docs_dir, base_dir, source_cache, hash_cache
-    )
-    # the objective's checks of each split as a whole (the row checks ran in the gate): e.g. kto's both labels
-    kept = {split: out_dir / f"{split}.jsonl" for split in ("train", "eval")}
-    try:
-        report.update(objective_for(params.train.objective).check_kept_rows(kept, params.train))
-    except DataError:
-        write_json_atomic(report_path, {"stage": "validate", **report, "passed": False})
-        raise
-    return report
-
-
-def _validate(
-    params: Params,
-    train_path: Path,
-    eval_path: Path,
-    out_dir: Path,
-    report_path: Path,
-    docs_dir: Path | None = None,
-    base_dir: Path | None = None,
-    source_cache: Path | None = None,
-    hash_cache: Path | None = None,
-) -> dict:
     cfg = params.validate_
     tokens = _token_view(params, base_dir)
     if docs_dir is not None:
@@ -104,7 +80,7 @@ def _validate(
         source_cache.mkdir(parents=True, exist_ok=True)
     if params.data.sources:
         mixture = Mixture(params, out_dir, source_cache or out_dir.parent / "source_cache", hash_cache, docs_dir)
-        return mixture.run(eval_path, tokens, report_path)
+        return _check_kept_rows(params, out_dir, report_path, mixture.run(eval_path, tokens, report_path))
     with ExitStack() as stack:
         files = _Files(stack, out_dir)
         sinks = {split: files.sink(split) for split in ("eval", "train")}
@@ -121,6 +97,18 @@ def _validate(
     try:
         for outcome in outcomes.values():
             raise_if_blocked(outcome, cfg)
+    except DataError:
+        write_json_atomic(report_path, {"stage": "validate", **report, "passed": False})
+        raise
+    return _check_kept_rows(params, out_dir, report_path, report)
+
+
+def _check_kept_rows(params: Params, out_dir: Path, report_path: Path, report: dict) -> dict:
+    """The objective's checks of each split as a whole, after the gate's row checks (e.g. kto's both labels): the
+    report with what they add, or their DataError with the report written as failed."""
+    kept = {split: out_dir / f"{split}.jsonl" for split in ("train", "eval")}
+    try:
+        report.update(objective_for(params.train.objective).check_kept_rows(kept, params.train))
     except DataError:
         write_json_atomic(report_path, {"stage": "validate", **report, "passed": False})
         raise
