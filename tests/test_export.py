@@ -223,7 +223,7 @@ def test_a_pair_objectives_eval_rows_are_the_parity_docs_with_their_chosen_answe
 
 @needs_llama_cpp  # one converter run (most of its ~8 s on 2 cores), one quantization, llama.cpp loading both files
 def test_llama_cpps_own_output_goes_to_the_exports_log_and_the_console_keeps_the_stages_lines(built, tmp_path, capfd):
-    from fineflow.export.exporter import export_model
+    from fineflow.export.gguf import export_model
     from fineflow.export.native_log import LOG_FILE
 
     # q4_k_m: the tiny model's rows (32 wide) are too short for its 256-wide blocks, so llama.cpp warns and falls back
@@ -375,7 +375,7 @@ def _realmodel_missing() -> str | None:
 @pytest.mark.skipif(_realmodel_missing() is not None, reason=str(_realmodel_missing()))
 def test_smollm2_exports_with_its_chatml_template_and_im_end_and_passes_parity(built, tmp_path):
     from fineflow.base.from_gguf import model_dir_from_gguf, packaged_gguf
-    from fineflow.export.exporter import export_model
+    from fineflow.export.gguf import export_model
 
     model_dir = model_dir_from_gguf(packaged_gguf(), tmp_path / "smollm2")
     params = _tiny_params(quantized=["q8_0", "q4_k_m"], parity_docs=12)
@@ -398,7 +398,7 @@ def test_smollm2_exports_with_its_chatml_template_and_im_end_and_passes_parity(b
 def test_a_real_family_template_with_tool_calls_renders_identically_in_llama_cpp(family, built, tmp_path):
     """Llama 3.1's and Qwen2.5's real chat templates (with tools) on tiny models of their architectures: llama.cpp's
     renderer gives training's text for every conversation, a tool call with its result and definition included."""
-    from fineflow.export.exporter import export_model
+    from fineflow.export.gguf import export_model
     from tests.families import save_family
 
     rows = [json.loads(line) for line in (built / "data/validated/train.jsonl").read_text().splitlines()[:400]]

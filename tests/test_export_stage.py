@@ -133,7 +133,7 @@ def test_the_promotion_artifact_after_export_lists_the_exports_or_why_there_are_
 
 
 def _parity_report(passed: bool):
-    """What fineflow.export.exporter.export_model returns for a staged champion: f16 passes, q8_0 as asked."""
+    """What fineflow.export.gguf.export_model returns for a staged champion: f16 passes, q8_0 as asked."""
     q8 = _export("q8_0", 2, 0.0, True, failed=None if passed else "the GGUF's tokenizer differs on eval text 0")
     return lambda model_dir, *args, **kwargs: {
         "eval_docs": 16,
@@ -143,7 +143,7 @@ def _parity_report(passed: bool):
 
 def _promote(project: Path, params, eval_rows: Path | None) -> dict:
     """The promote stage's library call on a gate_only_project, as the stage makes it."""
-    from fineflow.export.exporter import parity_before_promotion
+    from fineflow.export.gguf import parity_before_promotion
     from fineflow.registry.champion import promote
 
     return promote(
@@ -165,7 +165,7 @@ def _promote(project: Path, params, eval_rows: Path | None) -> dict:
 def test_with_block_promotion_a_failed_parity_check_refuses_the_candidate_and_the_log_says_why(
     built, tmp_path, monkeypatch, passed
 ):
-    import fineflow.export.exporter as export_champion
+    import fineflow.export.gguf as gguf
     from fineflow.registry.install import read_champion
     from fineflow.registry.promotion_log import read_log
 
@@ -176,7 +176,7 @@ def test_with_block_promotion_a_failed_parity_check_refuses_the_candidate_and_th
         checked.update(model=model_dir, quantized=list(params.export.quantized), llama_log=llama_log)
         return _parity_report(passed)(model_dir)
 
-    monkeypatch.setattr(export_champion, "export_model", export_model)
+    monkeypatch.setattr(gguf, "export_model", export_model)
     params = _tiny_params(block_promotion=True, quantized=["q8_0", "q4_k_m"])
     report = _promote(project, params, project / "data/validated/eval.jsonl")
     # the staged champion's merged model, on the float type and the gated types only (q4_k_m has no tolerance)

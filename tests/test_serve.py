@@ -306,7 +306,8 @@ def test_served_smollm2_answers_an_openai_client_as_pytorch_does(built, tmp_path
 
     from fineflow.base.from_gguf import model_dir_from_gguf, packaged_gguf
     from fineflow.core.reports import write_json_atomic
-    from fineflow.export.exporter import export_model, rendered_eval_docs
+    from fineflow.export.exporter import rendered_eval_docs
+    from fineflow.export.gguf import export_model
 
     model_dir = model_dir_from_gguf(packaged_gguf(), tmp_path / "smollm2")  # its digit split kept (smollm)
     params = _tiny_params(quantized=[], parity_docs=4)

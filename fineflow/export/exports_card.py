@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fineflow.export.formats import FORMATS
 from fineflow.registry.card import EXPORTS_HEADING, without_exports
-
-LLAMA_SERVER_PORT = 8080  # llama.cpp's llama-server default
-FINEFLOW_SERVE_PORT = 8000  # fineflow serve's default
 
 
 def export_card(report: dict, champion: dict, out_dir: Path) -> str:
@@ -78,36 +76,12 @@ def _refusals(exports: dict) -> list[str]:
 
 
 def _serving(report: dict, out_dir: Path) -> list[str]:
-    """The commands that serve the export: fineflow's own, llama.cpp's, Ollama's and vLLM's where written."""
-    served = report.get("serve")
-    lines = ["## Serve it", ""]
-    if served is None:
-        return [*lines, "No shippable export whose scores were gated: `fineflow serve` refuses by default.", ""]
-    gguf = report["exports"][served]["file"]
-    lines += [
-        f"OpenAI-compatible, on http://127.0.0.1:{FINEFLOW_SERVE_PORT}/v1 (llama-cpp-python's server, {served}):",
+    """The commands that serve the exports: each format's (fineflow.export.formats), in the registry's order."""
+    return [
+        "## Serve it",
         "",
-        "```bash",
-        f"fineflow serve --export-dir {out_dir} --type {served}",
-        "```",
-        "",
-        "llama.cpp's own server (the chat template from the file: `--jinja`):",
-        "",
-        "```bash",
-        f"llama-server -m {out_dir / gguf} --jinja --host 127.0.0.1 --port {LLAMA_SERVER_PORT}",
-        "```",
-        "",
+        *(line for export_format in FORMATS.values() for line in export_format.serving(report, out_dir)),
     ]
-    ollama = report.get("ollama")
-    if ollama:
-        lines += ["Ollama (the Modelfile beside this card):", "", "```bash", f"cd {out_dir} && {ollama['command']}"]
-        lines += ["```", ""]
-    vllm = report.get("vllm") or {}
-    for form, command in (vllm.get("commands") or {}).items():
-        lines += [f"vLLM ({form}):", "", "```bash", command, "```", ""]
-    for problem in vllm.get("problems") or []:
-        lines.append(f"- vLLM would refuse the adapter: {problem}")
-    return lines
 
 
 def _check_figures(exports: dict) -> list[str]:

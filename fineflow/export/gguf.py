@@ -10,6 +10,10 @@ quantizer, what ``llama-quantize`` runs) applied to that float file, as llama.cp
 
 What the converter and the quantizer print goes to the export's llama.cpp log when one is open
 (``fineflow.export.native_log``), and a failure names the tool, its last lines and that log.
+
+Each file is then parity-checked (``export_model``: fineflow.export.parity's checks, each failing with its reason),
+as the export stage's format (``GGUF``: the report's exports, the one ``fineflow serve`` serves, its card lines)
+and as promote's check before installing (``parity_before_promotion``, export.block_promotion).
 """
 
 from __future__ import annotations
@@ -17,11 +21,16 @@ from __future__ import annotations
 import ctypes
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+from fineflow.core.config import Params
 from fineflow.errors import FineflowError
 from fineflow.export import native_log
-from fineflow.export.tooling import converter_dir, require_llama_cpp, sha256_of
+from fineflow.export.interface import ExportFormat, ExportJob, Trained
+from fineflow.export.parity import check_scores, reference_answers, runtime_answers, verdict, vocabulary_checks
+from fineflow.export.serve import serving_choice
+from fineflow.export.tooling import converter_dir, require_llama_cpp, sha256_of, toolchain
 
 FLOAT_TYPES = ("f16", "bf16")  # the converter's --outtype
 # params names of the quantized types -> llama.cpp's file types (llama_ftype; what llama-quantize calls them)
@@ -35,6 +44,9 @@ QUANT_FTYPES = {
     "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
 }
 UNRECOGNIZED_PRE = "BPE pre-tokenizer was not recognized"
+PARITY_LOG_FILE = "promote_parity.llama_cpp.log"  # promote's parity check's llama.cpp log, beside the champion
+LLAMA_SERVER_PORT = 8080  # llama.cpp's llama-server default
+FINEFLOW_SERVE_PORT = 8000  # fineflow serve's default
 
 
 def gguf_name(kind: str) -> str:
@@ -106,3 +118,139 @@ def export_gguf(
         kind: {"file": path.name, "bytes": path.stat().st_size, "sha256": sha256_of(path)}
         for kind, path in files.items()
     }
+
+
+def export_model(
+    model_dir: Path,
+    eval_rows: Path,
+    out_dir: Path,
+    work_dir: Path,
+    params: Params,
+    log: Callable[[str], None] = print,
+    trained: Trained | None = None,
+    llama_log: Path | None = None,
+) -> dict:
+    """GGUF files of model_dir (any Hugging Face model directory) in out_dir, each with its parity verdict:
+    {"eval_docs", "exports": per type its file, size, sha256, whether it is shippable and why not}. trained: what
+    they are held to (None: built from model_dir and eval_rows). What llama.cpp prints while converting, quantizing
+    and answering goes to llama_log (default: out_dir/llama_cpp.log), not the console."""
+    with native_log.llama_cpp_log(llama_log or out_dir / native_log.LOG_FILE):
+        if trained is None:
+            from fineflow.export.exporter import trained_side
+
+            trained = trained_side(model_dir, eval_rows, work_dir, params)
+        return _export_model(model_dir, out_dir, params, log, trained)
+
+
+def _export_model(model_dir: Path, out_dir: Path, params: Params, log: Callable[[str], None], trained: Trained) -> dict:
+    cfg, docs = params.export, trained.docs
+    files = export_gguf(model_dir, out_dir, cfg.float_type, list(cfg.quantized), cfg.threads, log)
+    max_gen_toks = params.evaluate.max_gen_toks
+    log(f"export: the merged model answers {len(docs)} eval docs (transformers, the reference)")
+    reference = reference_answers(model_dir, trained.tokenizer, docs, max_gen_toks, trained.stop_ids)
+    bootstrap = {
+        "samples": params.promote.bootstrap_samples,
+        "confidence": params.promote.confidence,
+        "seed": params.seed,
+    }
+    exports = {}
+    for kind, record in files.items():
+        gguf_file = out_dir / record["file"]
+        checks = vocabulary_checks(gguf_file, trained.tokenizer, trained.generation_eos, docs)
+        answers = runtime_answers(gguf_file, docs, max_gen_toks, cfg.threads)
+        checks.append(check_scores(answers, reference, docs, cfg.tolerance.get(kind), bootstrap))
+        exports[kind] = {**record, **verdict(kind, checks)}
+        _log_verdict(exports[kind], log)
+    return {"eval_docs": len(docs), "exports": exports}
+
+
+def _log_verdict(export: dict, log: Callable[[str], None]) -> None:
+    scores = export["checks"]["scores"]["figures"]
+    state = "shippable" if export["shippable"] else "NOT shippable: " + "; ".join(export["reasons"])
+    log(
+        f"export: {export['file']} exact match {scores['exact_match']:.3f} (transformers "
+        f"{scores['reference_exact_match']:.3f}, delta {scores['delta']:+.3f}, CI {scores['ci']}), {state}"
+    )
+
+
+def parity_before_promotion(
+    staging: Path, base_ref: str, eval_rows: Path, params: Params, log: Callable[[str], None] = print
+) -> dict:
+    """export.block_promotion: the staged champion (promote's assembly, before anything is logged or installed)
+    exported to its float type and every quantized type with a tolerance, into scratch beside it, and parity-checked
+    as the export stage checks; {"passed", "reasons", "exports": per type its verdict and score figures}. The files
+    are dropped: the export stage writes the champion's exports once it is champion. llama.cpp's output is kept,
+    beside the champion's folder (models/promote_parity.llama_cpp.log)."""
+    import tempfile
+
+    from fineflow.registry.merge import build_merged
+
+    cfg = params.export
+    gated = [kind for kind in cfg.quantized if kind in cfg.tolerance]
+    checked = params.model_copy(update={"export": cfg.model_copy(update={"quantized": gated})})
+    with tempfile.TemporaryDirectory(prefix=".parity-", dir=staging.parent) as scratch:
+        work = Path(scratch)
+        model_dir = staging / "merged"
+        if not (model_dir / "config.json").is_file():  # an adapter-only champion, or a full model at its root
+            model_dir = staging
+            if (staging / "adapter_config.json").is_file():
+                build_merged(staging, work / "merged", base=base_ref)
+                model_dir = work / "merged"
+        llama_log = staging.with_name(PARITY_LOG_FILE)
+        report = export_model(model_dir, eval_rows, work / "gguf", work, checked, log, llama_log=llama_log)
+    exports = {
+        kind: {
+            "shippable": export["shippable"],
+            "reasons": export["reasons"],
+            **{key: export["checks"]["scores"]["figures"][key] for key in ("exact_match", "delta", "ci", "gated")},
+        }
+        for kind, export in report["exports"].items()
+    }
+    reasons = [f"{kind}: {reason}" for kind, export in exports.items() for reason in export["reasons"]]
+    return {"passed": not reasons, "reasons": reasons, "exports": exports}
+
+
+class GGUF(ExportFormat):
+    """GGUF files for llama.cpp (and what reads GGUF: Ollama, LM Studio, llama-cpp-python's server): export.float_type
+    and each of export.quantized, each parity-checked. Its entries: the report's "exports" (per type its file and
+    verdict), "eval_docs", "source" (which of the champion's forms was converted), "tools" (which llama.cpp) and
+    "serve" (the type ``fineflow serve`` serves: fineflow.export.serve.serving_choice)."""
+
+    name = "gguf"
+    summary = "GGUF files for llama.cpp, each parity-checked against the model the gate evaluated"
+
+    def write(self, job: ExportJob, report: dict) -> dict:
+        exported = export_model(
+            job.model_dir, job.eval_rows, job.out_dir, job.work_dir, job.params, job.log, job.trained
+        )
+        tools = toolchain()
+        # which of the champion's forms was converted, by name (a path into the scratch folder would change every run)
+        champion_dir, model_dir = job.champion_dir, job.model_dir
+        source = model_dir.relative_to(champion_dir).as_posix() if model_dir.is_relative_to(champion_dir) else None
+        return {
+            "source": source or "the adapter merged onto its base (fineflow.registry.merge)",
+            "tools": {key: tools[key] for key in ("llama_cpp_python", "converter_sha256")},
+            **exported,
+            "serve": serving_choice(exported["exports"]),
+        }
+
+    def serving(self, report: dict, out_dir: Path) -> list[str]:
+        """fineflow serve's command and llama.cpp's own server's, for the served type."""
+        served = report.get("serve")
+        if served is None:
+            return ["No shippable export whose scores were gated: `fineflow serve` refuses by default.", ""]
+        gguf = report["exports"][served]["file"]
+        return [
+            f"OpenAI-compatible, on http://127.0.0.1:{FINEFLOW_SERVE_PORT}/v1 (llama-cpp-python's server, {served}):",
+            "",
+            "```bash",
+            f"fineflow serve --export-dir {out_dir} --type {served}",
+            "```",
+            "",
+            "llama.cpp's own server (the chat template from the file: `--jinja`):",
+            "",
+            "```bash",
+            f"llama-server -m {out_dir / gguf} --jinja --host 127.0.0.1 --port {LLAMA_SERVER_PORT}",
+            "```",
+            "",
+        ]

@@ -23,6 +23,9 @@ Ollama's prefill).
 
 Limits found while deriving are recorded, not hidden (``checks.limits``): a template that trims message contents
 (Go templates in Ollama have no trim), roles the training template refuses or drops, tool messages (not derived).
+
+The export format (``Ollama``): the Modelfile FROM the GGUF ``fineflow serve`` serves (else the float one), so it
+comes after the GGUF format; export.json's "ollama" is ``write_modelfile``'s record.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fineflow.export.interface import ExportFormat, ExportJob
 from fineflow.export.parity import SYSTEM_CONVERSATION
 
 ROLES = ("system", "user", "assistant")
@@ -336,3 +340,33 @@ def write_modelfile(out_dir: Path, gguf_name: str, tokenizer, stop_ids: list[int
         "checks": json.loads(json.dumps(checks)),
         "command": "ollama create <name> -f Modelfile && ollama run <name>",
     }
+
+
+class Ollama(ExportFormat):
+    """An Ollama Modelfile FROM the served GGUF (else the float one), its TEMPLATE derived from the training chat
+    template and verified on the eval conversations, its stops the ids the model was trained to stop on."""
+
+    name = "ollama"
+    summary = "an Ollama Modelfile for the served GGUF, its TEMPLATE derived from the training chat template"
+    needs = ("gguf",)
+
+    def write(self, job: ExportJob, report: dict) -> dict:
+        gguf = report["exports"][report["serve"] or job.params.export.float_type]["file"]
+        trained = job.trained
+        conversations = [doc.conversation for doc in trained.docs]
+        return {self.name: write_modelfile(job.out_dir, gguf, trained.tokenizer, trained.stop_ids, conversations)}
+
+    def serving(self, report: dict, out_dir: Path) -> list[str]:
+        """`ollama create` and `ollama run`, when a GGUF is served (else the Modelfile is FROM a file the parity
+        check refused or did not gate, which the card does not offer)."""
+        record = report.get(self.name)
+        if not record or report.get("serve") is None:
+            return []
+        return [
+            "Ollama (the Modelfile beside this card):",
+            "",
+            "```bash",
+            f"cd {out_dir} && {record['command']}",
+            "```",
+            "",
+        ]

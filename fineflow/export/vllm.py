@@ -19,6 +19,8 @@ this module, served by vLLM (``vllm.LLM`` + ``LoRARequest``, and the OpenAI serv
 transformers + peft's greedy answers token for token. That wheel's ``vllm`` command fails before parsing (it asks
 for the ``vllm`` distribution's version); ``python -m vllm.entrypoints.openai.api_server --model <base> ...`` takes
 the same flags. vLLM's CPU attention refuses the embedded model (head_dim 16).
+
+The export format (``VLLM``): export.json's "vllm" is ``write_vllm_layout``'s record; the card shows its commands.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import shutil
 from pathlib import Path
 
 from fineflow.errors import FineflowError
+from fineflow.export.interface import ExportFormat, ExportJob
 
 # vllm/config/lora.py MaxLoRARanks (vLLM 0.32): the values --max-lora-rank accepts
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -188,3 +191,22 @@ def write_vllm_layout(champion_dir: Path, out_dir: Path) -> dict:
             f"--max-lora-rank {record['max_lora_rank']}"
         )
     return record
+
+
+class VLLM(ExportFormat):
+    """The champion's LoRA adapter laid out as vLLM's LoRA loader reads it (with why vLLM would refuse it, if it
+    would), and the `vllm serve` commands for the adapter beside its base and for the merged model."""
+
+    name = "vllm"
+    summary = "the adapter laid out for vLLM's LoRA loader, and the `vllm serve` commands"
+
+    def write(self, job: ExportJob, report: dict) -> dict:
+        return {self.name: write_vllm_layout(job.champion_dir, job.out_dir)}
+
+    def serving(self, report: dict, out_dir: Path) -> list[str]:
+        """Each `vllm serve` command, then each reason vLLM would refuse the adapter."""
+        record = report.get(self.name) or {}
+        lines = []
+        for form, command in (record.get("commands") or {}).items():
+            lines += [f"vLLM ({form}):", "", "```bash", command, "```", ""]
+        return lines + [f"- vLLM would refuse the adapter: {problem}" for problem in record.get("problems") or []]

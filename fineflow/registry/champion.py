@@ -182,7 +182,7 @@ def parity_gate(
     parity_check: ParityCheck | None,
 ) -> tuple[Decision, dict]:
     """export.block_promotion: the staged champion's float and gated GGUF exports must pass parity_check
-    (the promote stage hands in fineflow.export.exporter.parity_before_promotion), or the promotion is refused with
+    (the promote stage hands in fineflow.export.gguf.parity_before_promotion), or the promotion is refused with
     every failed check's reason. The figures go into the record (and so the log entry) either way, and into the
     staged card."""
     if eval_rows is None or parity_check is None:

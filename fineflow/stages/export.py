@@ -4,7 +4,8 @@ each GGUF parity-checked before it is shippable.
     python -m fineflow.stages.export --champion models/champion --eval-rows data/validated/eval.jsonl \
         --tools models/export_tools.json --out models/export
 
-Writes ``<out>/model-<type>.gguf`` for ``export.float_type`` and each of ``export.quantized``, the serving layouts,
+Writes each format's files (fineflow.export.formats): ``<out>/model-<type>.gguf`` for ``export.float_type`` and
+each of ``export.quantized``, the Modelfile, vLLM's layout; then
 ``<out>/README.md`` (the exports' model card: each file with its parity figures and the command that serves it;
 the same section goes last into the champion's own card, models/champion/README.md)
 and ``<out>/export.json``: per file its size, sha256, whether it is shippable and, when not, each failed check's

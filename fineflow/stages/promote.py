@@ -33,7 +33,7 @@ from fineflow.core.config import Params
 from fineflow.core.entry import log, run_entry, stage_parser, user_error
 from fineflow.core.workspace import queued_experiment
 from fineflow.errors import USER_ERROR_EXIT, FineflowError
-from fineflow.export.exporter import parity_before_promotion
+from fineflow.export.gguf import parity_before_promotion
 from fineflow.registry.approval import approval_from_env
 from fineflow.registry.champion import promote
 
