@@ -82,6 +82,8 @@ def test_the_registry_holds_every_objective_under_its_own_name_and_refuses_other
         assert objective.rows in ROW_SCHEMAS
         assert objective.eval_task is None or objective.pair_shards
     assert [n for n in NAMES if objective_for(n).needs_reference] == ["dpo", "kto"]
+    # a reference model is the model the run starts from, frozen: every objective that needs one is anchored
+    assert [n for n in NAMES if objective_for(n).anchored] == ["dpo", "simpo", "orpo", "kto"]
     assert [n for n in NAMES if objective_for(n).trains_pairs] == ["dpo", "simpo", "orpo", "reward_model"]
     assert [n for n in NAMES if objective_for(n).rows == FEEDBACK] == ["kto"]
     assert [n for n in NAMES if not objective_for(n).generates] == ["reward_model"]

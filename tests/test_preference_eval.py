@@ -388,6 +388,7 @@ def test_a_dpo_candidates_rewards_are_measured_from_its_reference_when_that_is_t
         ({"objective": "dpo", "champion": "another"}, "base"),  # the champion changed since the reference
         ({"objective": "dpo", "champion": None}, "base"),  # reference: base, or no champion then
         ({"objective": "simpo", "needed": False}, "base"),
+        ({"objective": "orpo", "needed": False, "champion": "c0ffee"}, "champion"),  # it started from the champion
     ):
         reference.write_text(json.dumps(record))
         assert preference_anchor(reference, champion) == expected, record

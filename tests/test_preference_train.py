@@ -314,6 +314,30 @@ def test_dpo_from_the_champion_starts_the_policy_at_its_adapter_and_anchors_to_i
     assert json.loads((project / "models/candidate/adapter_config.json").read_text())["target_modules"] == sorted(shape)
 
 
+@pytest.mark.slow
+def test_a_reference_free_objective_from_the_champion_starts_at_its_adapter_and_computes_no_log_probs(built, tmp_path):
+    """orpo (no reference model) with train.preference.reference champion and a champion installed: the
+    reference_logps stage copies the champion's adapter and scores nothing; the policy starts from that adapter, so
+    its first step's loss and rewards (computed before any update) differ from those of the same run with
+    reference base (a fresh adapter: the base's log-probs). SFT then ORPO continues the SFT model."""
+    started = {}
+    for reference in ("champion", "base"):
+        overrides = {"train.steps": 1, "train.preference.reference": reference}
+        project = preference_project(built, tmp_path / reference, "orpo", overrides, champion_seed=5)
+        out = project / "models/reference_logps"
+        record = json.loads((out / "reference.json").read_text())
+        assert record["needed"] is False and not list(out.glob("*.logps.bin")), record
+        champion = json.loads((project / "models/champion/champion.json").read_text())["candidate_id"]
+        assert record["champion"] == (champion if reference == "champion" else None), record
+        assert (out / "adapter/adapter_model.safetensors").is_file() == (reference == "champion")
+        output = finish_train(project, 1, train_env(1))
+        assert f"orpo start: the {'champion' if reference == 'champion' else 'base'}" in output, output[-2000:]
+        started[reference] = steps_of(project)[0]
+    one, other = started["champion"], started["base"]
+    assert one["loss"] != pytest.approx(other["loss"], abs=1e-4), (one, other)
+    assert one["reward_margin"] != pytest.approx(other["reward_margin"], abs=1e-6), (one, other)
+
+
 # ---- the reference_logps stage: computed once, re-run only by what it depends on ------------------------------
 
 

@@ -7,8 +7,10 @@ An objective says:
   that schema (fineflow.data.formats, fineflow.data.checks, fineflow.tokenize.pairs). PAIRS and FEEDBACK rows are
   packed as units of two sequences (a pair's two answers; a feedback row's answer and, for the KL estimate, its
   prompt with another row's answer): ``pair_shards``.
-- ``needs_reference``: whether a frozen reference model scores the training rows, so that the reference_logps
-  stage computes its log-probs once (and the train stage reads them, fineflow.train.reference_model).
+- ``anchored``: whether the run continues a model: train.preference.reference picks it (the champion's adapter, or
+  a fresh adapter on the base), the policy starts from it and evaluate measures the candidate's preference rewards
+  from it; ``needs_reference``: whether that model, frozen, also scores the training rows, so that the
+  reference_logps stage computes its log-probs once (and the train stage reads them, fineflow.train.reference_model).
 - ``loss``: a batch's summed loss, what it is a sum over (trained tokens, or pairs: the loop divides by the
   global batch's count of them, so 1 process and N ranks take the same step) and, for pairs, the reward
   statistics the step log shows.
@@ -50,6 +52,7 @@ class Objective:
     name: str = ""
     summary: str = ""  # one line for the params reference (train.objective's description)
     rows: str = EXAMPLES
+    anchored: bool = False  # starts from train.preference.reference's model (always, when needs_reference)
     needs_reference: bool = False
     eval_task: str | None = None
 
@@ -115,6 +118,7 @@ class PairObjective(Objective):
 
     rows = PAIRS
     eval_task = PREFERENCE_TASK
+    anchored = True
 
     def rewards(self, policy, reference, prefs):
         """(chosen reward, rejected reward) per pair, from the policy's PairScores (and the reference's, when

@@ -33,6 +33,7 @@ class KTO(Objective):
     name = "kto"
     summary = "unpaired answers labelled desirable or undesirable, against a reference model"
     rows = FEEDBACK
+    anchored = True
     needs_reference = True
     eval_task = PREFERENCE_TASK
 

@@ -1,5 +1,5 @@
 """train.preference: the settings of the pair objectives (fineflow.objectives.interface.PairObjective): the reward's
-scale, SimPO's margin, and which model DPO's reference is."""
+scale, SimPO's margin, and which model a run starts from (and DPO's reference is)."""
 
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ class PreferenceParams(Section):
         1.0, gt=0, description="kto: the weight of a desirable answer's loss (raise it when desirable rows are rarer)"
     )
     kto_undesirable_weight: float = Field(1.0, gt=0, description="kto: the weight of an undesirable answer's loss")
-    # DPO's reference scores the pairs once (the reference_logps stage caches its log-probabilities): champion is the
-    # registry's champion adapter on the base (the SFT model, after an SFT run was promoted), which the policy also
-    # starts from; base is the base model and a fresh adapter. Without a champion, champion means the base.
+    # The model the policy starts from: champion is the registry's champion adapter on the base (the SFT model, after
+    # an SFT run was promoted); base is the base model and a fresh adapter. Without a champion, champion means the
+    # base. DPO's and KTO's reference is that model, frozen (the reference_logps stage caches its log-probabilities).
     reference: Literal["champion", "base"] = Field(
         "champion",
-        description="dpo, kto: the model the policy is anchored to and starts from: the champion (the base when none "
-        "yet) or the base",
+        description="dpo, simpo, orpo, kto: the model the policy starts from and evaluate measures it from (dpo and "
+        "kto: also their frozen reference): the champion (the base when none yet) or the base",
     )

@@ -12,8 +12,9 @@ re-runs every stage that depends on the file; when they don't, the file's bytes 
 downstream runs. ``data.sources`` (fineflow.data.sources) are inputs outside the project too: with
 ``--sources-out`` each one's content hash goes to that file, which the validate stage depends on (without
 sources it is an empty list, the same bytes on every run). The champion is another: promote writes it after
-train, so no stage declares it; with ``--champion-out`` its identity goes to that file when DPO anchors to it
-(train.objective dpo, train.preference.reference champion: the reference_logps stage depends on the file), else the
+train, so no stage declares it; with ``--champion-out`` its identity goes to that file when a preference run
+continues it (an anchored train.objective such as dpo or orpo, train.preference.reference champion: the
+reference_logps stage depends on the file), else the
 constant ``{"champion": null}`` (fineflow.train.reference_model.champion_fingerprint). llama.cpp's tools are a third:
 with ``--export-tools-out`` the installed llama-cpp-python and converter (fineflow.export.tooling.toolchain) go to
 that file, which the export stage depends on.

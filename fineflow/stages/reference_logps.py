@@ -1,17 +1,19 @@
-"""Stage reference_logps: DPO's reference log-probabilities, computed once and cached as a DVC output.
+"""Stage reference_logps: the model a preference run starts from and, for DPO and KTO, its reference
+log-probabilities, computed once and cached as a DVC output.
 
     python -m fineflow.stages.reference_logps --shards data/shards --base-dir models/base --champion models/champion \
         --base-fingerprint models/base_fingerprint.json --out models/reference_logps
 
-train.objective dpo compares the policy with a frozen reference on every pair. The reference's part never
-changes during training, so this stage scores every trained token of the train and eval shards once and writes
-``<out>/train.logps.bin`` and ``<out>/eval.logps.bin`` (rows x seq_len float32, aligned with the shards:
-fineflow.train.pair_shards), ``<out>/adapter/`` (a copy of the champion's adapter, when train.preference.reference
-is champion and there is one: the reference is base + that adapter, and the policy starts from it) and
-``<out>/reference.json`` (what the reference is: fineflow.train.reference_model). Its DVC dependencies are the shards,
-the base, the champion's identity (models/champion_fingerprint.json, from the fingerprint stage) and the params
-that decide the numbers: train.lr and the rest of train never re-run it. For sft and simpo it writes only
-reference.json saying no reference is needed (constant bytes: nothing downstream re-runs over it).
+An anchored objective (fineflow.objectives: dpo, simpo, orpo, kto) starts from the model train.preference.reference
+names. This stage writes ``<out>/adapter/`` (a copy of the champion's adapter, when train.preference.reference is
+champion and there is one: the policy starts from it) and ``<out>/reference.json`` (what that model is:
+fineflow.train.reference_model). dpo and kto also compare the policy with that model, frozen, on every row. The
+reference's part never changes during training, so for them this stage scores every trained token of the train and
+eval shards once and writes ``<out>/train.logps.bin`` and ``<out>/eval.logps.bin`` (rows x seq_len float32,
+aligned with the shards: fineflow.train.pair_shards). Its DVC dependencies are the shards, the base, the
+champion's identity (models/champion_fingerprint.json, from the fingerprint stage) and the params that decide the
+numbers: train.lr and the rest of train never re-run it. For sft and the reward model it writes only reference.json
+saying no model is continued (constant bytes: nothing downstream re-runs over it).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from fineflow.train.pair_shards import PairShard, logps_file, write_shard_logps
 from fineflow.train.reference_model import (
     ADAPTER_DIR,
     REFERENCE_FILE,
+    anchored,
     anchors_to_champion,
     champion_adapter,
     champion_identity,
@@ -44,16 +47,32 @@ def run(
     cfg = params.train
     shutil.rmtree(out, ignore_errors=True)  # run by hand too: nothing of an earlier reference is left beside this one
     out.mkdir(parents=True)
-    if not needs_reference(cfg):
+    if not anchored(cfg):
         write_json_atomic(out / REFERENCE_FILE, reference_record(cfg, None, None, {}, "", ""))
-        log(f"reference: train.objective {cfg.objective} needs no reference model")
+        log(f"reference: train.objective {cfg.objective} continues no model and needs no reference")
         return {"objective": cfg.objective, "needed": False}
     base_ref = resolve_base_model(params.model, base_dir)
     base = read_base_digest(base_ref, base_fingerprint)
     adapter, note = reference_adapter(params, champion_dir, base)
     if adapter is not None:
         shutil.copytree(champion_adapter(champion_dir), out / ADAPTER_DIR)
-    model, device, compute, autocast = load_reference_model(params, base_ref, out / ADAPTER_DIR if adapter else None)
+    keys, compute = {}, ""
+    if needs_reference(cfg):
+        keys, compute = score_shards(params, shards, base_ref, out, note, adapter is not None)
+    else:
+        log(f"reference: train.objective {cfg.objective} needs no reference log-probs; it starts from {note}")
+    record = reference_record(cfg, base, adapter, keys, compute, note)
+    write_json_atomic(out / REFERENCE_FILE, record)  # last: its presence says the log-probs are complete
+    return {"objective": cfg.objective, "needed": record["needed"], "key": record["key"], "note": note}
+
+
+def score_shards(params: Params, shards: Path, base_ref: str, out: Path, note: str, with_adapter: bool):
+    """The reference's per-token log-probs of each split's shard, written beside reference.json; (each split's
+    content key, the dtype they were computed in)."""
+    cfg = params.train
+    model, device, compute, autocast = load_reference_model(
+        params, base_ref, out / ADAPTER_DIR if with_adapter else None
+    )
     keys = {}
     for split in SPLITS:
         shard = PairShard(PackedShard(shards / split))
@@ -61,9 +80,7 @@ def run(
         varlen = cfg.attention == "varlen"
         write_shard_logps(model, shard, out / logps_file(split), cfg.micro_batch_size, device, varlen, autocast)
         log(f"reference: {split}: {shard.meta.get('pairs', '?')} pairs in {len(shard)} rows scored ({note})")
-    record = reference_record(cfg, base, adapter, keys, compute, note)
-    write_json_atomic(out / REFERENCE_FILE, record)  # last: its presence says the log-probs are complete
-    return {"objective": cfg.objective, "needed": True, "key": record["key"], "note": note}
+    return keys, compute
 
 
 def reference_adapter(params: Params, champion_dir: Path, base: str) -> tuple[dict | None, str]:

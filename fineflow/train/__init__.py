@@ -12,7 +12,7 @@ architecture.py  what the loaded model is: its decoder-layer class, its linears,
 schedule.py      the learning-rate schedule
 loop.py          ``fit()``: the loop, one optimizer step at a time (the loss: fineflow.objectives); evaluate_loss
 pair_shards.py   the pair objectives' shards: pair slots, the reference's log-probs beside them (and their writer)
-reference_model.py what DPO's reference is: the champion's identity, reference.json, what train reads of it
+reference_model.py what a preference run starts from (DPO's reference): the champion's identity, reference.json
 steps.py         what the loop reports through: StepTimer (a span per phase), StepLog, Progress
 checkpointing.py the loop's state saved (TrainStateSaver) and restored (restore), by the profile's engine
 resume.py        the run fingerprint, whether to resume, and the checkpoint every rank loads

@@ -220,13 +220,15 @@ class TrainProcedure:
         self.main = self.accelerator.is_main_process
 
     def _setup_reference(self) -> None:
-        """train.objective dpo: the reference_logps stage's record (what the reference is; the adapter the policy starts
-        from, if any) and its per-token log-probs beside it. None for sft and simpo."""
+        """An anchored objective: the reference_logps stage's record (the model the policy starts from: its adapter,
+        if any) and, for one that needs a reference, its per-token log-probs beside it. None for sft and the reward
+        model."""
         from fineflow.train.reference_model import load_reference
 
         self.preference_reference = load_reference(self.cfg, self.paths.reference)
         if self.preference_reference is not None and self.main:
-            self.log(f"{self.cfg.objective} reference: {self.preference_reference.record['note']}")
+            said = "reference" if self.preference_reference.logps else "start"
+            self.log(f"{self.cfg.objective} {said}: {self.preference_reference.record['note']}")
 
     def _setup_model(self) -> None:
         """The model (its load timed), the optimizer and the LR schedule, prepared by accelerate."""
@@ -280,7 +282,7 @@ class TrainProcedure:
             from fineflow.train.reference_model import check_reference_shards
 
             logps = {}
-            if self.preference_reference is not None:
+            if self.preference_reference is not None and self.preference_reference.logps:
                 shards = {"train": self.train_shard, "eval": self.eval_shard}
                 check_reference_shards(
                     self.preference_reference, {k: s.meta.get("content_key") for k, s in shards.items()}
@@ -327,7 +329,7 @@ class TrainProcedure:
         if self.main:  # the base weights' hashes are cached in hash_cache
             n = accelerator.num_processes
             fingerprint = [run_fingerprint(self.params, self.base_source, self.train_shard.meta, n, paths.hash_cache)]
-            if self.preference_reference is not None:  # dpo: another reference (or start) is another run
+            if self.preference_reference is not None:  # another reference (or start) is another run
                 fingerprint[0]["reference"] = self.preference_reference.record["key"]
         if accelerator.num_processes > 1:
             from accelerate.utils import broadcast_object_list

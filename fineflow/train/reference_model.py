@@ -1,13 +1,15 @@
-"""What DPO's reference model is, by content: the champion's identity (for the fingerprint stage) and the
-reference stage's ``reference.json``.
+"""The model a preference run continues, by content: the champion's identity (for the fingerprint stage) and the
+reference_logps stage's ``reference.json``.
 
-train.objective dpo scores every pair once with a frozen reference; train.preference.reference says which:
-``champion`` (the registry's champion adapter on the base: the SFT model once an SFT run was promoted; the base
-while there is none) or ``base``. The policy starts from the same adapter. The champion lives in
-models/champion, which promote writes after train, so no stage can declare it as a dependency (a cycle): the
-fingerprint stage, which always runs, writes its identity to models/champion_fingerprint.json, and the reference
-stage depends on that file. Only a dpo run that anchors to the champion records one; every other configuration
-writes the constant ``{"champion": null}``, so a promotion re-runs nothing in an SFT or SimPO pipeline.
+An anchored objective (fineflow.objectives: dpo, simpo, orpo, kto) starts its policy from the model that
+train.preference.reference names: ``champion`` (the registry's champion adapter on the base: the SFT model once an
+SFT run was promoted; the base while there is none) or ``base`` (a fresh adapter). dpo and kto (needs_reference)
+also score every row once with that model frozen, their reference; simpo and orpo only start from it. Either way
+evaluate measures the candidate's preference rewards from it. The champion lives in models/champion, which promote
+writes after train, so no stage can declare it as a dependency (a cycle): the fingerprint stage, which always runs,
+writes its identity to models/champion_fingerprint.json, and the reference stage depends on that file. Only a run
+that anchors to the champion records one; every other configuration writes the constant ``{"champion": null}``,
+so a promotion re-runs nothing in an SFT pipeline (or one anchored to the base).
 """
 
 from __future__ import annotations
@@ -34,8 +36,13 @@ def needs_reference(cfg: TrainParams) -> bool:
     return objective_for(cfg.objective).needs_reference
 
 
+def anchored(cfg: TrainParams) -> bool:
+    """Whether train.objective starts from train.preference.reference's model (fineflow.objectives)."""
+    return objective_for(cfg.objective).anchored
+
+
 def anchors_to_champion(cfg: TrainParams) -> bool:
-    return needs_reference(cfg) and cfg.preference.reference == "champion"
+    return anchored(cfg) and cfg.preference.reference == "champion"
 
 
 def champion_adapter(champion_dir: Path) -> Path | None:
@@ -73,7 +80,7 @@ def champion_identity(champion_dir: Path) -> dict | None:
 
 def champion_fingerprint(cfg: TrainParams, champion_dir: Path) -> dict:
     """The fingerprint stage's models/champion_fingerprint.json: the champion's identity when this run anchors
-    to it (dpo, reference champion), else NO_CHAMPION (also while nothing was promoted yet)."""
+    to it (an anchored objective, reference champion), else NO_CHAMPION (also while nothing was promoted yet)."""
     if not anchors_to_champion(cfg):
         return dict(NO_CHAMPION)
     return champion_identity(champion_dir) or dict(NO_CHAMPION)
@@ -82,13 +89,14 @@ def champion_fingerprint(cfg: TrainParams, champion_dir: Path) -> dict:
 def reference_record(
     cfg: TrainParams, base: str | None, adapter: dict | None, shard_keys: dict, compute: str, note: str
 ) -> dict:
-    """reference.json: what the reference is, and its key (a function of everything its log-probs depend on).
-    sft and simpo need none: a constant record, so their pipelines never re-run train over it."""
-    if not needs_reference(cfg):
+    """reference.json: the model the run starts from, whether its log-probs were computed (``needed``), and its key
+    (a function of everything the start and those log-probs depend on). An objective that is not anchored (sft, the
+    reward model) gets a constant record, so its pipelines never re-run train over it."""
+    if not anchored(cfg):
         return {"objective": cfg.objective, "needed": False}
     record = {
         "objective": cfg.objective,
-        "needed": True,
+        "needed": needs_reference(cfg),
         "reference": cfg.preference.reference,
         "base_digest": base,
         "champion": adapter.get("champion") if adapter else None,
@@ -103,19 +111,19 @@ def reference_record(
 
 @dataclass(frozen=True)
 class Reference:
-    """The reference_logps stage's output as the train stage reads it (dpo)."""
+    """The reference_logps stage's output as the train stage reads it (an anchored objective)."""
 
     record: dict  # reference.json
     adapter: Path | None  # the adapter the policy starts from (the reference's); None: a fresh one on the base
-    logps: dict  # split -> the per-token log-probs file
+    logps: dict  # split -> the per-token log-probs file; empty when the objective needs no reference
 
 
 def load_reference(cfg: TrainParams, reference_dir: Path | None) -> Reference | None:
-    """train.objective dpo: models/reference_logps as the reference_logps stage wrote it, checked against params (the
-    stage ran for this configuration); None for sft and simpo, which need no reference."""
+    """An anchored objective: models/reference_logps as the reference_logps stage wrote it, checked against params
+    (the stage ran for this configuration); None for an objective that starts from nothing (sft, the reward model)."""
     from fineflow.train.pair_shards import logps_file
 
-    if not needs_reference(cfg):
+    if not anchored(cfg):
         return None
     rerun = "run the reference_logps stage (dvc repro reference_logps) before train"
     if reference_dir is None:
@@ -124,14 +132,16 @@ def load_reference(cfg: TrainParams, reference_dir: Path | None) -> Reference | 
         record = read_json(Path(reference_dir) / REFERENCE_FILE)
     except (OSError, ValueError) as exc:
         raise FineflowError(f"{reference_dir}/{REFERENCE_FILE}: cannot read it ({exc}): {rerun}") from None
-    if not record.get("needed") or record.get("reference") != cfg.preference.reference:
-        said = record.get("reference") or f"none (objective {record.get('objective')})"
+    needed = needs_reference(cfg)
+    if record.get("needed") != needed or record.get("reference") != cfg.preference.reference:
+        said = record.get("reference") or "none"
+        said += f" (objective {record.get('objective')}, log-probs {'computed' if record.get('needed') else 'none'})"
         raise FineflowError(
             f"{reference_dir}/{REFERENCE_FILE}: the reference was computed for reference {said}, but params say "
             f"train.objective {cfg.objective}, train.preference.reference {cfg.preference.reference}: {rerun}"
         )
     adapter = Path(reference_dir) / ADAPTER_DIR if record.get("adapter_sha256") else None
-    logps = {split: Path(reference_dir) / logps_file(split) for split in ("train", "eval")}
+    logps = {split: Path(reference_dir) / logps_file(split) for split in ("train", "eval")} if needed else {}
     return Reference(record, adapter, logps)
 
 
