@@ -105,6 +105,8 @@ ALIGNED = {
     # 2e-4 raised preference accuracy to 0.835 but cut exact match 0.79 -> 0.74, exactly the guard
     "dpo": {"train.steps": 200, "train.lr": 1e-4},
     "kto": {"train.steps": 200, "train.lr": 2e-4},
+    # reference-free: it starts from the SFT champion's adapter, and its rewards are measured from it
+    "orpo": {"train.steps": 200, "train.lr": 2e-4, "train.preference.orpo_lambda": 0.5},
 }
 
 
@@ -116,7 +118,8 @@ def test_sft_then_a_preference_objective_raises_preference_accuracy_over_the_sft
 ):
     """Issue 34's and 46's acceptance: on the bundled task families, SFT is trained and promoted; then the same
     prompts as preference data (the right answer chosen, a plausible wrong one of its family rejected: pairs for
-    dpo, the two answers unpaired and labelled for kto) align it, anchored to and starting from the SFT champion.
+    dpo and orpo, the two answers unpaired and labelled for kto) align it, starting from the SFT champion (dpo's and
+kto's reference too).
     The candidate's preference accuracy rises significantly over the SFT champion's (the gate's paired bootstrap)
     and the gate promotes it."""
     project = tmp_path / "project"
