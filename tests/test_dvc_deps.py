@@ -159,3 +159,87 @@ def test_every_output_dvc_records_travels_with_dvc_push(stage):
     assert "--checkpoints" not in DVC_STAGES[stage]["cmd"] or all(
         "checkpoints" not in (out if isinstance(out, str) else next(iter(out))) for out in DVC_STAGES[stage]["outs"]
     )
+
+
+# --- params: an edit re-runs the stages that read the key ---------------------------------------------------------
+
+OBJECTIVE_NAMES = ("sft", "dpo", "simpo", "orpo", "kto", "reward_model")
+
+
+def _objectives(test) -> set[str]:
+    from fineflow.objectives import OBJECTIVES
+
+    return {name for name, objective in OBJECTIVES.items() if test(objective)}
+
+
+def params_read(objective: str) -> dict[str, set[str]]:
+    """The keys an objective's runs read beside train.lr, and the stages whose code reads each one for it: the
+    loss's constants in train (fineflow/objectives/<name>.py), beta in evaluate's pair scoring (the objectives whose
+    eval task is fineflow_preference), the reference's choice and batch in the reference_logps stage (the objectives
+    with a reference model; the fingerprint stage fingerprints the champion for them)."""
+    from fineflow.objectives import PREFERENCE_TASK
+
+    referenced = objective in _objectives(lambda o: o.needs_reference)
+    scored_in_pairs = objective in _objectives(lambda o: o.eval_task == PREFERENCE_TASK)
+    loss_reads = {
+        "train.preference.beta": {"dpo", "simpo", "kto"},  # orpo's is orpo_lambda; the reward model's has none
+        "train.preference.simpo_gamma": {"simpo"},
+        "train.preference.orpo_lambda": {"orpo"},
+        "train.preference.kto_desirable_weight": {"kto"},
+        "train.preference.kto_undesirable_weight": {"kto"},
+        "train.preference.reference": {"dpo", "kto"},  # the policy starts from the reference's adapter
+    }
+    read = {"train.lr": {"train"}, "train.micro_batch_size": {"train"} | ({"reference_logps"} if referenced else set())}
+    for key, objectives in loss_reads.items():
+        read[key] = {"train"} if objective in objectives else set()
+    if scored_in_pairs:
+        read["train.preference.beta"].add("evaluate")
+    if referenced:
+        read["train.preference.reference"] |= {"fingerprint", "reference_logps"}
+    return read
+
+
+@pytest.mark.parametrize("objective", OBJECTIVE_NAMES)
+def test_a_param_edit_makes_dvc_see_only_the_stages_that_read_it_for_any_objective(tmp_path, monkeypatch, objective):
+    """DVC itself (its API, in this process: no interpreter start per call), on dvc.yaml's params declarations (the
+    commands replaced by a no-op, deps and outputs left out: no training): after `dvc repro` with train.objective
+    <objective>, each edit of one key (train.lr, the micro-batch, the pair objectives' constants, the reference's
+    choice) makes `dvc status` name the stages that always run and exactly the stages whose code reads the key for
+    some objective. So no stage that reads it for this objective is left stale, and the reference_logps stage never
+    re-runs for train.lr, beta, gamma, lambda or kto's weights. (DVC's params cannot depend on train.objective: a
+    key that only another objective's stage reads dirties that stage here too; the train stage declares its whole
+    section, so any train.* key re-trains.)"""
+    from dvc.repo import Repo
+
+    from tests.conftest import write_params
+
+    project = tmp_path / "p"
+    project.mkdir()
+    stages = {
+        name: {"cmd": "true", "params": spec["params"], "always_changed": bool(spec.get("always_changed"))}
+        for name, spec in DVC_STAGES.items()
+    }
+    (project / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
+    monkeypatch.chdir(project)  # DVC's API, as its CLI, works from inside the repository
+
+    def stale() -> set[str]:
+        with Repo(str(project)) as repo:
+            return set(repo.status())
+
+    always = {name for name, spec in DVC_STAGES.items() if spec.get("always_changed")}
+    subprocess.run(["git", "init", "-q"], cwd=project, check=True)
+    Repo.init(str(project)).close()
+    base = {"train.objective": objective, "train.preference.reference": "champion"}
+    write_params(project / "params.yaml", base)
+    with Repo(str(project)) as repo:
+        repo.reproduce()
+    assert stale() == always
+    read = params_read(objective)
+    read_by_any = {key: set().union(*(params_read(other)[key] for other in OBJECTIVE_NAMES)) for key in read}
+    edits = {"train.lr": 0.123, "train.micro_batch_size": 3, "train.preference.reference": "base"}
+    for key in read:
+        write_params(project / "params.yaml", {**base, key: edits.get(key, 0.789)})
+        dirty = stale()
+        assert read[key] <= dirty, (key, dirty)  # nothing that reads it for this objective is left stale
+        assert dirty == always | read_by_any[key], (key, dirty)
+    assert read_by_any["train.preference.beta"] - always == {"train", "evaluate"}  # the check tells stages apart

@@ -633,6 +633,64 @@ def test_the_doctor_names_on_the_fly_tokenization_in_the_naive_loop_of_the_bench
     assert "on the fly" in first["evidence"] and first["fix"]["param"] == "tokenize.workers"
 
 
+def _train_attempt(project: Path) -> tuple[dict, dict]:
+    """The consumed journal's train attempt (its start and end lines), as the ledger read it."""
+    [run_file] = (project / "reports/ledger/runs").glob("*.jsonl")
+    records = [json.loads(line) for line in run_file.read_text().splitlines()]
+    [start] = [r for r in records if r["event"] == "start" and r["stage"] == "train"]
+    [end] = [r for r in records if r["event"] == "end" and r["attempt"] == start["attempt"]]
+    return start, end
+
+
+# dpo per PR: pair shards and the reference's log-probs through the train stage (sft's ledger is checked per PR by
+# the induced bottlenecks above); the other objectives nightly
+OBJECTIVES_PER_PR = ("dpo",)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "objective",
+    [
+        name if name in OBJECTIVES_PER_PR else pytest.param(name, marks=pytest.mark.nightly)
+        for name in ("sft", "dpo", "simpo", "orpo", "kto", "reward_model")
+    ],
+)
+def test_each_objectives_train_stage_writes_a_ledger_that_adds_up(built, tmp_path, objective):
+    """The train stage with train.objective <objective> (after the fingerprint and reference_logps stages, as dvc.yaml
+    orders them, for an objective trained on pairs or feedback), then the goodput stage: the ledger's buckets add up
+    to the wall time (assert_adds_up); the train attempt's spans cover its wall within 1%, its loop's timers
+    (compute, optimizer, data wait, checkpoint, eval, logging, syncs) never overlap (their sum is at most the
+    loop's time) and they are the ledger's train buckets; compute and checkpoint saves were measured, and the
+    reference_logps stage's time is in its own bucket."""
+    from tests.test_preference_train import preference_project
+
+    if objective == "sft":
+        project = train_project(built, tmp_path / "p")
+    else:
+        project = preference_project(built, tmp_path / "p", objective)
+    result = train_then_ledger(project, venv_env(), 1)
+    assert_adds_up(result)
+    assert [a["stage"] for a in result["attempts"]] == (
+        ["train"] if objective == "sft" else ["fingerprint", "reference_logps", "train"]
+    ), result["attempts"]
+    assert result["buckets"]["restart_loss"] == 0.0 and result["trained"]
+    start, end = _train_attempt(project)
+    spans, body = end["spans"], end["t"] - start["t"]
+    untimed = body - sum(spans.values()) + spans["loop_other"]
+    assert abs(untimed) <= 0.01 * body, (untimed, body, spans)
+    report = json.loads((project / "reports/train.json").read_text())
+    assert report.get("objective", "sft") == objective  # an SFT report names none
+    totals, loop_s = report["loop_totals"], report["loop_s"]
+    assert all(seconds >= 0 for seconds in totals.values()) and sum(totals.values()) <= loop_s + 1e-3, (totals, loop_s)
+    b = result["buckets"]
+    assert b["compute"] == pytest.approx(totals["compute_s"] + totals["optimizer_s"], abs=2e-3), (b, totals)
+    assert b["data_wait"] == pytest.approx(totals["data_wait_s"], abs=1e-3)
+    assert b["train_eval"] == pytest.approx(totals["train_eval_s"], abs=1e-3)
+    assert b["checkpoint"] == pytest.approx(totals["checkpoint_s"] + spans["save"], abs=2e-3)
+    assert b["compute"] > 0 and totals["checkpoint_s"] > 0  # TRAIN_OVERRIDES: a checkpoint every 2 of 12 steps
+    assert (b["reference_logps"] > 0) == (objective != "sft"), b
+
+
 @pytest.mark.slow
 @pytest.mark.nightly  # 800 steps as shipped: the longest test of all (10 min on a busy 2-core machine)
 def test_the_tuned_defaults_train_with_nothing_severe_and_the_ledger_adds_up(built, tmp_path):

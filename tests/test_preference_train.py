@@ -414,7 +414,7 @@ def test_reference_logps_are_recomputed_for_the_data_base_or_champion_never_for_
     assert _reference(project)[0]["champion"] is None and "another base" in _reference(project)[0]["note"]
 
 
-# ---- exact resume: SIGKILL mid-run, then resume, bit-exact for dpo -----------------------------------------------
+# ---- exact resume: SIGKILL mid-run, then resume, bit-exact for each preference objective ----------------------
 
 
 def _adapter(project: Path) -> dict:
@@ -437,15 +437,17 @@ DPO_KILL_POINTS = [
 
 @pytest.mark.scenario
 @pytest.mark.slow
-# dpo in CI; the reward model (its head in the checkpoints too) and kto (its feedback shards) nightly
+# dpo in CI; the reward model (its head in the checkpoints too), kto (its feedback shards), simpo and orpo (no
+# reference: the policy alone) nightly
 @pytest.mark.parametrize(
     "objective",
-    ["dpo", pytest.param("reward_model", marks=pytest.mark.nightly), pytest.param("kto", marks=pytest.mark.nightly)],
+    ["dpo", *(pytest.param(name, marks=pytest.mark.nightly) for name in ("reward_model", "kto", "simpo", "orpo"))],
 )
-def test_dpo_sigkilled_at_several_points_then_resumed_is_bit_exact(built, tmp_path, objective):
-    """test_resume's kill sweep for train.objective dpo (the reward model, kto): SIGKILLs before any checkpoint,
-    mid-write and between checkpoints, then a run to the end: the same rows, losses, rewards and gradient norms at
-    every step as an uninterrupted run, and the candidate's tensors (adapter, reward head) torch.equal to its."""
+def test_a_preference_objective_sigkilled_at_several_points_then_resumed_is_bit_exact(built, tmp_path, objective):
+    """test_resume's kill sweep for train.objective dpo (the reward model, kto, simpo, orpo): SIGKILLs before any
+    checkpoint, mid-write and between checkpoints, then a run to the end: the same rows, losses, rewards and gradient
+    norms at every step as an uninterrupted run, and the candidate's tensors (adapter, reward head) torch.equal to
+    its."""
     reference = preference_project(built, tmp_path / "reference", objective)
     resumed = tmp_path / "resumed"
     shutil.copytree(reference, resumed)  # the same shards and reference log-probs, before either trains
@@ -463,17 +465,21 @@ def test_dpo_sigkilled_at_several_points_then_resumed_is_bit_exact(built, tmp_pa
     assert (objective == "reward_model") == any(key.startswith("reward_head") for key in a), sorted(a)
 
 
-# ---- DDP: 2 ranks == 1 process for dpo --------------------------------------------------------------------------
+# ---- DDP: 2 ranks == 1 process for each preference objective ---------------------------------------------------
 
 
 @pytest.mark.nightly  # a 2-rank accelerate launch beside a 1-process run (~45 s); CI keeps SFT's 2 ranks vs 1
 @pytest.mark.slow
-# reward_model: the head used inside the forward; kto: its KL estimate gathered across the ranks
-@pytest.mark.parametrize("objective", ["dpo", "reward_model", "kto"])
-def test_dpo_on_two_ddp_ranks_matches_one_process_with_the_same_global_batch(built, tmp_path, objective):
-    """test_ddp's check for train.objective dpo (and the reward model): the same global batch (4 rows a step) on 1
-    process and on 2 accelerate ranks (2 rows each, pair counts summed over the ranks): every step's loss, gradient
-    norm, reward accuracy and margin agree to 1e-4 (the ranks' gradient all-reduce sums in another order)."""
+# reward_model: the head used inside the forward; kto: its KL estimate gathered across the ranks; simpo and orpo:
+# reference-free, each answer's log-prob over its length (orpo: its chosen answer's NLL term beside the odds ratio)
+@pytest.mark.parametrize("objective", ["dpo", "reward_model", "kto", "simpo", "orpo"])
+def test_a_preference_objective_on_two_ddp_ranks_matches_one_process_with_the_same_global_batch(
+    built, tmp_path, objective
+):
+    """test_ddp's check for train.objective dpo (the reward model, kto, simpo, orpo): the same global batch (4 rows
+    a step) on 1 process and on 2 accelerate ranks (2 rows each, pair counts summed over the ranks): every step's
+    loss, gradient norm, reward accuracy and margin agree to 1e-4 (the ranks' gradient all-reduce sums in another
+    order)."""
     one = preference_project(built, tmp_path / "one", objective, ranks_overrides(1))
     two = tmp_path / "two"
     shutil.copytree(one, two)  # the same shards and reference log-probs
