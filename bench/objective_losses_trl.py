@@ -59,9 +59,12 @@ sigmoid(beta * (logratio - KL))) for desirable and weight * (1 - sigmoid(beta * 
 ones, KL = clamp(mean(policy_KL - ref_KL), 0), detached; fineflow's is its sum over rows, divided here by the row
 count. Only the loss is compared (fineflow's step reward statistics are not TRL's logged means).
 
-Reward model: fineflow has no reward-model objective yet, so the "rm" rows compare TRL's RewardTrainer loss with
-this script's own torch formula, mean(-logsigmoid(r_chosen - r_rejected - margin)) + c * mean((r_chosen +
-r_rejected)^2), labelled as such: a check of TRL's formula, a stand-in for fineflow's pending reward objective.
+Reward model: the rewards are the batch's seeded scalars (a head's one output per side, as both trainers pool it).
+fineflow's side is the reward_model objective's Bradley-Terry loss on them (fineflow.objectives.reward_model.
+bradley_terry: -logsigmoid(r_chosen - r_rejected) summed, divided here by the pair count), against
+RewardTrainer.compute_loss; its margin and ranked-right share are TRL's logged ones. TRL's optional extras, a margin
+column and center_rewards_coefficient, have no fineflow counterpart: that row holds TRL against this script's formula,
+mean(-logsigmoid(r_chosen - r_rejected - margin)) + c * mean((r_chosen + r_rejected)^2), labelled as such.
 """
 
 from __future__ import annotations
@@ -645,8 +648,18 @@ def trl_reward_model(batch: Batch, settings: dict, dtype) -> Side:
     return Side(float(loss), margin=logged["margin"][-1], accuracy=logged["accuracy"][-1])
 
 
+def fineflow_reward_model(batch: Batch, settings: dict, dtype) -> Side:
+    """fineflow's reward model loss (the reward_model objective's bradley_terry) on the batch's scalar rewards."""
+    from fineflow.objectives.reward_model import bradley_terry
+
+    chosen, rejected, _ = _reward_tensors(batch, dtype)
+    got = bradley_terry(chosen, rejected)
+    right, margin_sum = got.rewards
+    return Side(float(got.loss_sum) / got.count, margin=margin_sum / got.count, accuracy=right / got.count)
+
+
 def bradley_terry_formula(batch: Batch, settings: dict, dtype) -> Side:
-    """The reward model's loss written here (fineflow has no reward objective yet): Bradley-Terry,
+    """TRL's reward loss with its optional extras, written here (fineflow has neither extra): Bradley-Terry,
     -logsigmoid(r_chosen - r_rejected - margin), mean over pairs, + c * mean((r_chosen + r_rejected)^2)."""
     import torch.nn.functional as F
 
@@ -710,22 +723,21 @@ COMPARISONS: tuple[Comparison, ...] = (
         fineflow_kto,
     ),
     Comparison(
-        "rm: Bradley-Terry (pending)",
+        "rm: Bradley-Terry",
         "pairs",
         {},
         trl_reward_model,
-        bradley_terry_formula,
-        fineflow_is_formula=True,
-        note="no fineflow reward objective yet: the fineflow column is this script's formula",
+        fineflow_reward_model,
     ),
     Comparison(
-        "rm: margin + center 0.01 (pending)",
+        "rm: TRL's margin + center 0.01",
         "pairs",
         {"margin": True, "center_rewards_coefficient": 0.01},
         trl_reward_model,
         bradley_terry_formula,
         fineflow_is_formula=True,
-        note="no fineflow reward objective yet: the fineflow column is this script's formula",
+        note="TRL's optional extras, which fineflow's reward model has not: the fineflow column is this script's "
+        "formula",
     ),
 )
 
