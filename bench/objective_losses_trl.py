@@ -13,7 +13,7 @@ confident: mean log-prob above -ln 2, TRL's other log1mexp branch). Both sides g
 
 fineflow  the per-token log-probs packed two pairs to a row the way the tokenize stage packs them (pair_slots 2k/2k+1,
           one row holding a single pair) and summed by fineflow.objectives.pair_logps.pair_scores (float64), then
-          OBJECTIVES[name].pair_loss(policy, reference, train.preference) and OBJECTIVES[name].rewards(...).
+          OBJECTIVES[name].pair_loss(policy, reference, train) (the train section) and OBJECTIVES[name].rewards(...).
 TRL       each trainer's loss code itself, on a bare trainer (object.__new__ and the attributes that code reads:
           _bare below) and a stand-in model that returns the batch's log-probs instead of running a network
           (a causal LM's outputs, masked as TRL masks them): chosen then rejected sequences of prompt + answer,
@@ -59,9 +59,12 @@ sigmoid(beta * (logratio - KL))) for desirable and weight * (1 - sigmoid(beta * 
 ones, KL = clamp(mean(policy_KL - ref_KL), 0), detached; fineflow's is its sum over rows, divided here by the row
 count. Only the loss is compared (fineflow's step reward statistics are not TRL's logged means).
 
-Reward model: fineflow has no reward-model objective yet, so the "rm" rows compare TRL's RewardTrainer loss with
-this script's own torch formula, mean(-logsigmoid(r_chosen - r_rejected - margin)) + c * mean((r_chosen +
-r_rejected)^2), labelled as such: a check of TRL's formula, a stand-in for fineflow's pending reward objective.
+Reward model: the rewards are the batch's seeded scalars (a head's one output per side, as both trainers pool it).
+fineflow's side is the reward_model objective's Bradley-Terry loss on them (fineflow.objectives.reward_model.
+bradley_terry: -logsigmoid(r_chosen - r_rejected) summed, divided here by the pair count), against
+RewardTrainer.compute_loss; its margin and ranked-right share are TRL's logged ones. TRL's optional extras, a margin
+column and center_rewards_coefficient, have no fineflow counterpart: that row holds TRL against this script's formula,
+mean(-logsigmoid(r_chosen - r_rejected - margin)) + c * mean((r_chosen + r_rejected)^2), labelled as such.
 """
 
 from __future__ import annotations
@@ -242,14 +245,34 @@ class Side:
     accuracy: float | None = None  # share of pairs ranked right (chosen reward above rejected)
 
 
+# the bench's setting names (TRL's arguments) -> fineflow's train section: train.preference, train.<objective>
+TRAIN_SETTINGS = {
+    "beta": ("preference", "beta"),
+    "simpo_gamma": ("simpo", "gamma"),
+    "orpo_lambda": ("orpo", "odds_ratio_weight"),
+    "desirable_weight": ("kto", "desirable_weight"),
+    "undesirable_weight": ("kto", "undesirable_weight"),
+}
+
+
+def train_section(settings: dict):
+    """fineflow's train section (TrainParams) with the bench's settings where params.yaml would put them."""
+    from fineflow.core.train_config import TrainParams
+
+    sections: dict = {}
+    for name, value in settings.items():
+        section, key = TRAIN_SETTINGS[name]
+        sections.setdefault(section, {})[key] = value
+    return TrainParams(**sections)
+
+
 def fineflow_pair(name: str) -> Callable:
     """fineflow's side of a pair objective: OBJECTIVES[name] on the packed batch's PairScores."""
 
     def run(batch: Batch, settings: dict, dtype) -> Side:
         from fineflow.objectives import OBJECTIVES
-        from fineflow.objectives.pair_params import PreferenceParams
 
-        objective, prefs = OBJECTIVES[name], PreferenceParams(**settings)
+        objective, prefs = OBJECTIVES[name], train_section(settings)
         policy, reference = fineflow_scores(batch, dtype)
         reference = reference if objective.needs_reference else None
         got = objective.pair_loss(policy, reference, prefs)
@@ -271,7 +294,6 @@ def fineflow_kto(batch: Batch, settings: dict, dtype) -> Side:
 
     from fineflow.objectives import OBJECTIVES
     from fineflow.objectives.pair_logps import PairScores
-    from fineflow.objectives.pair_params import PreferenceParams
 
     chosen, rejected, kl, ref_chosen, ref_rejected, ref_kl = kto_inputs(batch)
     as_tensor = lambda values: torch.tensor(values, dtype=dtype)  # noqa: E731
@@ -280,11 +302,7 @@ def fineflow_kto(batch: Batch, settings: dict, dtype) -> Side:
     def scores(answers, samples):
         return PairScores(as_tensor(answers), as_tensor(samples), lengths, lengths)
 
-    prefs = PreferenceParams(
-        beta=settings["beta"],
-        kto_desirable_weight=settings["desirable_weight"],
-        kto_undesirable_weight=settings["undesirable_weight"],
-    )
+    prefs = train_section(settings)
     desirable = torch.tensor([True] * len(chosen) + [False] * len(rejected))
     got = OBJECTIVES["kto"].feedback_loss(
         scores(chosen + rejected, kl), scores(ref_chosen + ref_rejected, ref_kl), desirable, prefs
@@ -296,12 +314,11 @@ def fineflow_orpo_halves(batch: Batch, settings: dict, dtype) -> tuple[float, fl
     """(NLL term, lambda * odds-ratio term), per-pair means, from the registry's ORPO alone: pair_loss is
     NLL + lambda * OR, so two lambdas give both halves."""
     from fineflow.objectives import OBJECTIVES
-    from fineflow.objectives.pair_params import PreferenceParams
 
     policy, _ = fineflow_scores(batch, dtype)
-    once = OBJECTIVES["orpo"].pair_loss(policy, None, PreferenceParams(**settings))
+    once = OBJECTIVES["orpo"].pair_loss(policy, None, train_section(settings))
     doubled = {**settings, "orpo_lambda": 2 * settings["orpo_lambda"]}
-    twice = OBJECTIVES["orpo"].pair_loss(policy, None, PreferenceParams(**doubled))
+    twice = OBJECTIVES["orpo"].pair_loss(policy, None, train_section(doubled))
     one, two = float(once.loss_sum) / once.count, float(twice.loss_sum) / twice.count
     return 2 * one - two, two - one
 
@@ -631,8 +648,18 @@ def trl_reward_model(batch: Batch, settings: dict, dtype) -> Side:
     return Side(float(loss), margin=logged["margin"][-1], accuracy=logged["accuracy"][-1])
 
 
+def fineflow_reward_model(batch: Batch, settings: dict, dtype) -> Side:
+    """fineflow's reward model loss (the reward_model objective's bradley_terry) on the batch's scalar rewards."""
+    from fineflow.objectives.reward_model import bradley_terry
+
+    chosen, rejected, _ = _reward_tensors(batch, dtype)
+    got = bradley_terry(chosen, rejected)
+    right, margin_sum = got.rewards
+    return Side(float(got.loss_sum) / got.count, margin=margin_sum / got.count, accuracy=right / got.count)
+
+
 def bradley_terry_formula(batch: Batch, settings: dict, dtype) -> Side:
-    """The reward model's loss written here (fineflow has no reward objective yet): Bradley-Terry,
+    """TRL's reward loss with its optional extras, written here (fineflow has neither extra): Bradley-Terry,
     -logsigmoid(r_chosen - r_rejected - margin), mean over pairs, + c * mean((r_chosen + r_rejected)^2)."""
     import torch.nn.functional as F
 
@@ -696,22 +723,21 @@ COMPARISONS: tuple[Comparison, ...] = (
         fineflow_kto,
     ),
     Comparison(
-        "rm: Bradley-Terry (pending)",
+        "rm: Bradley-Terry",
         "pairs",
         {},
         trl_reward_model,
-        bradley_terry_formula,
-        fineflow_is_formula=True,
-        note="no fineflow reward objective yet: the fineflow column is this script's formula",
+        fineflow_reward_model,
     ),
     Comparison(
-        "rm: margin + center 0.01 (pending)",
+        "rm: TRL's margin + center 0.01",
         "pairs",
         {"margin": True, "center_rewards_coefficient": 0.01},
         trl_reward_model,
         bradley_terry_formula,
         fineflow_is_formula=True,
-        note="no fineflow reward objective yet: the fineflow column is this script's formula",
+        note="TRL's optional extras, which fineflow's reward model has not: the fineflow column is this script's "
+        "formula",
     ),
 )
 

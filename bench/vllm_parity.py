@@ -48,7 +48,7 @@ if __name__ == "__main__":
 
 def eval_prompts(tokenizer, eval_rows: Path, work: Path, limit: int) -> tuple[list[list[int]], list[str]]:
     """Each eval conversation as the chat template renders it for a reply, tokenized; and its target."""
-    from fineflow.export.exporter import rendered_eval_docs
+    from fineflow.export.trained import rendered_eval_docs
 
     docs = rendered_eval_docs(eval_rows, tokenizer, work, limit)
     prompts = []

@@ -116,6 +116,22 @@ def test_fineflows_kto_side_equals_the_formula_the_bench_states():
     assert side.loss == pytest.approx(b.kto_formula(*b.kto_inputs(batch), **kto.settings), abs=1e-12)
 
 
+def test_fineflows_reward_model_side_is_the_objectives_loss_and_equals_the_plain_bradley_terry_formula():
+    """Without TRL: the bench's fineflow reward-model side runs the reward_model objective's own loss, and on the
+    fixed batch's rewards it equals the script's formula without TRL's extras; the row is judged, not a formula."""
+    import torch
+
+    b = bench()
+    [rm] = [c for c in b.COMPARISONS if c.name == "rm: Bradley-Terry"]
+    assert rm.fineflow is b.fineflow_reward_model and not rm.fineflow_is_formula and rm.judged
+    batch = b.BATCHES[rm.batch]
+    side, formula = rm.fineflow(batch, {}, torch.float64), b.bradley_terry_formula(batch, {}, torch.float64)
+    assert (side.loss, side.margin, side.accuracy) == pytest.approx(
+        (formula.loss, formula.margin, formula.accuracy), abs=1e-12
+    )
+    assert 0 < side.accuracy < 1
+
+
 def test_the_bench_passes_against_trl():
     """The bench itself (seconds), where the bench extra is installed; CI's venv has no TRL."""
     pytest.importorskip("trl", reason="trl is the bench extra (pip install -e '.[bench]'): not installed here")

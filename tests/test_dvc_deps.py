@@ -173,28 +173,27 @@ def _objectives(test) -> set[str]:
 
 
 def params_read(objective: str) -> dict[str, set[str]]:
-    """The keys an objective's runs read beside train.lr, and the stages whose code reads each one for it: the
-    loss's constants in train (fineflow/objectives/<name>.py), beta in evaluate's pair scoring (the objectives whose
-    eval task is fineflow_preference), the reference's choice and batch in the reference_logps stage (the objectives
-    with a reference model; the fingerprint stage fingerprints the champion for them)."""
-    from fineflow.objectives import PREFERENCE_TASK
+    """The keys an objective's runs read beside train.lr, and the stages whose code reads each one for it: beta and
+    every objective's own section (train.<name>, its Objective.params: fineflow/objectives/<name>.py) in train,
+    beta in evaluate's pair scoring (the objectives whose eval task is fineflow_preference), the choice of the model
+    a run starts from in train, the fingerprint stage (the champion's identity) and the reference_logps stage (the
+    anchored objectives), the batch there too for those with a reference model to score."""
+    from fineflow.objectives import OBJECTIVES, PREFERENCE_TASK
 
     referenced = objective in _objectives(lambda o: o.needs_reference)
+    anchored = objective in _objectives(lambda o: o.anchored)
     scored_in_pairs = objective in _objectives(lambda o: o.eval_task == PREFERENCE_TASK)
-    loss_reads = {
-        "train.preference.beta": {"dpo", "simpo", "kto"},  # orpo's is orpo_lambda; the reward model's has none
-        "train.preference.simpo_gamma": {"simpo"},
-        "train.preference.orpo_lambda": {"orpo"},
-        "train.preference.kto_desirable_weight": {"kto"},
-        "train.preference.kto_undesirable_weight": {"kto"},
-        "train.preference.reference": {"dpo", "kto"},  # the policy starts from the reference's adapter
-    }
+    loss_reads = {"train.preference.beta": {"dpo", "simpo", "kto"}}  # orpo's weight is its own; the reward model none
+    for name, other in OBJECTIVES.items():
+        for field in other.params.model_fields if other.params is not None else ():
+            loss_reads[f"train.{name}.{field}"] = {name}
+    loss_reads["train.preference.reference"] = _objectives(lambda o: o.anchored)  # the policy starts from its model
     read = {"train.lr": {"train"}, "train.micro_batch_size": {"train"} | ({"reference_logps"} if referenced else set())}
     for key, objectives in loss_reads.items():
         read[key] = {"train"} if objective in objectives else set()
     if scored_in_pairs:
         read["train.preference.beta"].add("evaluate")
-    if referenced:
+    if anchored:
         read["train.preference.reference"] |= {"fingerprint", "reference_logps"}
     return read
 

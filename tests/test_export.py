@@ -201,7 +201,7 @@ def test_a_pair_objectives_eval_rows_are_the_parity_docs_with_their_chosen_answe
     pairs (no output), and the parity check answers their prompts with the chosen answer as the target (an export
     of a dpo champion died on KeyError 'output' in the nightly tier)."""
     from fineflow.core.config import parse_params
-    from fineflow.export.exporter import trained_side
+    from fineflow.export.trained import trained_side
 
     sft_rows = [json.loads(line) for line in (built / "data/validated/eval.jsonl").read_text().splitlines()][:5]
     pair_rows = tmp_path / "eval_pairs.jsonl"
@@ -341,9 +341,9 @@ def _wrong_tokenizer(folder: Path) -> None:
 def test_a_broken_export_is_refused_by_the_check_that_sees_it_each_for_its_own_reason(built, tmp_path):
     from transformers import AutoTokenizer
 
-    from fineflow.export.exporter import rendered_eval_docs
     from fineflow.export.gguf import convert
     from fineflow.export.parity import vocabulary_checks
+    from fineflow.export.trained import rendered_eval_docs
 
     base = built / "models/base"
     tokenizer = AutoTokenizer.from_pretrained(base)  # what training used: the reference for every case

@@ -41,7 +41,7 @@ def ollama_commands(modelfile: str) -> list[tuple[str, str]]:
 
 
 def eval_conversations(built: Path, tokenizer, work: Path) -> list[list[dict]]:
-    from fineflow.export.exporter import rendered_eval_docs
+    from fineflow.export.trained import rendered_eval_docs
 
     return [doc.conversation for doc in rendered_eval_docs(built / "data/validated/eval.jsonl", tokenizer, work, 8)]
 

@@ -104,6 +104,13 @@ def test_params_accept_exactly_the_registered_objectives_and_list_them_in_the_re
         parse_params({"train": {"objective": "ppo"}})
     page = render()
     assert all(f"{objective.name}: {objective.summary}" in page for objective in OBJECTIVES.values())
+    # each objective's own settings: its section train.<name>, every field listed, validated as every section is
+    own = {o.name: o.params for o in OBJECTIVES.values() if o.params is not None}
+    assert set(own) == {"simpo", "orpo", "kto"}
+    assert all(f"train.{name}.{field}" in page for name, section in own.items() for field in section.model_fields)
+    with pytest.raises(ConfigError) as refused:
+        parse_params({"train": {"kto": {"desirable_weight": 0, "weight": 2}, "orpo": {"odds_ratio_weight": -1}}})
+    assert all(key in str(refused.value) for key in ("train.kto.desirable_weight", "train.kto.weight", "train.orpo"))
 
 
 # ---- each pair objective's loss against its paper's formula, written here ----------------------------------------
@@ -129,9 +136,9 @@ REFERENCE = ([-13.0, -29.0, -8.0], [-14.5, -29.5, -9.0], [6, 14, 3], [8, 11, 5])
 @pytest.mark.parametrize("beta, gamma", [(0.1, 0.5), (2.0, 0.0), (0.7, 1.3)])
 def test_dpo_and_simpo_sum_their_papers_loss_over_the_pairs(beta, gamma):
     """DPO (Rafailov et al. 2023, eq. 7) and SimPO (Meng et al. 2024, eq. 6), pair by pair in plain floats."""
-    from fineflow.objectives.pair_params import PreferenceParams
+    from fineflow.core.train_config import TrainParams
 
-    prefs = PreferenceParams(beta=beta, simpo_gamma=gamma)
+    prefs = TrainParams(preference={"beta": beta}, simpo={"gamma": gamma})
     policy, reference = _scores(*POLICY), _scores(*REFERENCE)
     dpo_by_hand = simpo_by_hand = 0.0
     dpo_right = simpo_right = 0
@@ -153,9 +160,12 @@ def test_dpo_and_simpo_sum_their_papers_loss_over_the_pairs(beta, gamma):
 
 def test_the_docs_worked_example_plugs_in_with_one_registry_line(monkeypatch):
     """docs/objectives.md's example objective, run as written: registered, the stages' questions answer from its
-    parent (pairs, a reference model, the preference task), and its loss is its own formula."""
+    parent (pairs, a reference model, the preference task), its settings section becomes train.rdpo (defaults,
+    bounds and unknown keys as any section's), and its loss is its own formula with the alpha params give."""
+    from pydantic import ValidationError
+
     import fineflow.objectives as objectives
-    from fineflow.objectives.pair_params import PreferenceParams
+    from fineflow.core.train_config import TrainSettings, with_objective_sections
 
     page = (ROOT / "docs/objectives.md").read_text(encoding="utf-8")
     [example] = re.findall(r"```python\n(.*?)```", page, flags=re.DOTALL)
@@ -165,23 +175,28 @@ def test_the_docs_worked_example_plugs_in_with_one_registry_line(monkeypatch):
     monkeypatch.setitem(objectives.OBJECTIVES, added.name, added)
     assert objective_for("rdpo") is added and added.trains_pairs and added.needs_reference
     assert added.eval_task == objective_for("dpo").eval_task
-    prefs = PreferenceParams(beta=0.5)
+    train_params = with_objective_sections(TrainSettings)  # as fineflow.core builds it from the registry
+    assert train_params().rdpo.alpha == 0.01
+    with pytest.raises(ValidationError) as refused:
+        train_params(rdpo={"alpha": -1, "alhpa": 0.2})
+    assert {error["loc"] for error in refused.value.errors()} == {("rdpo", "alpha"), ("rdpo", "alhpa")}
+    cfg = train_params(preference={"beta": 0.5}, rdpo={"alpha": 0.03})
     policy, reference = _scores(*POLICY), _scores(*REFERENCE)
     by_hand = 0.0
     for k in range(3):
-        chosen = 0.5 * (POLICY[0][k] - REFERENCE[0][k]) - added.alpha * POLICY[2][k]
-        rejected = 0.5 * (POLICY[1][k] - REFERENCE[1][k]) - added.alpha * POLICY[3][k]
+        chosen = 0.5 * (POLICY[0][k] - REFERENCE[0][k]) - 0.03 * POLICY[2][k]
+        rejected = 0.5 * (POLICY[1][k] - REFERENCE[1][k]) - 0.03 * POLICY[3][k]
         by_hand -= _log_sigmoid(chosen - rejected)
-    assert float(added.pair_loss(policy, reference, prefs).loss_sum) == pytest.approx(by_hand, abs=1e-12)
+    assert float(added.pair_loss(policy, reference, cfg).loss_sum) == pytest.approx(by_hand, abs=1e-12)
 
 
 @pytest.mark.parametrize("lam", [0.1, 1.0, 0.25])
 def test_orpo_sums_the_chosen_nll_and_its_odds_ratio_term_over_the_pairs(lam):
     """ORPO (Hong et al. 2024, eqs. 6-7): per pair the chosen answer's mean token NLL plus lambda times
     -log sigmoid of the log odds ratio, odds(y) = p / (1 - p) with p the answer's mean per-token probability."""
-    from fineflow.objectives.pair_params import PreferenceParams
+    from fineflow.core.train_config import TrainParams
 
-    prefs = PreferenceParams(orpo_lambda=lam)
+    prefs = TrainParams(orpo={"odds_ratio_weight": lam})
     by_hand, right = 0.0, 0
     for k in range(3):
         chosen, rejected = POLICY[0][k] / POLICY[2][k], POLICY[1][k] / POLICY[3][k]
@@ -202,9 +217,11 @@ def test_kto_weighs_each_answers_loss_against_the_batch_kl_estimate(beta, weight
     log-ratio to the reference. Here the answers are POLICY's chosen column and the KL samples its rejected."""
     import torch
 
-    from fineflow.objectives.pair_params import PreferenceParams
+    from fineflow.core.train_config import TrainParams
 
-    prefs = PreferenceParams(beta=beta, kto_desirable_weight=weights[0], kto_undesirable_weight=weights[1])
+    prefs = TrainParams(
+        preference={"beta": beta}, kto={"desirable_weight": weights[0], "undesirable_weight": weights[1]}
+    )
     labels = [True, False, True]
     sigmoid = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
     kl_terms = [POLICY[1][k] - REFERENCE[1][k] for k in range(3)]
@@ -229,11 +246,13 @@ def test_kto_clamps_a_negative_kl_estimate_to_zero():
     answers less than the reference does) z is 0, not negative."""
     import torch
 
-    from fineflow.objectives.pair_params import PreferenceParams
+    from fineflow.core.train_config import TrainParams
 
     policy = _scores([-10.0], [-20.0], [4], [4])
     reference = _scores([-11.0], [-15.0], [4], [4])  # KL sample log-ratio -5: clamped to 0
-    got = objective_for("kto").feedback_loss(policy, reference, torch.tensor([True]), PreferenceParams(beta=1.0))
+    got = objective_for("kto").feedback_loss(
+        policy, reference, torch.tensor([True]), TrainParams(preference={"beta": 1.0})
+    )
     assert float(got.loss_sum) == pytest.approx(1 - 1 / (1 + math.exp(-1.0)), abs=1e-12)
 
 

@@ -180,7 +180,6 @@ def test_packed_pair_losses_equal_each_sequence_run_alone(built, tmp_path, atten
     computed pair by pair on each sequence run alone, unpacked.
     varlen: fineflow's per-example attention; sdpa: transformers' block-diagonal mask from the position ids."""
     from fineflow.core.train_config import TrainParams
-    from fineflow.objectives.pair_params import PreferenceParams
     from fineflow.tokenize.shards import PackedShard
     from fineflow.tokenize.tokenization import load_tokenizer
     from fineflow.train.attention import layout_kwargs, layout_of
@@ -198,9 +197,8 @@ def test_packed_pair_losses_equal_each_sequence_run_alone(built, tmp_path, atten
     reference = _load(base, random_adapter(base, tmp_path / "reference", seed=4), attention)
     write_shard_logps(reference, shard, tmp_path / logps_file("train"), 3, torch.device("cpu"), varlen=varlen)
     shard = PairShard(PackedShard(tmp_path / "train"), tmp_path / logps_file("train"))
-    prefs = PreferenceParams(beta=0.5, simpo_gamma=0.3)
-    cfg = TrainParams(preference=prefs)
-    expected = _by_hand(policy, reference, pairs, prefs.beta, prefs.simpo_gamma)
+    cfg = TrainParams(preference={"beta": 0.5}, simpo={"gamma": 0.3})
+    expected = _by_hand(policy, reference, pairs, cfg.preference.beta, cfg.simpo.gamma)
     for objective in ("dpo", "simpo"):
         total, pairs_seen, correct, margin = 0.0, 0, 0.0, 0.0
         for start in range(0, len(shard), 2):

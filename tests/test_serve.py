@@ -205,8 +205,8 @@ def torch_answers(model_dir: Path, conversations: list[list[dict]], max_new_toke
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from fineflow.export.exporter import _generation_eos
     from fineflow.export.parity import greedy_ids, trained_stop_ids
+    from fineflow.export.trained import _generation_eos
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     stop_ids = trained_stop_ids(tokenizer, _generation_eos(model_dir, GenerationConfig))
@@ -277,7 +277,8 @@ def _assert_served_like_torch(export_dir: Path, model_dir: Path, docs, max_gen_t
 def test_the_served_embedded_champion_answers_an_openai_client_as_pytorch_does(built, tmp_path):
     from transformers import AutoTokenizer
 
-    from fineflow.export.exporter import champion_model_dir, rendered_eval_docs
+    from fineflow.export.exporter import champion_model_dir
+    from fineflow.export.trained import rendered_eval_docs
     from fineflow.stages.export import run
     from tests.conftest import random_adapter
 
@@ -306,8 +307,8 @@ def test_served_smollm2_answers_an_openai_client_as_pytorch_does(built, tmp_path
 
     from fineflow.base.from_gguf import model_dir_from_gguf, packaged_gguf
     from fineflow.core.reports import write_json_atomic
-    from fineflow.export.exporter import rendered_eval_docs
     from fineflow.export.gguf import export_model
+    from fineflow.export.trained import rendered_eval_docs
 
     model_dir = model_dir_from_gguf(packaged_gguf(), tmp_path / "smollm2")  # its digit split kept (smollm)
     params = _tiny_params(quantized=[], parity_docs=4)

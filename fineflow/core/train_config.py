@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, create_model, field_validator
 
 from fineflow.core.launch_config import RayParams, SlurmParams
-from fineflow.objectives import NAMES, described
+from fineflow.objectives import NAMES, OBJECTIVES, described
 from fineflow.objectives.pair_params import PreferenceParams
 from fineflow.param_section import Section
 
@@ -39,8 +39,9 @@ class LoraParams(Section):
         return [value] if isinstance(value, str) else value  # `target_modules: all-linear`, as peft writes it
 
 
-class TrainParams(Section):
-    """The train stage: method, precision, hardware, optimizer and schedule."""
+class TrainSettings(Section):
+    """The train stage: method, precision, hardware, optimizer and schedule (TrainParams adds each objective's own
+    settings section)."""
 
     method: Literal["lora", "qlora", "full"] = Field(
         "lora",
@@ -156,7 +157,26 @@ class TrainParams(Section):
     lora: LoraParams = Field(LoraParams(), description="the LoRA adapter (lora and qlora)")
     # the objectives and what each trains on: fineflow.objectives (one module each, asked by every stage)
     objective: Literal[NAMES] = Field(NAMES[0], description=described())
-    preference: PreferenceParams = Field(PreferenceParams(), description="the pair objectives' settings")
+    preference: PreferenceParams = Field(PreferenceParams(), description="what the preference objectives share")
+
+
+def with_objective_sections(settings: type[Section]) -> type[Section]:
+    """``settings`` plus one section per objective that has its own settings: train.<name>, its Objective.params
+    (fineflow.objectives), so an objective's settings live in its module and params.yaml validates them like any
+    other section."""
+    sections = {}
+    for objective in OBJECTIVES.values():
+        if objective.params is None:
+            continue
+        if objective.name in settings.model_fields:  # a programming error: an objective named like a train setting
+            raise TypeError(f"objective {objective.name!r}: train.{objective.name} is already a train setting")
+        summary = (objective.params.__doc__ or "").strip().split("\n")[0]
+        sections[objective.name] = (objective.params, Field(objective.params(), description=summary))
+    doc = f"{settings.__doc__.split(' (')[0]}; train.<objective>: that objective's own settings."
+    return create_model("TrainParams", __base__=settings, __module__=__name__, __doc__=doc, **sections)
+
+
+TrainParams = with_objective_sections(TrainSettings)
 
 
 class CheckpointSettings(Section):

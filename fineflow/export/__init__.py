@@ -8,7 +8,8 @@ template, stop tokens, scores on the eval docs).
                       each parity-checked; promote's check before installing (export.block_promotion)
     ollama.py         the Ollama format: the Modelfile, TEMPLATE derived from the training chat template (verified)
     vllm.py           the vLLM format: the adapter as vLLM's LoRA loader reads it, its refusals, `vllm serve` commands
-    exporter.py       the champion's full model found or built, the trained side, every format written: the report
+    exporter.py       the champion's full model found or built, every format written: the report
+    trained.py        the trained side the exports are held to: tokenizer, rendered eval docs, stop ids
     exports_card.py   the exports' model card (models/export/README.md): each GGUF, its parity, how to serve each
     parity.py         the checks: the GGUF through llama.cpp against the training tokenizer and the merged model
     serve.py          `fineflow serve`: the shippable GGUF export.json names, by llama-cpp-python's OpenAI server

@@ -31,6 +31,7 @@ from fineflow.export.interface import ExportFormat, ExportJob, Trained
 from fineflow.export.parity import check_scores, reference_answers, runtime_answers, verdict, vocabulary_checks
 from fineflow.export.serve import serving_choice
 from fineflow.export.tooling import converter_dir, require_llama_cpp, sha256_of, toolchain
+from fineflow.export.trained import trained_side
 
 FLOAT_TYPES = ("f16", "bf16")  # the converter's --outtype
 # params names of the quantized types -> llama.cpp's file types (llama_ftype; what llama-quantize calls them)
@@ -136,8 +137,6 @@ def export_model(
     and answering goes to llama_log (default: out_dir/llama_cpp.log), not the console."""
     with native_log.llama_cpp_log(llama_log or out_dir / native_log.LOG_FILE):
         if trained is None:
-            from fineflow.export.exporter import trained_side
-
             trained = trained_side(model_dir, eval_rows, work_dir, params)
         return _export_model(model_dir, out_dir, params, log, trained)
 

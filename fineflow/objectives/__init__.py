@@ -10,10 +10,11 @@ orpo.py          ORPO: pairs, reference-free, the chosen answer's SFT loss plus 
 kto.py           KTO: unpaired answers labelled desirable/undesirable, against a reference, with a KL estimate
 reward_model.py  a reward model: pairs, LoRA and a scalar head, Bradley-Terry loss (model_kind: not a generator)
 token_loss.py    the next-token loss, plain or chunked so the logits never exist whole (train.loss_chunk_tokens)
-pair_params.py   train.preference: the pair objectives' settings (beta, SimPO's gamma, DPO's reference)
+pair_params.py   train.preference: what the preference objectives share (beta, the model a run starts from)
 pair_logps.py    each pair's chosen and rejected sequence log-probs under a model, from a packed pair batch
 
-Imports nothing of fineflow but ``fineflow.errors``: every package may ask it (params validation included).
+Imports nothing of fineflow but ``fineflow.errors`` and ``fineflow.param_section``: every package may ask it (params
+validation included: each objective's own settings section, Objective.params, becomes train.<name>).
 Adding one: a module with its subclass, and its line in OBJECTIVES below (docs/objectives.md).
 """
 

@@ -17,5 +17,6 @@ class DPO(PairObjective):
     summary = "preference pairs against a reference model"
     needs_reference = True
 
-    def rewards(self, policy, reference, prefs):
-        return prefs.beta * (policy.chosen - reference.chosen), prefs.beta * (policy.rejected - reference.rejected)
+    def rewards(self, policy, reference, cfg):
+        beta = cfg.preference.beta
+        return beta * (policy.chosen - reference.chosen), beta * (policy.rejected - reference.rejected)

@@ -14,6 +14,9 @@ An objective says:
 - ``loss``: a batch's summed loss, what it is a sum over (trained tokens, or pairs: the loop divides by the
   global batch's count of them, so 1 process and N ranks take the same step) and, for pairs, the reward
   statistics the step log shows.
+- ``params``: its own settings, a params section (``train.<name>``: fineflow.param_section.Section, typed, unknown keys
+  rejected, listed in the params reference); None when it has none. Settings the preference objectives share
+  (beta, the reference) are ``train.preference`` (fineflow.objectives.pair_params).
 - ``eval_task``: the held-out task evaluate adds for it (None: only evaluate.tasks), whose metrics the gate
   can judge (promote.primary_metric).
 - ``model_kind``: what the trained model is: a language model (LANGUAGE_MODEL), or a model that scores text (the
@@ -54,6 +57,7 @@ class Objective:
     rows: str = EXAMPLES
     anchored: bool = False  # starts from train.preference.reference's model (always, when needs_reference)
     needs_reference: bool = False
+    params: type | None = None  # its own settings section, train.<name> (a fineflow.param_section.Section)
     eval_task: str | None = None
 
     def loss(self, model, batch: dict, cfg=None, **forward_kwargs) -> BatchLoss:
@@ -120,12 +124,12 @@ class PairObjective(Objective):
     eval_task = PREFERENCE_TASK
     anchored = True
 
-    def rewards(self, policy, reference, prefs):
+    def rewards(self, policy, reference, cfg):
         """(chosen reward, rejected reward) per pair, from the policy's PairScores (and the reference's, when
-        needs_reference) with prefs = train.preference."""
+        needs_reference) with cfg = the run's train section (train.preference, and train.<name> for its own)."""
         raise NotImplementedError
 
-    def offset(self, prefs) -> float:
+    def offset(self, cfg) -> float:
         """What the margin must exceed before the loss is small (SimPO's gamma); 0 by default."""
         return 0.0
 
@@ -133,7 +137,6 @@ class PairObjective(Objective):
         from fineflow.errors import FineflowError
         from fineflow.objectives.pair_logps import pair_scores, token_logps, trained_positions
 
-        prefs = cfg.preference  # train.preference: a pair objective always runs with the run's train section
         _, at = trained_positions(batch["labels"])
         policy = pair_scores(token_logps(model, batch, **forward_kwargs), batch["pair_slots"], at)
         reference = None
@@ -143,15 +146,15 @@ class PairObjective(Objective):
                     f"train.objective {self.name} needs the reference log-probs: run the reference_logps stage"
                 )
             reference = pair_scores(batch["ref_logps"][at], batch["pair_slots"], at)
-        return self.pair_loss(policy, reference, prefs)
+        return self.pair_loss(policy, reference, cfg)  # a pair objective always runs with the run's train section
 
-    def pair_loss(self, policy, reference, prefs) -> BatchLoss:
-        """The summed loss and reward statistics of scored pairs (the batch's, or a test's)."""
+    def pair_loss(self, policy, reference, cfg) -> BatchLoss:
+        """The summed loss and reward statistics of scored pairs (the batch's, or a test's); cfg: the train section."""
         import torch.nn.functional as F
 
-        chosen, rejected = self.rewards(policy, reference, prefs)
+        chosen, rejected = self.rewards(policy, reference, cfg)
         margin = chosen - rejected
-        offset = self.offset(prefs)
+        offset = self.offset(cfg)
         logits = margin - offset if offset else margin
         loss_sum = -F.logsigmoid(logits).sum()
         return BatchLoss(loss_sum, int(margin.numel()), (float((margin > 0).sum()), float(margin.detach().sum())))

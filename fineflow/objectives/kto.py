@@ -12,9 +12,9 @@ per row, summed over the batch's rows (the loop divides by the global batch's ro
 row's KL sample: its prompt with another row's answer (the tokenize stage packs it beside the row, the way TRL
 builds its KL dataset by shifting answers), so z estimates KL(pi || ref) on prompts and answers that do not belong
 together. z is the micro-batch's estimate gathered across ranks, as TRL computes it: N ranks of m/N rows a
-micro-batch then equal one process of m rows. beta is train.preference.beta, w_D and
-w_U train.preference.kto_desirable_weight and kto_undesirable_weight (the paper keeps w_D * n_D / (w_U * n_U) in
-[1, 4/3] when the labels are imbalanced: the validate stage reports the counts).
+micro-batch then equal one process of m rows. beta is train.preference.beta, w_D and w_U
+train.kto.desirable_weight and undesirable_weight (KTOParams, its own section; the paper keeps
+w_D * n_D / (w_U * n_U) in [1, 4/3] when the labels are imbalanced: the validate stage reports the counts).
 
 The shards are pair shards (fineflow.tokenize.pairs.pack_feedback): slot 2k is the k-th row's answer, 2k+1 its KL
 sample, and ``desirable`` is 1 on a desirable row's tokens. Held out, KTO is judged as the pair objectives are, on
@@ -23,10 +23,22 @@ the pairs its eval rows make (a desirable and an undesirable answer to one promp
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from fineflow.errors import DataError
 from fineflow.objectives.interface import FEEDBACK, PREFERENCE_TASK, BatchLoss, Objective
+from fineflow.param_section import Section
 
 DESIRABLE = "desirable"  # the batch's per-token label array: 1 on a desirable row's tokens, 0 elsewhere
+
+
+class KTOParams(Section):
+    """train.kto: KTO's own settings (its beta is train.preference.beta, its reference train.preference.reference)."""
+
+    desirable_weight: float = Field(
+        1.0, gt=0, description="the weight of a desirable answer's loss (raise it when desirable rows are rarer)"
+    )
+    undesirable_weight: float = Field(1.0, gt=0, description="the weight of an undesirable answer's loss")
 
 
 class KTO(Objective):
@@ -35,6 +47,7 @@ class KTO(Objective):
     rows = FEEDBACK
     anchored = True
     needs_reference = True
+    params = KTOParams
     eval_task = PREFERENCE_TASK
 
     def loss(self, model, batch: dict, cfg=None, **forward_kwargs) -> BatchLoss:
@@ -48,9 +61,9 @@ class KTO(Objective):
         policy = pair_scores(token_logps(model, batch, **forward_kwargs), slots, at)
         reference = pair_scores(batch["ref_logps"][at], slots, at)
         desirable = pair_scores(batch[DESIRABLE][at].double(), slots, at).chosen > 0
-        return self.feedback_loss(policy, reference, desirable, cfg.preference)
+        return self.feedback_loss(policy, reference, desirable, cfg)
 
-    def feedback_loss(self, policy, reference, desirable, prefs) -> BatchLoss:
+    def feedback_loss(self, policy, reference, desirable, cfg) -> BatchLoss:
         """The summed loss of scored rows: ``policy``/``reference`` PairScores whose chosen is each row's answer and
         rejected its KL sample, ``desirable`` a bool tensor per row. Rewards: (rows whose reward r - z has their
         label's sign, summed signed reward)."""
@@ -58,11 +71,11 @@ class KTO(Objective):
 
         kl = _kl_estimate(policy, reference)
         logratio = policy.chosen - reference.chosen
-        beta = prefs.beta
+        beta, weights = cfg.preference.beta, cfg.kto
         # in the log-ratios' dtype (float64) from the start: a float32 weight would round 1.33 before it multiplies
         ones = torch.ones_like(logratio)
         sign = torch.where(desirable, ones, -ones)
-        weight = torch.where(desirable, ones * prefs.kto_desirable_weight, ones * prefs.kto_undesirable_weight)
+        weight = torch.where(desirable, ones * weights.desirable_weight, ones * weights.undesirable_weight)
         losses = weight * (1 - torch.sigmoid(beta * sign * (logratio - kl)))
         signed_reward = (beta * sign * (logratio - kl)).detach()
         right = float((signed_reward > 0).sum())
@@ -81,8 +94,7 @@ class KTO(Objective):
                     "quarantine for the ones refused"
                 )
         desirable, undesirable = counts["train"]
-        prefs = cfg.preference
-        ratio = prefs.kto_desirable_weight * desirable / (prefs.kto_undesirable_weight * undesirable)
+        ratio = cfg.kto.desirable_weight * desirable / (cfg.kto.undesirable_weight * undesirable)
         return {
             "labels": {split: {"desirable": d, "undesirable": u} for split, (d, u) in counts.items()},
             # the paper's advice: keep weight_D * n_D / (weight_U * n_U) in [1, 4/3] (set the weights to get there)
