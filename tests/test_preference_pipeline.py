@@ -106,7 +106,7 @@ ALIGNED = {
     "dpo": {"train.steps": 200, "train.lr": 1e-4},
     "kto": {"train.steps": 200, "train.lr": 2e-4},
     # reference-free: it starts from the SFT champion's adapter, and its rewards are measured from it
-    "orpo": {"train.steps": 200, "train.lr": 2e-4, "train.preference.orpo_lambda": 0.5},
+    "orpo": {"train.steps": 200, "train.lr": 2e-4, "train.orpo.odds_ratio_weight": 0.5},
 }
 
 
