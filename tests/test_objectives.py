@@ -76,14 +76,14 @@ def test_the_check_sees_a_name_in_a_string_or_an_identifier_but_not_in_a_docstri
 
 
 def test_the_registry_holds_every_objective_under_its_own_name_and_refuses_others():
-    assert NAMES == ("sft", "dpo", "simpo", "orpo", "kto", "reward_model")
+    assert NAMES == ("sft", "dpo", "simpo", "orpo", "kto", "reward_model", "grpo")
     for name, objective in OBJECTIVES.items():
         assert isinstance(objective, Objective) and objective.name == name and objective.summary
         assert objective.rows in ROW_SCHEMAS
         assert objective.eval_task is None or objective.pair_shards
     assert [n for n in NAMES if objective_for(n).needs_reference] == ["dpo", "kto"]
     # a reference model is the model the run starts from, frozen: every objective that needs one is anchored
-    assert [n for n in NAMES if objective_for(n).anchored] == ["dpo", "simpo", "orpo", "kto"]
+    assert [n for n in NAMES if objective_for(n).anchored] == ["dpo", "simpo", "orpo", "kto", "grpo"]
     assert [n for n in NAMES if objective_for(n).trains_pairs] == ["dpo", "simpo", "orpo", "reward_model"]
     assert [n for n in NAMES if objective_for(n).rows == FEEDBACK] == ["kto"]
     assert [n for n in NAMES if not objective_for(n).generates] == ["reward_model"]
@@ -106,7 +106,7 @@ def test_params_accept_exactly_the_registered_objectives_and_list_them_in_the_re
     assert all(f"{objective.name}: {objective.summary}" in page for objective in OBJECTIVES.values())
     # each objective's own settings: its section train.<name>, every field listed, validated as every section is
     own = {o.name: o.params for o in OBJECTIVES.values() if o.params is not None}
-    assert set(own) == {"simpo", "orpo", "kto"}
+    assert set(own) == {"simpo", "orpo", "kto", "grpo"}
     assert all(f"train.{name}.{field}" in page for name, section in own.items() for field in section.model_fields)
     with pytest.raises(ConfigError) as refused:
         parse_params({"train": {"kto": {"desirable_weight": 0, "weight": 2}, "orpo": {"odds_ratio_weight": -1}}})

@@ -17,6 +17,9 @@ An objective says:
 - ``params``: its own settings, a params section (``train.<name>``: fineflow.param_section.Section, typed, unknown keys
   rejected, listed in the params reference); None when it has none. Settings the preference objectives share
   (beta, the reference) are ``train.preference`` (fineflow.objectives.pair_params).
+- ``online``: it generates its training batches in the loop (online RL: fineflow.objectives.grpo): each step's
+  sampled rows are prompts, ``rollout`` turns them into the step's micro-batches (with ``rollout_context``, built
+  once per rank) and ``step_fields`` into the step log's figures.
 - ``eval_task``: the held-out task evaluate adds for it (None: only evaluate.tasks), whose metrics the gate
   can judge (promote.primary_metric).
 - ``model_kind``: what the trained model is: a language model (LANGUAGE_MODEL), or a model that scores text (the
@@ -58,6 +61,7 @@ class Objective:
     anchored: bool = False  # starts from train.preference.reference's model (always, when needs_reference)
     needs_reference: bool = False
     params: type | None = None  # its own settings section, train.<name> (a fineflow.param_section.Section)
+    online: bool = False  # generates each step's batch in the loop (rollout)
     eval_task: str | None = None
 
     def loss(self, model, batch: dict, cfg=None, **forward_kwargs) -> BatchLoss:
@@ -69,6 +73,25 @@ class Objective:
         """The checks of each split's kept rows as a whole, after the validate stage's row checks: ``kept`` maps
         train and eval to their rows file (JSONL), cfg is the train section. Returns what the validate report adds,
         or raises DataError naming the file and what to change. None by default."""
+        return {}
+
+    def check_run(self, cfg, profile) -> None:
+        """Refuse, before any model loads, a run configuration it cannot train with (cfg: the train section,
+        profile: the accelerate profile, fineflow.train.profile); nothing by default."""
+
+    # ---- an online objective's rollouts (online: True): each step's batch made from its sampled prompts ----------
+
+    def rollout_context(self, base_source: str, start_adapter, cfg, seed: int, device=None):
+        """What the rollouts need beside the model (tokenizer, rewards, reference), built once per rank."""
+        raise NotImplementedError(f"train.objective {self.name} trains on its shards as they are: no rollouts")
+
+    def rollout(self, model, prepared, cfg, step: int, accelerator, timer, context):
+        """The step's StepBatch (fineflow.train.loader) generated from ``prepared``'s sampled rows: exactly
+        train.grad_accum micro-batches, its ``targets`` and ``stats`` (sums the loop reduces over ranks)."""
+        raise NotImplementedError(f"train.objective {self.name} trains on its shards as they are: no rollouts")
+
+    def step_fields(self, totals: dict) -> dict:
+        """The step log's figures from the global batch's rollout ``stats`` (summed over ranks)."""
         return {}
 
     @property

@@ -55,6 +55,7 @@ def launch_ranks(
     params = with_profile_processes(params, profile)  # unset: the profile's ranks
     require_enough_gpus(profile, params.train, torch.cuda.device_count() if has_gpu else 0)
     require_tracker(params.train.tracker)
+    objective_for(params.train.objective).check_run(params.train, profile)  # what it cannot train with, refused
     check_hardware(params.train, has_gpu, profile)
     run = fit_plan(params, profile, resolve_base_model(params.model, Path(placement["base_dir"])), has_gpu)
     cfg = run.train
@@ -176,6 +177,7 @@ class TrainProcedure:
         self._setup_accelerator()
         self._setup_reference()
         self._setup_model()
+        self._setup_rollouts()
         self._setup_data()
         self._setup_resume()
         self._setup_loader()
@@ -264,6 +266,18 @@ class TrainProcedure:
         self.fused_layers = prepare_model_for_fsdp(self.accelerator, model, fused)  # LoRA wrapping, fp32 buffers
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.grad_sync_measured = gradsync.register(self.model)  # DDP: the all-reduce timed apart from backward
+
+    def _setup_rollouts(self) -> None:
+        """An online objective (train.objective grpo): what its rollouts need, built once (the tokenizer, the
+        rewards, the reference); None for every other objective."""
+        objective = objective_for(self.cfg.objective)
+        objective.check_run(self.cfg, self.run.profile)
+        self.rollouts = None
+        if objective.online:
+            start = self.preference_reference.adapter if self.preference_reference is not None else None
+            self.rollouts = objective.rollout_context(
+                self.base_source, start, self.cfg, self.params.seed, self.accelerator.device
+            )
 
     def _setup_data(self) -> None:
         """The shards and the seeded row order, dealt over the ranks there are (with train.elastic on other ranks
@@ -445,6 +459,7 @@ class TrainProcedure:
                     start_step=self.start_step,
                     tokens_seen=self.tokens_seen,
                     redo_through=step_log.dropped_through if main else 0,
+                    rollouts=self.rollouts,
                 )
             if self.manager is not None:
                 self.manager.close()  # the last save is complete and verified before the stage reports success
