@@ -55,11 +55,24 @@ def _code_mentions(path: Path, names: tuple[str, ...], root: Path = ROOT) -> lis
     return found
 
 
+# A name that is another registry's, not train.objective's: the online-RL reward scoring with the champion reward
+# model is named after that model (train.grpo.rewards[i].name, the value of its Reward.name, and nowhere else).
+ANOTHER_REGISTRYS = {"fineflow/rewards/reward_model.py": "'reward_model'"}
+
+
+def _another_registrys(mention: str) -> bool:
+    path, _, text = mention.split(":", 2)
+    return ANOTHER_REGISTRYS.get(path) == text.strip()
+
+
 def test_no_module_outside_the_objectives_package_names_an_objective():
     """A stage or library module asks fineflow.objectives (rows, needs_reference, loss, eval_task) instead of
     branching on train.objective's value: adding an objective touches its own module and the registry only."""
     modules = [path for path in PACKAGE.rglob("*.py") if "objectives" not in path.relative_to(PACKAGE).parts]
     found = [mention for path in modules for mention in _code_mentions(path, NAMES)]
+    exempt = [mention for mention in found if _another_registrys(mention)]
+    assert len(exempt) <= len(ANOTHER_REGISTRYS), f"another registry's name used beyond its own name: {exempt}"
+    found = [mention for mention in found if mention not in exempt]
     assert not found, "modules that name an objective (ask fineflow.objectives instead):\n  " + "\n  ".join(found)
 
 
