@@ -120,8 +120,8 @@ def test_the_prompts_of_a_packed_row_are_each_examples_tokens_before_its_answer(
     renders the row's instruction: what the rollouts generate from and the rewards check against."""
     from transformers import AutoTokenizer
 
-    from fineflow.objectives.grpo import prompts_of
     from fineflow.tokenize.shards import PackedShard
+    from fineflow.train.rollouts import prompts_of
 
     shard = PackedShard(built / "data/shards/train")
     tokenizer = AutoTokenizer.from_pretrained(built / "models/base")
@@ -244,3 +244,26 @@ def test_grpo_on_two_ddp_ranks_matches_one_process_with_the_same_global_batch(bu
         assert [s[key] for s in two_steps] == [s[key] for s in one_steps], key
     for key in ("loss", "grad_norm"):
         assert [s[key] for s in two_steps] == pytest.approx([s[key] for s in one_steps], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_bad_rewards_are_named_all_at_once_before_the_model_loads(built, tmp_path):
+    """train.grpo.rewards with an unknown reward, a format reward without its pattern and a user function that
+    reads a row field the rollouts do not hand over: the train stage exits 2 naming each entry's key, no
+    traceback, before any step."""
+    project = grpo_project(built, tmp_path / "p")
+    from tests.conftest import write_params
+
+    bad = [{"name": "nope"}, {"name": "format"}]
+    write_params(project / "params.yaml", {**TRAIN_OVERRIDES_GRPO(), "train.grpo.rewards": bad})
+    proc = start_train(project, 1, train_env(1))
+    output = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 2 and "Traceback" not in output, output[-3000:]
+    assert "train.grpo.rewards[0].name" in output and "train.grpo.rewards[1].pattern" in output, output[-3000:]
+    assert not (project / "reports/train_steps.jsonl").exists()
+    beyond = [{"name": "user", "function": "tests.reward_functions:contains_answer", "needs": ["tests"]}]
+    write_params(project / "params.yaml", {**TRAIN_OVERRIDES_GRPO(), "train.grpo.rewards": beyond})
+    proc = start_train(project, 1, train_env(1))
+    output = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 2 and "Traceback" not in output, output[-3000:]
+    assert "reward user reads the row's tests" in output, output[-3000:]

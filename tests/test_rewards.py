@@ -22,6 +22,8 @@ from fineflow.rewards import REWARDS, RewardsParams, RewardSpec, build_rewards, 
 ROOT = Path(__file__).resolve().parent.parent
 FUNCTIONS = "tests.reward_functions"
 
+WHERE = "train.grpo.rewards"  # the key the train stage passes for the GRPO objective's rewards
+
 
 def scores(spec: dict, completions: list[str], rows: list[dict] | None = None) -> list[float]:
     """One reward's scores of the completions (rows default to empty ones)."""
@@ -97,7 +99,7 @@ def test_math_verify_is_refused_with_the_install_line_when_its_package_is_absent
     if importlib.util.find_spec("math_verify") is not None:
         pytest.skip("math-verify is installed here: the refusal is for its absence")
     with pytest.raises(ConfigError, match=re.escape("train.grpo.rewards[0]: reward math_verify needs the math-verify")):
-        build_rewards([{"name": "math_verify"}])
+        build_rewards([{"name": "math_verify"}], where=WHERE)
     with pytest.raises(ConfigError, match="pip install math-verify"):
         build_rewards([{"name": "math_verify", "field": "answer"}])
 
@@ -139,7 +141,7 @@ def test_every_problem_of_the_list_is_reported_at_once_naming_its_key():
         7,
     ]
     with pytest.raises(ConfigError) as caught:
-        build_rewards(specs)
+        build_rewards(specs, where=WHERE)
     lines = str(caught.value).splitlines()
     assert lines[0] == "10 problem(s) in train.grpo.rewards:", lines
     keys = [line.strip().split(": ")[0] for line in lines[1:]]
@@ -160,7 +162,7 @@ def test_every_problem_of_the_list_is_reported_at_once_naming_its_key():
     assert "feild: is not a setting of reward exact_match (its settings: field, case_insensitive)" in text
     assert "no module 'no_such_package.rewards' to import" in text
     with pytest.raises(ConfigError, match=r"train\.grpo\.rewards: no rewards"):
-        build_rewards([])
+        build_rewards([], where=WHERE)
 
 
 def test_reward_specs_are_a_params_field_whose_names_and_settings_the_set_checks():
@@ -179,7 +181,7 @@ def test_reward_specs_are_a_params_field_whose_names_and_settings_the_set_checks
         RewardsParams(rewards=[])
     params = RewardsParams(rewards=[{"name": "format"}, {"name": "zz"}, {"name": "exact_match", "case": True}])
     with pytest.raises(ConfigError) as caught:
-        build_rewards(params.rewards)
+        build_rewards(params.rewards, where=WHERE)
     assert str(caught.value).splitlines()[1:] == [
         "  train.grpo.rewards[0].pattern: is required by reward format",
         "  train.grpo.rewards[1].name: 'zz' is not one of " + ", ".join(REWARDS),

@@ -30,23 +30,20 @@ loop reports (train.eval_every) is the SFT loss of the eval rows' answers: the g
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field
 
 from fineflow.errors import FineflowError
 from fineflow.objectives.interface import EXAMPLES, BatchLoss, Objective
-from fineflow.param_section import Section
+from fineflow.reward_spec import RewardsParams
 
 NORMALIZATIONS = ("grpo", "dapo", "dr_grpo")
 # the step's rollout sums, reduced over ranks in this order (Objective.rollout_stats)
-STATS = ("reward_sum", "completions", "groups", "flat_groups", "flat_solved", "completion_tokens", "reward_errors")
 
 
-class GRPOParams(Section):
-    """train.grpo: GRPO's own settings (its start and reference: train.preference.reference)."""
+class GRPOParams(RewardsParams):
+    """train.grpo: GRPO's own settings, its rewards among them (its start and reference: train.preference.reference)."""
 
     group_size: int = Field(
         4, ge=2, description="completions sampled per prompt (G): the group their advantage is relative to"
@@ -58,10 +55,6 @@ class GRPOParams(Section):
     epsilon: float = Field(0.2, gt=0, lt=1, description="the clip range below and above 1 of the probability ratio")
     epsilon_high: float | None = Field(
         None, gt=0, description="the clip range above 1 (DAPO's clip-higher, e.g. 0.28); unset: epsilon"
-    )
-    rewards: list[dict] = Field(
-        default_factory=lambda: [{"name": "exact_match", "weight": 1.0}],
-        description="the rewards and their weights (fineflow.rewards: docs/rewards.md)",
     )
     normalization: Literal["grpo", "dapo", "dr_grpo"] = Field(
         "grpo",
@@ -82,18 +75,15 @@ class GRPO(Objective):
     def check_run(self, cfg, profile) -> None:
         refuse_unsupported(cfg, profile.sharding)
 
-    def rollout_context(self, base_source: str, start_adapter, cfg, seed: int, device=None):
-        from fineflow.objectives.rollouts import RolloutContext
+    def online_settings(self, cfg) -> GRPOParams:
+        return cfg.grpo
 
-        return RolloutContext.build(base_source, start_adapter, cfg, seed, device)
+    def advantages(self, rewards, cfg):
+        return group_advantages(rewards, cfg.grpo.normalization)
 
-    def rollout(self, model, prepared, cfg, step: int, accelerator, timer, context):
-        from fineflow.objectives.rollouts import rollout_step
-
-        return rollout_step(model, prepared, cfg, step, accelerator, timer, context)
-
-    def step_fields(self, totals: dict) -> dict:
-        return step_fields(totals)
+    def loss_targets(self, completions: int, completion_tokens: int, cfg) -> int:
+        """What the loss is a sum over: completion tokens (dapo), else completions."""
+        return completion_tokens if cfg.grpo.normalization == "dapo" else completions
 
     def loss(self, model, batch: dict, cfg=None, **forward_kwargs) -> BatchLoss:
         if "advantages" not in batch:  # the loop's held-out loss on the eval shard: SFT's, the guard
@@ -142,67 +132,6 @@ def group_advantages(rewards, normalization: str):
     if normalization == "dr_grpo":
         return centred
     return centred / (rewards.std(dim=1, keepdim=True) + 1e-4)
-
-
-def group_seed(seed: int, step: int, row: int, example: int) -> int:
-    """The sampling seed of one prompt's group: a function of the run's seed, the step and the example's place in
-    the shard alone (not of the rank or the batch), so a resume and any world size sample the same completions."""
-    digest = hashlib.sha256(f"grpo:{seed}:{step}:{row}:{example}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
-
-
-def step_fields(totals: dict) -> dict:
-    """The step log's rollout figures from the global batch's sums (STATS)."""
-    completions, groups = max(1.0, totals["completions"]), max(1.0, totals["groups"])
-    return {
-        "reward_mean": round(totals["reward_sum"] / completions, 5),
-        # groups whose completions all scored alike have no advantage: no learning signal; of them, the share of
-        # all groups where every completion was rewarded (too easy) - the rest scored nothing (too hard)
-        "zero_advantage_share": round(totals["flat_groups"] / groups, 5),
-        "zero_advantage_solved_share": round(totals["flat_solved"] / groups, 5),
-        "completion_tokens_mean": round(totals["completion_tokens"] / completions, 3),
-        "reward_errors": int(totals["reward_errors"]),
-    }
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One example of a packed SFT row: its prompt tokens, its reference answer's tokens, where it sits."""
-
-    prompt_ids: list[int]
-    answer_ids: list[int]
-    row: int
-    example: int
-
-
-def prompts_of(input_ids, labels, position_ids, row: int) -> list[Prompt]:
-    """The examples packed in one shard row (numpy 1-D arrays): each starts where position_ids restart at 0 (the
-    padding after them too: a segment without trained tokens); its answer is its last run of trained tokens
-    (labels != -100), its prompt every token before that run."""
-    import numpy as np
-
-    starts = [int(i) for i in np.flatnonzero(position_ids == 0)]
-    found = []
-    for k, start in enumerate(starts):
-        end = starts[k + 1] if k + 1 < len(starts) else len(position_ids)
-        trained = np.flatnonzero(labels[start:end] != -100)
-        if len(trained) == 0:
-            continue  # padding, or an example whose answer was cut away
-        last = int(trained[-1])
-        first = last
-        while first > 0 and labels[start + first - 1] != -100:
-            first -= 1
-        if first == 0:
-            continue  # no prompt left to generate from
-        found.append(
-            Prompt(
-                input_ids[start : start + first].tolist(),
-                input_ids[start + first : start + last + 1].tolist(),
-                row,
-                k,
-            )
-        )
-    return found
 
 
 def refuse_unsupported(cfg, sharding: str) -> None:

@@ -18,8 +18,8 @@ An objective says:
   rejected, listed in the params reference); None when it has none. Settings the preference objectives share
   (beta, the reference) are ``train.preference`` (fineflow.objectives.pair_params).
 - ``online``: it generates its training batches in the loop (online RL: fineflow.objectives.grpo): each step's
-  sampled rows are prompts, ``rollout`` turns them into the step's micro-batches (with ``rollout_context``, built
-  once per rank) and ``step_fields`` into the step log's figures.
+  sampled rows are prompts, which fineflow.train.rollouts samples completions for with ``online_settings``,
+  scores with its rewards and turns into the step's micro-batches with its ``advantages`` and ``loss_targets``.
 - ``eval_task``: the held-out task evaluate adds for it (None: only evaluate.tasks), whose metrics the gate
   can judge (promote.primary_metric).
 - ``model_kind``: what the trained model is: a language model (LANGUAGE_MODEL), or a model that scores text (the
@@ -61,7 +61,7 @@ class Objective:
     anchored: bool = False  # starts from train.preference.reference's model (always, when needs_reference)
     needs_reference: bool = False
     params: type | None = None  # its own settings section, train.<name> (a fineflow.param_section.Section)
-    online: bool = False  # generates each step's batch in the loop (rollout)
+    online: bool = False  # generates each step's batch in the loop (fineflow.train.rollouts)
     eval_task: str | None = None
 
     def loss(self, model, batch: dict, cfg=None, **forward_kwargs) -> BatchLoss:
@@ -79,20 +79,20 @@ class Objective:
         """Refuse, before any model loads, a run configuration it cannot train with (cfg: the train section,
         profile: the accelerate profile, fineflow.train.profile); nothing by default."""
 
-    # ---- an online objective's rollouts (online: True): each step's batch made from its sampled prompts ----------
+    # ---- an online objective (online: True): the loop's rollouts make each step's batch (fineflow.train.rollouts) --
 
-    def rollout_context(self, base_source: str, start_adapter, cfg, seed: int, device=None):
-        """What the rollouts need beside the model (tokenizer, rewards, reference), built once per rank."""
+    def online_settings(self, cfg):
+        """Its rollouts' settings: group_size, max_completion_tokens, temperature, top_p, beta (the reference's
+        weight) and rewards (fineflow.reward_spec.RewardSpec list)."""
         raise NotImplementedError(f"train.objective {self.name} trains on its shards as they are: no rollouts")
 
-    def rollout(self, model, prepared, cfg, step: int, accelerator, timer, context):
-        """The step's StepBatch (fineflow.train.loader) generated from ``prepared``'s sampled rows: exactly
-        train.grad_accum micro-batches, its ``targets`` and ``stats`` (sums the loop reduces over ranks)."""
+    def advantages(self, rewards, cfg):
+        """Each completion's advantage from its group's rewards (a groups x group_size tensor)."""
         raise NotImplementedError(f"train.objective {self.name} trains on its shards as they are: no rollouts")
 
-    def step_fields(self, totals: dict) -> dict:
-        """The step log's figures from the global batch's rollout ``stats`` (summed over ranks)."""
-        return {}
+    def loss_targets(self, completions: int, completion_tokens: int, cfg) -> int:
+        """What its loss over a rank's completions is a sum over (the loop divides by the global count)."""
+        raise NotImplementedError(f"train.objective {self.name} trains on its shards as they are: no rollouts")
 
     @property
     def trains_pairs(self) -> bool:

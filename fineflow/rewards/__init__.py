@@ -44,7 +44,7 @@ REWARDS: dict[str, type[Reward]] = {
     for reward in (ExactMatch, NumericMatch, Format, LengthPenalty, MathVerify, ChampionReward, UserFunction)
 }
 NAMES = tuple(REWARDS)
-WHERE = "train.grpo.rewards"  # the params key the specs come from, as errors name it
+WHERE = "rewards"  # the params key the specs come from, as errors name it (callers pass train.<objective>.rewards)
 __all__ = [
     "DEFAULT_REWARDS",
     "NAMES",

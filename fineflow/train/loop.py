@@ -25,6 +25,7 @@ from fineflow.tokenize.shards import PackedShard
 from fineflow.train.attention import layout_kwargs, layout_of
 from fineflow.train.checkpointing import TrainStateSaver
 from fineflow.train.loader import BatchLoader, as_tensors
+from fineflow.train.rollouts import rollout_step, step_fields
 from fineflow.train.steps import Progress, StepLog, StepTimer, peak_memory_mb
 
 
@@ -47,7 +48,7 @@ class FitResult:
     peak_mem_mb: float = 0.0
     resumed_from: int = 0  # the step this attempt started after (0: a fresh start)
     rewards: tuple[float, float] | None = None  # a preference objective: the last step's reward accuracy and margin
-    rollout: dict | None = None  # an online objective: the last step's rollout figures (Objective.step_fields)
+    rollout: dict | None = None  # an online objective: the last step's rollout figures (rollouts.step_fields)
 
 
 def evaluate_loss(
@@ -102,8 +103,8 @@ def fit(
 ) -> FitResult:
     """Run optimizer steps start_step+1 .. cfg.steps on the batches the loader prepares (after a resume,
     the loader's sampler, the weights and the optimizer were restored to start_step); returns the report's
-    figures. rollouts: an online objective's context (Objective.rollout_context): each step's sampled rows are
-    its prompts, and the objective's rollout makes the step's batch from them.
+    figures. rollouts: an online objective's context (fineflow.train.rollouts.RolloutContext): each step's
+    sampled rows are its prompts, and its rollout makes the step's batch from them.
 
     A stop signal (SIGTERM: preemption; SIGINT: Ctrl-C; noted by fineflow.process.preempt) lets the step in
     progress finish, saves that step, waits for the write and raises preempt.Preempted: a retry resumes there."""
@@ -113,7 +114,6 @@ def fit(
     started = time.perf_counter()
     loss_value, eval_loss, rewards, rollout = float("nan"), None, None, None
     check_accumulation(accelerator, cfg.grad_accum)
-    objective = objective_for(cfg.objective)
     for step in range(start_step + 1, cfg.steps + 1):
         timer.start_step(redo=step <= redo_through)
         step_start = time.perf_counter()
@@ -121,7 +121,7 @@ def fit(
             prepared = next(batches)  # blocks only if the loader thread has fallen behind
         if rollouts is not None:  # its own spans: rollout_s, reward_s, reference_s
             began, spanned = time.perf_counter(), sum(timer.current.values())
-            prepared = objective.rollout(model, prepared, cfg, step, accelerator, timer, rollouts)
+            prepared = rollout_step(model, prepared, cfg, step, accelerator, timer, rollouts)
             # what the rollout did between its spans (assembling the batch) is rollout time too
             timer.add("rollout_s", time.perf_counter() - began - (sum(timer.current.values()) - spanned))
         targets, step_tokens, step_loss, step_rewards = forward_backward(model, accelerator, prepared, cfg, timer)
@@ -157,7 +157,7 @@ def fit(
             if rewards is not None:  # a preference objective: the global batch's reward accuracy and mean margin
                 record["reward_accuracy"], record["reward_margin"] = round(rewards[0], 5), round(rewards[1], 5)
             if prepared.stats is not None:  # an online objective's rollout figures, over the global batch
-                rollout = objective.step_fields(rollout_totals(accelerator, prepared.stats))
+                rollout = step_fields(rollout_totals(accelerator, prepared.stats))
                 record.update(rollout)
             if step_eval is not None:
                 record["eval_loss"] = round(step_eval, 5)
