@@ -267,3 +267,116 @@ def test_bad_rewards_are_named_all_at_once_before_the_model_loads(built, tmp_pat
     output = proc.communicate(timeout=600)[0]
     assert proc.returncode == 2 and "Traceback" not in output, output[-3000:]
     assert "reward user reads the row's tests" in output, output[-3000:]
+
+
+# ---- issue 47's acceptance: SFT, then GRPO from the SFT champion, through `dvc repro` ----------------------------
+
+from tests.test_preference_pipeline import _default_params, _report, _repro, sft_champion  # noqa: E402, F401
+
+# exact match as the reward (pass@1 of the held-out prompts is fineflow_synth/exact_match, the gate's metric)
+FROM_SFT = {
+    "train.objective": "grpo",
+    "train.steps": 150,
+    "train.lr": 5.0e-4,
+    "train.grpo.group_size": 4,
+    "train.grpo.max_completion_tokens": 24,
+    "checkpoint.every_steps": 50,
+}
+
+
+@pytest.mark.nightly  # the embedded default's SFT run (~4-8 min), then GRPO from its champion
+@pytest.mark.slow
+def test_sft_then_grpo_raises_held_out_pass_at_1_over_the_sft_champion_and_is_promoted(sft_champion, tmp_path):  # noqa: F811
+    """The embedded default trained with SFT and promoted; then train.objective grpo from that champion (its
+    adapter, train.preference.reference champion) with exact match as the reward: the held-out exact match
+    (greedy pass@1 of the eval prompts) rises significantly over the champion's by the gate's paired bootstrap,
+    and the gate promotes it."""
+    project = tmp_path / "project"
+    shutil.copytree(sft_champion, project, symlinks=True)
+    sft_id = json.loads((project / "models/registry/champion.json").read_text())["id"]
+    _default_params(project, FROM_SFT)
+    ran, wall_s = _repro(project)
+    assert {"reference_logps", "train", "evaluate", "promote"} <= set(ran), ran
+    assert json.loads((project / "models/reference_logps/reference.json").read_text())["champion"] == sft_id
+    scores = json.loads((project / "eval/scores.json").read_text())
+    figures = {m: scores[m]["metrics"] for m in ("base", "champion", "candidate")}
+    promote, train = _report(project, "promote"), _report(project, "train")
+    record = {"wall_s": wall_s, "scores": figures, "promote": promote, "train": train}
+    (tmp_path.parent / "sft_then_grpo.json").write_text(json.dumps(record, indent=1, default=str))
+    assert scores["champion"]["id"] == sft_id
+    assert promote["decision"] == "promoted", promote
+
+
+# ---- the doctor's RL findings -----------------------------------------------------------------------------------
+
+
+def _rl_ledger(rollout_s: float, sums: dict):
+    from tests.test_goodput import _ledger, _train
+
+    train = _train(loop_s=100.0, compute_s=100.0 - rollout_s, rollout_s=rollout_s) | {
+        "objective": "grpo",
+        "rollouts": sums,
+        "precision": "no",
+        "device": {"type": "cpu", "name": "cpu", "bf16_capable": False},
+    }
+    return _ledger({"compute": 100.0 - rollout_s, "rollout": rollout_s}, train)
+
+
+def _found(ledger) -> dict:
+    from fineflow.goodput import doctor
+
+    return {f["cause"]: f for f in doctor.diagnose(ledger)}
+
+
+SIGNAL = {"groups": 100.0, "flat_groups": 10.0, "flat_solved": 5.0, "reward_errors": 0.0}
+
+
+def test_the_doctor_names_rollouts_that_dominate_the_loop_and_what_to_shorten():
+    found = _found(_rl_ledger(85.0, SIGNAL))
+    assert found["rollout"]["severity"] == "severe" and "85%" in found["rollout"]["evidence"]
+    assert found["rollout"]["fix"]["param"] == "train.grpo.max_completion_tokens"
+    assert "rollout" not in _found(_rl_ledger(40.0, SIGNAL))
+
+
+@pytest.mark.parametrize(
+    ("solved", "reading", "param"),
+    [(80.0, "too easy", "train.grpo.temperature"), (5.0, "too hard", "train.grpo.group_size")],
+)
+def test_the_doctor_says_whether_groups_without_signal_were_all_right_or_all_wrong(solved, reading, param):
+    found = _found(_rl_ledger(40.0, {**SIGNAL, "flat_groups": 90.0, "flat_solved": solved}))
+    assert found["no_signal"]["severity"] == "severe" and reading in found["no_signal"]["evidence"]
+    assert found["no_signal"]["fix"]["param"] == param
+    assert "no_signal" not in _found(_rl_ledger(40.0, SIGNAL))
+
+
+def test_the_doctor_names_failing_rewards():
+    found = _found(_rl_ledger(40.0, {**SIGNAL, "reward_errors": 30.0}))
+    assert (
+        found["reward_errors"]["severity"] == "severe"
+        and found["reward_errors"]["fix"]["param"] == "train.grpo.rewards"
+    )
+    assert _found(_rl_ledger(40.0, {**SIGNAL, "reward_errors": 2.0}))["reward_errors"]["severity"] == "warn"
+    assert "reward_errors" not in _found(_rl_ledger(40.0, SIGNAL))
+
+
+@pytest.mark.slow
+def test_induced_through_the_train_stage_a_raising_reward_and_a_task_too_hard_are_what_the_doctor_names(
+    built, tmp_path
+):
+    """The real train and goodput stages: the base model never produces a row's exact answer (every group scores
+    0: too hard) and a user reward raises on every batch (each counted, the run goes on): the ledger's doctor names
+    both, and the ledger adds up with the rollout and reward buckets."""
+    from fineflow.goodput import doctor
+    from tests.conftest import venv_env
+    from tests.test_goodput import assert_adds_up, train_then_ledger
+
+    rewards = [{"name": "exact_match"}, {"name": "user", "function": "tests.reward_functions:raises", "weight": 0.5}]
+    project = grpo_project(built, tmp_path / "p", {"train.grpo.rewards": rewards})
+    ledger = train_then_ledger(project, venv_env(), 1)
+    assert_adds_up(ledger)
+    assert ledger["buckets"]["rollout"] > 0 and ledger["buckets"]["reward"] > 0
+    found = {f["cause"]: f for f in doctor.diagnose(ledger)}
+    assert "too hard" in found["no_signal"]["evidence"] and found["no_signal"]["severity"] == "severe", found
+    assert found["reward_errors"]["severity"] == "severe", found
+    steps = steps_of(project)
+    assert all(s["reward_errors"] >= 1 for s in steps), steps

@@ -458,6 +458,8 @@ def train_facts(train_report: dict) -> dict:
         "recomputed_steps",
         "preprocess_s",
         "settings",
+        "objective",  # named by a report of an objective other than sft
+        "rollouts",  # an online objective's rollout sums over the attempt (groups, flat groups, reward errors)
     )
     facts = {key: train_report.get(key) for key in keys if key in train_report}
     plan = train_report.get("plan") or {}

@@ -49,6 +49,7 @@ class FitResult:
     resumed_from: int = 0  # the step this attempt started after (0: a fresh start)
     rewards: tuple[float, float] | None = None  # a preference objective: the last step's reward accuracy and margin
     rollout: dict | None = None  # an online objective: the last step's rollout figures (rollouts.step_fields)
+    rollout_totals: dict | None = None  # and its rollout sums over this attempt's steps (rollouts.STATS)
 
 
 def evaluate_loss(
@@ -112,7 +113,7 @@ def fit(
 
     model.train()
     started = time.perf_counter()
-    loss_value, eval_loss, rewards, rollout = float("nan"), None, None, None
+    loss_value, eval_loss, rewards, rollout, run_rollouts = float("nan"), None, None, None, None
     check_accumulation(accelerator, cfg.grad_accum)
     for step in range(start_step + 1, cfg.steps + 1):
         timer.start_step(redo=step <= redo_through)
@@ -157,7 +158,9 @@ def fit(
             if rewards is not None:  # a preference objective: the global batch's reward accuracy and mean margin
                 record["reward_accuracy"], record["reward_margin"] = round(rewards[0], 5), round(rewards[1], 5)
             if prepared.stats is not None:  # an online objective's rollout figures, over the global batch
-                rollout = step_fields(rollout_totals(accelerator, prepared.stats))
+                step_totals = rollout_totals(accelerator, prepared.stats)
+                run_rollouts = {k: (run_rollouts or {}).get(k, 0.0) + v for k, v in step_totals.items()}
+                rollout = step_fields(step_totals)
                 record.update(rollout)
             if step_eval is not None:
                 record["eval_loss"] = round(step_eval, 5)
@@ -166,7 +169,9 @@ def fit(
             stop(accelerator, saver, step, preempt)
     wall_s = time.perf_counter() - started
     peak = peak_memory_mb(accelerator.device)
-    return FitResult(cfg.steps, loss_value, eval_loss, tokens_seen, wall_s, timer, peak, start_step, rewards, rollout)
+    return FitResult(
+        cfg.steps, loss_value, eval_loss, tokens_seen, wall_s, timer, peak, start_step, rewards, rollout, run_rollouts
+    )
 
 
 def train_eval(model, eval_shard, accelerator, cfg: TrainParams) -> float:

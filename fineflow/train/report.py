@@ -99,7 +99,8 @@ def preference_figures(result, cfg: TrainParams) -> dict:
     figures; nothing for sft."""
     objective = objective_for(cfg.objective)
     if objective.online:
-        return {"objective": cfg.objective, **{f"final_{k}": v for k, v in (result.rollout or {}).items()}}
+        last = {f"final_{k}": v for k, v in (result.rollout or {}).items()}
+        return {"objective": cfg.objective, **last, "rollouts": result.rollout_totals}
     if not objective.pair_shards:
         return {}
     accuracy, margin = result.rewards if result.rewards is not None else (None, None)
