@@ -117,11 +117,10 @@ def test_sft_then_a_preference_objective_raises_preference_accuracy_over_the_sft
     sft_champion, tmp_path, objective
 ):
     """Issue 34's and 46's acceptance: on the bundled task families, SFT is trained and promoted; then the same
-        prompts as preference data (the right answer chosen, a plausible wrong one of its family rejected: pairs for
-        dpo and orpo, the two answers unpaired and labelled for kto) align it, starting from the SFT champion (dpo's and
-    kto's reference too).
-        The candidate's preference accuracy rises significantly over the SFT champion's (the gate's paired bootstrap)
-        and the gate promotes it."""
+    prompts as preference data (the right answer chosen, a plausible wrong one of its family rejected: pairs for
+    dpo and orpo, the two answers unpaired and labelled for kto) align it, starting from the SFT champion (dpo's
+    and kto's reference too). The candidate's preference accuracy rises significantly over the SFT champion's (the
+    gate's paired bootstrap) and the gate promotes it."""
     project = tmp_path / "project"
     shutil.copytree(sft_champion, project, symlinks=True)
     sft_id = json.loads((project / "models/registry/champion.json").read_text())["id"]

@@ -503,6 +503,8 @@ def test_a_preference_objective_on_sft_shards_or_without_its_reference_is_one_cl
     from tests.conftest import train_project
 
     sft_shards = train_project(built, tmp_path / "sft", {"train.objective": "simpo"})
+    run_stage(sft_shards, "fingerprint")  # the start simpo continues (no log-probs: it reads no shard)
+    run_stage(sft_shards, "reference_logps")
     proc = start_train(sft_shards, 1, train_env(1))
     output = proc.communicate(timeout=600)[0]
     assert proc.returncode == 2 and "Traceback" not in output, output[-3000:]
