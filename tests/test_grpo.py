@@ -196,6 +196,7 @@ def _adapter(project: Path) -> dict:
 ROLLOUT_KEYS = ("step", "rows", "loss", "grad_norm", "reward_mean", "zero_advantage_share", "completion_tokens_mean")
 
 
+@pytest.mark.nightly  # two kills and three trainings (~40 s); per PR: the seeded groups and the train stage
 @pytest.mark.slow
 def test_grpo_sigkilled_mid_run_then_resumed_generates_the_same_completions_and_the_same_adapter(built, tmp_path):
     """SIGKILL during a rollout (the step after a checkpoint) and once more later, then a run to the end: every
@@ -220,6 +221,7 @@ def test_grpo_sigkilled_mid_run_then_resumed_generates_the_same_completions_and_
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.nightly  # a 2-rank accelerate launch beside a 1-process run (~30 s); per PR: SFT's 2 ranks vs 1
 @pytest.mark.slow
 def test_grpo_on_two_ddp_ranks_matches_one_process_with_the_same_global_batch(built, tmp_path):
     """The same global batch on 1 process and on 2 accelerate ranks: each group's seed is its example's, so the
