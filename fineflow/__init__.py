@@ -6,7 +6,9 @@ Every package's ``__init__.py`` maps its own files (tests/test_docs.py checks ea
 
 errors.py      the user errors (each names its file, row or key) and the exit codes every layer shares
 param_section.py the base of every params.yaml section model (unknown keys rejected, frozen)
+reward_spec.py the shape of train.grpo.rewards (RewardSpec), a params field the objectives may hold
 objectives/    train.objective: one module per objective (its rows, loss, reference, metric) behind one interface
+rewards/       online RL's rewards: one module per reward behind one interface, the registry, the weighted sum
 core/          what every stage imports: params, the entry wrapper, reports, the workspace, the journal
 stages/        one thin entry per DVC stage
 base/          stage base: the embedded default base model

@@ -132,6 +132,8 @@ def type_text(field: FieldInfo) -> str:
 
 def default_text(value: object) -> str:
     """A default as params.yaml writes it: ``null``, ``false``, ``[q_proj, k_proj]``, ``{B200: 7.0}``."""
+    if isinstance(value, list):  # a list of models (train.grpo.rewards' specs) as their params.yaml mappings
+        value = [item.model_dump() if hasattr(item, "model_dump") else item for item in value]
     text = yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6, allow_unicode=True)
     return text.removesuffix("\n...\n").strip()
 

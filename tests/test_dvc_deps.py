@@ -163,7 +163,7 @@ def test_every_output_dvc_records_travels_with_dvc_push(stage):
 
 # --- params: an edit re-runs the stages that read the key ---------------------------------------------------------
 
-OBJECTIVE_NAMES = ("sft", "dpo", "simpo", "orpo", "kto", "reward_model")
+OBJECTIVE_NAMES = ("sft", "dpo", "simpo", "orpo", "kto", "reward_model", "grpo")
 
 
 def _objectives(test) -> set[str]:

@@ -652,7 +652,7 @@ OBJECTIVES_PER_PR = ("dpo",)
     "objective",
     [
         name if name in OBJECTIVES_PER_PR else pytest.param(name, marks=pytest.mark.nightly)
-        for name in ("sft", "dpo", "simpo", "orpo", "kto", "reward_model")
+        for name in ("sft", "dpo", "simpo", "orpo", "kto", "reward_model", "grpo")
     ],
 )
 def test_each_objectives_train_stage_writes_a_ledger_that_adds_up(built, tmp_path, objective):
@@ -666,6 +666,10 @@ def test_each_objectives_train_stage_writes_a_ledger_that_adds_up(built, tmp_pat
 
     if objective == "sft":
         project = train_project(built, tmp_path / "p")
+    elif objective == "grpo":  # SFT shards: its prompts, and the reference stage for its start
+        from tests.test_grpo import grpo_project
+
+        project = grpo_project(built, tmp_path / "p", {"train.steps": 12})
     else:
         project = preference_project(built, tmp_path / "p", objective)
     result = train_then_ledger(project, venv_env(), 1)
@@ -689,6 +693,9 @@ def test_each_objectives_train_stage_writes_a_ledger_that_adds_up(built, tmp_pat
     assert b["checkpoint"] == pytest.approx(totals["checkpoint_s"] + spans["save"], abs=2e-3)
     assert b["compute"] > 0 and totals["checkpoint_s"] > 0  # TRAIN_OVERRIDES: a checkpoint every 2 of 12 steps
     assert (b["reference_logps"] > 0) == (objective != "sft"), b
+    if objective == "grpo":  # its rollouts: generation and the rewards, each in its own bucket
+        assert b["rollout"] == pytest.approx(totals["rollout_s"], abs=1e-3) and b["rollout"] > 0, (b, totals)
+        assert b["reward"] == pytest.approx(totals["reward_s"], abs=1e-3) and b["reward"] > 0, (b, totals)
 
 
 @pytest.mark.slow

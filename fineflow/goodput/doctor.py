@@ -24,6 +24,17 @@ unless said otherwise):
   fineflow.core.threads) or fewer ranks. At torch's default thread count per process a busy 2-core machine trained
   10-75x slower. An oversubscribed CPU run's precision is not judged (its time measured the contention).
 
+Online RL (an objective that generates its batches: train.objective grpo) adds three, read from the loop's rollout
+spans and the train report's rollout sums:
+
+- rollout: generating the completions as a share of the loop (RL's usual bottleneck); fix
+  ``train.grpo.max_completion_tokens`` (completions cut shorter) or fewer completions per prompt.
+- no_signal: groups whose completions all scored alike, so their advantage is 0 and they teach nothing, as a
+  share of all groups; it says whether they were all rewarded (too easy: harder prompts, a higher temperature) or
+  none was (too hard: train SFT first, or more completions per prompt, ``train.grpo.group_size``).
+- reward_errors: reward batches that failed (a user function that raised or ran past its time limit: scored
+  ``on_error``); fix the function named in ``train.grpo.rewards``.
+
 Findings are ordered by severity, then by their share of the run. Exit 1 when a finding reaches ``--fail-on``
 (default severe), so CI can fail a run that wasted its devices; 2 on an unreadable ledger.
 """
@@ -50,6 +61,9 @@ MEMORY_SHARE = (0.85, 0.95)  # the larger of measured peak and plan / device mem
 # the bf16 probe's interquartile range over its median ratio above which it proves nothing (a quiet machine: ~0.05;
 # one whose load came and went during the probe: > 1)
 MAX_PROBE_SPREAD = 0.25
+ROLLOUT_SHARE = (0.60, 0.80)  # generation's share of an online objective's loop: (warn, severe)
+NO_SIGNAL_SHARE = (0.50, 0.80)  # groups without a learning signal, of all groups: (warn, severe)
+REWARD_ERROR_SHARE = 0.10  # failed reward batches per group above which a reward error is severe
 THREADS_PER_CORE = (1.0, 2.0)  # the ranks' threads / cores above which (warn, severe)
 # the machine's runnable threads during the loop / its CPUs at or above which (warn, severe): a run alone on the
 # machine keeps about 1x (its threads, a loader thread now and then)
@@ -228,6 +242,83 @@ def _run_findings(ledger: dict) -> list[dict]:
     return findings
 
 
+def _rollout_findings(ledger: dict, train: dict) -> list[dict]:
+    """An online objective's: generation dominating the loop, groups without signal, failing rewards."""
+    totals, loop_s = train.get("loop_totals") or {}, float(train.get("loop_s") or 0.0)
+    sums = train.get("rollouts") or {}
+    section = f"train.{train.get('objective')}"  # the objective's own settings, where its rollouts' are
+    found = []
+    rollout = float(totals.get("rollout_s") or 0.0)
+    if loop_s > 0 and rollout > 0:
+        severity = _severity(rollout / loop_s, ROLLOUT_SHARE)
+        if severity:
+            found.append(
+                _finding(
+                    "rollout",
+                    severity,
+                    rollout,
+                    ledger,
+                    f"generating the completions took {rollout:.1f} s, {rollout / loop_s:.0%} of the loop "
+                    f"({float(totals.get('compute_s') or 0.0):.1f} s computing the loss)",
+                    f"{section}.max_completion_tokens",
+                    None,
+                    f"shorter completions (or fewer per prompt, {section}.group_size) cut the generation time",
+                )
+            )
+    groups = float(sums.get("groups") or 0.0)
+    if groups > 0:
+        found += [
+            f
+            for f in (_no_signal(ledger, sums, groups, loop_s, section), _reward_errors(ledger, sums, groups, section))
+            if f
+        ]
+    return found
+
+
+def _no_signal(ledger: dict, sums: dict, groups: float, loop_s: float, section: str) -> dict | None:
+    flat, solved = float(sums.get("flat_groups") or 0.0), float(sums.get("flat_solved") or 0.0)
+    severity = _severity(flat / groups, NO_SIGNAL_SHARE)
+    if severity is None:
+        return None
+    too_easy = solved >= flat - solved
+    which = (
+        f"{solved:.0f} of them with every completion rewarded (too easy)"
+        if too_easy
+        else f"{flat - solved:.0f} of them with no completion rewarded (too hard)"
+    )
+    return _finding(
+        "no_signal",
+        severity,
+        loop_s * flat / groups,  # the share of the loop spent on groups that taught nothing
+        ledger,
+        f"{flat:.0f} of {groups:.0f} groups ({flat / groups:.0%}) scored alike, no advantage, no gradient: {which}",
+        f"{section}.temperature" if too_easy else f"{section}.group_size",
+        None,
+        "harder prompts, or a higher sampling temperature for more varied completions"
+        if too_easy
+        else "train SFT on the task first (train.preference.reference: champion starts from it), or sample more "
+        "completions per prompt",
+    )
+
+
+def _reward_errors(ledger: dict, sums: dict, groups: float, section: str) -> dict | None:
+    errors = float(sums.get("reward_errors") or 0.0)
+    if errors <= 0:
+        return None
+    severity = "severe" if errors / groups > REWARD_ERROR_SHARE else "warn"
+    return _finding(
+        "reward_errors",
+        severity,
+        0.0,
+        ledger,
+        f"{errors:.0f} reward batches failed (scored with on_error instead) over {groups:.0f} groups: the train "
+        "report's reward errors name the reward and its exception",
+        f"{section}.rewards",
+        None,
+        "a reward that raises or runs past its timeout_s scores nothing: fix the function, or raise its timeout_s",
+    )
+
+
 def _memory_findings(ledger: dict, train: dict) -> list[dict]:
     plan = train.get("plan") or {}
     device_bytes = plan.get("device_bytes")
@@ -383,6 +474,7 @@ def diagnose(ledger: dict) -> list[dict]:
         if cpu and device.get("type") == "cpu" and any(f["severity"] != "info" for f in precision):
             precision = [_not_judged_precision(ledger, device)]  # the contention, not fp32, cost that time
         findings += _loop_findings(ledger, train) + _memory_findings(ledger, train) + precision + cpu
+        findings += _rollout_findings(ledger, train)
     return sorted(findings, key=lambda f: (-SEVERITY_RANK[f["severity"]], -f["share_of_run"]))
 
 

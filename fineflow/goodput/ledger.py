@@ -41,6 +41,8 @@ BUCKETS = (
     "tokenization",
     "reference_logps",
     "compute",
+    "rollout",
+    "reward",
     "data_wait",
     "grad_sync",
     "checkpoint",
@@ -60,7 +62,10 @@ DESCRIPTIONS = {
     "base_pretrain": "pretraining the embedded base model (stage base)",
     "validation": "data generation and validation (stages data, validate)",
     "tokenization": "tokenizing and packing shards (stage tokenize)",
-    "reference_logps": "an objective's reference model scoring the train and eval pairs once (stage reference_logps)",
+    "reference_logps": "an objective's reference model scoring the train and eval pairs once (stage reference_logps), "
+    "and online RL's reference forwards over each step's completions",
+    "rollout": "online RL: generating each step's completions with the policy",
+    "reward": "online RL: the rewards scoring each step's completions",
     "compute": "forward + backward + optimizer step: the useful work",
     "data_wait": "the training loop waiting for its next batch",
     "grad_sync": "gradient all-reduce (DDP) and the per-step loss/token-count all-reduces",
@@ -105,6 +110,9 @@ SPAN_BUCKET = {
     "loop_grad_sync": "grad_sync",
     "loop_loss_sync": "grad_sync",
     "loop_train_eval": "train_eval",
+    "loop_rollout": "rollout",
+    "loop_reward": "reward",
+    "loop_reference": "reference_logps",
     "loop_checkpoint": "checkpoint",
     "loop_log": "logging",
     # a cluster launcher's (fineflow.train.engines): connecting, placing the ranks, waiting for nodes, restarting
@@ -128,6 +136,9 @@ STEP_BUCKET = {
     "loss_sync_s": "grad_sync",
     "train_eval_s": "train_eval",
     "checkpoint_s": "checkpoint",
+    "rollout_s": "rollout",
+    "reward_s": "reward",
+    "reference_s": "reference_logps",
 }
 # promote's APPROVAL_NEEDED_EXIT: it succeeded and waits for a person (the wait itself is between processes)
 SUCCEEDED = (0, APPROVAL_NEEDED_EXIT)
@@ -447,6 +458,8 @@ def train_facts(train_report: dict) -> dict:
         "recomputed_steps",
         "preprocess_s",
         "settings",
+        "objective",  # named by a report of an objective other than sft
+        "rollouts",  # an online objective's rollout sums over the attempt (groups, flat groups, reward errors)
     )
     facts = {key: train_report.get(key) for key in keys if key in train_report}
     plan = train_report.get("plan") or {}

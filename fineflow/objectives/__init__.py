@@ -9,6 +9,8 @@ simpo.py         SimPO: pairs, reference-free, length-normalised, with a margin
 orpo.py          ORPO: pairs, reference-free, the chosen answer's SFT loss plus an odds-ratio term
 kto.py           KTO: unpaired answers labelled desirable/undesirable, against a reference, with a KL estimate
 reward_model.py  a reward model: pairs, LoRA and a scalar head, Bradley-Terry loss (model_kind: not a generator)
+grpo.py          GRPO (DAPO, Dr. GRPO): online RL, completions sampled per prompt and scored by rewards
+rollouts.py      an online objective's rollout phase: generation, rewards, advantages, the step's micro-batches
 token_loss.py    the next-token loss, plain or chunked so the logits never exist whole (train.loss_chunk_tokens)
 pair_params.py   train.preference: what the preference objectives share (beta, the model a run starts from)
 pair_logps.py    each pair's chosen and rejected sequence log-probs under a model, from a packed pair batch
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 from fineflow.errors import ConfigError
 from fineflow.objectives.dpo import DPO
+from fineflow.objectives.grpo import GRPO
 from fineflow.objectives.interface import EXAMPLES, FEEDBACK, PAIRS, PREFERENCE_TASK, BatchLoss, Objective
 from fineflow.objectives.kto import KTO
 from fineflow.objectives.orpo import ORPO
@@ -30,7 +33,7 @@ from fineflow.objectives.sft import SFT
 from fineflow.objectives.simpo import SimPO
 
 OBJECTIVES: dict[str, Objective] = {
-    objective.name: objective for objective in (SFT(), DPO(), SimPO(), ORPO(), KTO(), RewardModel())
+    objective.name: objective for objective in (SFT(), DPO(), SimPO(), ORPO(), KTO(), RewardModel(), GRPO())
 }
 NAMES = tuple(OBJECTIVES)
 

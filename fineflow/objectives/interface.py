@@ -17,6 +17,9 @@ An objective says:
 - ``params``: its own settings, a params section (``train.<name>``: fineflow.param_section.Section, typed, unknown keys
   rejected, listed in the params reference); None when it has none. Settings the preference objectives share
   (beta, the reference) are ``train.preference`` (fineflow.objectives.pair_params).
+- ``online``: it generates its training batches in the loop (online RL: fineflow.objectives.grpo): each step's
+  sampled rows are prompts, which fineflow.train.rollouts samples completions for with ``online_settings``,
+  scores with its rewards and turns into the step's micro-batches with its ``advantages`` and ``loss_targets``.
 - ``eval_task``: the held-out task evaluate adds for it (None: only evaluate.tasks), whose metrics the gate
   can judge (promote.primary_metric).
 - ``model_kind``: what the trained model is: a language model (LANGUAGE_MODEL), or a model that scores text (the
@@ -58,6 +61,7 @@ class Objective:
     anchored: bool = False  # starts from train.preference.reference's model (always, when needs_reference)
     needs_reference: bool = False
     params: type | None = None  # its own settings section, train.<name> (a fineflow.param_section.Section)
+    online: bool = False  # generates each step's batch in the loop (fineflow.train.rollouts)
     eval_task: str | None = None
 
     def loss(self, model, batch: dict, cfg=None, **forward_kwargs) -> BatchLoss:
@@ -70,6 +74,25 @@ class Objective:
         train and eval to their rows file (JSONL), cfg is the train section. Returns what the validate report adds,
         or raises DataError naming the file and what to change. None by default."""
         return {}
+
+    def check_run(self, cfg, profile) -> None:
+        """Refuse, before any model loads, a run configuration it cannot train with (cfg: the train section,
+        profile: the accelerate profile, fineflow.train.profile); nothing by default."""
+
+    # ---- an online objective (online: True): the loop's rollouts make each step's batch (fineflow.train.rollouts) --
+
+    def online_settings(self, cfg):
+        """Its rollouts' settings: group_size, max_completion_tokens, temperature, top_p, beta (the reference's
+        weight) and rewards (fineflow.reward_spec.RewardSpec list)."""
+        raise NotImplementedError(f"train.objective {self.name} trains on its shards as they are: no rollouts")
+
+    def advantages(self, rewards, cfg):
+        """Each completion's advantage from its group's rewards (a groups x group_size tensor)."""
+        raise NotImplementedError(f"train.objective {self.name} trains on its shards as they are: no rollouts")
+
+    def loss_targets(self, completions: int, completion_tokens: int, cfg) -> int:
+        """What its loss over a rank's completions is a sum over (the loop divides by the global count)."""
+        raise NotImplementedError(f"train.objective {self.name} trains on its shards as they are: no rollouts")
 
     @property
     def trains_pairs(self) -> bool:

@@ -14,6 +14,8 @@
                  (`python -m fineflow.registry.merge`)
     lineage.py   lineage manifests: building, checking, reading and printing them
     approval.py  a person's approval of what the gate would promote (``promote.require_approval``)
+    reward_champion.py  the champion reward model found, loaded on its base and run on rows (`fineflow reward
+                 score`, and the online-RL reward of that model)
     dvc_record.py  a rollback (a registry write made outside `dvc repro`) recorded in dvc.lock
 
 Entry: ``fineflow.stages.promote``; the ``fineflow registry`` and ``fineflow lineage`` CLI use it too."""

@@ -104,11 +104,17 @@ def run(
 
 
 def _check_kept_rows(params: Params, out_dir: Path, report_path: Path, report: dict) -> dict:
-    """The objective's checks of each split as a whole, after the gate's row checks (e.g. kto's both labels): the
-    report with what they add, or their DataError with the report written as failed."""
+    """The objective's checks of each split as a whole, after the gate's row checks (e.g. kto's both labels; an
+    online objective's rows against what its rewards read): the report with what they add, or their DataError with
+    the report written as failed."""
     kept = {split: out_dir / f"{split}.jsonl" for split in ("train", "eval")}
+    objective = objective_for(params.train.objective)
     try:
-        report.update(objective_for(params.train.objective).check_kept_rows(kept, params.train))
+        report.update(objective.check_kept_rows(kept, params.train))
+        if objective.online:  # every row holds what its rewards read
+            from fineflow.train.rollouts import check_kept_rows
+
+            check_kept_rows(kept, params.train)
     except DataError:
         write_json_atomic(report_path, {"stage": "validate", **report, "passed": False})
         raise

@@ -11,6 +11,7 @@ model.py         the model to train (LoRA / QLoRA / full) and saving it
 architecture.py  what the loaded model is: its decoder-layer class, its linears, fused qkv / gate_up; LoRA targets
 schedule.py      the learning-rate schedule
 loop.py          ``fit()``: the loop, one optimizer step at a time (the loss: fineflow.objectives); evaluate_loss
+rollouts.py      an online objective's rollouts: prompts from the shards, sampled groups, rewards, the batch
 pair_shards.py   the pair objectives' shards: pair slots, the reference's log-probs beside them (and their writer)
 reference_model.py what a preference run starts from (DPO's reference): the champion's identity, reference.json
 steps.py         what the loop reports through: StepTimer (a span per phase), StepLog, Progress

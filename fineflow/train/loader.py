@@ -29,6 +29,7 @@ class StepBatch:
     sampler_state: dict  # the sampler's state once these rows were drawn
     # per micro-batch, where its examples sit: varlen's groups, or flash-attn's cu_seqlens (attention.layout_of)
     layouts: list[PackedLayout | FlashLayout] | None = None
+    stats: dict | None = None  # an online objective's rollout sums (Objective.rollout), reduced over ranks by the loop
 
 
 def as_tensors(arrays: dict, pin_memory: bool = False) -> dict:

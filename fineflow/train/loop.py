@@ -25,6 +25,7 @@ from fineflow.tokenize.shards import PackedShard
 from fineflow.train.attention import layout_kwargs, layout_of
 from fineflow.train.checkpointing import TrainStateSaver
 from fineflow.train.loader import BatchLoader, as_tensors
+from fineflow.train.rollouts import rollout_step, step_fields
 from fineflow.train.steps import Progress, StepLog, StepTimer, peak_memory_mb
 
 
@@ -47,6 +48,8 @@ class FitResult:
     peak_mem_mb: float = 0.0
     resumed_from: int = 0  # the step this attempt started after (0: a fresh start)
     rewards: tuple[float, float] | None = None  # a preference objective: the last step's reward accuracy and margin
+    rollout: dict | None = None  # an online objective: the last step's rollout figures (rollouts.step_fields)
+    rollout_totals: dict | None = None  # and its rollout sums over this attempt's steps (rollouts.STATS)
 
 
 def evaluate_loss(
@@ -97,10 +100,12 @@ def fit(
     start_step: int = 0,
     tokens_seen: int = 0,
     redo_through: int = 0,
+    rollouts=None,
 ) -> FitResult:
     """Run optimizer steps start_step+1 .. cfg.steps on the batches the loader prepares (after a resume,
     the loader's sampler, the weights and the optimizer were restored to start_step); returns the report's
-    figures.
+    figures. rollouts: an online objective's context (fineflow.train.rollouts.RolloutContext): each step's
+    sampled rows are its prompts, and its rollout makes the step's batch from them.
 
     A stop signal (SIGTERM: preemption; SIGINT: Ctrl-C; noted by fineflow.process.preempt) lets the step in
     progress finish, saves that step, waits for the write and raises preempt.Preempted: a retry resumes there."""
@@ -108,13 +113,18 @@ def fit(
 
     model.train()
     started = time.perf_counter()
-    loss_value, eval_loss, rewards = float("nan"), None, None
+    loss_value, eval_loss, rewards, rollout, run_rollouts = float("nan"), None, None, None, None
     check_accumulation(accelerator, cfg.grad_accum)
     for step in range(start_step + 1, cfg.steps + 1):
         timer.start_step(redo=step <= redo_through)
         step_start = time.perf_counter()
         with timer.span("data_wait_s"):
             prepared = next(batches)  # blocks only if the loader thread has fallen behind
+        if rollouts is not None:  # its own spans: rollout_s, reward_s, reference_s
+            began, spanned = time.perf_counter(), sum(timer.current.values())
+            prepared = rollout_step(model, prepared, cfg, step, accelerator, timer, rollouts)
+            # what the rollout did between its spans (assembling the batch) is rollout time too
+            timer.add("rollout_s", time.perf_counter() - began - (sum(timer.current.values()) - spanned))
         targets, step_tokens, step_loss, step_rewards = forward_backward(model, accelerator, prepared, cfg, timer)
         with timer.span("optimizer_s"):
             grad_norm = optimizer_step(model, optimizer, scheduler, accelerator, cfg.max_grad_norm)
@@ -147,6 +157,11 @@ def fit(
             record["peak_mem_mb"] = round(peak_memory_mb(accelerator.device), 1)
             if rewards is not None:  # a preference objective: the global batch's reward accuracy and mean margin
                 record["reward_accuracy"], record["reward_margin"] = round(rewards[0], 5), round(rewards[1], 5)
+            if prepared.stats is not None:  # an online objective's rollout figures, over the global batch
+                step_totals = rollout_totals(accelerator, prepared.stats)
+                run_rollouts = {k: (run_rollouts or {}).get(k, 0.0) + v for k, v in step_totals.items()}
+                rollout = step_fields(step_totals)
+                record.update(rollout)
             if step_eval is not None:
                 record["eval_loss"] = round(step_eval, 5)
             log_step(accelerator, step_log, progress, record)
@@ -154,7 +169,9 @@ def fit(
             stop(accelerator, saver, step, preempt)
     wall_s = time.perf_counter() - started
     peak = peak_memory_mb(accelerator.device)
-    return FitResult(cfg.steps, loss_value, eval_loss, tokens_seen, wall_s, timer, peak, start_step, rewards)
+    return FitResult(
+        cfg.steps, loss_value, eval_loss, tokens_seen, wall_s, timer, peak, start_step, rewards, rollout, run_rollouts
+    )
 
 
 def train_eval(model, eval_shard, accelerator, cfg: TrainParams) -> float:
@@ -245,6 +262,15 @@ def global_loss(accelerator, step_loss: float, targets: int, save_failed: bool =
     reduced = accelerator.reduce(torch.tensor(values, dtype=torch.float64, device=accelerator.device), reduction="sum")
     per_pair = None if rewards is None else (float(reduced[3]) / max(1, targets), float(reduced[4]) / max(1, targets))
     return float(reduced[0]) / max(1, targets), float(reduced[1]) > 0, float(reduced[2]) > 0, per_pair
+
+
+def rollout_totals(accelerator, stats: dict) -> dict:
+    """An online objective's per-rank rollout sums, summed over the ranks (every rank calls it each step)."""
+    import torch
+
+    values = torch.tensor(list(stats.values()), dtype=torch.float64, device=accelerator.device)
+    reduced = accelerator.reduce(values, reduction="sum")
+    return dict(zip(stats, (float(v) for v in reduced)))
 
 
 def check_finite(loss_value: float, step: int, cfg: TrainParams) -> None:

@@ -55,6 +55,7 @@ def launch_ranks(
     params = with_profile_processes(params, profile)  # unset: the profile's ranks
     require_enough_gpus(profile, params.train, torch.cuda.device_count() if has_gpu else 0)
     require_tracker(params.train.tracker)
+    check_objective(params.train, profile)  # what the objective cannot train with, refused before any model loads
     check_hardware(params.train, has_gpu, profile)
     run = fit_plan(params, profile, resolve_base_model(params.model, Path(placement["base_dir"])), has_gpu)
     cfg = run.train
@@ -147,6 +148,17 @@ def train_rank(
     return procedure.report(result)
 
 
+def check_objective(cfg, profile) -> None:
+    """The objective's own refusals of this run configuration, and an online objective's rewards built (every bad
+    entry named at once) and closed again."""
+    objective = objective_for(cfg.objective)
+    objective.check_run(cfg, profile)
+    if objective.online:
+        from fineflow.train.rollouts import built_rewards
+
+        built_rewards(cfg).close()
+
+
 def import_training_modules() -> None:
     """What a rank imports before its entry (the libraries and fineflow's training modules)."""
     import torch  # noqa: F401
@@ -175,6 +187,7 @@ class TrainProcedure:
         self._setup_plan()
         self._setup_accelerator()
         self._setup_reference()
+        self._setup_rollouts()  # before the model loads: a bad reward is named first
         self._setup_model()
         self._setup_data()
         self._setup_resume()
@@ -264,6 +277,20 @@ class TrainProcedure:
         self.fused_layers = prepare_model_for_fsdp(self.accelerator, model, fused)  # LoRA wrapping, fp32 buffers
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.grad_sync_measured = gradsync.register(self.model)  # DDP: the all-reduce timed apart from backward
+
+    def _setup_rollouts(self) -> None:
+        """An online objective (train.objective grpo): what its rollouts need, built once (the tokenizer, the
+        rewards, the reference); None for every other objective."""
+        from fineflow.train.rollouts import RolloutContext
+
+        objective = objective_for(self.cfg.objective)
+        objective.check_run(self.cfg, self.run.profile)
+        self.rollouts = None
+        if objective.online:
+            start = self.preference_reference.adapter if self.preference_reference is not None else None
+            self.rollouts = RolloutContext.build(
+                self.base_source, start, self.cfg, self.params.seed, self.accelerator.device
+            )
 
     def _setup_data(self) -> None:
         """The shards and the seeded row order, dealt over the ranks there are (with train.elastic on other ranks
@@ -445,6 +472,7 @@ class TrainProcedure:
                     start_step=self.start_step,
                     tokens_seen=self.tokens_seen,
                     redo_through=step_log.dropped_through if main else 0,
+                    rollouts=self.rollouts,
                 )
             if self.manager is not None:
                 self.manager.close()  # the last save is complete and verified before the stage reports success

@@ -95,8 +95,13 @@ def run_flops(base: str, cfg: TrainParams, shard, report: dict, accelerator) -> 
 
 def preference_figures(result, cfg: TrainParams) -> dict:
     """train.objective dpo / simpo: the objective and the last step's reward accuracy and margin over its pairs
-    (final_loss and eval_loss are then mean pair losses); nothing for sft."""
-    if not objective_for(cfg.objective).pair_shards:
+    (final_loss and eval_loss are then mean pair losses); an online objective (grpo): the last step's rollout
+    figures; nothing for sft."""
+    objective = objective_for(cfg.objective)
+    if objective.online:
+        last = {f"final_{k}": v for k, v in (result.rollout or {}).items()}
+        return {"objective": cfg.objective, **last, "rollouts": result.rollout_totals}
+    if not objective.pair_shards:
         return {}
     accuracy, margin = result.rewards if result.rewards is not None else (None, None)
     return {

@@ -47,8 +47,9 @@ class StepTimer:
             self.redo_steps += 1
 
     def add(self, key: str, seconds: float) -> None:
-        self.current[key] += seconds
-        self.totals[key] += seconds
+        # an online objective's rollout spans (rollout_s, reward_s, reference_s) appear with its first step
+        self.current[key] = self.current.get(key, 0.0) + seconds
+        self.totals[key] = self.totals.get(key, 0.0) + seconds
         if self._redoing:
             self.redo[key] = self.redo.get(key, 0.0) + seconds
 
