@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -155,6 +156,14 @@ GRPO = {
 }
 
 
+def with_tests_importable(env: dict) -> dict:
+    """The stage's environment with the repository on PYTHONPATH, so a user reward named tests.reward_functions:...
+    imports (a user's own reward module is on their PYTHONPATH the same way)."""
+    from tests.conftest import ROOT
+
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)}
+
+
 def TRAIN_OVERRIDES_GRPO() -> dict:  # noqa: N802 - the params grpo_project writes
     from tests.conftest import TRAIN_OVERRIDES
 
@@ -265,7 +274,7 @@ def test_bad_rewards_are_named_all_at_once_before_the_model_loads(built, tmp_pat
     assert not (project / "reports/train_steps.jsonl").exists()
     beyond = [{"name": "user", "function": "tests.reward_functions:contains_answer", "needs": ["tests"]}]
     write_params(project / "params.yaml", {**TRAIN_OVERRIDES_GRPO(), "train.grpo.rewards": beyond})
-    proc = start_train(project, 1, train_env(1))
+    proc = start_train(project, 1, with_tests_importable(train_env(1)))
     output = proc.communicate(timeout=600)[0]
     assert proc.returncode == 2 and "Traceback" not in output, output[-3000:]
     assert "reward user reads the row's tests" in output, output[-3000:]
@@ -374,7 +383,7 @@ def test_induced_through_the_train_stage_a_raising_reward_and_a_task_too_hard_ar
 
     rewards = [{"name": "exact_match"}, {"name": "user", "function": "tests.reward_functions:raises", "weight": 0.5}]
     project = grpo_project(built, tmp_path / "p", {"train.grpo.rewards": rewards})
-    ledger = train_then_ledger(project, venv_env(), 1)
+    ledger = train_then_ledger(project, with_tests_importable(venv_env()), 1)
     assert_adds_up(ledger)
     assert ledger["buckets"]["rollout"] > 0 and ledger["buckets"]["reward"] > 0
     found = {f["cause"]: f for f in doctor.diagnose(ledger)}

@@ -296,8 +296,8 @@ def _no_signal(ledger: dict, sums: dict, groups: float, loop_s: float, section: 
         None,
         "harder prompts, or a higher sampling temperature for more varied completions"
         if too_easy
-        else "train SFT on the task first (train.preference.reference: champion starts from it), or sample more "
-        "completions per prompt",
+        else "train on the task's answers first (supervised: train.preference.reference champion then starts from "
+        "that model), or sample more completions per prompt",
     )
 
 
