@@ -198,7 +198,11 @@ def params_read(objective: str) -> dict[str, set[str]]:
     return read
 
 
-@pytest.mark.parametrize("objective", OBJECTIVE_NAMES)
+# per PR: sft, an objective with a reference model (dpo) and an online one (grpo); the others nightly (~3 s each)
+@pytest.mark.parametrize(
+    "objective",
+    [n if n in ("sft", "dpo", "grpo") else pytest.param(n, marks=pytest.mark.nightly) for n in OBJECTIVE_NAMES],
+)
 def test_a_param_edit_makes_dvc_see_only_the_stages_that_read_it_for_any_objective(tmp_path, monkeypatch, objective):
     """DVC itself (its API, in this process: no interpreter start per call), on dvc.yaml's params declarations (the
     commands replaced by a no-op, deps and outputs left out: no training): after `dvc repro` with train.objective

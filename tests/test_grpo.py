@@ -370,6 +370,7 @@ def test_the_doctor_names_failing_rewards():
     assert "reward_errors" not in _found(_rl_ledger(40.0, SIGNAL))
 
 
+@pytest.mark.nightly  # a train and a goodput stage (~20 s); per PR: the doctor's findings on built ledgers
 @pytest.mark.slow
 def test_induced_through_the_train_stage_a_raising_reward_and_a_task_too_hard_are_what_the_doctor_names(
     built, tmp_path
