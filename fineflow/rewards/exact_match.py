@@ -11,7 +11,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from fineflow.param_section import Section
-from fineflow.rewards.interface import ANSWER, Reward, reference_needs, reference_text
+from fineflow.rewards.interface import ANSWER, ReferenceReward
 
 
 class ExactMatchSettings(Section):
@@ -19,20 +19,10 @@ class ExactMatchSettings(Section):
     case_insensitive: bool = Field(False, description="compare casefolded (Unicode-aware lower case)")
 
 
-class ExactMatch(Reward):
+class ExactMatch(ReferenceReward):
     name = "exact_match"
     summary = "1 when the stripped completion equals the stripped reference answer, else 0"
     settings_model = ExactMatchSettings
-
-    @property
-    def needs(self) -> tuple[str, ...]:
-        return reference_needs(self.settings.field)
-
-    def score(self, completions: list[str], rows: list[dict]) -> list[float]:
-        return [
-            self._one(completion, reference_text(row, self.settings.field))
-            for completion, row in zip(completions, rows)
-        ]
 
     def _one(self, completion: str, reference: str | None) -> float:
         if reference is None:

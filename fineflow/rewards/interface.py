@@ -95,3 +95,22 @@ def reference_text(row: dict, field: str) -> str | None:
 def reference_needs(field: str) -> tuple[str, ...]:
     """The needs of a reward that reads its reference in ``field``: the default reads output or messages."""
     return (f"{ANSWER}|{MESSAGES}",) if field == ANSWER else (field,)
+
+
+class ReferenceReward(Reward):
+    """A reward that scores each completion against its row's reference answer, read from ``settings.field``
+    (exact_match, numeric_match, math_verify): subclasses define ``_one(completion, reference)``, reference None
+    when the row holds no text there."""
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        return reference_needs(self.settings.field)
+
+    def score(self, completions: list[str], rows: list[dict]) -> list[float]:
+        return [
+            self._one(completion, reference_text(row, self.settings.field))
+            for completion, row in zip(completions, rows)
+        ]
+
+    def _one(self, completion: str, reference: str | None) -> float:
+        raise NotImplementedError

@@ -19,7 +19,7 @@ from pydantic import Field
 
 from fineflow.errors import ConfigError
 from fineflow.param_section import Section
-from fineflow.rewards.interface import ANSWER, Reward, reference_needs, reference_text
+from fineflow.rewards.interface import ANSWER, ReferenceReward, reference_text
 
 PACKAGE = "math-verify"  # on PyPI; imported as math_verify
 
@@ -40,7 +40,7 @@ def _library():
     return parse, verify
 
 
-class MathVerify(Reward):
+class MathVerify(ReferenceReward):
     name = "math_verify"
     summary = "1 when Math-Verify finds the completion's answer equal to the reference (needs pip install math-verify)"
     settings_model = MathVerifySettings
@@ -48,10 +48,6 @@ class MathVerify(Reward):
     def __init__(self, settings=None):
         super().__init__(settings)
         self._parse, self._verify = _library()  # refused when built, before any rollout
-
-    @property
-    def needs(self) -> tuple[str, ...]:
-        return reference_needs(self.settings.field)
 
     def score(self, completions: list[str], rows: list[dict]) -> list[float]:
         timeout = self.settings.timeout_s if threading.current_thread() is threading.main_thread() else None

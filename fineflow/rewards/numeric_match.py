@@ -18,7 +18,7 @@ import re
 from pydantic import Field
 
 from fineflow.param_section import Section
-from fineflow.rewards.interface import ANSWER, Reward, reference_needs, reference_text
+from fineflow.rewards.interface import ANSWER, ReferenceReward
 
 NUMBER = re.compile(
     r"(?:(?<![\w.])[-\u2212]|(?<![\w.]))"  # a sign, unless the minus joins a word or number before it; or none
@@ -41,20 +41,10 @@ class NumericMatchSettings(Section):
     tolerance: float = Field(1e-6, ge=0, description="the largest absolute difference that still matches")
 
 
-class NumericMatch(Reward):
+class NumericMatch(ReferenceReward):
     name = "numeric_match"
     summary = "1 when the completion's last number equals the reference's within a tolerance, else 0"
     settings_model = NumericMatchSettings
-
-    @property
-    def needs(self) -> tuple[str, ...]:
-        return reference_needs(self.settings.field)
-
-    def score(self, completions: list[str], rows: list[dict]) -> list[float]:
-        return [
-            self._one(completion, reference_text(row, self.settings.field))
-            for completion, row in zip(completions, rows)
-        ]
 
     def _one(self, completion: str, reference: str | None) -> float:
         want = last_number(reference) if reference is not None else None
